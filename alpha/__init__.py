@@ -1,0 +1,28 @@
+"""Alpha computers: pick the teacher weight α of the geometric mixture q ∝ π_θ^(1−α)·π_t^α.
+
+Pure tensor math, with no vLLM import. α is always the teacher weight.
+
+    from alpha import get_alpha_computer, geometric_mix
+    ac = get_alpha_computer("kl_symmetry", alpha_min=0.0, alpha_max=1.0)
+    a = ac(logp_theta, logp_teacher)          # [B]
+    logq = geometric_mix(logp_theta, logp_teacher, a)   # [B, V]
+"""
+
+from alpha.base import AlphaComputer, AlphaResult
+from alpha.methods import EntropyAlpha, ESSBalanceAlpha, FixedAlpha, KLSymmetryAlpha
+from alpha.mixing import geometric_mix
+from alpha.registry import ENTRY_POINT_GROUP, available_alpha_methods, get_alpha_computer, register_alpha_computer
+
+__all__ = [
+    "AlphaComputer",
+    "AlphaResult",
+    "ENTRY_POINT_GROUP",
+    "EntropyAlpha",
+    "ESSBalanceAlpha",
+    "FixedAlpha",
+    "KLSymmetryAlpha",
+    "available_alpha_methods",
+    "geometric_mix",
+    "get_alpha_computer",
+    "register_alpha_computer",
+]

@@ -1,0 +1,159 @@
+"""The built-in alpha computers: fixed, kl_symmetry, ess_balance and entropy.
+
+All take validated, normalised ``[B, V]`` log-probabilities (see ``alpha.base``) and
+return the teacher weight α per row. Notation: d = log π_t − log π_θ, and
+q_α ∝ exp(log π_θ + α·d).
+
+Masked tokens. The geometric mixture for 0 < α < 1 lives on the joint support
+S = {y : π_θ(y) > 0 and π_t(y) > 0}; the iterative methods solve their equation on S.
+Rows whose supports are disjoint have no mixture at any interior α; there the
+methods return 0.5, the limit of both equations when the masked entries are lifted
+to a common floor ε → 0 (the problem is then symmetric in the two models).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from alpha.base import AlphaComputer, validate_unit_interval
+from alpha.registry import register_alpha_computer
+from alpha.root import solve_monotone_root
+
+__all__ = ["FixedAlpha", "KLSymmetryAlpha", "ESSBalanceAlpha", "EntropyAlpha"]
+
+
+@register_alpha_computer("fixed")
+@dataclass
+class FixedAlpha(AlphaComputer):
+    """A constant teacher weight for every token."""
+
+    alpha: float = 0.5
+    """The teacher weight, in [0, 1]; clamped to [alpha_min, alpha_max]."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.alpha = validate_unit_interval("alpha", self.alpha)
+
+    def solve(self, logp_theta: Tensor, logp_teacher: Tensor, alpha_init: Tensor | None) -> tuple[Tensor, int]:
+        return torch.full(logp_theta.shape[:1], self.alpha, dtype=logp_theta.dtype, device=logp_theta.device), 0
+
+
+@dataclass
+class _MonotoneRootAlpha(AlphaComputer):
+    """Shared machinery of the methods that solve a monotone equation in α on the joint support."""
+
+    tol: float | None = None
+    """Stop when the equation's residual is at most this; None picks 1e-10 (float64) or 1e-6 (float32)."""
+    xtol: float | None = None
+    """Stop when a Newton step or the bracket is shorter than this, in α; None picks 1e-12 or 1e-7."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("tol", "xtol"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+
+    def _tolerances(self, dtype: torch.dtype) -> tuple[float, float]:
+        f64 = dtype == torch.float64
+        tol = self.tol if self.tol is not None else (1e-10 if f64 else 1e-6)
+        xtol = self.xtol if self.xtol is not None else (1e-12 if f64 else 1e-7)
+        return tol, xtol
+
+    def solve(self, logp_theta: Tensor, logp_teacher: Tensor, alpha_init: Tensor | None) -> tuple[Tensor, int]:
+        joint = torch.isfinite(logp_theta) & torch.isfinite(logp_teacher)
+        # Off the joint support: base log-prob -inf (weight 0) and d = 0 (so 0·d stays 0, not NaN).
+        base = torch.where(joint, logp_theta, torch.full_like(logp_theta, -math.inf))
+        diff = torch.where(joint, logp_teacher - logp_theta, torch.zeros_like(logp_theta))
+        overlap = joint.any(dim=-1)
+        alpha = torch.full(logp_theta.shape[:1], 0.5, dtype=logp_theta.dtype, device=logp_theta.device)
+        if alpha_init is not None:
+            alpha = torch.where(overlap, alpha_init, alpha)
+        if not bool(overlap.all()):
+            keep = overlap.nonzero().flatten()
+            base, diff = base[keep], diff[keep]
+        else:
+            keep = None
+
+        def evaluate(a: Tensor, rows: Tensor | None) -> tuple[Tensor, Tensor]:
+            if rows is None:
+                return self.residual(base, diff, a)
+            return self.residual(base[rows], diff[rows], a)
+
+        tol, xtol = self._tolerances(logp_theta.dtype)
+        start = alpha if keep is None else alpha[keep]
+        solved, passes = solve_monotone_root(evaluate, start, self.alpha_min, self.alpha_max, tol, xtol)
+        if keep is None:
+            return solved, passes
+        alpha[keep] = solved
+        return alpha, passes
+
+    def residual(self, base: Tensor, diff: Tensor, alpha: Tensor) -> tuple[Tensor, Tensor]:
+        """(g(α), g′(α)) per row, g non-decreasing in α, for base = log π_θ and diff = d on S."""
+        raise NotImplementedError
+
+
+def _tilted_moments(base: Tensor, diff: Tensor, tilt: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """For r ∝ exp(base + tilt·diff) per row: (log-normaliser, E_r[diff], E_r[diff²]), each ``[b]``."""
+    logits = torch.addcmul(base, tilt.unsqueeze(-1), diff)
+    log_norm = torch.logsumexp(logits, dim=-1)
+    r = torch.exp(logits - log_norm.unsqueeze(-1))
+    r_diff = r * diff
+    return log_norm, r_diff.sum(-1), (r_diff * diff).sum(-1)
+
+
+@register_alpha_computer("kl_symmetry")
+@dataclass
+class KLSymmetryAlpha(_MonotoneRootAlpha):
+    """α such that KL(q_α‖π_θ) = KL(q_α‖π_t): the root of Δ(α) = E_{q_α}[d] = 0.
+
+    Δ is non-decreasing with Δ′(α) = Var_{q_α}(d), Δ(0) = −KL(π_θ‖π_t) ≤ 0 and
+    Δ(1) = KL(π_t‖π_θ) ≥ 0, so the root exists and Newton converges in a few passes.
+    """
+
+    def residual(self, base: Tensor, diff: Tensor, alpha: Tensor) -> tuple[Tensor, Tensor]:
+        _, mean, second = _tilted_moments(base, diff, alpha)
+        return mean, (second - mean * mean).clamp_min(0.0)
+
+
+@register_alpha_computer("ess_balance")
+@dataclass
+class ESSBalanceAlpha(_MonotoneRootAlpha):
+    """α such that the importance weights of both models under q_α have equal effective sample size.
+
+    ESS of π/q under q is 1 / Σ π²/q, so the equation is Σ π_t²/q = Σ π_θ²/q, i.e.
+    g(α) = log Σ exp(log π_θ − α·d) − log Σ exp(log π_θ + (2 − α)·d) = 0. g is
+    non-decreasing, with g(0) = −log Σ π_t²/π_θ ≤ 0 and g(1) = log Σ π_θ²/π_t ≥ 0: as α
+    grows, q moves towards the teacher, whose weights then become the better behaved.
+    """
+
+    def residual(self, base: Tensor, diff: Tensor, alpha: Tensor) -> tuple[Tensor, Tensor]:
+        log_theta_side, mean_theta_side, _ = _tilted_moments(base, diff, -alpha)
+        log_teacher_side, mean_teacher_side, _ = _tilted_moments(base, diff, 2.0 - alpha)
+        return log_theta_side - log_teacher_side, mean_teacher_side - mean_theta_side
+
+
+@register_alpha_computer("entropy")
+@dataclass
+class EntropyAlpha(AlphaComputer):
+    """Heuristic α = H(π_t) / (H(π_θ) + H(π_t)): the flatter (less certain) model gets more weight.
+
+    Not the solution of any balance equation; cheap (one pass) and in the same direction as
+    kl_symmetry. Two one-hot distributions (both entropies 0) give 0.5.
+    """
+
+    def solve(self, logp_theta: Tensor, logp_teacher: Tensor, alpha_init: Tensor | None) -> tuple[Tensor, int]:
+        h_theta, h_teacher = _entropy(logp_theta), _entropy(logp_teacher)
+        total = h_theta + h_teacher
+        half = torch.full_like(total, 0.5)
+        return torch.where(total > 0, h_teacher / torch.where(total > 0, total, torch.ones_like(total)), half), 1
+
+
+def _entropy(logp: Tensor) -> Tensor:
+    """Shannon entropy in nats per row; masked (-inf) tokens contribute 0."""
+    p = torch.exp(logp)
+    return (-torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)).clamp_min(0.0)

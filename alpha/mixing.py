@@ -1,0 +1,43 @@
+"""The geometric mixture q_α ∝ π_θ^(1−α) · π_t^α, in log space.
+
+α is the teacher weight: α = 0 returns π_θ exactly and α = 1 returns π_t exactly,
+even where the other model masks tokens. For 0 < α < 1 the mixture lives on the joint
+support; a row whose supports are disjoint has no mixture and raises ValueError.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from alpha.base import _rows, check_log_prob_pair
+
+__all__ = ["geometric_mix"]
+
+
+def geometric_mix(logp_theta: Tensor, logp_teacher: Tensor, alpha: Tensor | float) -> Tensor:
+    """Normalised log q_α, shape ``[B, V]`` (``[V]`` for 1-D inputs).
+
+    ``alpha`` is a float, a 0-d tensor, or a ``[B]`` tensor of teacher weights in [0, 1].
+    The inputs need not be normalised: constant offsets cancel in the renormalisation.
+    """
+    one_row = logp_theta.dim() == 1
+    theta, teacher = check_log_prob_pair(logp_theta, logp_teacher)
+    a = torch.as_tensor(alpha, dtype=theta.dtype, device=theta.device).reshape(-1)
+    if a.numel() not in (1, theta.shape[0]):
+        raise ValueError(f"alpha must be a scalar or have one entry per row ({theta.shape[0]}), got shape {tuple(a.shape)}")
+    if torch.isnan(a).any() or (a < 0).any() or (a > 1).any():
+        raise ValueError(f"alpha must lie in [0, 1], got {a.tolist() if a.numel() <= 8 else a}")
+    a = a.expand(theta.shape[0]).unsqueeze(-1)
+    # 0·(−inf) is NaN, so the end points select a model instead of weighting it by zero.
+    mixed = torch.where(a == 0, theta, torch.where(a == 1, teacher, (1 - a) * theta + a * teacher))
+    empty = ~torch.isfinite(mixed).any(dim=-1)
+    if empty.any():
+        raise ValueError(
+            f"theta and teacher supports are disjoint in rows {_rows(empty)}: "
+            "the geometric mixture is undefined for 0 < alpha < 1"
+        )
+    logq = torch.log_softmax(mixed, dim=-1)
+    return logq[0] if one_row else logq
