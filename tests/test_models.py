@@ -1,0 +1,79 @@
+"""Local model provisioning: no download, idempotent, and the pairs the other tests rely on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from dual_sampling import models
+
+
+def test_tiny_pairs_have_the_promised_shapes():
+    teacher, theta = models.tiny_pair("same")
+    t_cfg, th_cfg = AutoConfig.from_pretrained(teacher), AutoConfig.from_pretrained(theta)
+    tok = AutoTokenizer.from_pretrained(teacher)
+    assert t_cfg.vocab_size == th_cfg.vocab_size == len(tok)
+    assert t_cfg.num_hidden_layers == 2 and t_cfg.head_dim == 64
+    padded_teacher, padded_theta = models.tiny_pair("padded")
+    assert AutoConfig.from_pretrained(padded_teacher).vocab_size == len(tok) + models.TINY_PADDED_EXTRA_ROWS
+    assert padded_theta == theta
+    _, foreign = models.tiny_pair("foreign")
+    assert AutoTokenizer.from_pretrained(foreign).get_vocab() != tok.get_vocab()
+
+
+def test_tiny_teacher_and_theta_disagree():
+    teacher, theta = models.tiny_pair("same")
+    ids = torch.tensor([[1, 300, 400, 500]])
+    with torch.no_grad():
+        lt = torch.log_softmax(AutoModelForCausalLM.from_pretrained(teacher)(ids).logits[0, -1], -1)
+        lth = torch.log_softmax(AutoModelForCausalLM.from_pretrained(theta)(ids).logits[0, -1], -1)
+    kl = torch.sum(lt.exp() * (lt - lth)).item()
+    assert kl > 0.5  # far enough apart for α to vary from token to token
+
+
+def test_provisioning_is_idempotent(tmp_path, monkeypatch):
+    monkeypatch.setenv("DUAL_SAMPLING_CACHE", str(tmp_path))
+    first = models.tiny_pair("same")
+    stamp = (first[0] / "config.json").stat().st_mtime_ns
+    assert models.tiny_pair("same") == first
+    assert (first[0] / "config.json").stat().st_mtime_ns == stamp
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_parallel_builders_do_not_race(tmp_path):
+    code = "from dual_sampling import models; print(models.tiny_pair('same')[0])"
+    env = {"DUAL_SAMPLING_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1].decode()[-2000:] for o in outs]
+    assert len({o[0] for o in outs}) == 1
+    assert AutoConfig.from_pretrained(outs[0][0].decode().strip()).num_hidden_layers == 2
+
+
+def test_smollm2_is_dequantised_and_answers():
+    path = models.smollm2()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152
+    assert getattr(model.config, "quantization_config", None) is None
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert tok.decode(out[0, ids.shape[1]:]).startswith(" Paris")
+
+
+def test_pruned_theta_keeps_evenly_spaced_layers_and_tokenizer():
+    path = models.smollm2_pruned(24)
+    info = json.loads((path / "pruning.json").read_text())
+    kept = info["kept_layers"]
+    assert len(kept) == 24 and kept[0] == 0 and kept[-1] == 29
+    assert max(b - a for a, b in zip(kept, kept[1:])) <= 2
+    assert AutoConfig.from_pretrained(path).num_hidden_layers == 24
+    assert AutoTokenizer.from_pretrained(path).get_vocab() == AutoTokenizer.from_pretrained(models.smollm2()).get_vocab()
+    with pytest.raises(ValueError, match="keep_layers"):
+        models.smollm2_pruned(31)
