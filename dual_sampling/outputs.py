@@ -1,0 +1,88 @@
+"""What generate() returns: per-request and per-sample records, plus the original API's fields."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+__all__ = ["SampleRecord", "RequestRecord", "DualGenerationOutput"]
+
+
+@dataclass
+class SampleRecord:
+    """One generated sequence. Per-token lists have one entry per generated token."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    """"stop", "length", or "sync_error" (then ``error`` says why)."""
+    seed: int
+    alpha: list[float] = field(default_factory=list)
+    """Teacher weight α used at each token."""
+    logp_teacher: list[float] = field(default_factory=list)
+    """log π_t(token): log-softmax of the teacher's untempered logits at the sampled token."""
+    logp_theta: list[float] = field(default_factory=list)
+    """log π_θ(token), likewise for theta."""
+    logq: list[float] = field(default_factory=list)
+    """log-probability of the token under the distribution actually sampled from."""
+    teacher_token_ids: list[int] = field(default_factory=list)
+    """The token ids as the teacher engine reported them."""
+    theta_token_ids: list[int] = field(default_factory=list)
+    """The token ids as the theta engine reported them (always equal to the teacher's)."""
+    error: str | None = None
+
+    @property
+    def log_w_theta(self) -> float:
+        """Σ (log π_θ − log q): the sequence's log importance weight towards theta."""
+        return math.fsum(a - b for a, b in zip(self.logp_theta, self.logq))
+
+    @property
+    def log_w_teacher(self) -> float:
+        """Σ (log π_t − log q): the sequence's log importance weight towards the teacher."""
+        return math.fsum(a - b for a, b in zip(self.logp_teacher, self.logq))
+
+
+@dataclass
+class RequestRecord:
+    """One prompt pair and its samples."""
+
+    index: int
+    teacher_prompt_token_ids: list[int]
+    theta_prompt_token_ids: list[int]
+    samples: list[SampleRecord]
+
+
+@dataclass
+class DualGenerationOutput:
+    """Result of :meth:`OptimalSamplingDual.generate`, in prompt order."""
+
+    requests: list[RequestRecord]
+
+    @property
+    def generated_texts(self) -> list[str]:
+        """Texts of every sample, prompt-major (n per prompt)."""
+        return [s.text for r in self.requests for s in r.samples]
+
+    @property
+    def generated_ids(self) -> list[list[int]]:
+        return [s.token_ids for r in self.requests for s in r.samples]
+
+    @property
+    def num_tokens(self) -> list[int]:
+        return [len(s.token_ids) for r in self.requests for s in r.samples]
+
+    @property
+    def alpha_stats(self) -> dict[str, float]:
+        """mean, std, min, max and median of α over every generated token, and the token count."""
+        values = [a for r in self.requests for s in r.samples for a in s.alpha]
+        if not values:
+            return {"count": 0}
+        return {
+            "count": len(values),
+            "mean": statistics.fmean(values),
+            "std": statistics.pstdev(values),
+            "min": min(values),
+            "max": max(values),
+            "median": statistics.median(values),
+        }

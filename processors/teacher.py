@@ -1,0 +1,128 @@
+"""The teacher engine's processor: the one place where each token is decided.
+
+For every row it waits for theta's logits row of the same request and step, then, for all
+rows that are ready at once: solves α, mixes, draws (``dual_sampling.sampling``), writes
+the token and its records to shared memory, and wakes theta. Rows are served in whatever
+order they become ready, so one late row never holds back the others.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from alpha import geometric_mix, get_alpha_computer
+from dual_sampling.sampling import draw_tokens
+from dual_sampling.sync import (
+    BELL_TO_TEACHER, BELL_TO_THETA, ERR_BAD_LOGITS, ERR_NONE, ERR_TIMEOUT, ERROR, NUM_RECORDS, REC_ALPHA, REC_LOGP_TEACHER,
+    REC_LOGP_THETA, REC_LOGQ, STAT_MIX_NS, STAT_TEACHER_ABANDONED, STAT_TEACHER_CALLS, STAT_TEACHER_ROWS,
+    STAT_TEACHER_TIMEOUTS, STAT_TEACHER_WAIT_NS, TEACHER_RELEASED, TEACHER_STEP, THETA_FINISHED, THETA_RELEASED,
+    THETA_STEP, TOKEN,
+)
+from processors.base import BaseSyncLogitsProcessor, TrackedRow
+
+__all__ = ["TeacherSyncLogitsProcessor"]
+
+
+class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
+    """Teacher side: reads theta's row, decides the token from q, publishes it and the records."""
+
+    role = "teacher"
+    released_word = TEACHER_RELEASED
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        super().__init__(vllm_config, device, is_pin_memory)
+        self.alpha_computer = get_alpha_computer(self.config["alpha_method"], **self.config.get("alpha_config", {}))
+
+    def synchronise(self, logits: torch.Tensor, batch: list[tuple[int, TrackedRow]]) -> dict[int, int]:
+        s = self.session
+        control = s.control
+        decided: dict[int, int] = {}
+        pending: dict[int, TrackedRow] = {}
+        for i, row in batch:
+            if self.owns(row):
+                pending[i] = row
+            else:
+                decided[i] = self.abandon_token_id
+        s.header[STAT_TEACHER_CALLS] += 1
+        start = time.monotonic()
+        deadline = start + self.sync_timeout
+        mixing_s = 0.0
+        while pending:
+            seen = s.bell_value(BELL_TO_TEACHER)
+            ready = []
+            for i, row in list(pending.items()):
+                c = control[row.slot]
+                if not self.owns(row) or c[ERROR] != ERR_NONE or c[THETA_FINISHED] or c[THETA_RELEASED] or s.is_shut_down:
+                    decided[i] = self.abandon_token_id
+                    s.header[STAT_TEACHER_ABANDONED] += 1
+                elif c[THETA_STEP] == row.step:
+                    ready.append((i, row))
+                else:
+                    continue
+                del pending[i]
+            if ready:
+                t0 = time.perf_counter()
+                decided.update(self._decide(logits, ready))
+                mixing_s += time.perf_counter() - t0
+                continue
+            if not pending:
+                break
+            if time.monotonic() >= deadline:
+                for i, row in pending.items():
+                    s.fail_slot(row.slot, ERR_TIMEOUT, row.step)
+                    decided[i] = self.abandon_token_id
+                s.header[STAT_TEACHER_TIMEOUTS] += len(pending)
+                break
+            self.wait(BELL_TO_TEACHER, seen, deadline)
+        s.header[STAT_MIX_NS] += int(mixing_s * 1e9)
+        s.header[STAT_TEACHER_WAIT_NS] += int((time.monotonic() - start - mixing_s) * 1e9)
+        return decided
+
+    def _decide(self, logits: torch.Tensor, ready: list[tuple[int, TrackedRow]]) -> dict[int, int]:
+        s = self.session
+        index = torch.tensor([i for i, _ in ready], dtype=torch.long, device=logits.device)
+        teacher = logits[index, : self.vocab].float()
+        theta = torch.from_numpy(s.theta_logits[[row.slot for _, row in ready]]).to(teacher.device)
+        bad = (torch.isnan(teacher).any(-1) | torch.isnan(theta).any(-1)).tolist()
+        decided = {}
+        for (i, row), is_bad in zip(ready, bad):
+            if is_bad:
+                s.fail_slot(row.slot, ERR_BAD_LOGITS, row.step)
+                decided[i] = self.abandon_token_id
+        good = [k for k, is_bad in enumerate(bad) if not is_bad]
+        if not good:
+            return decided
+        if len(good) < len(ready):
+            ready = [ready[k] for k in good]
+            teacher, theta = teacher[good], theta[good]
+        logp_teacher = torch.log_softmax(teacher, dim=-1)
+        logp_theta = torch.log_softmax(theta, dim=-1)
+        warm = torch.tensor([row.alpha for _, row in ready], dtype=logp_theta.dtype, device=logp_theta.device)
+        alpha = self.alpha_computer(logp_theta, logp_teacher, alpha_init=warm)
+        steps = [row.step for _, row in ready]
+        first = torch.tensor([row.sampling.force_first_token and row.step == 0 for _, row in ready], device=alpha.device)
+        alpha = torch.where(first, torch.ones_like(alpha), alpha)
+        logq = geometric_mix(logp_theta, logp_teacher, alpha)
+        tokens, logq_token, ok = draw_tokens(logq, logp_teacher, steps, [row.sampling for _, row in ready])
+        pick = tokens.unsqueeze(-1)
+        lp_t = logp_teacher.gather(-1, pick).squeeze(-1).cpu().tolist()
+        lp_th = logp_theta.gather(-1, pick).squeeze(-1).cpu().tolist()
+        rows_out = zip(ready, tokens.cpu().tolist(), alpha.cpu().tolist(), lp_t, lp_th, logq_token.cpu().tolist(), ok.cpu().tolist())
+        control = s.control
+        for (i, row), tok, a, lt, lth, lq, row_ok in rows_out:
+            if not row_ok or row.step >= s.layout.max_steps:
+                s.fail_slot(row.slot, ERR_BAD_LOGITS, row.step)
+                decided[i] = self.abandon_token_id
+                continue
+            s.records[row.slot, row.step] = (a, lt, lth, lq)
+            s.tokens[row.slot, row.step] = tok
+            control[row.slot, NUM_RECORDS] = row.step + 1
+            control[row.slot, TOKEN] = tok
+            control[row.slot, TEACHER_STEP] = row.step  # written last: it publishes the fields above
+            row.alpha = a
+            decided[i] = tok
+        s.ring(BELL_TO_THETA)
+        s.header[STAT_TEACHER_ROWS] += len(ready)
+        return decided
