@@ -24,7 +24,7 @@ models: $(STAMP)
 	$(VENV)/bin/dual-sampling models
 
 demo: models
-	$(PY) examples/alpha_on_real_models.py
+	$(PY) examples/quickstart.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -396,6 +396,7 @@ class OptimalSamplingDual:
         in_flight: dict[str, _Work] = {}
         done: dict[int, SampleRecord] = {}
         bar = tqdm(total=len(work), desc="dual sampling", unit="seq", disable=not show)
+        last_progress = time.monotonic()
         try:
             while todo or in_flight:
                 if not free:
@@ -414,10 +415,16 @@ class OptimalSamplingDual:
                     in_flight[rid] = w
                     for role, ids in (("teacher", w.teacher_ids), ("theta", w.theta_ids)):
                         threads[role].inbox.put(("add", (rid, {"prompt_token_ids": ids}, params)))
+                if todo and not in_flight and not free:
+                    raise SyncError("no shared-memory slot was released although no request is in flight")
                 try:
                     side, out = results.get(timeout=0.2)
                 except queue.Empty:
+                    if time.monotonic() - last_progress > self.config.sync_timeout + 30:
+                        raise SyncError(f"no request finished for {self.config.sync_timeout + 30:.0f} s "
+                                        f"({len(in_flight)} in flight); an engine stopped responding") from None
                     continue
+                last_progress = time.monotonic()
                 if isinstance(out, BaseException):
                     raise SyncError(f"the {side} engine failed: {type(out).__name__}: {out}") from out
                 w = in_flight[out.request_id]

@@ -137,7 +137,9 @@ class BaseSyncLogitsProcessor(LogitsProcessor):
     # ------------------------------------------------------------------ helpers
 
     def _release(self, row: TrackedRow | None) -> None:
-        if row is not None and self.owns(row):
+        # The driver may already have read and closed the slot (key 0); it cannot have reopened
+        # it for another request, since that needs this side's release first.
+        if row is not None and int(self.session.control[row.slot, KEY]) in (row.key, 0):
             self.session.control[row.slot, self.released_word] = 1
 
     def _force(self, logits: torch.Tensor, decided: dict[int, int]) -> torch.Tensor:
