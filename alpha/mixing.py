@@ -7,8 +7,6 @@ support; a row whose supports are disjoint has no mixture and raises ValueError.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 

@@ -74,8 +74,7 @@ ERROR_NAMES = {
     ERR_STALE: "stale_slot",
 }
 
-# Record columns (float32): α, log π_t, log π_θ, log q at the sampled token.
-REC_ALPHA, REC_LOGP_TEACHER, REC_LOGP_THETA, REC_LOGQ = range(4)
+# Record columns (float32), in this order: α, log π_t, log π_θ, log q at the sampled token.
 
 
 class SyncError(RuntimeError):

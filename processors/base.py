@@ -33,7 +33,7 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from dual_sampling.sampling import RowSampling
-from dual_sampling.sync import KEY, SyncError, SyncSession
+from dual_sampling.sync import ERR_TIMEOUT, KEY, SyncError, SyncSession
 
 __all__ = ["BaseSyncLogitsProcessor", "TrackedRow", "CONFIG_KEY"]
 
@@ -130,6 +130,13 @@ class BaseSyncLogitsProcessor(LogitsProcessor):
     def owns(self, row: TrackedRow) -> bool:
         """The slot still belongs to this request (the driver never reuses it before both sides release it)."""
         return int(self.session.control[row.slot, KEY]) == row.key
+
+    def time_out(self, pending: dict[int, TrackedRow], decided: dict[int, int], stat_word: int) -> None:
+        """Fail every row still pending after ``sync_timeout``: flag its slot and abandon it."""
+        for i, row in pending.items():
+            self.session.fail_slot(row.slot, ERR_TIMEOUT, row.step)
+            decided[i] = self.abandon_token_id
+        self.session.header[stat_word] += len(pending)
 
     def wait(self, bell: int, seen: int, deadline: float) -> None:
         self.session.wait_bell(bell, seen, min(deadline - time.monotonic(), 0.05))

@@ -15,8 +15,7 @@ import torch
 from alpha import geometric_mix, get_alpha_computer
 from dual_sampling.sampling import draw_tokens
 from dual_sampling.sync import (
-    BELL_TO_TEACHER, BELL_TO_THETA, ERR_BAD_LOGITS, ERR_NONE, ERR_TIMEOUT, ERROR, NUM_RECORDS, REC_ALPHA, REC_LOGP_TEACHER,
-    REC_LOGP_THETA, REC_LOGQ, STAT_MIX_NS, STAT_TEACHER_ABANDONED, STAT_TEACHER_CALLS, STAT_TEACHER_ROWS,
+    BELL_TO_TEACHER, BELL_TO_THETA, ERR_BAD_LOGITS, ERR_NONE, ERROR, NUM_RECORDS, STAT_MIX_NS, STAT_TEACHER_ABANDONED, STAT_TEACHER_CALLS, STAT_TEACHER_ROWS,
     STAT_TEACHER_TIMEOUTS, STAT_TEACHER_WAIT_NS, TEACHER_RELEASED, TEACHER_STEP, THETA_FINISHED, THETA_RELEASED,
     THETA_STEP, TOKEN,
 )
@@ -70,10 +69,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
             if not pending:
                 break
             if time.monotonic() >= deadline:
-                for i, row in pending.items():
-                    s.fail_slot(row.slot, ERR_TIMEOUT, row.step)
-                    decided[i] = self.abandon_token_id
-                s.header[STAT_TEACHER_TIMEOUTS] += len(pending)
+                self.time_out(pending, decided, STAT_TEACHER_TIMEOUTS)
                 break
             self.wait(BELL_TO_TEACHER, seen, deadline)
         s.header[STAT_MIX_NS] += int(mixing_s * 1e9)

@@ -7,7 +7,7 @@ import time
 import torch
 
 from dual_sampling.sync import (
-    BELL_TO_TEACHER, BELL_TO_THETA, ERR_BAD_LOGITS, ERR_NONE, ERR_TIMEOUT, ERROR, STAT_THETA_ABANDONED,
+    BELL_TO_TEACHER, BELL_TO_THETA, ERR_BAD_LOGITS, ERR_NONE, ERROR, STAT_THETA_ABANDONED,
     STAT_THETA_CALLS, STAT_THETA_ROWS, STAT_THETA_TIMEOUTS, STAT_THETA_WAIT_NS, TEACHER_FINISHED, TEACHER_RELEASED,
     TEACHER_STEP, THETA_RELEASED, THETA_STEP, TOKEN,
 )
@@ -62,10 +62,7 @@ class ThetaSyncLogitsProcessor(BaseSyncLogitsProcessor):
             if not pending:
                 break
             if time.monotonic() >= deadline:
-                for i, row in pending.items():
-                    s.fail_slot(row.slot, ERR_TIMEOUT, row.step)
-                    decided[i] = self.abandon_token_id
-                s.header[STAT_THETA_TIMEOUTS] += len(pending)
+                self.time_out(pending, decided, STAT_THETA_TIMEOUTS)
                 break
             self.wait(BELL_TO_THETA, seen, deadline)
         s.header[STAT_THETA_WAIT_NS] += int((time.monotonic() - start) * 1e9)

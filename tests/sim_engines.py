@@ -156,7 +156,7 @@ def run_simulation(seed: int, n_requests: int, max_seqs: int, abort_rate: float 
         todo.reverse()
         in_flight: dict[int, SimRequest] = {}
         sides_done: dict[int, set] = {}
-        completed, aborted_keys, abandoned_ok = 0, 0, 0
+        completed, aborted_keys = 0, 0
         deadline = time.monotonic() + timeout_s
         while todo or in_flight:
             assert time.monotonic() < deadline, f"deadlock: {len(in_flight)} requests in flight"
