@@ -20,7 +20,8 @@ accepted and gives a 0-d result. Results are clamped to ``[alpha_min, alpha_max]
 
 ``compute`` does the same and also reports how many passes over the vocabulary
 the solver made, for benchmarks; ``alpha_init`` lets a caller warm-start
-iterative methods from the previous step's α.
+iterative methods from the previous step's α, and ``normalized=True`` skips the
+renormalisation for callers that just took a log-softmax themselves.
 """
 
 from __future__ import annotations
@@ -115,16 +116,23 @@ class AlphaComputer:
                 f"alpha_min must not exceed alpha_max, got alpha_min={self.alpha_min} > alpha_max={self.alpha_max}"
             )
 
-    def __call__(self, logp_theta: Tensor, logp_teacher: Tensor, alpha_init: Tensor | None = None) -> Tensor:
+    def __call__(self, logp_theta: Tensor, logp_teacher: Tensor, alpha_init: Tensor | None = None,
+                 normalized: bool = False) -> Tensor:
         """α per row, shape ``[B]`` (0-d for 1-D inputs); see the module docstring."""
-        return self.compute(logp_theta, logp_teacher, alpha_init).alpha
+        return self.compute(logp_theta, logp_teacher, alpha_init, normalized).alpha
 
-    def compute(self, logp_theta: Tensor, logp_teacher: Tensor, alpha_init: Tensor | None = None) -> AlphaResult:
-        """Like calling the computer, but also reports the solver's vocabulary passes."""
+    def compute(self, logp_theta: Tensor, logp_teacher: Tensor, alpha_init: Tensor | None = None,
+                normalized: bool = False) -> AlphaResult:
+        """Like calling the computer, but also reports the solver's vocabulary passes.
+
+        ``normalized=True`` promises that the rows are already log-softmax outputs and skips
+        the renormalisation (two passes per input); the validity checks still run.
+        """
         one_row = logp_theta.dim() == 1
         theta, teacher = check_log_prob_pair(logp_theta, logp_teacher)
-        theta = torch.log_softmax(theta, dim=-1)
-        teacher = torch.log_softmax(teacher, dim=-1)
+        if not normalized:
+            theta = torch.log_softmax(theta, dim=-1)
+            teacher = torch.log_softmax(teacher, dim=-1)
         if alpha_init is not None:
             alpha_init = torch.as_tensor(alpha_init, dtype=theta.dtype, device=theta.device).reshape(-1)
             alpha_init = alpha_init.expand(theta.shape[0]).clamp(self.alpha_min, self.alpha_max)

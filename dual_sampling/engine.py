@@ -10,6 +10,8 @@ collects both sides' outputs, checks that they agree, and reads the per-token re
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -101,14 +103,12 @@ def _kv_bytes_per_token(cfg: dict, dtype: str) -> int:
 
 def _derive_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     """A distinct, reproducible 63-bit seed per sample."""
-    import hashlib
-
     digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
 class _EngineThread(threading.Thread):
-    """Owns one LLMEngine: adds requests from its inbox, steps, reports finished outputs."""
+    """Owns one LLMEngine: adds requests from its inbox (``add_request`` argument tuples), steps, reports finished outputs."""
 
     def __init__(self, side: str, llm, results: "queue.Queue") -> None:
         super().__init__(name=f"dual-sampling-{side}", daemon=True)
@@ -133,11 +133,7 @@ class _EngineThread(threading.Thread):
         except queue.Empty:
             return
         while True:
-            op, args = item
-            if op == "add":
-                self.engine.add_request(*args)
-            elif op == "abort":
-                self.engine.abort_request(args)
+            self.engine.add_request(*item)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -323,9 +319,11 @@ class OptimalSamplingDual:
                                     support_top_p=float(teacher_support_top_p))
         show = self.config.use_tqdm if use_tqdm is None else use_tqdm
         samples = self._run(work, base_sampling, list(stop or ()), show)
+        by_prompt: list[list[SampleRecord]] = [[] for _ in prompts]
+        for w in work:
+            by_prompt[w.prompt_index].append(samples[w.key])
         requests = []
-        for i, (t_ids, th_ids) in enumerate(zip(teacher_ids, theta_ids)):
-            mine = [samples[w.key] for w in work if w.prompt_index == i]
+        for i, (t_ids, th_ids, mine) in enumerate(zip(teacher_ids, theta_ids, by_prompt)):
             if best_of:
                 mine = sorted(mine, key=lambda s: -_score(s, best_of_score))[:n]
             requests.append(RequestRecord(i, list(t_ids), list(th_ids), mine))
@@ -405,7 +403,7 @@ class OptimalSamplingDual:
                     w = todo.pop()
                     w.slot = free.pop()
                     session.open_slot(w.slot, w.key)
-                    row = RowSampling(**{**sampling.__dict__, "seed": w.seed})
+                    row = dataclasses.replace(sampling, seed=w.seed)
                     params = SamplingParams(
                         n=1, temperature=0.0, max_tokens=w.max_tokens, min_tokens=0, stop=stop or None,
                         stop_token_ids=list(sampling.stop_token_ids), skip_special_tokens=True,
@@ -414,7 +412,7 @@ class OptimalSamplingDual:
                     rid = f"k{w.key}"
                     in_flight[rid] = w
                     for role, ids in (("teacher", w.teacher_ids), ("theta", w.theta_ids)):
-                        threads[role].inbox.put(("add", (rid, {"prompt_token_ids": ids}, params)))
+                        threads[role].inbox.put((rid, {"prompt_token_ids": ids}, params))
                 if todo and not in_flight and not free:
                     raise SyncError("no shared-memory slot was released although no request is in flight")
                 try:

@@ -24,7 +24,6 @@ logits.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import ClassVar
@@ -38,7 +37,6 @@ from dual_sampling.sync import ERR_TIMEOUT, KEY, SyncError, SyncSession
 __all__ = ["BaseSyncLogitsProcessor", "TrackedRow", "CONFIG_KEY"]
 
 CONFIG_KEY = "dual_sampling"
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -79,7 +77,6 @@ class BaseSyncLogitsProcessor(LogitsProcessor):
         self.vocab = self.session.layout.vocab
         self.sync_timeout = float(config["sync_timeout"])
         self.abandon_token_id = int(config["abandon_token_id"])
-        self.device = device
         self.rows: dict[int, TrackedRow] = {}
 
     # ------------------------------------------------------------------ vLLM interface

@@ -96,7 +96,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         logp_teacher = torch.log_softmax(teacher, dim=-1)
         logp_theta = torch.log_softmax(theta, dim=-1)
         warm = torch.tensor([row.alpha for _, row in ready], dtype=logp_theta.dtype, device=logp_theta.device)
-        alpha = self.alpha_computer(logp_theta, logp_teacher, alpha_init=warm)
+        alpha = self.alpha_computer(logp_theta, logp_teacher, alpha_init=warm, normalized=True)
         steps = [row.step for _, row in ready]
         first = torch.tensor([row.sampling.force_first_token and row.step == 0 for _, row in ready], device=alpha.device)
         alpha = torch.where(first, torch.ones_like(alpha), alpha)

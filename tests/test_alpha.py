@@ -373,3 +373,14 @@ def test_property_geometric_mix_is_normalised_reference(pair, a):
     assert q.sum() == pytest.approx(1.0, abs=1e-12)
     if 0.0 < a < 1.0:
         np.testing.assert_allclose(q, np_mix(th.numpy(), t.numpy(), a), atol=1e-12)
+
+
+def test_normalized_flag_skips_only_the_renormalisation():
+    th, t = random_pair(8, 500, seed=41)
+    for method in ("kl_symmetry", "ess_balance", "entropy"):
+        ac = get_alpha_computer(method)
+        torch.testing.assert_close(ac(th, t, normalized=True), ac(th, t), atol=1e-12, rtol=0)
+    bad = t.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        get_alpha_computer("kl_symmetry")(th, bad, normalized=True)
