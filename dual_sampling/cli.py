@@ -1,12 +1,86 @@
-"""The ``dual-sampling`` command line."""
+"""The ``dual-sampling`` command line: ``generate``, ``report`` and ``models``.
+
+``generate`` takes every field of :class:`dual_sampling.datagen.RunConfig` as a flag
+(``--max-tokens 128``) or as a key of ``--config run.yaml`` (``max_tokens: 128``); flags
+win over the file. The flags and their help are derived from the dataclass, so the two
+can never disagree.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import inspect
+import json
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each dataclass field, by field name."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    docs = _field_docs(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type)
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": docs.get(f.name, "")}
+        if kind == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        elif kind.startswith("list["):
+            parser.add_argument(flag, nargs="*", metavar="VALUE", **kwargs)
+        elif kind.startswith("dict["):
+            parser.add_argument(flag, type=json.loads, metavar="JSON", **kwargs)
+        else:
+            base = kind.split("|")[0].strip()
+            parser.add_argument(flag, type={"int": int, "float": float}.get(base, str), **kwargs)
+
+
+def _load_config_file(path: str, cls: type) -> dict[str, Any]:
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a mapping of run settings, got {type(data).__name__}")
+    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown settings {unknown}; known: {sorted(known)}")
+    return data
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from dual_sampling.datagen import RunConfig, run_generation
+
+    settings = _load_config_file(args.config, RunConfig) if args.config else {}
+    settings.update({k: v for k, v in vars(args).items() if k not in ("config", "run", "command")})
+    missing = [name for name in ("input", "output") if name not in settings]
+    if missing:
+        raise SystemExit(f"dual-sampling generate: missing {', '.join('--' + m for m in missing)} (flag or config key)")
+    summary = run_generation(RunConfig(**settings))
+    print(json.dumps(summary, indent=1))
+    return 0 if summary["sync_errors"] == 0 else 3
+
+
+def _report(args: argparse.Namespace) -> int:
+    from dual_sampling.report import write_report
+
+    out_dir = write_report(args.records, args.out_dir)
+    print(f"report written to {out_dir}")
+    return 0
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -19,17 +93,35 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dual-sampling", description=__doc__)
+    from dual_sampling.datagen import RunConfig
+
+    parser = argparse.ArgumentParser(prog="dual-sampling", description="Sample from the geometric mixture of two models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("models", help="build the default SmolLM2 teacher and pruned theta folders (no download)")
-    p.add_argument("--keep-layers", type=int, default=24, help="decoder layers the theta model keeps (of 30)")
-    p.set_defaults(run=_models)
+
+    g = sub.add_parser("generate", help="run (or resume) a distillation data-generation run",
+                       description="Generate one record per (problem, sample) from the teacher/theta mixture.")
+    g.add_argument("--config", help="YAML file with the same keys as the flags (flags override it)")
+    _add_config_flags(g, RunConfig)
+    g.set_defaults(run=_generate)
+
+    r = sub.add_parser("report", help="plots and a Markdown summary of a records file")
+    r.add_argument("records", help="a .jsonl or .parquet records file written by generate")
+    r.add_argument("--out-dir", help="where to write (default: RECORDS.report/)")
+    r.set_defaults(run=_report)
+
+    m = sub.add_parser("models", help="build the default SmolLM2 teacher and pruned theta folders (no download)")
+    m.add_argument("--keep-layers", type=int, default=24, help="decoder layers the theta model keeps (of 30)")
+    m.set_defaults(run=_models)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        print(f"dual-sampling {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

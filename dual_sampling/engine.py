@@ -101,9 +101,9 @@ def _kv_bytes_per_token(cfg: dict, dtype: str) -> int:
     return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * size
 
 
-def _derive_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    """A distinct, reproducible 63-bit seed per sample."""
-    digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
+def _derive_seed(seed: int, prompt_key: int | str, sample_index: int) -> int:
+    """A distinct, reproducible 63-bit seed per sample of a prompt."""
+    digest = hashlib.blake2b(f"{seed}/{prompt_key}/{sample_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
@@ -278,6 +278,7 @@ class OptimalSamplingDual:
         force_first_token: bool = False,
         teacher_support_top_k: int = -1,
         teacher_support_top_p: float = 1.0,
+        prompt_keys: Sequence[str] | None = None,
         use_tqdm: bool | None = None,
         **unsupported: Any,
     ) -> DualGenerationOutput:
@@ -286,6 +287,9 @@ class OptimalSamplingDual:
         ``teacher_prompts`` (same length) lets the teacher see a different prompt from theta's,
         for example with a reference solution as a hint. ``best_of`` ≥ n draws that many and
         keeps the n with the highest summed ``best_of_score`` (logq, logp_theta, logp_teacher).
+        Sample j of prompt i is drawn with a seed derived from (seed, i, j); ``prompt_keys``
+        (stable ids, one per prompt) replace i, so a sample's seed does not depend on which
+        other prompts share the call (data-generation runs rely on this to resume).
         """
         if self._closed:
             raise RuntimeError("this OptimalSamplingDual is closed")
@@ -305,6 +309,9 @@ class OptimalSamplingDual:
                 raise ValueError(f"teacher_prompts has {len(teacher_prompts)} entries but prompts has {len(prompts)}")
             teacher_ids = [self._tokenize(p, i, "teacher_prompts") for i, p in enumerate(teacher_prompts)]
         stops = sorted(set(self.eos_token_ids) | set(stop_token_ids or ()))
+        if prompt_keys is not None and len(prompt_keys) != len(prompts):
+            raise ValueError(f"prompt_keys has {len(prompt_keys)} entries but prompts has {len(prompts)}")
+        keys = list(prompt_keys) if prompt_keys is not None else list(range(len(prompts)))
         draws = best_of or n
         work: list[_Work] = []
         for i, (t_ids, th_ids) in enumerate(zip(teacher_ids, theta_ids)):
@@ -312,7 +319,7 @@ class OptimalSamplingDual:
             if room < 1:
                 raise ValueError(f"prompt {i} has {max(len(t_ids), len(th_ids))} tokens, no room left in max_model_len={self.max_model_len}")
             for j in range(draws):
-                work.append(_Work(i, j, self._take_key(), _derive_seed(seed, i, j), t_ids, th_ids, min(max_tokens, room)))
+                work.append(_Work(i, j, self._take_key(), _derive_seed(seed, keys[i], j), t_ids, th_ids, min(max_tokens, room)))
         base_sampling = RowSampling(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), min_p=float(min_p),
                                     min_tokens=int(min_tokens), stop_token_ids=tuple(stops), logit_bias=dict(logit_bias or {}),
                                     force_first_token=bool(force_first_token), support_top_k=int(teacher_support_top_k),

@@ -6,7 +6,16 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-__all__ = ["SampleRecord", "RequestRecord", "DualGenerationOutput"]
+__all__ = ["SampleRecord", "RequestRecord", "DualGenerationOutput", "effective_sample_size"]
+
+
+def effective_sample_size(log_weights: list[float]) -> float:
+    """Kish ESS (Σw)² / Σw² of importance weights given as logs; nan for none."""
+    if not log_weights:
+        return math.nan
+    top = max(log_weights)
+    w = [math.exp(x - top) for x in log_weights]
+    return math.fsum(w) ** 2 / math.fsum(x * x for x in w)
 
 
 @dataclass

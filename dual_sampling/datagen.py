@@ -1,0 +1,501 @@
+"""Distillation data-generation runs: dataset in, one training-ready record per sample out.
+
+A run reads problems (JSONL, Parquet, or a local Hugging Face ``datasets`` folder), renders
+a teacher prompt (problem plus the reference solution as a hint) and a theta prompt
+(problem only), samples from the dual engine, and writes one record per
+(id, sample_index).
+
+Crash safety
+------------
+- Records go to a JSONL journal, one whole line per record, flushed and fsync'd after
+  every batch. For ``.jsonl`` output the journal *is* the output; for ``.parquet`` output the
+  journal is ``OUT.journal.jsonl`` and the Parquet file is written (atomically) at the end.
+- ``OUT.manifest.json`` holds the run configuration and its hash. ``--resume`` refuses a
+  different configuration and names the differing keys, then skips every (id, sample_index)
+  already in the journal. A torn last line (a kill mid-write) is cut off, not read as data.
+- Sample seeds derive from (seed, id, sample_index), so a resumed sample is drawn with the
+  same seed as it would have been in an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from dual_sampling.outputs import effective_sample_size
+
+__all__ = ["RunConfig", "run_generation", "load_rows", "shard_of", "read_journal", "model_fingerprint",
+           "DEFAULT_TEACHER_TEMPLATE", "DEFAULT_THETA_TEMPLATE"]
+
+DEFAULT_TEACHER_TEMPLATE = (
+    "{{ problem }}{% if hint %}\n\nA reference solution follows. Use it as a hint, and write your own complete "
+    "answer.\n\n{{ hint }}{% endif %}"
+)
+DEFAULT_THETA_TEMPLATE = "{{ problem }}"
+
+# Configuration keys that do not change what a record contains (so --resume may change them).
+_NOT_IDENTITY = {"resume", "batch_size", "use_tqdm", "output"}
+
+
+@dataclass
+class RunConfig:
+    """One data-generation run; the same keys work as CLI flags and in ``--config run.yaml``."""
+
+    input: str
+    """Problems: a .jsonl or .parquet file, or a local Hugging Face datasets folder."""
+    output: str
+    """Records: a .jsonl or .parquet file."""
+    teacher: str | None = None
+    """Teacher model folder; None: the local SmolLM2-135M-Instruct."""
+    theta: str | None = None
+    """Theta (student) model folder, same tokenizer as the teacher; None: the 24-layer pruned SmolLM2."""
+    prompt_field: str = "problem"
+    """Field holding the problem text."""
+    hint_field: str | None = None
+    """Field holding the reference solution shown to the teacher only (e.g. "solution")."""
+    id_field: str | None = None
+    """Field holding a unique id; None uses the row number."""
+    chat_template: bool = True
+    """Wrap prompts in each model's chat template; False for base models."""
+    system_prompt_teacher: str | None = None
+    """System message for the teacher's chat."""
+    system_prompt_theta: str | None = None
+    """System message for theta's chat."""
+    teacher_template: str | None = None
+    """Jinja template (string or file) of the teacher's user message; sees problem, hint, row."""
+    theta_template: str | None = None
+    """Jinja template (string or file) of theta's user message; sees problem, hint, row."""
+    format: str = "records"
+    """"records" (everything) or "messages" (a TRL-ready chat view)."""
+    n: int = 1
+    """Samples per problem."""
+    max_tokens: int = 256
+    """Generated tokens per sample at most."""
+    min_tokens: int = 0
+    """Generated tokens per sample at least."""
+    temperature: float = 1.0
+    """Temperature applied to q (0: greedy)."""
+    top_p: float = 1.0
+    """Nucleus filter on q."""
+    top_k: int = -1
+    """Top-k filter on q (-1: off)."""
+    min_p: float = 0.0
+    """min-p filter on q (0: off)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings."""
+    seed: int = 0
+    """Run seed; each sample's seed derives from (seed, id, sample_index)."""
+    alpha_method: str = "kl_symmetry"
+    """Alpha method."""
+    alpha_min: float = 0.0
+    """Lower clamp on α (teacher weight)."""
+    alpha_max: float = 1.0
+    """Upper clamp on α."""
+    alpha_config: dict[str, Any] = field(default_factory=dict)
+    """Extra fields of the alpha method."""
+    force_first_token: bool = False
+    """Sample the first token from the teacher alone."""
+    teacher_support_top_k: int = -1
+    """Restrict q to the teacher's top-k tokens (-1: off)."""
+    teacher_support_top_p: float = 1.0
+    """Restrict q to the teacher's top-p set (1: off)."""
+    sync_timeout: float = 60.0
+    """Seconds an engine waits for its partner before failing a request."""
+    max_num_seqs: int = 8
+    """Requests per engine at once."""
+    max_model_len: int | None = None
+    """Context per request; None: min(model limit, 2048)."""
+    dtype: str = "float32"
+    """Model dtype."""
+    kv_cache_memory_bytes: int | None = None
+    """KV cache per engine; None: sized so nothing is preempted."""
+    shard: str = "0/1"
+    """"i/N": this machine's deterministic share of the dataset."""
+    resume: bool = False
+    """Continue an interrupted run in place."""
+    batch_size: int = 32
+    """Problems per generate() call; records are fsync'd after each."""
+    use_tqdm: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        if self.teacher is None or self.theta is None:
+            from dual_sampling import models
+
+            self.teacher = self.teacher or str(models.smollm2())
+            self.theta = self.theta or str(models.smollm2_pruned())
+        if self.format not in ("records", "messages"):
+            raise ValueError(f"format must be 'records' or 'messages', got {self.format!r}")
+        if Path(self.output).suffix not in (".jsonl", ".parquet"):
+            raise ValueError(f"output must end in .jsonl or .parquet, got {self.output!r}")
+        self.shard_index, self.shard_count = _parse_shard(self.shard)
+        for name in ("n", "max_tokens", "batch_size"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        # 30 and 30.0 must configure (and hash) the same run, from YAML, flags or Python.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if str(f.type) == "float" and isinstance(value, int) and not isinstance(value, bool):
+                setattr(self, f.name, float(value))
+
+    def identity(self) -> dict[str, Any]:
+        """The keys that decide what the records contain (compared on --resume)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in _NOT_IDENTITY}
+
+
+def _parse_shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in str(text).split("/"))
+    except ValueError:
+        raise ValueError(f"shard must look like 'i/N', got {text!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise ValueError(f"shard must satisfy 0 <= i < N, got {text!r}")
+    return i, n
+
+
+def shard_of(row_id: str, count: int) -> int:
+    """The shard (0..count-1) a row id belongs to: stable across machines and row orders."""
+    return int.from_bytes(hashlib.blake2b(row_id.encode(), digest_size=8).digest(), "little") % count
+
+
+def load_rows(path: str) -> list[dict[str, Any]]:
+    """Rows of a .jsonl / .parquet file or a local datasets folder, as dicts."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"input {path!r} does not exist")
+    if p.is_dir():
+        try:
+            from datasets import DatasetDict, load_from_disk
+        except ImportError:
+            raise ImportError("reading a datasets folder needs the 'datasets' package: pip install 'dual-sampling[data]'") from None
+        data = load_from_disk(str(p))
+        if isinstance(data, DatasetDict):
+            raise ValueError(f"{path!r} is a DatasetDict with splits {list(data.keys())}; point --input at one split's folder")
+        return [dict(r) for r in data]
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(p).to_pylist()
+    rows = []
+    with p.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{number} is not valid JSON: {exc.msg}") from None
+    return rows
+
+
+def model_fingerprint(folder: str) -> dict[str, str]:
+    """Path and a content hash (BLAKE2b over the config, tokenizer and weight files) of a model folder."""
+    h = hashlib.blake2b(digest_size=16)
+    root = Path(folder)
+    for f in sorted(root.iterdir()):
+        if f.is_file() and (f.suffix in (".json", ".safetensors", ".bin", ".model", ".txt") or f.name == "tokenizer.json"):
+            h.update(f.name.encode())
+            with f.open("rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(chunk)
+    return {"path": str(root.resolve()), "blake2b": h.hexdigest()}
+
+
+# ---------------------------------------------------------------------- journal
+
+
+def read_journal(path: Path, repair: bool = True) -> list[dict[str, Any]]:
+    """Records of a JSONL journal. A torn last line (no newline, or not JSON) is cut off when
+    ``repair``; a bad line anywhere else is corruption and raises ValueError naming it."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    keep = len(data)
+    lines = data.split(b"\n")
+    tail = lines.pop()  # bytes after the last newline: empty unless the last line is torn
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines) and not tail:
+                keep = len(data) - len(line) - 1
+                break
+            raise ValueError(f"{path}:{number} is not a complete JSON record; the file is damaged") from None
+    if tail:
+        keep = min(keep, len(data) - len(tail))
+    if keep < len(data):
+        if not repair:
+            raise ValueError(f"{path} ends in a torn record")
+        with path.open("r+b") as f:
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+    return records
+
+
+class _Journal:
+    """Append-only JSONL with one fsync per batch."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = path.open("a", encoding="utf-8")
+
+    def write(self, records: Iterable[dict[str, Any]]) -> None:
+        self.file.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        self.file.close()
+
+
+# ---------------------------------------------------------------------- prompts
+
+
+class _Renderer:
+    def __init__(self, cfg: RunConfig, tokenizer) -> None:
+        import jinja2
+
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+        self.teacher = env.from_string(_template_text(cfg.teacher_template) or DEFAULT_TEACHER_TEMPLATE)
+        self.theta = env.from_string(_template_text(cfg.theta_template) or DEFAULT_THETA_TEMPLATE)
+        self.cfg, self.tokenizer = cfg, tokenizer
+
+    def user_messages(self, problem: str, hint: str | None, row: dict) -> tuple[str, str]:
+        return (self.teacher.render(problem=problem, hint=hint, row=row),
+                self.theta.render(problem=problem, hint=hint, row=row))
+
+    def prompt(self, user: str, system: str | None) -> str:
+        if not self.cfg.chat_template:
+            return user if system is None else f"{system}\n\n{user}"
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _template_text(value: str | None) -> str | None:
+    if value is None:
+        return None
+    p = Path(value)
+    if len(value) < 4096 and "{" not in value and p.is_file():
+        return p.read_text(encoding="utf-8")
+    return value
+
+
+# ---------------------------------------------------------------------- run
+
+
+@dataclass
+class _Item:
+    id: str
+    teacher_user: str
+    theta_user: str
+    teacher_prompt: str
+    theta_prompt: str
+    missing: list[int]
+
+
+def _prepare(cfg: RunConfig, rows: list[dict], renderer: _Renderer) -> tuple[list[tuple[int, dict, str]], list[dict]]:
+    """(row number, row, id) of this shard's rows, and the rows rejected before generation."""
+    selected, seen, rejects = [], {}, []
+    for number, row in enumerate(rows):
+        for name in (cfg.prompt_field, cfg.hint_field, cfg.id_field):
+            if name is not None and name not in row:
+                raise ValueError(f"row {number} has no field {name!r} (fields: {sorted(row)})")
+        row_id = str(row[cfg.id_field]) if cfg.id_field else str(number)
+        if row_id in seen:
+            raise ValueError(f"rows {seen[row_id]} and {number} share the id {row_id!r}")
+        seen[row_id] = number
+        if shard_of(row_id, cfg.shard_count) != cfg.shard_index:
+            continue
+        problem = row[cfg.prompt_field]
+        if not isinstance(problem, str) or not problem.strip():
+            rejects.append({"id": row_id, "row": number, "reason": "empty prompt"})
+            continue
+        selected.append((number, row, row_id))
+    return selected, rejects
+
+
+def _paths(cfg: RunConfig) -> dict[str, Path]:
+    out = Path(cfg.output)
+    journal = out if out.suffix == ".jsonl" else out.with_name(out.name + ".journal.jsonl")
+    return {"output": out, "journal": journal, "manifest": out.with_name(out.name + ".manifest.json"),
+            "rejects": out.with_name(out.stem + ".rejects.jsonl"), "summary": out.with_name(out.name + ".summary.json")}
+
+
+def _check_manifest(cfg: RunConfig, paths: dict[str, Path], models: dict) -> None:
+    identity = {**cfg.identity(), "models": models}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    manifest = paths["manifest"]
+    if cfg.resume and manifest.exists():
+        old = json.loads(manifest.read_text())
+        if old["config_hash"] != digest:
+            now = json.loads(json.dumps(identity))
+            changed = sorted(k for k in set(old["config"]) | set(now) if old["config"].get(k) != now.get(k))
+            details = "; ".join(f"{k}: {old['config'].get(k)!r} -> {identity.get(k)!r}" for k in changed)
+            raise ValueError(f"refusing to resume {cfg.output}: the configuration differs ({details})")
+        return
+    if not cfg.resume and any(paths[k].exists() for k in ("output", "journal", "manifest")):
+        raise FileExistsError(f"{cfg.output} (or its journal or manifest) already exists; pass --resume to continue it, "
+                              "or remove it to start over")
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = manifest.with_name(manifest.name + ".tmp")
+    tmp.write_text(json.dumps({"config_hash": digest, "config": identity, "created": time.strftime("%Y-%m-%dT%H:%M:%S")},
+                              indent=1) + "\n")
+    os.replace(tmp, manifest)
+
+
+def _record(cfg: RunConfig, item: _Item, j: int, sample, models: dict) -> dict[str, Any]:
+    if cfg.format == "messages":
+        messages = ([{"role": "system", "content": cfg.system_prompt_theta}] if cfg.system_prompt_theta else [])
+        messages += [{"role": "user", "content": item.theta_user}, {"role": "assistant", "content": sample.text}]
+        return {"id": item.id, "sample_index": j, "messages": messages}
+    return {
+        "id": item.id, "sample_index": j, "seed": sample.seed,
+        "teacher_prompt": item.teacher_prompt, "theta_prompt": item.theta_prompt,
+        "response": sample.text, "token_ids": sample.token_ids, "finish_reason": sample.finish_reason,
+        "error": sample.error, "num_tokens": len(sample.token_ids),
+        "alpha": sample.alpha, "logp_teacher": sample.logp_teacher, "logp_theta": sample.logp_theta, "logq": sample.logq,
+        "sum_alpha": math.fsum(sample.alpha), "sum_logp_teacher": math.fsum(sample.logp_teacher),
+        "sum_logp_theta": math.fsum(sample.logp_theta), "sum_logq": math.fsum(sample.logq),
+        "log_w_theta": sample.log_w_theta, "log_w_teacher": sample.log_w_teacher,
+        "models": models,
+        "sampling": {k: getattr(cfg, k) for k in ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
+                                                  "stop", "seed", "force_first_token", "teacher_support_top_k",
+                                                  "teacher_support_top_p")},
+        "alpha_config": {"method": cfg.alpha_method, "alpha_min": cfg.alpha_min, "alpha_max": cfg.alpha_max, **cfg.alpha_config},
+    }
+
+
+def run_generation(cfg: RunConfig, sampler=None) -> dict[str, Any]:
+    """Run (or resume) a data-generation run; return its summary (also written to OUT.summary.json).
+
+    ``sampler`` is an open :class:`OptimalSamplingDual` on the same models to reuse; by default
+    one is started and closed here.
+    """
+    from tqdm.auto import tqdm
+
+    from dual_sampling.engine import OptimalSamplingDual
+
+    started = time.monotonic()
+    paths = _paths(cfg)
+    rows = load_rows(cfg.input)
+    models = {"teacher": model_fingerprint(cfg.teacher), "theta": model_fingerprint(cfg.theta)}
+    _check_manifest(cfg, paths, models)
+    done_records = read_journal(paths["journal"]) if cfg.resume else []
+    done = {(r["id"], r["sample_index"]) for r in done_records}
+
+    own = sampler is None
+    if own:
+        sampler = OptimalSamplingDual(cfg.teacher, cfg.theta, alpha_method=cfg.alpha_method, alpha_min=cfg.alpha_min,
+                                      alpha_max=cfg.alpha_max, alpha_config=cfg.alpha_config, sync_timeout=cfg.sync_timeout,
+                                      max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, dtype=cfg.dtype,
+                                      kv_cache_memory_bytes=cfg.kv_cache_memory_bytes, use_tqdm=False)
+    journal = None
+    try:
+        renderer = _Renderer(cfg, sampler.tokenizer)
+        selected, rejects = _prepare(cfg, rows, renderer)
+        items = []
+        for number, row, row_id in selected:
+            missing = [j for j in range(cfg.n) if (row_id, j) not in done]
+            if not missing:
+                continue
+            hint = None if cfg.hint_field is None else row[cfg.hint_field]
+            t_user, th_user = renderer.user_messages(row[cfg.prompt_field], hint, row)
+            item = _Item(row_id, t_user, th_user, renderer.prompt(t_user, cfg.system_prompt_teacher),
+                         renderer.prompt(th_user, cfg.system_prompt_theta), missing)
+            longest = max(len(sampler.tokenizer(p, add_special_tokens=True)["input_ids"]) for p in (item.teacher_prompt, item.theta_prompt))
+            if longest + 1 > sampler.max_model_len:
+                rejects.append({"id": row_id, "row": number, "reason": f"prompt has {longest} tokens; max_model_len is {sampler.max_model_len}"})
+                continue
+            items.append(item)
+        _write_rejects(paths["rejects"], rejects)
+
+        journal = _Journal(paths["journal"])
+        written = []  # SampleRecords of this invocation, for the summary
+        tokens = 0
+        bar = tqdm(total=sum(len(i.missing) for i in items), desc="samples", unit="sample", disable=not cfg.use_tqdm)
+        generating = time.monotonic()
+        for start in range(0, len(items), cfg.batch_size):
+            batch = items[start : start + cfg.batch_size]
+            out = sampler.generate(
+                [i.theta_prompt for i in batch], teacher_prompts=[i.teacher_prompt for i in batch],
+                prompt_keys=[i.id for i in batch], max_tokens=cfg.max_tokens, min_tokens=cfg.min_tokens,
+                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p, n=cfg.n, seed=cfg.seed,
+                stop=cfg.stop or None, force_first_token=cfg.force_first_token,
+                teacher_support_top_k=cfg.teacher_support_top_k, teacher_support_top_p=cfg.teacher_support_top_p,
+                use_tqdm=False,
+            )
+            pairs = [(item, j, req.samples[j]) for item, req in zip(batch, out.requests) for j in item.missing]
+            journal.write(_record(cfg, item, j, sample, models) for item, j, sample in pairs)
+            written += [sample for _, _, sample in pairs]
+            tokens += sum(len(sample.token_ids) for _, _, sample in pairs)
+            alphas = [a for s in written for a in s.alpha]
+            bar.set_postfix(tok_s=f"{tokens / max(time.monotonic() - generating, 1e-9):.1f}",
+                            mean_alpha=f"{statistics.fmean(alphas):.3f}" if alphas else "-")
+            bar.update(len(pairs))
+        bar.close()
+        journal.close()
+        journal = None
+        if paths["output"].suffix == ".parquet":
+            _write_parquet(paths["journal"], paths["output"])
+        summary = _summary(cfg, written, len(done), rejects, sampler.get_sync_statistics(), time.monotonic() - started)
+        paths["summary"].write_text(json.dumps(summary, indent=1) + "\n")
+        return summary
+    finally:
+        if journal is not None:
+            journal.close()
+        if own:
+            sampler.close()
+
+
+def _write_rejects(path: Path, rejects: list[dict]) -> None:
+    """Rejects follow from the dataset and configuration alone, so each invocation rewrites them whole."""
+    if not rejects:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejects), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _write_parquet(journal: Path, output: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(read_journal(journal))
+    tmp = output.with_name(output.name + ".tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, output)
+
+
+def _summary(cfg: RunConfig, samples: list, already: int, rejects: list[dict], sync: dict, wall: float) -> dict:
+    alphas = [a for s in samples for a in s.alpha]
+    ok = [s for s in samples if s.error is None]
+    log_w = [s.log_w_theta for s in ok]
+    ess = effective_sample_size(log_w) if log_w else None
+    return {
+        "output": cfg.output,
+        "samples_written": len(samples),
+        "samples_already_done": already,
+        "rejected_prompts": len(rejects),
+        "sync_errors": len(samples) - len(ok),
+        "generated_tokens": sum(len(s.token_ids) for s in samples),
+        "alpha_mean": statistics.fmean(alphas) if alphas else None,
+        "alpha_std": statistics.pstdev(alphas) if alphas else None,
+        "ess_theta_weights": ess,
+        "ess_fraction": ess / len(log_w) if ess else None,
+        "sync": sync,
+        "wall_seconds": wall,
+    }
