@@ -336,6 +336,24 @@ class OptimalSamplingDual:
             requests.append(RequestRecord(i, list(t_ids), list(th_ids), mine))
         return DualGenerationOutput(requests)
 
+    def _engine_processes(self) -> dict[str, list]:
+        procs = {}
+        for role, llm in self._llms.items():
+            manager = getattr(getattr(llm.llm_engine.engine_core, "resources", None), "engine_manager", None)
+            procs[role] = list(getattr(manager, "processes", []))
+        return procs
+
+    def engine_pids(self) -> dict[str, list[int]]:
+        """Process ids of each engine's core process(es), by role (for monitoring and fault tests)."""
+        return {role: [p.pid for p in procs] for role, procs in self._engine_processes().items()}
+
+    def _dead_engine(self) -> str | None:
+        """The role of an engine whose core process has exited, if any."""
+        for role, procs in self._engine_processes().items():
+            if any(not p.is_alive() for p in procs):
+                return role
+        return None
+
     def get_sync_statistics(self) -> dict[str, float]:
         """Counters from both processors: rows served, wait and mixing time, abandoned rows, timeouts."""
         stats: dict[str, float] = dict(self.session.statistics())
@@ -402,6 +420,7 @@ class OptimalSamplingDual:
         done: dict[int, SampleRecord] = {}
         bar = tqdm(total=len(work), desc="dual sampling", unit="seq", disable=not show)
         last_progress = time.monotonic()
+        engine_failed = False
         try:
             while todo or in_flight:
                 if not free:
@@ -425,13 +444,18 @@ class OptimalSamplingDual:
                 try:
                     side, out = results.get(timeout=0.2)
                 except queue.Empty:
+                    dead = self._dead_engine()
+                    if dead:
+                        engine_failed = True
+                        raise SyncError(f"the {dead} engine failed: its engine process exited") from None
                     if time.monotonic() - last_progress > self.config.sync_timeout + 30:
                         raise SyncError(f"no request finished for {self.config.sync_timeout + 30:.0f} s "
                                         f"({len(in_flight)} in flight); an engine stopped responding") from None
                     continue
                 last_progress = time.monotonic()
                 if isinstance(out, BaseException):
-                    raise SyncError(f"the {side} engine failed: {type(out).__name__}: {out}") from out
+                    engine_failed = True
+                    raise SyncError(f"the {side} engine failed: {type(out).__name__}: {out}".rstrip(": ")) from out
                 w = in_flight[out.request_id]
                 w.outputs[side] = out
                 session.mark_finished(w.slot, TEACHER_FINISHED if side == "teacher" else THETA_FINISHED)
@@ -448,6 +472,9 @@ class OptimalSamplingDual:
             for t in threads.values():
                 t.join(timeout=10)
             bar.close()
+            if engine_failed:
+                # A dead engine cannot be restarted in place: stop the other one and free the shared memory.
+                self.close()
         return done
 
     def _collect(self, w: _Work) -> SampleRecord:

@@ -23,7 +23,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 from alpha import geometric_mix, get_alpha_computer
 from dual_sampling.sampling import RowSampling
 from dual_sampling.sync import (
-    ERR_NONE, ERROR, NUM_RECORDS, TEACHER_FINISHED, THETA_FINISHED, SessionLayout, SyncSession,
+    ERR_NONE, ERROR, ERROR_NAMES, NUM_RECORDS, TEACHER_FINISHED, THETA_FINISHED, SessionLayout, SyncSession,
 )
 from processors import TeacherSyncLogitsProcessor, ThetaSyncLogitsProcessor
 
@@ -31,9 +31,16 @@ VOCAB = 24
 EOS = 0
 
 
-def sim_logits(side: str, key: int, step: int) -> torch.Tensor:
+NAN_STEP = 2
+"""Step at which a request listed in ``nan_keys`` gets NaN logits on the theta side."""
+
+
+def sim_logits(side: str, key: int, step: int, nan_keys: frozenset = frozenset()) -> torch.Tensor:
     g = torch.Generator().manual_seed(hash((side, key, step)) & 0x7FFFFFFF)
-    return torch.randn(VOCAB, generator=g) * (3.0 if side == "teacher" else 1.5)
+    row = torch.randn(VOCAB, generator=g) * (3.0 if side == "teacher" else 1.5)
+    if side == "theta" and key in nan_keys and step == NAN_STEP:
+        row[VOCAB // 2] = float("nan")
+    return row
 
 
 @dataclass
@@ -48,8 +55,10 @@ class SimRequest:
 
 
 class SimEngine(threading.Thread):
-    def __init__(self, side: str, processor, max_seqs: int, rng: random.Random, finished: "queue.Queue"):
+    def __init__(self, side: str, processor, max_seqs: int, rng: random.Random, finished: "queue.Queue",
+                 nan_keys: frozenset = frozenset()):
         super().__init__(daemon=True, name=f"sim-{side}")
+        self.nan_keys = nan_keys
         self.side, self.proc, self.max_seqs, self.rng, self.finished = side, processor, max_seqs, rng, finished
         self.inbox: "queue.Queue" = queue.Queue()
         self.aborts: "queue.Queue" = queue.Queue()
@@ -119,7 +128,7 @@ class SimEngine(threading.Thread):
         if not self.batch:
             time.sleep(0.001)
             return
-        logits = torch.stack([sim_logits(self.side, r.key, len(r.outputs[self.side])) for r in self.batch])
+        logits = torch.stack([sim_logits(self.side, r.key, len(r.outputs[self.side]), self.nan_keys) for r in self.batch])
         logits = self.proc.apply(logits)
         for i, r in enumerate(self.batch):
             finite = torch.isfinite(logits[i])
@@ -136,8 +145,11 @@ class SimEngine(threading.Thread):
         return self._done_ids(r, r.outputs[self.side])
 
 
-def run_simulation(seed: int, n_requests: int, max_seqs: int, abort_rate: float = 0.0, timeout_s: float = 60.0) -> dict:
-    """Run one schedule; return a summary. Raises AssertionError on a stale read or a mismatch."""
+def run_simulation(seed: int, n_requests: int, max_seqs: int, abort_rate: float = 0.0, timeout_s: float = 60.0,
+                   nan_keys: frozenset = frozenset()) -> dict:
+    """Run one schedule; return a summary. Raises AssertionError on a stale read or a mismatch.
+
+    Requests in ``nan_keys`` must fail with the slot error ``bad_logits`` (counted in "failed")."""
     rng = random.Random(seed)
     session = SyncSession.create(SessionLayout(VOCAB, 2 * max_seqs + 2, 64))
     try:
@@ -148,7 +160,8 @@ def run_simulation(seed: int, n_requests: int, max_seqs: int, abort_rate: float 
             "theta": ThetaSyncLogitsProcessor(SimpleNamespace(additional_config={"dual_sampling": {**cfg, "role": "theta"}}), torch.device("cpu"), False),
         }
         finished: "queue.Queue" = queue.Queue()
-        engines = {side: SimEngine(side, procs[side], max_seqs, random.Random(rng.random()), finished) for side in procs}
+        engines = {side: SimEngine(side, procs[side], max_seqs, random.Random(rng.random()), finished, nan_keys)
+                   for side in procs}
         for e in engines.values():
             e.start()
         todo = [SimRequest(key=k + 1, slot=-1, max_tokens=rng.randint(1, 20), stop_ids=(EOS, rng.randrange(1, VOCAB)),
@@ -156,7 +169,7 @@ def run_simulation(seed: int, n_requests: int, max_seqs: int, abort_rate: float 
         todo.reverse()
         in_flight: dict[int, SimRequest] = {}
         sides_done: dict[int, set] = {}
-        completed, aborted_keys = 0, 0
+        completed, aborted_keys, failed = 0, 0, {}
         deadline = time.monotonic() + timeout_s
         while todo or in_flight:
             assert time.monotonic() < deadline, f"deadlock: {len(in_flight)} requests in flight"
@@ -198,6 +211,10 @@ def run_simulation(seed: int, n_requests: int, max_seqs: int, abort_rate: float 
                 session.close_slot(r.slot)
                 aborted_keys += 1
                 continue
+            if r.key in nan_keys and r.max_tokens > NAN_STEP and not _stopped_before(r, NAN_STEP):
+                failed[r.key] = ERROR_NAMES[int(session.control[r.slot, ERROR])]
+                session.close_slot(r.slot)
+                continue
             t_ids, th_ids = r.outputs["teacher"], r.outputs["theta"]
             assert t_ids == th_ids, f"request {r.key}: streams differ {t_ids} vs {th_ids}"
             assert int(session.control[r.slot, ERROR]) == ERR_NONE, f"request {r.key}: error {int(session.control[r.slot, ERROR])}"
@@ -213,9 +230,16 @@ def run_simulation(seed: int, n_requests: int, max_seqs: int, abort_rate: float 
             removed = [i for i, x in enumerate(e.batch) if x is not None]
             procs[side].update_state(BatchUpdate(0, removed, [], []))
         leaked = [s for s in range(session.layout.slots) if not session.slot_free(s)]
-        return {"completed": completed, "aborted": aborted_keys, "leaked_slots": leaked, "stats": session.statistics()}
+        return {"completed": completed, "aborted": aborted_keys, "failed": failed, "leaked_slots": leaked,
+                "stats": session.statistics()}
     finally:
         session.close()
+
+
+def _stopped_before(r: SimRequest, step: int) -> bool:
+    """The request ended (on a stop id) before reaching ``step``."""
+    ids = r.outputs["teacher"]
+    return any(t in r.stop_ids for t in ids[:step])
 
 
 def check_records(session: SyncSession, r: SimRequest, tokens: list[int]) -> None:

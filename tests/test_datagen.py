@@ -17,6 +17,7 @@ import pytest
 
 from dual_sampling.cli import build_parser, main
 from dual_sampling.datagen import RunConfig, load_rows, read_journal, run_generation, shard_of
+from dual_sampling.sync import SESSION_PREFIX, SessionLayout, SyncSession
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "math_problems.jsonl"
 
@@ -181,6 +182,12 @@ def test_cli_killed_partway_then_resumed_has_every_pair_once(dual_engine, tiny_s
     assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    # The killed driver left its shared memory behind; the next session start removes it, and only it.
+    left = {f for f in os.listdir("/dev/shm") if f.startswith(f"{SESSION_PREFIX}{proc.pid}-")}
+    assert left
+    SyncSession.create(SessionLayout(8, 2, 4)).close()
+    remaining = set(os.listdir("/dev/shm"))
+    assert not left & remaining and dual_engine.session.name in remaining
     before = out.read_text().count("\n")
     assert 6 <= before < 48
     with out.open("a") as f:  # the kill may or may not tear a line: make sure one is torn

@@ -7,54 +7,28 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from alpha import geometric_mix, get_alpha_computer
 from dual_sampling import OptimalSamplingDual, models
 from dual_sampling.sync import SESSION_PREFIX
+from tests.oracles import assert_records_match_rescoring, rescore
 
 pytestmark = pytest.mark.engine
 
 PROMPTS = ["Hello there", "The capital of France is", "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 3, "x"]
 
 
-@pytest.fixture(scope="module")
-def hf_models(tiny_same):
-    teacher, theta = tiny_same
-    return (AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval(),
-            AutoModelForCausalLM.from_pretrained(theta, dtype=torch.float32).eval())
-
-
-def rescore(model, prompt_ids: list[int], token_ids: list[int], vocab: int) -> torch.Tensor:
-    """Teacher-forced log-softmax rows [T, vocab] predicting each generated token, in plain transformers."""
-    ids = torch.tensor([prompt_ids + token_ids])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(token_ids), :vocab]
-    return torch.log_softmax(logits.float(), -1)
-
-
 def test_streams_identical_and_records_match_offline_rescoring(dual_engine, hf_models):
     teacher_prompts = [p + " (hint: think)" for p in PROMPTS]
     out = dual_engine.generate(PROMPTS, teacher_prompts=teacher_prompts, max_tokens=24, seed=3)
     t_model, th_model = hf_models
-    vocab = dual_engine.vocab
-    ac = get_alpha_computer("kl_symmetry")
     checked = 0
     for req in out.requests:
         sample = req.samples[0]
         assert sample.error is None and sample.token_ids
         assert sample.teacher_token_ids == sample.theta_token_ids == sample.token_ids
         assert req.teacher_prompt_token_ids != req.theta_prompt_token_ids
-        lt = rescore(t_model, req.teacher_prompt_token_ids, sample.token_ids, vocab)
-        lth = rescore(th_model, req.theta_prompt_token_ids, sample.token_ids, vocab)
-        tok = torch.tensor(sample.token_ids).unsqueeze(-1)
-        alpha = ac(lth, lt)
-        logq = geometric_mix(lth, lt, alpha).gather(-1, tok).squeeze(-1)
-        torch.testing.assert_close(torch.tensor(sample.alpha), alpha.float(), atol=1e-4, rtol=0)
-        torch.testing.assert_close(torch.tensor(sample.logp_teacher), lt.gather(-1, tok).squeeze(-1), atol=1e-4, rtol=0)
-        torch.testing.assert_close(torch.tensor(sample.logp_theta), lth.gather(-1, tok).squeeze(-1), atol=1e-4, rtol=0)
-        torch.testing.assert_close(torch.tensor(sample.logq), logq.float(), atol=1e-4, rtol=0)
-        checked += len(sample.token_ids)
+        checked += assert_records_match_rescoring(req, t_model, th_model, dual_engine.vocab, "kl_symmetry")
     assert checked >= 4 * 10
     assert 0.0 < out.alpha_stats["std"]  # α really varies token by token
 

@@ -33,3 +33,13 @@ def test_no_session_file_left_behind():
     before = {f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX)}
     run_simulation(0, n_requests=3, max_seqs=2)
     assert {f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX)} <= before
+
+
+def test_nan_logits_fail_only_their_request_with_a_named_error():
+    nan_keys = frozenset({3, 7, 11})
+    summary = run_simulation(5, n_requests=16, max_seqs=4, nan_keys=nan_keys)
+    assert summary["failed"] and set(summary["failed"]) <= nan_keys
+    assert set(summary["failed"].values()) == {"bad_logits"}
+    assert summary["completed"] + len(summary["failed"]) == 16
+    assert summary["leaked_slots"] == []
+    assert summary["stats"]["teacher_timeouts"] == summary["stats"]["theta_timeouts"] == 0

@@ -1,0 +1,150 @@
+"""Faults, load and isolation: nothing lost, nothing hung, nothing shared by accident."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+
+from dual_sampling import OptimalSamplingDual, SyncError
+from dual_sampling.sync import SESSION_PREFIX
+from tests.oracles import assert_records_match_rescoring
+
+pytestmark = pytest.mark.engine
+
+
+def session_files() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX)}
+
+
+@pytest.fixture(scope="module")
+def load_engine(tiny_same):
+    teacher, theta = tiny_same
+    with OptimalSamplingDual(teacher, theta, alpha_method="ess_balance", max_num_seqs=8, max_model_len=512,
+                             sync_timeout=30, use_tqdm=False) as s:
+        yield s
+
+
+@pytest.mark.parametrize("victim", ["theta", "teacher"])
+def test_partner_death_fails_fast_names_the_engine_and_cleans_up(tiny_same, victim):
+    teacher, theta = tiny_same
+    timeout = 10.0
+    s = OptimalSamplingDual(teacher, theta, max_num_seqs=2, max_model_len=256, sync_timeout=timeout, use_tqdm=False)
+    name = s.session.name
+    pids = s.engine_pids()
+    victim_pid, other_pid = pids[victim][0], pids["theta" if victim == "teacher" else "teacher"][0]
+    killer = threading.Timer(3.0, os.kill, (victim_pid, signal.SIGKILL))
+    killer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(SyncError, match=f"the {victim} engine failed"):
+            s.generate(["tell me a story"] * 60, max_tokens=200, seed=1)
+        assert time.monotonic() - started - 3.0 <= timeout + 5.0
+        assert not os.path.exists(f"/dev/shm/{name}")
+        # The surviving engine was released and shut down, not left blocked in a wait.
+        if psutil.pid_exists(other_pid):
+            _, alive = psutil.wait_procs([psutil.Process(other_pid)], timeout=30)
+            assert not alive
+        with pytest.raises(RuntimeError, match="closed"):
+            s.generate(["again"])
+    finally:
+        killer.cancel()
+        s.close()
+
+
+def test_load_300_requests_no_timeouts_flat_memory(load_engine):
+    rng = random.Random(0)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    stats0 = load_engine.get_sync_statistics()
+    procs = [psutil.Process()] + [psutil.Process(p) for pids in load_engine.engine_pids().values() for p in pids]
+    procs += [c for p in procs[1:] for c in p.children(recursive=True)]
+    files0 = session_files()
+
+    def rss() -> int:
+        return sum(p.memory_info().rss for p in procs)
+
+    load_engine.generate(["warm up"], max_tokens=4)
+    rss_start = rss()
+    total = 0
+    for call in range(10):
+        prompts, teacher_prompts = [], []
+        for i in range(10):
+            short = " ".join(rng.choice(words) for _ in range(3))
+            long = " ".join(rng.choice(words) for _ in range(30))
+            theta_p, teacher_p = (short, long) if (call + i) % 2 else (long, short)
+            prompts.append(theta_p)
+            teacher_prompts.append(teacher_p)
+        max_tokens = rng.randint(5, 60)
+        out = load_engine.generate(prompts, teacher_prompts=teacher_prompts, n=3, seed=call, max_tokens=max_tokens,
+                                   min_tokens=rng.randint(0, min(4, max_tokens)),
+                                   stop=[rng.choice(["th", "an", "er", "on"])], stop_token_ids=[rng.randrange(49152)])
+        for req in out.requests:
+            for sample in req.samples:
+                assert sample.error is None and sample.teacher_token_ids == sample.theta_token_ids
+                total += 1
+    rss_end = rss()
+    stats1 = load_engine.get_sync_statistics()
+    print(f"load: {total} requests, RSS start {rss_start / 2**20:.0f} MiB, end {rss_end / 2**20:.0f} MiB")
+    assert total == 300
+    assert stats1["teacher_timeouts"] == stats0["teacher_timeouts"] and stats1["theta_timeouts"] == stats0["theta_timeouts"]
+    assert session_files() == files0
+    assert rss_end <= rss_start * 1.10 + 64 * 2**20
+
+
+def test_two_instances_in_one_process_do_not_cross_talk(dual_engine, load_engine, hf_models):
+    prompts = ["one two three", "the sea is", "numbers: 1 2 3", "x y z"]
+    results = {}
+
+    def run(name, engine):
+        results[name] = engine.generate(prompts, max_tokens=16, seed=5)
+
+    threads = [threading.Thread(target=run, args=(n, e)) for n, e in (("kl", dual_engine), ("ess", load_engine))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert dual_engine.session.name != load_engine.session.name
+    for name, method in (("kl", "kl_symmetry"), ("ess", "ess_balance")):
+        for req in results[name].requests:
+            assert assert_records_match_rescoring(req, *hf_models, dual_engine.vocab, method) > 0
+
+
+def test_two_processes_do_not_cross_talk(dual_engine, tiny_same):
+    teacher, theta = tiny_same
+    script = textwrap.dedent(f"""
+        import json
+        from dual_sampling import OptimalSamplingDual
+        if __name__ == "__main__":
+            with OptimalSamplingDual({str(teacher)!r}, {str(theta)!r}, max_num_seqs=2, max_model_len=256,
+                                     sync_timeout=30, use_tqdm=False) as s:
+                out = s.generate(["other process"] * 6, max_tokens=24, seed=9)
+                print("RESULT " + json.dumps({{"session": s.session.name, "tokens": out.generated_ids,
+                                               "stats": s.get_sync_statistics()}}))
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ours = []
+    while child.poll() is None and len(ours) < 200:
+        ours.append(dual_engine.generate(["this process"] * 4, max_tokens=16, seed=len(ours)))
+    stdout, stderr = child.communicate(timeout=300)
+    assert child.returncode == 0, stderr[-3000:]
+    result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["session"] != dual_engine.session.name
+    assert result["stats"]["teacher_timeouts"] == result["stats"]["theta_timeouts"] == 0
+    assert len(result["tokens"]) == 6 and all(result["tokens"])
+    assert ours  # both ran at the same time, and every one of ours passed the stream check
+
+
+def test_bad_counts_are_named(dual_engine):
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+        dual_engine.generate(["a"], n=0)
+    with pytest.raises(ValueError, match="prompt_keys has 1 entries"):
+        dual_engine.generate(["a", "b"], prompt_keys=["k"])
