@@ -31,7 +31,7 @@ from dual_sampling.sync import (
 )
 from dual_sampling.vocab import check_tokenizers_match
 
-__all__ = ["OptimalSamplingDual", "DualEngineConfig"]
+__all__ = ["OptimalSamplingDual", "DualEngineConfig", "kv_cache_bytes_needed", "default_kv_cache_bytes"]
 
 _MiB = 1 << 20
 _BEST_OF_SCORES = ("logq", "logp_theta", "logp_teacher")
@@ -93,12 +93,19 @@ def _model_config(path: str) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
 
 
-def _kv_bytes_per_token(cfg: dict, dtype: str) -> int:
+def kv_cache_bytes_needed(model_path: str, max_num_seqs: int, max_model_len: int, dtype: str = "float32") -> int:
+    """Bytes of KV cache that hold ``max_num_seqs`` full contexts of ``max_model_len`` tokens."""
+    cfg = _model_config(model_path)
     heads = cfg.get("num_attention_heads", 1)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     kv_heads = cfg.get("num_key_value_heads", heads)
     size = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}.get(dtype, 4)
-    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * size
+    return max_num_seqs * max_model_len * 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * size
+
+
+def default_kv_cache_bytes(model_path: str, max_num_seqs: int, max_model_len: int, dtype: str = "float32") -> int:
+    """The cache an engine gets when none is given: the need plus 10 % and 16 MiB for block rounding."""
+    return int(kv_cache_bytes_needed(model_path, max_num_seqs, max_model_len, dtype) * 1.1) + 16 * _MiB
 
 
 def _derive_seed(seed: int, prompt_key: int | str, sample_index: int) -> int:
@@ -181,8 +188,8 @@ class OptimalSamplingDual:
         if not self.eos_token_ids:
             raise ValueError("neither model nor the tokenizer defines an EOS token id")
         self._kv_bytes = {}
-        for role, mc in (("teacher", t_cfg), ("theta", th_cfg)):
-            need = cfg.max_num_seqs * self.max_model_len * _kv_bytes_per_token(mc, cfg.dtype)
+        for role, path in (("teacher", cfg.model_teacher), ("theta", cfg.model_theta)):
+            need = kv_cache_bytes_needed(path, cfg.max_num_seqs, self.max_model_len, cfg.dtype)
             given = cfg.kv_cache_memory_bytes
             if given is not None and given < need:
                 raise ValueError(
@@ -190,7 +197,7 @@ class OptimalSamplingDual:
                     f"{cfg.max_num_seqs} x {self.max_model_len} tokens need {need} bytes. A smaller cache would let "
                     "one engine preempt requests and break lockstep; raise it or lower max_num_seqs/max_model_len."
                 )
-            self._kv_bytes[role] = given if given is not None else int(need * 1.1) + 16 * _MiB
+            self._kv_bytes[role] = given if given is not None else default_kv_cache_bytes(path, cfg.max_num_seqs, self.max_model_len, cfg.dtype)
 
         self.session = SyncSession.create(SessionLayout(self.vocab, 2 * cfg.max_num_seqs + 2, self.max_model_len))
         self._llms: dict[str, Any] = {}

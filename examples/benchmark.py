@@ -1,0 +1,405 @@
+"""Benchmark: the dual engine against its peers, side by side in one process.
+
+Five designs, same models, prompts and settings:
+
+  (a) teacher      teacher-only vLLM
+  (b) theta        theta-only vLLM
+  (c) dual         the dual engine (OptimalSamplingDual)
+  (d) transformers plain-transformers mixture: both models with KV caches, static batches,
+                   the same alpha and sampling code as (c)
+  (e) recompute    like (d), but theta re-runs its whole prefix at every token (the
+                   original design); the teacher keeps its cache
+
+Measured:
+  - tokens/s on a fixed workload: B prompts, exactly T generated tokens each (EOS masked);
+  - time per token against generated length L: a probe prefills prompt + L tokens, then
+    times a few decoding steps, so the curve is exact at each L without generating
+    everything before it (an O(n²) design would otherwise take hours at L = 1024);
+  - peak RSS of the process tree during each design;
+  - for (c), the split of the run into model time, barrier wait and mixing time;
+  - a realistic workload for (c) against (d): sampled at temperature 1, lengths ending at
+    EOS, capped at 256 tokens.
+
+Derived (the names are fixed; other tools read them):
+  dual_vs_bound             tok/s(c) / (1 / (1/tok/s(a) + 1/tok/s(b)))
+  dual_vs_transformers      tok/s(c) / tok/s(d) on the realistic workload
+  dual_vs_recompute_at_1024 time per token (e) / (c) at the longest length
+  per_token_growth          time per token of (c) at the longest length / at the shortest
+
+    python examples/benchmark.py                      # SmolLM2 pair, batch 32
+    python examples/benchmark.py --quick              # tiny models, seconds per design
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+from alpha import geometric_mix, get_alpha_computer
+from dual_sampling import OptimalSamplingDual, models
+from dual_sampling.engine import default_kv_cache_bytes
+from dual_sampling.sampling import RowSampling, draw_tokens
+
+DESIGNS = ("teacher", "theta", "dual", "transformers", "recompute")
+
+
+@dataclass
+class Settings:
+    """What one benchmark run measures."""
+
+    teacher: str
+    theta: str
+    batch: int = 32
+    """Sequences decoded together."""
+    tokens: int = 128
+    """Generated tokens per sequence in the throughput workload."""
+    lengths: list[int] = field(default_factory=lambda: [128, 256, 512, 1024])
+    """Generated lengths at which time per token is probed."""
+    probe_steps: int = 6
+    """Decoding steps timed per probe."""
+    realistic_prompts: int = 64
+    """Prompts in the realistic workload (temperature 1, EOS, capped)."""
+    realistic_max_tokens: int = 256
+    prompt_tokens: int = 32
+    """Prompt length of the fixed workloads."""
+    alpha_method: str = "kl_symmetry"
+
+
+class PeakRSS:
+    """Samples the RSS of this process and its children every 50 ms."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        me = psutil.Process()
+        while not self._stop.is_set():
+            total = 0
+            for p in [me] + me.children(recursive=True):
+                try:
+                    total += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak = max(self.peak, total)
+            self._stop.wait(0.05)
+
+    def __enter__(self) -> "PeakRSS":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def fixed_prompts(tokenizer, count: int, length: int, offset: int = 0) -> list[list[int]]:
+    """``count`` distinct prompts of exactly ``length`` tokens (no prefix sharing between them)."""
+    words = "the a of to and in is it that for on with as was at by an be this from".split()
+    out = []
+    for i in range(count):
+        text = " ".join(words[(i * 7 + j * 3 + offset) % len(words)] + str((i * 31 + j) % 97) for j in range(length))
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"][:length])
+    return out
+
+
+# ---------------------------------------------------------------------- vLLM designs (a), (b)
+
+
+def vllm_engine(path: str, s: Settings, max_len: int):
+    from vllm import LLM
+
+    return LLM(model=path, dtype="float32", max_model_len=max_len, max_num_seqs=s.batch, enforce_eager=True,
+               enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 2048), enable_prefix_caching=False,
+               # The same cache the dual engine gives each model: room for every sequence, no preemption.
+               kv_cache_memory_bytes=default_kv_cache_bytes(path, s.batch, max_len), seed=0)
+
+
+def vllm_run(llm, prompts: list[list[int]], tokens: int) -> tuple[float, list[float]]:
+    """(wall seconds, per-step durations) generating exactly ``tokens`` per prompt."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=1.0, max_tokens=tokens, min_tokens=tokens, ignore_eos=True, seed=0)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{time.monotonic_ns()}-{i}", {"prompt_token_ids": p}, params)
+    steps, start = [], time.perf_counter()
+    last = start
+    while engine.has_unfinished_requests():
+        engine.step()
+        now = time.perf_counter()
+        steps.append(now - last)
+        last = now
+    return time.perf_counter() - start, steps
+
+
+# ---------------------------------------------------------------------- transformers designs (d), (e)
+
+
+class HFMixture:
+    """Both models in plain transformers with KV caches, static batches; theta optionally recomputed each token."""
+
+    def __init__(self, teacher: str, theta: str, alpha_method: str, recompute_theta: bool) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(teacher)
+        self.vocab = len(self.tokenizer)
+        self.teacher = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+        self.theta = AutoModelForCausalLM.from_pretrained(theta, dtype=torch.float32).eval()
+        self.alpha = get_alpha_computer(alpha_method)
+        self.recompute = recompute_theta
+        self.eos = self.tokenizer.eos_token_id
+
+    @torch.no_grad()
+    def run(self, prompts: list[list[int]], max_tokens: int, stop_at_eos: bool, seed: int = 0,
+            timed_steps: int | None = None) -> tuple[float, int, list[float]]:
+        """Generate for one static batch (left-padded); return (seconds, generated tokens, step durations)."""
+        b = len(prompts)
+        width = max(len(p) for p in prompts)
+        ids = torch.full((b, width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+        mask = torch.zeros((b, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        rows = [RowSampling(seed=seed * 1000 + i, min_tokens=0 if stop_at_eos else max_tokens,
+                            stop_token_ids=(self.eos,)) for i in range(b)]
+        start = time.perf_counter()
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        out_t = self.teacher(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        out_th = self.theta(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=not self.recompute)
+        cache_t, cache_th = out_t.past_key_values, getattr(out_th, "past_key_values", None)
+        logits_t, logits_th = out_t.logits[:, -1, : self.vocab], out_th.logits[:, -1, : self.vocab]
+        done = torch.zeros(b, dtype=torch.bool)
+        generated, steps = 0, []
+        all_ids, all_mask = ids, mask
+        prev = torch.full((b,), 0.5)
+        last = time.perf_counter()
+        for step in range(max_tokens):
+            lt, lth = torch.log_softmax(logits_t.float(), -1), torch.log_softmax(logits_th.float(), -1)
+            a = self.alpha(lth, lt, alpha_init=prev, normalized=True)
+            prev = a
+            tokens, _, _ = draw_tokens(geometric_mix(lth, lt, a), lt, [step] * b, rows)
+            generated += int((~done).sum())
+            done |= tokens == self.eos if stop_at_eos else done
+            nxt = tokens.unsqueeze(-1)
+            all_ids = torch.cat([all_ids, nxt], 1)
+            all_mask = torch.cat([all_mask, torch.ones((b, 1), dtype=torch.long)], 1)
+            pos_next = (all_mask.sum(-1, keepdim=True) - 1)
+            out_t = self.teacher(input_ids=nxt, attention_mask=all_mask, position_ids=pos_next, past_key_values=cache_t, use_cache=True)
+            cache_t, logits_t = out_t.past_key_values, out_t.logits[:, -1, : self.vocab]
+            if self.recompute:
+                full_pos = (all_mask.cumsum(-1) - 1).clamp_min(0)
+                logits_th = self.theta(input_ids=all_ids, attention_mask=all_mask, position_ids=full_pos, use_cache=False).logits[:, -1, : self.vocab]
+            else:
+                out_th = self.theta(input_ids=nxt, attention_mask=all_mask, position_ids=pos_next, past_key_values=cache_th, use_cache=True)
+                cache_th, logits_th = out_th.past_key_values, out_th.logits[:, -1, : self.vocab]
+            now = time.perf_counter()
+            steps.append(now - last)
+            last = now
+            if bool(done.all()) or (timed_steps is not None and step + 1 >= timed_steps):
+                break
+        return time.perf_counter() - start, generated, steps
+
+
+# ---------------------------------------------------------------------- the dual engine (c)
+
+
+def dual_run(dual: OptimalSamplingDual, prompts: list[list[int]], tokens: int, **kw) -> tuple[float, int, dict]:
+    before = dual.get_sync_statistics()
+    start = time.perf_counter()
+    out = dual.generate(prompts, max_tokens=tokens, use_tqdm=False, **kw)
+    wall = time.perf_counter() - start
+    after = dual.get_sync_statistics()
+    delta = {k: after[k] - before[k] for k in after}
+    return wall, sum(out.num_tokens), delta
+
+
+def dual_probe_step(dual: OptimalSamplingDual, prompts: list[list[int]], steps: int) -> float:
+    """Seconds per decoding step after prefilling ``prompts``: timed from the teacher processor's step counter."""
+    stats = dual.session.statistics
+    marks: list[tuple[float, int]] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            marks.append((time.perf_counter(), stats()["teacher_steps"]))
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    dual.generate(prompts, max_tokens=steps + 1, min_tokens=steps + 1, use_tqdm=False)
+    stop.set()
+    watcher.join()
+    first = marks[0][1]
+    # Skip the prefill step: time from the first decode step to the last.
+    t1 = next(t for t, c in marks if c >= first + 1)
+    t2 = next(t for t, c in marks if c >= first + steps + 1)
+    return (t2 - t1) / steps
+
+
+# ---------------------------------------------------------------------- driver
+
+
+def run(s: Settings) -> dict:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(s.teacher)
+    longest = max(s.lengths)
+    max_len = s.prompt_tokens + longest + s.probe_steps + 8
+    work = fixed_prompts(tok, s.batch, s.prompt_tokens)
+    results: dict[str, dict] = {d: {"time_per_token_ms": {}} for d in DESIGNS}
+
+    def probe_prompts(length: int, offset: int) -> list[list[int]]:
+        return fixed_prompts(tok, s.batch, s.prompt_tokens + length, offset)
+
+    # (a), (b): one engine at a time, so each has the machine to itself.
+    for design, path in (("teacher", s.teacher), ("theta", s.theta)):
+        with PeakRSS() as rss:
+            llm = vllm_engine(path, s, max_len)
+            vllm_run(llm, work[:2], 4)  # warm-up
+            wall, _ = vllm_run(llm, work, s.tokens)
+            results[design]["tok_s"] = s.batch * s.tokens / wall
+            for i, length in enumerate(s.lengths):
+                _, steps = vllm_run(llm, probe_prompts(length, i + 1), s.probe_steps + 1)
+                results[design]["time_per_token_ms"][length] = 1e3 * statistics.median(steps[1:]) / s.batch
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+        results[design]["peak_rss_mib"] = rss.peak / 2**20
+        print(f"{design:12s} {results[design]['tok_s']:8.1f} tok/s", flush=True)
+
+    # (c)
+    with PeakRSS() as rss:
+        with OptimalSamplingDual(s.teacher, s.theta, alpha_method=s.alpha_method, max_num_seqs=s.batch,
+                                 max_model_len=max_len, use_tqdm=False) as dual:
+            dual_run(dual, work[:2], 4)
+            wall, generated, split = dual_run(dual, work, s.tokens, min_tokens=s.tokens)
+            results["dual"]["tok_s"] = generated / wall
+            steps = split["teacher_steps"]
+            results["dual"]["step_split_ms"] = {
+                "total": 1e3 * wall / max(steps, 1),
+                "barrier_wait": 1e3 * split["teacher_wait_s"] / max(steps, 1),
+                "mixing": 1e3 * split["mix_s"] / max(steps, 1),
+                "model": 1e3 * (wall - split["teacher_wait_s"] - split["mix_s"]) / max(steps, 1),
+            }
+            for i, length in enumerate(s.lengths):
+                step = dual_probe_step(dual, probe_prompts(length, i + 1), s.probe_steps)
+                results["dual"]["time_per_token_ms"][length] = 1e3 * step / s.batch
+            realistic = fixed_prompts(tok, s.realistic_prompts, s.prompt_tokens, offset=50)
+            r_wall, r_tokens, _ = dual_run(dual, realistic, s.realistic_max_tokens, seed=3)
+            results["dual"]["realistic_tok_s"] = r_tokens / r_wall
+    results["dual"]["peak_rss_mib"] = rss.peak / 2**20
+    print(f"{'dual':12s} {results['dual']['tok_s']:8.1f} tok/s", flush=True)
+
+    # (d), (e)
+    for design, recompute in (("transformers", False), ("recompute", True)):
+        with PeakRSS() as rss:
+            hf = HFMixture(s.teacher, s.theta, s.alpha_method, recompute)
+            hf.run(work[:2], 2, stop_at_eos=False)
+            wall, generated, _ = hf.run(work, s.tokens, stop_at_eos=False)
+            results[design]["tok_s"] = generated / wall
+            for i, length in enumerate(s.lengths):
+                _, _, steps = hf.run(probe_prompts(length, i + 1), s.probe_steps + 1, stop_at_eos=False,
+                                     timed_steps=s.probe_steps + 1)
+                results[design]["time_per_token_ms"][length] = 1e3 * statistics.median(steps[1:]) / s.batch
+            if not recompute:
+                realistic = fixed_prompts(tok, s.realistic_prompts, s.prompt_tokens, offset=50)
+                r_wall, r_tokens = 0.0, 0
+                for start in range(0, len(realistic), s.batch):
+                    w, g, _ = hf.run(realistic[start : start + s.batch], s.realistic_max_tokens, stop_at_eos=True, seed=3)
+                    r_wall, r_tokens = r_wall + w, r_tokens + g
+                results[design]["realistic_tok_s"] = r_tokens / r_wall
+            del hf
+        results[design]["peak_rss_mib"] = rss.peak / 2**20
+        print(f"{design:12s} {results[design]['tok_s']:8.1f} tok/s", flush=True)
+
+    short, long_ = min(s.lengths), max(s.lengths)
+    bound = 1.0 / (1.0 / results["teacher"]["tok_s"] + 1.0 / results["theta"]["tok_s"])
+    tpt = {d: results[d]["time_per_token_ms"] for d in DESIGNS}
+    derived = {
+        "dual_vs_bound": results["dual"]["tok_s"] / bound,
+        "dual_vs_transformers": results["dual"]["realistic_tok_s"] / results["transformers"]["realistic_tok_s"],
+        "dual_vs_recompute_at_1024": tpt["recompute"][long_] / tpt["dual"][long_],
+        "per_token_growth": tpt["dual"][long_] / tpt["dual"][short],
+    }
+    return {"settings": s.__dict__, "results": results, "derived": derived, "bound_tok_s": bound,
+            "machine": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
+                        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M")}}
+
+
+def markdown_table(report: dict) -> str:
+    lengths = report["settings"]["lengths"]
+    head = "| design | tok/s | " + " | ".join(f"ms/token @{n}" for n in lengths) + " | peak RSS MiB |"
+    lines = [head, "|" + "---|" * (3 + len(lengths))]
+    for d in DESIGNS:
+        r = report["results"][d]
+        cells = " | ".join(f"{r['time_per_token_ms'][n]:.2f}" for n in lengths)
+        lines.append(f"| {d} | {r['tok_s']:.1f} | {cells} | {r['peak_rss_mib']:.0f} |")
+    lines.append("")
+    lines += [f"- `{k}` = {v:.3f}" for k, v in report["derived"].items()]
+    split = report["results"]["dual"]["step_split_ms"]
+    lines.append("- dual step split (ms per step): " + ", ".join(f"{k} {v:.1f}" for k, v in split.items()))
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    lengths = report["settings"]["lengths"]
+    for d in DESIGNS:
+        ax.plot(lengths, [report["results"][d]["time_per_token_ms"][n] for n in lengths], marker="o", label=d)
+    ax.set(xscale="log", yscale="log", xlabel="generated length (tokens)", ylabel="ms per token (per sequence)",
+           title=f"Time per token, batch {report['settings']['batch']}")
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--teacher")
+    parser.add_argument("--theta")
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--tokens", type=int)
+    parser.add_argument("--lengths", type=int, nargs="+")
+    parser.add_argument("--quick", action="store_true", help="tiny models and short lengths: a smoke run in about a minute")
+    parser.add_argument("--output", default="bench-out/benchmark.json", help="JSON path; the .md table and .png plot go beside it")
+    args = parser.parse_args()
+    if args.quick:
+        teacher, theta = (str(p) for p in models.tiny_pair("same"))
+        s = Settings(teacher, theta, batch=4, tokens=16, lengths=[16, 64], probe_steps=3, realistic_prompts=8,
+                     realistic_max_tokens=24, prompt_tokens=8)
+    else:
+        s = Settings(str(models.smollm2()), str(models.smollm2_pruned()))
+    for name in ("teacher", "theta", "batch", "tokens", "lengths"):
+        if getattr(args, name) is not None:
+            setattr(s, name, getattr(args, name))
+    report = run(s)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    table = markdown_table(report)
+    out.with_suffix(".md").write_text(table + "\n")
+    plot(report, str(out.with_suffix(".png")))
+    print(table)
+    print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
