@@ -65,11 +65,16 @@ class _MonotoneRootAlpha(AlphaComputer):
         return tol, xtol
 
     def solve(self, logp_theta: Tensor, logp_teacher: Tensor, alpha_init: Tensor | None) -> tuple[Tensor, int]:
-        joint = torch.isfinite(logp_theta) & torch.isfinite(logp_teacher)
-        # Off the joint support: base log-prob -inf (weight 0) and d = 0 (so 0·d stays 0, not NaN).
-        base = torch.where(joint, logp_theta, torch.full_like(logp_theta, -math.inf))
-        diff = torch.where(joint, logp_teacher - logp_theta, torch.zeros_like(logp_theta))
-        overlap = joint.any(dim=-1)
+        if bool(logp_theta.amin() > -math.inf) and bool(logp_teacher.amin() > -math.inf):
+            # Nothing masked (the usual case for model outputs): the joint support is everything.
+            base, diff = logp_theta, logp_teacher - logp_theta
+            overlap = torch.ones(logp_theta.shape[0], dtype=torch.bool, device=logp_theta.device)
+        else:
+            joint = torch.isfinite(logp_theta) & torch.isfinite(logp_teacher)
+            # Off the joint support: base log-prob -inf (weight 0) and d = 0 (so 0·d stays 0, not NaN).
+            base = torch.where(joint, logp_theta, torch.full_like(logp_theta, -math.inf))
+            diff = torch.where(joint, logp_teacher - logp_theta, torch.zeros_like(logp_theta))
+            overlap = joint.any(dim=-1)
         alpha = torch.full(logp_theta.shape[:1], 0.5, dtype=logp_theta.dtype, device=logp_theta.device)
         if alpha_init is not None:
             alpha = torch.where(overlap, alpha_init, alpha)
@@ -98,12 +103,18 @@ class _MonotoneRootAlpha(AlphaComputer):
 
 
 def _tilted_moments(base: Tensor, diff: Tensor, tilt: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """For r ∝ exp(base + tilt·diff) per row: (log-normaliser, E_r[diff], E_r[diff²]), each ``[b]``."""
-    logits = torch.addcmul(base, tilt.unsqueeze(-1), diff)
-    log_norm = torch.logsumexp(logits, dim=-1)
-    r = torch.exp(logits - log_norm.unsqueeze(-1))
-    r_diff = r * diff
-    return log_norm, r_diff.sum(-1), (r_diff * diff).sum(-1)
+    """For r ∝ exp(base + tilt·diff) per row: (log-normaliser, E_r[diff], E_r[diff²]), each ``[b]``.
+
+    One buffer, worked in place: shift by the row max, exponentiate once, then take the
+    three sums (this is the solver's whole cost per pass).
+    """
+    work = torch.addcmul(base, tilt.unsqueeze(-1), diff)
+    top = work.amax(dim=-1, keepdim=True)
+    weights = work.sub_(top).exp_()
+    total = weights.sum(-1)
+    first = weights.mul_(diff).sum(-1)
+    second = weights.mul_(diff).sum(-1)
+    return top.squeeze(-1) + torch.log(total), first / total, second / total
 
 
 @register_alpha_computer("kl_symmetry")

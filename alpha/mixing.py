@@ -7,6 +7,8 @@ support; a row whose supports are disjoint has no mixture and raises ValueError.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -29,9 +31,9 @@ def geometric_mix(logp_theta: Tensor, logp_teacher: Tensor, alpha: Tensor | floa
     if torch.isnan(a).any() or (a < 0).any() or (a > 1).any():
         raise ValueError(f"alpha must lie in [0, 1], got {a.tolist() if a.numel() <= 8 else a}")
     a = a.expand(theta.shape[0]).unsqueeze(-1)
-    # 0·(−inf) is NaN, so the end points select a model instead of weighting it by zero.
-    mixed = torch.where(a == 0, theta, torch.where(a == 1, teacher, (1 - a) * theta + a * teacher))
-    empty = ~torch.isfinite(mixed).any(dim=-1)
+    mixed = torch.lerp(theta, teacher, a) if bool(theta.amin() > -math.inf) and bool(teacher.amin() > -math.inf) else \
+        _mix_with_masks(theta, teacher, a)
+    empty = mixed.amax(dim=-1) == -math.inf
     if empty.any():
         raise ValueError(
             f"theta and teacher supports are disjoint in rows {_rows(empty)}: "
@@ -39,3 +41,8 @@ def geometric_mix(logp_theta: Tensor, logp_teacher: Tensor, alpha: Tensor | floa
         )
     logq = torch.log_softmax(mixed, dim=-1)
     return logq[0] if one_row else logq
+
+
+def _mix_with_masks(theta: Tensor, teacher: Tensor, a: Tensor) -> Tensor:
+    # 0·(−inf) is NaN, so the end points select a model instead of weighting it by zero.
+    return torch.where(a == 0, theta, torch.where(a == 1, teacher, (1 - a) * theta + a * teacher))

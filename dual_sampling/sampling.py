@@ -29,7 +29,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["RowSampling", "counter_uniform", "keep_top_k_top_p", "draw_tokens"]
+from alpha import AlphaComputer, geometric_mix
+
+__all__ = ["RowSampling", "Decision", "counter_uniform", "keep_top_k_top_p", "inverse_cdf", "draw_tokens", "decide"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -74,67 +76,133 @@ class RowSampling:
         return cls(**d)
 
 
-def keep_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor | None = None) -> Tensor:
-    """Bool mask ``[b, V]`` of the tokens each row keeps.
+def keep_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor | None = None) -> Tensor | None:
+    """Bool mask ``[b, V]`` of the tokens each row keeps, or None when no filter is active.
 
     ``top_k`` ``[b]`` (≤ 0: off), ``top_p`` ``[b]`` in (0, 1] (1: off), ``min_p`` ``[b]`` in [0, 1]
-    (0: off). The most likely token is always kept.
+    (0: off). The most likely token is always kept. Tokens already at -inf stay there.
     """
-    keep = torch.isfinite(logits)
+    keep = None
     if bool((top_k > 0).any()) or bool((top_p < 1).any()):
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         rank = torch.arange(logits.shape[-1], device=logits.device).expand_as(sorted_logits)
-        keep_sorted = torch.ones_like(sorted_logits, dtype=torch.bool)
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, logits.shape[-1]))
-        keep_sorted &= rank < k.unsqueeze(-1)
+        keep_sorted = rank < k.unsqueeze(-1)
         probs = torch.softmax(sorted_logits.double(), dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each token
         keep_sorted &= before < top_p.double().unsqueeze(-1)
         keep_sorted[:, 0] = True
-        keep &= torch.zeros_like(keep).scatter(-1, order, keep_sorted)
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     if min_p is not None and bool((min_p > 0).any()):
         logp = torch.log_softmax(logits, dim=-1)
         top = logp.max(dim=-1, keepdim=True).values
-        keep &= logp >= top + torch.log(min_p.clamp_min(1e-30)).unsqueeze(-1)
+        above = logp >= top + torch.log(min_p.clamp_min(1e-30)).unsqueeze(-1)
+        keep = above if keep is None else keep & above
     return keep
 
 
+_CDF_BLOCK = 256
+
+
+def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """Index i per row with CDF(i−1) < u·total ≤ CDF(i), for ``probs`` ``[b, V]`` and ``u`` ``[b]`` in [0, 1).
+
+    Two levels instead of one V-long cumulative sum: float64 sums of 256-token blocks locate
+    the block, then one block's cumulative sum locates the token.
+    """
+    b, vocab = probs.shape
+    pad = (-vocab) % _CDF_BLOCK
+    blocks = torch.nn.functional.pad(probs, (0, pad)).view(b, -1, _CDF_BLOCK)
+    block_cdf = torch.cumsum(blocks.sum(-1, dtype=torch.float64), dim=-1)
+    target = u.to(torch.float64) * block_cdf[:, -1]
+    block = torch.searchsorted(block_cdf, target.unsqueeze(-1)).squeeze(-1).clamp_max(block_cdf.shape[1] - 1)
+    before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp_min(0).unsqueeze(-1)).squeeze(-1),
+                         torch.zeros_like(target))
+    inner_cdf = torch.cumsum(blocks[torch.arange(b, device=probs.device), block].double(), dim=-1)
+    inner = torch.searchsorted(inner_cdf, (target - before).unsqueeze(-1)).squeeze(-1).clamp_max(_CDF_BLOCK - 1)
+    return (block * _CDF_BLOCK + inner).clamp_max(vocab - 1)
+
+
 def draw_tokens(logq: Tensor, logp_teacher: Tensor, steps: Sequence[int], rows: Sequence[RowSampling]) -> tuple[Tensor, Tensor, Tensor]:
-    """Apply steps 4–9 above to ``logq`` ``[b, V]`` and draw one token per row.
+    """Apply steps 4–9 above to ``logq`` ``[b, V]`` (normalised) and draw one token per row.
 
     Returns (tokens ``[b]`` int64, log q of each drawn token ``[b]``, ok ``[b]`` bool). A row
-    whose every token was removed is not ok (its token is 0 and must not be used).
+    whose every token was removed is not ok (its token is 0 and must not be used). Stages
+    that are off cost nothing: with temperature 1 and no filter, ``logq`` is drawn from as is.
     """
     b, vocab = logq.shape
-    x = logq.clone()
+    x, changed = logq, False
     dev = x.device
     sup_k = torch.tensor([r.support_top_k for r in rows], device=dev)
     sup_p = torch.tensor([r.support_top_p for r in rows], device=dev, dtype=x.dtype)
-    if bool((sup_k > 0).any()) or bool((sup_p < 1).any()):
-        x = x.masked_fill(~keep_top_k_top_p(logp_teacher, sup_k, sup_p), -math.inf)
+    support = keep_top_k_top_p(logp_teacher, sup_k, sup_p)
+    if support is not None:
+        x, changed = x.masked_fill(~support, -math.inf), True
     for i, (r, s) in enumerate(zip(rows, steps)):
-        if s < r.min_tokens and r.stop_token_ids:
-            x[i, [t for t in r.stop_token_ids if t < vocab]] = -math.inf
-        if r.logit_bias:
-            ids = torch.tensor(list(r.logit_bias), device=dev)
-            x[i, ids] += torch.tensor(list(r.logit_bias.values()), device=dev, dtype=x.dtype)
+        if (s < r.min_tokens and r.stop_token_ids) or r.logit_bias:
+            if not changed:
+                x, changed = x.clone(), True
+            if s < r.min_tokens and r.stop_token_ids:
+                x[i, [t for t in r.stop_token_ids if t < vocab]] = -math.inf
+            if r.logit_bias:
+                ids = torch.tensor(list(r.logit_bias), device=dev)
+                x[i, ids] += torch.tensor(list(r.logit_bias.values()), device=dev, dtype=x.dtype)
     temps = torch.tensor([r.temperature for r in rows], device=dev, dtype=x.dtype)
     greedy = temps == 0
-    x = x / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(-1)
+    if bool((temps != 1).any()):
+        x, changed = x / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(-1), True
     top_k = torch.tensor([r.top_k for r in rows], device=dev)
     top_p = torch.tensor([r.top_p for r in rows], device=dev, dtype=x.dtype)
     min_p = torch.tensor([r.min_p for r in rows], device=dev, dtype=x.dtype)
-    x = x.masked_fill(~keep_top_k_top_p(x, top_k, top_p, min_p), -math.inf)
-    ok = torch.isfinite(x).any(dim=-1)
-    x = torch.where(ok.unsqueeze(-1), x, torch.zeros_like(x))
-    logp_final = torch.log_softmax(x.double(), dim=-1)
-    cdf = torch.cumsum(logp_final.exp(), dim=-1)
+    keep = keep_top_k_top_p(x, top_k, top_p, min_p)
+    if keep is not None:
+        x, changed = x.masked_fill(~keep, -math.inf), True
+    ok = x.amax(dim=-1) > -math.inf
+    if not bool(ok.all()):
+        x, changed = torch.where(ok.unsqueeze(-1), x, torch.zeros_like(x)), True
+    logp_final = torch.log_softmax(x, dim=-1) if changed else x
     u = torch.tensor([counter_uniform(r.seed, s) for r, s in zip(rows, steps)], dtype=torch.float64, device=dev)
-    sampled = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1).clamp_max(vocab - 1)
+    sampled = inverse_cdf(logp_final.exp(), u)
     # Rounding can land on a zero-probability token at the edge of the CDF: step back to a kept one.
-    dead = ~torch.isfinite(logp_final.gather(-1, sampled.unsqueeze(-1)).squeeze(-1))
+    dead = logp_final.gather(-1, sampled.unsqueeze(-1)).squeeze(-1) == -math.inf
     if bool(dead.any()):
         sampled = torch.where(dead, logp_final.argmax(-1), sampled)
-    tokens = torch.where(greedy, x.argmax(dim=-1), sampled)
-    logq_token = torch.where(greedy, torch.zeros_like(u), logp_final.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
-    return tokens, logq_token.to(logq.dtype), ok
+    tokens = torch.where(greedy, x.argmax(dim=-1), sampled) if bool(greedy.any()) else sampled
+    logq_token = logp_final.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens, torch.where(greedy, torch.zeros_like(logq_token), logq_token), ok
+
+
+@dataclass
+class Decision:
+    """One decided token per row, with what the records need. Every field has shape ``[b]``."""
+
+    tokens: Tensor
+    alpha: Tensor
+    """Teacher weight used (after clamps and first-token forcing)."""
+    logp_teacher: Tensor
+    """log π_t at the token (untempered)."""
+    logp_theta: Tensor
+    """log π_θ at the token (untempered)."""
+    logq: Tensor
+    """log-probability of the token under the distribution it was drawn from."""
+    ok: Tensor
+    """False where every token was removed (the row's token must not be used)."""
+
+
+def decide(teacher_logits: Tensor, theta_logits: Tensor, steps: Sequence[int], rows: Sequence[RowSampling],
+           alpha_computer: AlphaComputer, alpha_init: Tensor | None = None) -> Decision:
+    """Steps 1–9 of the module docstring for a batch of rows: the whole per-token decision.
+
+    ``teacher_logits`` and ``theta_logits`` are ``[b, V]`` over the shared vocabulary (padding
+    rows already cut off), free of NaN. ``alpha_init`` ``[b]`` warm-starts the α solve.
+    """
+    logp_teacher = torch.log_softmax(teacher_logits.float(), dim=-1)
+    logp_theta = torch.log_softmax(theta_logits.float(), dim=-1)
+    alpha = alpha_computer(logp_theta, logp_teacher, alpha_init=alpha_init, normalized=True)
+    first = torch.tensor([r.force_first_token and s == 0 for r, s in zip(rows, steps)], device=alpha.device)
+    alpha = torch.where(first, torch.ones_like(alpha), alpha)
+    logq = geometric_mix(logp_theta, logp_teacher, alpha)
+    tokens, logq_token, ok = draw_tokens(logq, logp_teacher, steps, rows)
+    pick = tokens.unsqueeze(-1)
+    return Decision(tokens, alpha, logp_teacher.gather(-1, pick).squeeze(-1), logp_theta.gather(-1, pick).squeeze(-1),
+                    logq_token, ok)

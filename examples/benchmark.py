@@ -45,10 +45,10 @@ from pathlib import Path
 import psutil
 import torch
 
-from alpha import geometric_mix, get_alpha_computer
+from alpha import get_alpha_computer
 from dual_sampling import OptimalSamplingDual, models
 from dual_sampling.engine import default_kv_cache_bytes
-from dual_sampling.sampling import RowSampling, draw_tokens
+from dual_sampling.sampling import RowSampling, decide
 
 DESIGNS = ("teacher", "theta", "dual", "transformers", "recompute")
 
@@ -186,10 +186,8 @@ class HFMixture:
         prev = torch.full((b,), 0.5)
         last = time.perf_counter()
         for step in range(max_tokens):
-            lt, lth = torch.log_softmax(logits_t.float(), -1), torch.log_softmax(logits_th.float(), -1)
-            a = self.alpha(lth, lt, alpha_init=prev, normalized=True)
-            prev = a
-            tokens, _, _ = draw_tokens(geometric_mix(lth, lt, a), lt, [step] * b, rows)
+            decision = decide(logits_t, logits_th, [step] * b, rows, self.alpha, prev)
+            prev, tokens = decision.alpha, decision.tokens
             generated += int((~done).sum())
             done |= tokens == self.eos if stop_at_eos else done
             nxt = tokens.unsqueeze(-1)

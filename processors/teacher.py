@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from alpha import geometric_mix, get_alpha_computer
-from dual_sampling.sampling import draw_tokens
+from alpha import get_alpha_computer
+from dual_sampling.sampling import decide
 from dual_sampling.sync import (
     BELL_TO_TEACHER, BELL_TO_THETA, ERR_BAD_LOGITS, ERR_NONE, ERROR, NUM_RECORDS, STAT_MIX_NS, STAT_TEACHER_ABANDONED, STAT_TEACHER_CALLS, STAT_TEACHER_ROWS,
     STAT_TEACHER_TIMEOUTS, STAT_TEACHER_WAIT_NS, TEACHER_RELEASED, TEACHER_STEP, THETA_FINISHED, THETA_RELEASED,
@@ -93,19 +93,10 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         if len(good) < len(ready):
             ready = [ready[k] for k in good]
             teacher, theta = teacher[good], theta[good]
-        logp_teacher = torch.log_softmax(teacher, dim=-1)
-        logp_theta = torch.log_softmax(theta, dim=-1)
-        warm = torch.tensor([row.alpha for _, row in ready], dtype=logp_theta.dtype, device=logp_theta.device)
-        alpha = self.alpha_computer(logp_theta, logp_teacher, alpha_init=warm, normalized=True)
-        steps = [row.step for _, row in ready]
-        first = torch.tensor([row.sampling.force_first_token and row.step == 0 for _, row in ready], device=alpha.device)
-        alpha = torch.where(first, torch.ones_like(alpha), alpha)
-        logq = geometric_mix(logp_theta, logp_teacher, alpha)
-        tokens, logq_token, ok = draw_tokens(logq, logp_teacher, steps, [row.sampling for _, row in ready])
-        pick = tokens.unsqueeze(-1)
-        lp_t = logp_teacher.gather(-1, pick).squeeze(-1).cpu().tolist()
-        lp_th = logp_theta.gather(-1, pick).squeeze(-1).cpu().tolist()
-        rows_out = zip(ready, tokens.cpu().tolist(), alpha.cpu().tolist(), lp_t, lp_th, logq_token.cpu().tolist(), ok.cpu().tolist())
+        warm = torch.tensor([row.alpha for _, row in ready], dtype=torch.float32, device=teacher.device)
+        d = decide(teacher, theta, [row.step for _, row in ready], [row.sampling for _, row in ready],
+                   self.alpha_computer, warm)
+        rows_out = zip(ready, *(t.cpu().tolist() for t in (d.tokens, d.alpha, d.logp_teacher, d.logp_theta, d.logq, d.ok)))
         control = s.control
         for (i, row), tok, a, lt, lth, lq, row_ok in rows_out:
             if not row_ok or row.step >= s.layout.max_steps:

@@ -1,0 +1,101 @@
+"""The per-token decision (dual_sampling.sampling) against direct references."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from alpha import geometric_mix, get_alpha_computer
+from dual_sampling.sampling import RowSampling, counter_uniform, decide, draw_tokens, inverse_cdf, keep_top_k_top_p
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 256, 1000, 49152])
+def test_inverse_cdf_matches_a_full_float64_cdf(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    p = torch.softmax(torch.randn(16, vocab, generator=g) * 3, -1)
+    if vocab > 1:
+        p[:, ::5] = 0
+    u = torch.rand(16, generator=g, dtype=torch.float64)
+    cdf = torch.cumsum(p.double(), -1)
+    expected = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+    assert torch.equal(inverse_cdf(p, u), expected)
+
+
+def test_draw_frequencies_follow_q():
+    q = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0])
+    draws = 20000
+    logq = q.log().expand(draws, -1).contiguous()
+    rows = [RowSampling(seed=s) for s in range(draws)]
+    tokens, logq_token, ok = draw_tokens(logq, logq, [0] * draws, rows)
+    assert ok.all()
+    freq = torch.bincount(tokens, minlength=6).double() / draws
+    sigma = torch.sqrt(q.double() * (1 - q.double()) / draws)
+    assert ((freq - q.double()).abs() <= 4 * sigma + 1e-12).all(), freq
+    torch.testing.assert_close(logq_token, q.log()[tokens])
+
+
+def test_counter_uniform_is_uniform_and_reproducible():
+    u = np.array([counter_uniform(7, s) for s in range(20000)])
+    assert 0.0 <= u.min() and u.max() < 1.0
+    assert abs(u.mean() - 0.5) < 0.01 and abs(u.var() - 1 / 12) < 0.005
+    assert counter_uniform(7, 3) == counter_uniform(7, 3) != counter_uniform(8, 3)
+
+
+def test_top_k_top_p_min_p_masks_match_reference():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0, -math.inf]])
+    p = np.exp(logits.numpy()[0] - np.logaddexp.reduce(logits.numpy()[0]))
+    keep = keep_top_k_top_p(logits, torch.tensor([3]), torch.tensor([1.0]))
+    assert keep[0].tolist() == [True, True, True, False, False, False]
+    # top_p keeps the smallest prefix whose mass reaches p
+    cut = 0.8
+    order = np.argsort(-p)
+    before = np.cumsum(p[order]) - p[order]
+    expected = np.zeros(6, dtype=bool)
+    expected[order[before < cut]] = True
+    assert keep_top_k_top_p(logits, torch.tensor([-1]), torch.tensor([cut]))[0].tolist() == expected.tolist()
+    keep = keep_top_k_top_p(logits, torch.tensor([-1]), torch.tensor([1.0]), torch.tensor([0.3]))
+    assert keep[0].tolist() == (p >= 0.3 * p.max()).tolist()
+    assert keep_top_k_top_p(logits, torch.tensor([-1]), torch.tensor([1.0]), torch.tensor([0.0])) is None
+
+
+def test_temperature_min_tokens_bias_and_greedy():
+    logq = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.5, 0.0]]), -1)
+    t, lq, _ = draw_tokens(logq, logq, [0], [RowSampling(temperature=0.0)])
+    assert t.item() == 0 and lq.item() == 0.0
+    t, lq, _ = draw_tokens(logq, logq, [0], [RowSampling(temperature=0.0, min_tokens=2, stop_token_ids=(0,))])
+    assert t.item() == 1
+    t, _, _ = draw_tokens(logq, logq, [5], [RowSampling(temperature=0.0, min_tokens=2, stop_token_ids=(0,))])
+    assert t.item() == 0  # min_tokens reached: stop tokens allowed again
+    t, _, _ = draw_tokens(logq, logq, [0], [RowSampling(temperature=0.0, logit_bias={3: 10.0})])
+    assert t.item() == 3
+    tempered = torch.log_softmax(logq / 0.5, -1)
+    t, lq, _ = draw_tokens(logq, logq, [0], [RowSampling(seed=1, temperature=0.5)])
+    assert lq.item() == pytest.approx(tempered[0, t.item()].item(), abs=1e-6)
+
+
+def test_support_constraint_and_empty_rows():
+    lt = torch.log_softmax(torch.tensor([[5.0, 4.0, -5.0, -6.0]]), -1)
+    logq = torch.log_softmax(torch.tensor([[-5.0, -5.0, 5.0, 5.0]]), -1)
+    t, _, ok = draw_tokens(logq, lt, [0], [RowSampling(seed=3, support_top_k=2)])
+    assert ok.item() and t.item() in (0, 1)
+    t, _, ok = draw_tokens(logq, lt, [0], [RowSampling(seed=3, support_top_k=1, min_tokens=1, stop_token_ids=(0,))])
+    assert not ok.item()
+
+
+def test_decide_records_match_its_parts():
+    g = torch.Generator().manual_seed(0)
+    teacher, theta = torch.randn(3, 50, generator=g) * 3, torch.randn(3, 50, generator=g)
+    rows = [RowSampling(seed=i, force_first_token=(i == 0)) for i in range(3)]
+    ac = get_alpha_computer("kl_symmetry")
+    d = decide(teacher, theta, [0, 0, 4], rows, ac)
+    lt, lth = torch.log_softmax(teacher, -1), torch.log_softmax(theta, -1)
+    alpha = ac(lth, lt)
+    alpha[0] = 1.0
+    torch.testing.assert_close(d.alpha, alpha)
+    idx = d.tokens.unsqueeze(-1)
+    torch.testing.assert_close(d.logp_teacher, lt.gather(-1, idx).squeeze(-1))
+    torch.testing.assert_close(d.logp_theta, lth.gather(-1, idx).squeeze(-1))
+    torch.testing.assert_close(d.logq, geometric_mix(lth, lt, alpha).gather(-1, idx).squeeze(-1))
