@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install models bench-alpha clean
+.PHONY: demo test install models bench bench-alpha clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ demo: models
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+bench: models
+	$(PY) examples/benchmark.py --output bench-out/smollm2.json
 
 bench-alpha: $(STAMP)
 	$(PY) examples/bench_alpha.py --output docs/alpha_benchmark.json

@@ -397,6 +397,11 @@ def run_generation(cfg: RunConfig, sampler=None) -> dict[str, Any]:
     done = {(r["id"], r["sample_index"]) for r in done_records}
 
     own = sampler is None
+    if not own:
+        for role, wanted, running in (("teacher", cfg.teacher, sampler.config.model_teacher),
+                                      ("theta", cfg.theta, sampler.config.model_theta)):
+            if Path(wanted).resolve() != Path(running).resolve():
+                raise ValueError(f"the sampler runs {role} {running!r} but the run configures {wanted!r}")
     if own:
         sampler = OptimalSamplingDual(cfg.teacher, cfg.theta, alpha_method=cfg.alpha_method, alpha_min=cfg.alpha_min,
                                       alpha_max=cfg.alpha_max, alpha_config=cfg.alpha_config, sync_timeout=cfg.sync_timeout,

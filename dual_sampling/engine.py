@@ -354,6 +354,10 @@ class OptimalSamplingDual:
         """Process ids of each engine's core process(es), by role (for monitoring and fault tests)."""
         return {role: [p.pid for p in procs] for role, procs in self._engine_processes().items()}
 
+    def _rows_served(self) -> tuple[int, int]:
+        stats = self.session.statistics()
+        return stats["teacher_rows"], stats["theta_rows"]
+
     def _dead_engine(self) -> str | None:
         """The role of an engine whose core process has exited, if any."""
         for role, procs in self._engine_processes().items():
@@ -426,7 +430,8 @@ class OptimalSamplingDual:
         in_flight: dict[str, _Work] = {}
         done: dict[int, SampleRecord] = {}
         bar = tqdm(total=len(work), desc="dual sampling", unit="seq", disable=not show)
-        last_progress = time.monotonic()
+        # Progress is a row served by either processor: a long generation finishes nothing for minutes.
+        last_progress, last_served = time.monotonic(), self._rows_served()
         engine_failed = False
         try:
             while todo or in_flight:
@@ -455,9 +460,12 @@ class OptimalSamplingDual:
                     if dead:
                         engine_failed = True
                         raise SyncError(f"the {dead} engine failed: its engine process exited") from None
-                    if time.monotonic() - last_progress > self.config.sync_timeout + 30:
-                        raise SyncError(f"no request finished for {self.config.sync_timeout + 30:.0f} s "
-                                        f"({len(in_flight)} in flight); an engine stopped responding") from None
+                    served = self._rows_served()
+                    if served != last_served:
+                        last_served, last_progress = served, time.monotonic()
+                    elif time.monotonic() - last_progress > self.config.sync_timeout + 30:
+                        raise SyncError(f"neither engine served a row for {self.config.sync_timeout + 30:.0f} s "
+                                        f"({len(in_flight)} requests in flight); an engine stopped responding") from None
                     continue
                 last_progress = time.monotonic()
                 if isinstance(out, BaseException):

@@ -1,4 +1,4 @@
-"""Micro-benchmark of the alpha solvers: time per batch and vocabulary passes.
+"""Micro-benchmark of the alpha solvers and of the whole per-token decision.
 
 Batch 32 of float32 log-probability pairs shaped like real next-token distributions
 (random logits at a scale that gives entropies of a few nats), at SmolLM2's V = 49152
@@ -19,6 +19,7 @@ import time
 import torch
 
 from alpha import get_alpha_computer
+from dual_sampling.sampling import RowSampling, decide
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:
@@ -52,6 +53,12 @@ def main() -> None:
                          "warm_ms": 1e3 * warm_s, "warm_passes": warm.passes})
             print(f"V={vocab:6d} {method:12s} cold {1e3 * cold_s:7.1f} ms ({cold.passes} passes)"
                   f"  warm {1e3 * warm_s:7.1f} ms ({warm.passes} passes)")
+        # The whole per-token decision the teacher processor makes (log-softmax, α, mix, draw).
+        rows_cfg = [RowSampling(seed=i) for i in range(args.batch)]
+        ac = get_alpha_computer("kl_symmetry")
+        decide_s, _ = timed(lambda: decide(teacher, theta, [1] * args.batch, rows_cfg, ac), args.repeats)
+        rows.append({"vocab": vocab, "method": "decide(kl_symmetry)", "cold_ms": 1e3 * decide_s})
+        print(f"V={vocab:6d} decide       {1e3 * decide_s:7.1f} ms (log-softmax, kl_symmetry, mix, draw)")
     if args.output:
         info = {"batch": args.batch, "dtype": "float32", "torch": torch.__version__, "threads": torch.get_num_threads(),
                 "machine": platform.machine(), "processor": platform.processor(), "date": time.strftime("%Y-%m-%d")}
