@@ -10,7 +10,7 @@ Pure tensor math, with no vLLM import. α is always the teacher weight.
 
 from alpha.base import AlphaComputer, AlphaResult
 from alpha.methods import EntropyAlpha, ESSBalanceAlpha, FixedAlpha, KLSymmetryAlpha
-from alpha.mixing import geometric_mix
+from alpha.mixing import geometric_log_weights, geometric_mix
 from alpha.registry import ENTRY_POINT_GROUP, available_alpha_methods, get_alpha_computer, register_alpha_computer
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "FixedAlpha",
     "KLSymmetryAlpha",
     "available_alpha_methods",
+    "geometric_log_weights",
     "geometric_mix",
     "get_alpha_computer",
     "register_alpha_computer",

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from alpha.base import _rows, check_log_prob_pair
 
-__all__ = ["geometric_mix"]
+__all__ = ["geometric_mix", "geometric_log_weights"]
 
 
 def geometric_mix(logp_theta: Tensor, logp_teacher: Tensor, alpha: Tensor | float) -> Tensor:
@@ -30,9 +30,7 @@ def geometric_mix(logp_theta: Tensor, logp_teacher: Tensor, alpha: Tensor | floa
         raise ValueError(f"alpha must be a scalar or have one entry per row ({theta.shape[0]}), got shape {tuple(a.shape)}")
     if torch.isnan(a).any() or (a < 0).any() or (a > 1).any():
         raise ValueError(f"alpha must lie in [0, 1], got {a.tolist() if a.numel() <= 8 else a}")
-    a = a.expand(theta.shape[0]).unsqueeze(-1)
-    mixed = torch.lerp(theta, teacher, a) if bool(theta.amin() > -math.inf) and bool(teacher.amin() > -math.inf) else \
-        _mix_with_masks(theta, teacher, a)
+    mixed = geometric_log_weights(theta, teacher, a.expand(theta.shape[0]))
     empty = mixed.amax(dim=-1) == -math.inf
     if empty.any():
         raise ValueError(
@@ -41,6 +39,18 @@ def geometric_mix(logp_theta: Tensor, logp_teacher: Tensor, alpha: Tensor | floa
         )
     logq = torch.log_softmax(mixed, dim=-1)
     return logq[0] if one_row else logq
+
+
+def geometric_log_weights(logp_theta: Tensor, logp_teacher: Tensor, alpha: Tensor) -> Tensor:
+    """log q_α up to a per-row constant, ``[B, V]``: no checks and no normalisation.
+
+    For callers that validated their ``[B, V]`` inputs and ``alpha`` ``[B]`` already and
+    normalise later anyway (the sampler draws from unnormalised weights).
+    """
+    a = alpha.unsqueeze(-1)
+    if bool(logp_theta.amin() > -math.inf) and bool(logp_teacher.amin() > -math.inf):
+        return torch.lerp(logp_theta, logp_teacher, a)
+    return _mix_with_masks(logp_theta, logp_teacher, a)
 
 
 def _mix_with_masks(theta: Tensor, teacher: Tensor, a: Tensor) -> Tensor:

@@ -6,7 +6,7 @@ Order of operations (per row; α is the teacher weight):
    tokenizer's vocabulary (embedding rows beyond it are never sampled).
 2. α from the alpha computer, on those untempered distributions, clamped to
    [alpha_min, alpha_max]; α = 1 at step 0 when ``force_first_token`` is set.
-3. log q = geometric_mix(log π_θ, log π_t, α).
+3. log q = geometric_mix(log π_θ, log π_t, α), kept unnormalised until the draw.
 4. Teacher-support constraint: tokens outside the teacher's top-k / top-p set are removed.
 5. min_tokens: the stop tokens are removed while fewer than min_tokens were generated.
 6. logit_bias is added.
@@ -22,6 +22,7 @@ engines: a token forced after them could be masked to -inf. The supported ones r
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -29,7 +30,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from alpha import AlphaComputer, geometric_mix
+from alpha import AlphaComputer, geometric_log_weights
 
 __all__ = ["RowSampling", "Decision", "counter_uniform", "keep_top_k_top_p", "inverse_cdf", "draw_tokens", "decide"]
 
@@ -104,72 +105,91 @@ def keep_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor
 _CDF_BLOCK = 256
 
 
-def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
-    """Index i per row with CDF(i−1) < u·total ≤ CDF(i), for ``probs`` ``[b, V]`` and ``u`` ``[b]`` in [0, 1).
+def inverse_cdf(weights: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    """Draw by inversion from non-negative ``weights`` ``[b, V]`` (need not sum to 1), with ``u`` ``[b]`` in [0, 1).
 
-    Two levels instead of one V-long cumulative sum: float64 sums of 256-token blocks locate
-    the block, then one block's cumulative sum locates the token.
+    Returns (index ``[b]``, row totals ``[b]`` as float64): the index i has W(i−1) < u·total ≤ W(i),
+    W being the cumulative sum. Two levels instead of one V-long cumulative sum: float64
+    cumulative sums of 256-token block sums locate the block, then one block's cumulative sum
+    locates the token. Nothing V-sized is copied.
     """
-    b, vocab = probs.shape
-    pad = (-vocab) % _CDF_BLOCK
-    blocks = torch.nn.functional.pad(probs, (0, pad)).view(b, -1, _CDF_BLOCK)
-    block_cdf = torch.cumsum(blocks.sum(-1, dtype=torch.float64), dim=-1)
-    target = u.to(torch.float64) * block_cdf[:, -1]
+    b, vocab = weights.shape
+    full = vocab - vocab % _CDF_BLOCK
+    # Block sums in the weights' own precision (a float64 sum would first copy all of them), then float64.
+    sums = weights[:, :full].unflatten(-1, (-1, _CDF_BLOCK)).sum(-1)
+    if full < vocab:
+        sums = torch.cat([sums, weights[:, full:].sum(-1, keepdim=True)], dim=-1)
+    sums = sums.double()
+    block_cdf = torch.cumsum(sums, dim=-1)
+    total = block_cdf[:, -1]
+    target = u.to(torch.float64) * total
     block = torch.searchsorted(block_cdf, target.unsqueeze(-1)).squeeze(-1).clamp_max(block_cdf.shape[1] - 1)
     before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp_min(0).unsqueeze(-1)).squeeze(-1),
                          torch.zeros_like(target))
-    inner_cdf = torch.cumsum(blocks[torch.arange(b, device=probs.device), block].double(), dim=-1)
-    inner = torch.searchsorted(inner_cdf, (target - before).unsqueeze(-1)).squeeze(-1).clamp_max(_CDF_BLOCK - 1)
-    return (block * _CDF_BLOCK + inner).clamp_max(vocab - 1)
+    index = block.unsqueeze(-1) * _CDF_BLOCK + torch.arange(_CDF_BLOCK, device=weights.device)
+    inner = weights.gather(-1, index.clamp_max(vocab - 1)).double().masked_fill_(index >= vocab, 0.0)
+    inner_cdf = torch.cumsum(inner, dim=-1)
+    pos = torch.searchsorted(inner_cdf, (target - before).unsqueeze(-1)).squeeze(-1).clamp_max(_CDF_BLOCK - 1)
+    return (block * _CDF_BLOCK + pos).clamp_max(vocab - 1), total
 
 
-def draw_tokens(logq: Tensor, logp_teacher: Tensor, steps: Sequence[int], rows: Sequence[RowSampling]) -> tuple[Tensor, Tensor, Tensor]:
-    """Apply steps 4–9 above to ``logq`` ``[b, V]`` (normalised) and draw one token per row.
+def draw_tokens(logq: Tensor, logp_teacher: Tensor, steps: Sequence[int], rows: Sequence[RowSampling],
+                overwrite: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Apply steps 4–9 above to ``logq`` ``[b, V]`` and draw one token per row.
 
-    Returns (tokens ``[b]`` int64, log q of each drawn token ``[b]``, ok ``[b]`` bool). A row
-    whose every token was removed is not ok (its token is 0 and must not be used). Stages
-    that are off cost nothing: with temperature 1 and no filter, ``logq`` is drawn from as is.
+    ``logq`` is log q up to a per-row constant (it need not be normalised). With
+    ``overwrite=True`` the stages work in ``logq`` itself, which saves a V-sized copy.
+    Returns (tokens ``[b]`` int64, normalised log q of each drawn token ``[b]``, ok ``[b]``
+    bool). A row whose every token was removed is not ok (its token is 0 and must not be
+    used). Stages that are off cost nothing.
     """
     b, vocab = logq.shape
-    x, changed = logq, False
+    x = logq
     dev = x.device
+    owned = overwrite
+
+    def writable() -> Tensor:
+        nonlocal x, owned
+        if not owned:
+            x, owned = x.clone(), True
+        return x
+
     sup_k = torch.tensor([r.support_top_k for r in rows], device=dev)
     sup_p = torch.tensor([r.support_top_p for r in rows], device=dev, dtype=x.dtype)
     support = keep_top_k_top_p(logp_teacher, sup_k, sup_p)
     if support is not None:
-        x, changed = x.masked_fill(~support, -math.inf), True
+        writable().masked_fill_(~support, -math.inf)
     for i, (r, s) in enumerate(zip(rows, steps)):
-        if (s < r.min_tokens and r.stop_token_ids) or r.logit_bias:
-            if not changed:
-                x, changed = x.clone(), True
-            if s < r.min_tokens and r.stop_token_ids:
-                x[i, [t for t in r.stop_token_ids if t < vocab]] = -math.inf
-            if r.logit_bias:
-                ids = torch.tensor(list(r.logit_bias), device=dev)
-                x[i, ids] += torch.tensor(list(r.logit_bias.values()), device=dev, dtype=x.dtype)
+        if s < r.min_tokens and r.stop_token_ids:
+            writable()[i, [t for t in r.stop_token_ids if t < vocab]] = -math.inf
+        if r.logit_bias:
+            ids = torch.tensor(list(r.logit_bias), device=dev)
+            writable()[i, ids] += torch.tensor(list(r.logit_bias.values()), device=dev, dtype=x.dtype)
     temps = torch.tensor([r.temperature for r in rows], device=dev, dtype=x.dtype)
     greedy = temps == 0
     if bool((temps != 1).any()):
-        x, changed = x / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(-1), True
+        writable().div_(torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(-1))
     top_k = torch.tensor([r.top_k for r in rows], device=dev)
     top_p = torch.tensor([r.top_p for r in rows], device=dev, dtype=x.dtype)
     min_p = torch.tensor([r.min_p for r in rows], device=dev, dtype=x.dtype)
     keep = keep_top_k_top_p(x, top_k, top_p, min_p)
     if keep is not None:
-        x, changed = x.masked_fill(~keep, -math.inf), True
-    ok = x.amax(dim=-1) > -math.inf
-    if not bool(ok.all()):
-        x, changed = torch.where(ok.unsqueeze(-1), x, torch.zeros_like(x)), True
-    logp_final = torch.log_softmax(x, dim=-1) if changed else x
+        writable().masked_fill_(~keep, -math.inf)
+    top = x.amax(dim=-1)
+    ok = top > -math.inf
+    shift = torch.where(ok, top, torch.zeros_like(top))
+    weights = (x - shift.unsqueeze(-1)).exp_()
     u = torch.tensor([counter_uniform(r.seed, s) for r, s in zip(rows, steps)], dtype=torch.float64, device=dev)
-    sampled = inverse_cdf(logp_final.exp(), u)
-    # Rounding can land on a zero-probability token at the edge of the CDF: step back to a kept one.
-    dead = logp_final.gather(-1, sampled.unsqueeze(-1)).squeeze(-1) == -math.inf
+    sampled, total = inverse_cdf(weights, u)
+    # Rounding can land on a zero-weight token at the edge of the CDF: step back to a kept one.
+    dead = x.gather(-1, sampled.unsqueeze(-1)).squeeze(-1) == -math.inf
     if bool(dead.any()):
-        sampled = torch.where(dead, logp_final.argmax(-1), sampled)
+        sampled = torch.where(dead, x.argmax(-1), sampled)
     tokens = torch.where(greedy, x.argmax(dim=-1), sampled) if bool(greedy.any()) else sampled
-    logq_token = logp_final.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return tokens, torch.where(greedy, torch.zeros_like(logq_token), logq_token), ok
+    tokens = torch.where(ok, tokens, torch.zeros_like(tokens))
+    log_total = torch.log(torch.where(ok, total, torch.ones_like(total))).to(x.dtype)
+    logq_token = x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - shift - log_total
+    return tokens, torch.where(greedy | ~ok, torch.zeros_like(logq_token), logq_token), ok
 
 
 @dataclass
@@ -188,21 +208,29 @@ class Decision:
     ok: Tensor
     """False where every token was removed (the row's token must not be used)."""
 
+    @classmethod
+    def concatenate(cls, parts: Sequence["Decision"]) -> "Decision":
+        """The decisions of consecutive row ranges, as one."""
+        return cls(*(torch.cat([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(cls)))
+
 
 def decide(teacher_logits: Tensor, theta_logits: Tensor, steps: Sequence[int], rows: Sequence[RowSampling],
-           alpha_computer: AlphaComputer, alpha_init: Tensor | None = None) -> Decision:
+           alpha_computer: AlphaComputer, alpha_init: Tensor | None = None, theta_normalized: bool = False) -> Decision:
     """Steps 1–9 of the module docstring for a batch of rows: the whole per-token decision.
 
     ``teacher_logits`` and ``theta_logits`` are ``[b, V]`` over the shared vocabulary (padding
-    rows already cut off), free of NaN. ``alpha_init`` ``[b]`` warm-starts the α solve.
+    rows already cut off), free of NaN. ``theta_normalized=True`` says theta's rows are
+    log-softmax outputs already (the theta engine normalises them on its own cores).
+    ``alpha_init`` ``[b]`` warm-starts the α solve.
     """
     logp_teacher = torch.log_softmax(teacher_logits.float(), dim=-1)
-    logp_theta = torch.log_softmax(theta_logits.float(), dim=-1)
+    logp_theta = theta_logits.float() if theta_normalized else torch.log_softmax(theta_logits.float(), dim=-1)
     alpha = alpha_computer(logp_theta, logp_teacher, alpha_init=alpha_init, normalized=True)
     first = torch.tensor([r.force_first_token and s == 0 for r, s in zip(rows, steps)], device=alpha.device)
     alpha = torch.where(first, torch.ones_like(alpha), alpha)
-    logq = geometric_mix(logp_theta, logp_teacher, alpha)
-    tokens, logq_token, ok = draw_tokens(logq, logp_teacher, steps, rows)
+    # Unnormalised: the draw normalises with the sums it computes anyway.
+    log_weights = geometric_log_weights(logp_theta, logp_teacher, alpha)
+    tokens, logq_token, ok = draw_tokens(log_weights, logp_teacher, steps, rows, overwrite=True)
     pick = tokens.unsqueeze(-1)
     return Decision(tokens, alpha, logp_teacher.gather(-1, pick).squeeze(-1), logp_theta.gather(-1, pick).squeeze(-1),
                     logq_token, ok)

@@ -15,13 +15,38 @@ from dual_sampling.sampling import RowSampling, counter_uniform, decide, draw_to
 @pytest.mark.parametrize("vocab", [1, 7, 256, 1000, 49152])
 def test_inverse_cdf_matches_a_full_float64_cdf(vocab):
     g = torch.Generator().manual_seed(vocab)
-    p = torch.softmax(torch.randn(16, vocab, generator=g) * 3, -1)
+    # Unnormalised weights, a different scale per row: the draw must not assume a sum of 1.
+    p = torch.softmax(torch.randn(16, vocab, generator=g) * 3, -1) * torch.rand(16, 1, generator=g) * 50
     if vocab > 1:
         p[:, ::5] = 0
     u = torch.rand(16, generator=g, dtype=torch.float64)
     cdf = torch.cumsum(p.double(), -1)
     expected = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
-    assert torch.equal(inverse_cdf(p, u), expected)
+    index, total = inverse_cdf(p, u)
+    assert torch.equal(index, expected)
+    torch.testing.assert_close(total, cdf[:, -1], rtol=1e-6, atol=0)
+
+
+def test_draw_accepts_unnormalised_log_q_and_leaves_it_alone():
+    g = torch.Generator().manual_seed(5)
+    logq = torch.log_softmax(torch.randn(6, 300, generator=g), -1)
+    shifted = logq + torch.randn(6, 1, generator=g) * 20  # a per-row constant changes nothing
+    before = shifted.clone()
+    rows = [RowSampling(seed=i, temperature=0.7, top_p=0.9, min_tokens=3, stop_token_ids=(1,)) for i in range(6)]
+    t1, lq1, _ = draw_tokens(logq, logq, [0] * 6, rows)
+    t2, lq2, _ = draw_tokens(shifted, logq, [0] * 6, rows)
+    assert torch.equal(shifted, before)
+    assert torch.equal(t1, t2)
+    torch.testing.assert_close(lq1, lq2, rtol=0, atol=2e-5)
+    # The oracle: the same stages written out in float64.
+    x = (logq.double() / 0.7).clone()
+    x[:, 1] = -math.inf
+    p = torch.softmax(x, -1)
+    order = torch.sort(p, -1, descending=True)
+    above = torch.cumsum(order.values, -1) - order.values
+    keep = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order.indices, above < 0.9)
+    ref = torch.log_softmax(x.masked_fill(~keep, -math.inf), -1)
+    torch.testing.assert_close(lq2.double(), ref.gather(-1, t2.unsqueeze(-1)).squeeze(-1), rtol=0, atol=2e-5)
 
 
 def test_draw_frequencies_follow_q():
