@@ -10,6 +10,7 @@ collects both sides' outputs, checks that they agree, and reads the per-token re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -31,9 +32,14 @@ from dual_sampling.sync import (
 )
 from dual_sampling.vocab import check_tokenizers_match
 
-__all__ = ["OptimalSamplingDual", "DualEngineConfig", "kv_cache_bytes_needed", "default_kv_cache_bytes"]
+__all__ = ["OptimalSamplingDual", "DualEngineConfig", "kv_cache_bytes_needed", "default_kv_cache_bytes", "split_cpu_binding",
+           "engine_cpus"]
 
 _MiB = 1 << 20
+_DELIVERY_S = 0.01
+"""Time for requests sent to an engine to reach its input queue before the gate opens (a few socket hops)."""
+_ADMIT_LIMIT_S = 10.0
+"""Longest the driver waits for the engines during one admission (it then admits unaligned)."""
 _BEST_OF_SCORES = ("logq", "logp_theta", "logp_teacher")
 
 
@@ -67,6 +73,8 @@ class DualEngineConfig:
     """Skip graph compilation (engine start in seconds rather than minutes)."""
     enable_prefix_caching: bool = True
     """Share the KV of common prompt prefixes (the n samples of one prompt)."""
+    cpu_binding: str = "split"
+    """CPU backend only. "split": each engine's model gets its own half of the CPUs, so both run at once; "vllm": vLLM's own binding (both models on the same cores)."""
     teacher_engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra ``vllm.LLM`` arguments for the teacher engine; they override the above."""
     theta_engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -85,6 +93,8 @@ class DualEngineConfig:
             raise ValueError(f"sync_timeout must be a positive number of seconds, got {self.sync_timeout!r}")
         if not (isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1):
             raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
+        if self.cpu_binding not in ("split", "vllm"):
+            raise ValueError(f"cpu_binding must be 'split' or 'vllm', got {self.cpu_binding!r}")
         if self.max_model_len is not None and not (isinstance(self.max_model_len, int) and self.max_model_len >= 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
 
@@ -115,32 +125,44 @@ def _derive_seed(seed: int, prompt_key: int | str, sample_index: int) -> int:
 
 
 class _EngineThread(threading.Thread):
-    """Owns one LLMEngine: adds requests from its inbox (``add_request`` argument tuples), steps, reports finished outputs."""
+    """Owns one LLMEngine: adds requests from its inbox (``add_request`` argument tuples), steps, reports finished outputs.
+
+    It never blocks inside ``step()`` waiting for output: while the engine is parked at the
+    admission gate no output comes, and the thread must still be free to add requests.
+    """
 
     def __init__(self, side: str, llm, results: "queue.Queue") -> None:
         super().__init__(name=f"dual-sampling-{side}", daemon=True)
         self.side, self.engine, self.results = side, llm.llm_engine, results
         self.inbox: "queue.Queue" = queue.Queue()
+        self.added = 0
+        """Requests handed to the engine so far (the driver waits on it during admission)."""
         self.stop_flag = threading.Event()
+        # The multiprocess client queues each engine step's output; step() blocks until there is one.
+        self._outputs = getattr(self.engine.engine_core, "outputs_queue", None)
 
     def run(self) -> None:
         try:
             while not self.stop_flag.is_set():
-                self._drain(block=not self.engine.has_unfinished_requests())
-                if self.engine.has_unfinished_requests():
+                busy = self.engine.has_unfinished_requests()
+                if busy and (self._outputs is None or not self._outputs.empty()):
                     for out in self.engine.step():
                         if out.finished:
                             self.results.put((self.side, out))
+                    self._add_waiting()
+                else:
+                    self._add_waiting(timeout=0.002 if busy else 0.05)
         except BaseException as exc:  # reported to the driver, which fails the run loudly
             self.results.put((self.side, exc))
 
-    def _drain(self, block: bool) -> None:
+    def _add_waiting(self, timeout: float = 0.0) -> None:
         try:
-            item = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+            item = self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait()
         except queue.Empty:
             return
         while True:
             self.engine.add_request(*item)
+            self.added += 1
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -201,6 +223,7 @@ class OptimalSamplingDual:
 
         self.session = SyncSession.create(SessionLayout(self.vocab, 2 * cfg.max_num_seqs + 2, self.max_model_len))
         self._llms: dict[str, Any] = {}
+        self._binding: dict[str, str] = {}
         self._closed = False
         self._next_key = 1
         try:
@@ -240,6 +263,8 @@ class OptimalSamplingDual:
                 "abandon_token_id": self.eos_token_ids[0],
                 "alpha_method": cfg.alpha_method,
                 "alpha_config": {"alpha_min": cfg.alpha_min, "alpha_max": cfg.alpha_max, **cfg.alpha_config},
+                # Theta's CPUs idle while the teacher decides; the teacher borrows them (see processors.teacher).
+                "mix_helper_cpus": [int(c) for c in self._binding["theta"].split(",")] if role == "teacher" and self._binding else None,
             }},
         )
         kwargs.update(cfg.teacher_engine_kwargs if role == "teacher" else cfg.theta_engine_kwargs)
@@ -250,8 +275,10 @@ class OptimalSamplingDual:
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         from vllm import LLM
 
+        self._binding = split_cpu_binding() if self.config.cpu_binding == "split" else {}
         for role in ("teacher", "theta"):
-            self._llms[role] = LLM(**self._engine_kwargs(role))
+            with engine_cpus(self._binding.get(role)):
+                self._llms[role] = LLM(**self._engine_kwargs(role))
             cache = self._llms[role].llm_engine.vllm_config.cache_config
             blocks = getattr(cache, "num_gpu_blocks", None)
             if blocks:
@@ -368,7 +395,7 @@ class OptimalSamplingDual:
     def get_sync_statistics(self) -> dict[str, float]:
         """Counters from both processors: rows served, wait and mixing time, abandoned rows, timeouts."""
         stats: dict[str, float] = dict(self.session.statistics())
-        for key in ("teacher_wait_ns", "theta_wait_ns", "mix_ns"):
+        for key in ("teacher_wait_ns", "theta_wait_ns", "mix_ns", "teacher_parked_ns"):
             stats[key.replace("_ns", "_s")] = stats.pop(key) / 1e9
         return stats
 
@@ -437,6 +464,7 @@ class OptimalSamplingDual:
             while todo or in_flight:
                 if not free:
                     free = [s for s in range(layout.slots) if session.slot_free(s)]
+                admit = []
                 while todo and free:
                     w = todo.pop()
                     w.slot = free.pop()
@@ -447,10 +475,11 @@ class OptimalSamplingDual:
                         stop_token_ids=list(sampling.stop_token_ids), skip_special_tokens=True,
                         extra_args={"dual_sampling": {"slot": w.slot, "key": w.key, "sampling": row.to_dict()}},
                     )
-                    rid = f"k{w.key}"
-                    in_flight[rid] = w
-                    for role, ids in (("teacher", w.teacher_ids), ("theta", w.theta_ids)):
-                        threads[role].inbox.put((rid, {"prompt_token_ids": ids}, params))
+                    admit.append((f"k{w.key}", w, params))
+                if admit:
+                    idle = not in_flight
+                    in_flight.update((rid, w) for rid, w, _ in admit)
+                    self._admit(threads, admit, idle)
                 if todo and not in_flight and not free:
                     raise SyncError("no shared-memory slot was released although no request is in flight")
                 try:
@@ -492,6 +521,49 @@ class OptimalSamplingDual:
                 self.close()
         return done
 
+    def _admit(self, threads: dict[str, _EngineThread], items: list, idle: bool) -> None:
+        """Hand requests to both engines so that both take them in at the same engine step.
+
+        The admission gate (``dual_sampling.sync``) parks both processors at the end of a
+        step while the requests travel; an idle engine instead starts a step the moment its
+        first request arrives, so exactly one request goes first and the rest wait for the gate.
+        Alignment affects speed only: if a side does not park in time, admission goes ahead.
+        """
+        session = self.session
+        generation = session.hold_gate()
+        try:
+            if idle:
+                self._send(threads, items[:1])
+                items = items[1:]
+            if not items:
+                return
+            self._await_parked(threads, generation)
+            self._send(threads, items)
+            time.sleep(_DELIVERY_S)
+        finally:
+            session.open_gate(generation)
+
+    @staticmethod
+    def _send(threads: dict[str, _EngineThread], items: list) -> None:
+        """Put ``items`` in both engines' inboxes and wait until both engine threads have added them."""
+        targets = {}
+        for role, thread in threads.items():
+            targets[role] = thread.added + len(items)
+            for rid, w, params in items:
+                thread.inbox.put((rid, {"prompt_token_ids": w.teacher_ids if role == "teacher" else w.theta_ids}, params))
+        deadline = time.monotonic() + _ADMIT_LIMIT_S
+        while any(t.added < targets[r] and t.is_alive() for r, t in threads.items()) and time.monotonic() < deadline:
+            time.sleep(0.0005)
+
+    def _await_parked(self, threads: dict[str, _EngineThread], generation: int) -> None:
+        """Wait until each engine is parked at the gate or has nothing to run (it cannot park then)."""
+        deadline = time.monotonic() + _ADMIT_LIMIT_S
+        while time.monotonic() < deadline:
+            parked = dict(zip(("teacher", "theta"), self.session.parked(generation)))
+            if all(parked[r] or not t.engine.has_unfinished_requests() or not t.is_alive() for r, t in threads.items()):
+                return
+            time.sleep(0.0005)
+
     def _collect(self, w: _Work) -> SampleRecord:
         s = self.session
         teacher_out, theta_out = w.outputs["teacher"].outputs[0], w.outputs["theta"].outputs[0]
@@ -514,6 +586,41 @@ class OptimalSamplingDual:
             )
         sample.alpha, sample.logp_teacher, sample.logp_theta, sample.logq = (records[:, k].tolist() for k in range(4))
         return sample
+
+
+def split_cpu_binding() -> dict[str, str]:
+    """{role: CPU list} for vLLM's CPU backend: the teacher's model threads get the first half of the CPUs, theta's the rest.
+
+    vLLM binds every engine's model threads to the same cores of NUMA node 0 and leaves
+    one core to its scheduler process; two engines would then time-share those cores
+    while the others idle. Empty (vLLM's own binding applies) when not on the CPU backend,
+    when the user set VLLM_CPU_OMP_THREADS_BIND, or with fewer than two CPUs.
+    """
+    from vllm.platforms import current_platform
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if not current_platform.is_cpu() or len(cpus) < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    half = (len(cpus) + 1) // 2
+    return {"teacher": ",".join(map(str, cpus[:half])), "theta": ",".join(map(str, cpus[half:]))}
+
+
+@contextlib.contextmanager
+def engine_cpus(cpu_list: str | None):
+    """Build a vLLM engine inside this block to bind its model threads to ``cpu_list`` ("0,1"; None: vLLM's choice).
+
+    The engine's processes read VLLM_CPU_OMP_THREADS_BIND when they are spawned.
+    """
+    old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    try:
+        if cpu_list is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
 
 
 def _as_list(value) -> list[int]:

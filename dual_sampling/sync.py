@@ -4,10 +4,10 @@ One session is one file in /dev/shm, mapped by the driver and by the logits proc
 inside each engine's worker process. It holds, per request *slot*:
 
 - control words: the request key occupying the slot, the step of theta's last published
-  logits row, the step and id of the teacher's last decided token, finish and release
+  log-probability row, the step and id of the teacher's last decided token, finish and release
   flags for each side, and an error code;
-- theta's logits row for the current step (float32 ``[V]``): theta publishes, the teacher
-  reads, so each step moves one row across, once;
+- theta's log-probability row for the current step (float32 ``[V]``, the log-softmax of its
+  logits): theta publishes, the teacher reads, so each step moves one row across, once;
 - the per-token records the teacher writes (token id, α, log π_t, log π_θ, log q).
 
 Protocol invariants (``docs/architecture.md`` has the full argument):
@@ -18,6 +18,14 @@ Protocol invariants (``docs/architecture.md`` has the full argument):
   buffer per slot suffices.
 - A slot is reused only when both processors released it (saw the request leave their
   batch) and the driver has read its records.
+
+The admission gate keeps the two engines' batches in phase. A request that joins the
+teacher's batch one engine step earlier than theta's would make every teacher step wait
+for theta's next step, serialising the two models for its whole life. So the driver admits
+new requests while the gate is held: each processor, at the end of its step, parks until
+the driver has handed the new requests to both engines and opened the gate; both engines
+then take them in at the same step. The gate affects speed only, never correctness: a
+processor parks for at most ``park_limit_s``.
 
 Waits block on a futex (Linux), with a short timeout so that rare driver events are seen
 even if a wake is missed; elsewhere they back off with sleeps. They never spin.
@@ -54,16 +62,20 @@ _H_MAGIC, _H_VOCAB, _H_SLOTS, _H_STEPS, _H_OWNER, _H_SHUTDOWN = range(6)
 STAT_TEACHER_ROWS, STAT_THETA_ROWS, STAT_TEACHER_WAIT_NS, STAT_THETA_WAIT_NS, STAT_MIX_NS, \
     STAT_TEACHER_ABANDONED, STAT_THETA_ABANDONED, STAT_TEACHER_TIMEOUTS, STAT_TEACHER_CALLS, STAT_THETA_CALLS, \
     STAT_THETA_TIMEOUTS = range(6, 17)
+# The admission gate (driver writes HELD and OPENED; each processor writes its own PARKED word).
+_H_GATE_HELD, _H_GATE_OPENED, _H_TEACHER_PARKED, _H_THETA_PARKED, STAT_PARKED_NS, STAT_SPLIT_STEPS = range(17, 23)
 STAT_NAMES = {
     STAT_TEACHER_ROWS: "teacher_rows", STAT_THETA_ROWS: "theta_rows",
     STAT_TEACHER_WAIT_NS: "teacher_wait_ns", STAT_THETA_WAIT_NS: "theta_wait_ns", STAT_MIX_NS: "mix_ns",
     STAT_TEACHER_ABANDONED: "teacher_abandoned_rows", STAT_THETA_ABANDONED: "theta_abandoned_rows",
     STAT_TEACHER_TIMEOUTS: "teacher_timeouts", STAT_THETA_TIMEOUTS: "theta_timeouts",
-    STAT_TEACHER_CALLS: "teacher_steps", STAT_THETA_CALLS: "theta_steps",
+    STAT_TEACHER_CALLS: "teacher_steps", STAT_THETA_CALLS: "theta_steps", STAT_PARKED_NS: "teacher_parked_ns",
+    # Teacher steps whose rows arrived in more than one of theta's steps: the engines' batches were out of phase.
+    STAT_SPLIT_STEPS: "split_steps",
 }
 _HEADER_WORDS = 32
 # Doorbells (int32 futex words): one writer each on the hot path.
-BELL_TO_TEACHER, BELL_TO_THETA = 0, 1
+BELL_TO_TEACHER, BELL_TO_THETA, BELL_GATE = 0, 1, 2
 _BELLS = 16  # 64 bytes, its own cache line
 
 ERR_NONE, ERR_TIMEOUT, ERR_PARTNER_GONE, ERR_BAD_LOGITS, ERR_STALE = range(5)
@@ -103,7 +115,7 @@ class SessionLayout:
             ("header", 8 * _HEADER_WORDS),
             ("bells", 4 * _BELLS),
             ("control", 8 * _CONTROL_WORDS * self.slots),
-            ("theta_logits", 4 * self.vocab * self.slots),
+            ("theta_logprobs", 4 * self.vocab * self.slots),
             ("tokens", 4 * self.max_steps * self.slots),
             ("records", 16 * self.max_steps * self.slots),
         ]
@@ -182,7 +194,7 @@ class SyncSession:
         self.header = np.frombuffer(buf, np.int64, _HEADER_WORDS, off["header"])
         self.bells = np.frombuffer(buf, np.int32, _BELLS, off["bells"])
         self.control = np.frombuffer(buf, np.int64, _CONTROL_WORDS * layout.slots, off["control"]).reshape(layout.slots, _CONTROL_WORDS)
-        self.theta_logits = np.frombuffer(buf, np.float32, layout.vocab * layout.slots, off["theta_logits"]).reshape(layout.slots, layout.vocab)
+        self.theta_logprobs = np.frombuffer(buf, np.float32, layout.vocab * layout.slots, off["theta_logprobs"]).reshape(layout.slots, layout.vocab)
         self.tokens = np.frombuffer(buf, np.int32, layout.max_steps * layout.slots, off["tokens"]).reshape(layout.slots, layout.max_steps)
         self.records = np.frombuffer(buf, np.float32, 4 * layout.max_steps * layout.slots, off["records"]).reshape(layout.slots, layout.max_steps, 4)
         self._bell_anchor = ctypes.c_char.from_buffer(mm, off["bells"])
@@ -240,7 +252,7 @@ class SyncSession:
         self._closed = True
         if self.owner:
             self.shutdown()
-        del self.header, self.bells, self.control, self.theta_logits, self.tokens, self.records, self._bell_anchor
+        del self.header, self.bells, self.control, self.theta_logprobs, self.tokens, self.records, self._bell_anchor
         try:
             self._mm.close()
         except BufferError:
@@ -284,6 +296,41 @@ class SyncSession:
         self.header[_H_SHUTDOWN] = 1
         self.ring(BELL_TO_TEACHER)
         self.ring(BELL_TO_THETA)
+        self.ring(BELL_GATE)
+
+    # ------------------------------------------------------------------ admission gate
+
+    def hold_gate(self) -> int:
+        """Driver: ask both processors to park at the end of their current step; returns the hold's number."""
+        generation = int(self.header[_H_GATE_HELD]) + 1
+        self.header[_H_GATE_HELD] = generation
+        return generation
+
+    def parked(self, generation: int) -> tuple[bool, bool]:
+        """Driver: whether (teacher, theta) are parked for hold ``generation``."""
+        return (int(self.header[_H_TEACHER_PARKED]) >= generation, int(self.header[_H_THETA_PARKED]) >= generation)
+
+    def open_gate(self, generation: int) -> None:
+        """Driver: release the processors parked for hold ``generation``."""
+        self.header[_H_GATE_OPENED] = generation
+        self.ring(BELL_GATE)
+
+    def park_if_held(self, role: str, park_limit_s: float) -> float:
+        """Processor: if a hold is pending, park until the gate opens (or ``park_limit_s``); returns seconds parked."""
+        generation = int(self.header[_H_GATE_HELD])
+        if generation <= int(self.header[_H_GATE_OPENED]):
+            return 0.0
+        start = time.monotonic()
+        deadline = start + park_limit_s
+        self.header[_H_TEACHER_PARKED if role == "teacher" else _H_THETA_PARKED] = generation
+        while int(self.header[_H_GATE_OPENED]) < generation and not self.is_shut_down:
+            seen = self.bell_value(BELL_GATE)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            if int(self.header[_H_GATE_OPENED]) < generation:
+                self.wait_bell(BELL_GATE, seen, min(remaining, 0.05))
+        return time.monotonic() - start
 
     def statistics(self) -> dict[str, int]:
         """Counters the processors keep: rows served, wait and mixing time (ns), abandoned rows, timeouts."""

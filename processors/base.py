@@ -34,9 +34,11 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 from dual_sampling.sampling import RowSampling
 from dual_sampling.sync import ERR_TIMEOUT, KEY, SyncError, SyncSession
 
-__all__ = ["BaseSyncLogitsProcessor", "TrackedRow", "CONFIG_KEY"]
+__all__ = ["BaseSyncLogitsProcessor", "TrackedRow", "CONFIG_KEY", "PARK_LIMIT_S"]
 
 CONFIG_KEY = "dual_sampling"
+PARK_LIMIT_S = 2.0
+"""Longest a processor stays parked at the admission gate; the driver normally opens it within milliseconds."""
 
 
 @dataclass
@@ -62,6 +64,8 @@ class BaseSyncLogitsProcessor(LogitsProcessor):
     role: ClassVar[str] = ""
     released_word: ClassVar[int] = -1
     """Slot control word this side sets when a request leaves its batch."""
+    parked_stat_word: ClassVar[int | None] = None
+    """Header word that accumulates this side's time parked at the admission gate (ns), if any."""
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         config = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
@@ -116,6 +120,10 @@ class BaseSyncLogitsProcessor(LogitsProcessor):
         if not batch:
             return logits
         decided = self.synchronise(logits, batch)
+        # The step is decided: if the driver is admitting requests, wait here so that both engines take them in at once.
+        parked_s = self.session.park_if_held(self.role, PARK_LIMIT_S)
+        if parked_s and self.parked_stat_word is not None:
+            self.session.header[self.parked_stat_word] += int(parked_s * 1e9)
         return self._force(logits, decided)
 
     # ------------------------------------------------------------------ for subclasses

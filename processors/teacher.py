@@ -8,20 +8,25 @@ order they become ready, so one late row never holds back the others.
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from alpha import get_alpha_computer
-from dual_sampling.sampling import decide
+from dual_sampling.sampling import Decision, decide
 from dual_sampling.sync import (
-    BELL_TO_TEACHER, BELL_TO_THETA, ERR_BAD_LOGITS, ERR_NONE, ERROR, NUM_RECORDS, STAT_MIX_NS, STAT_TEACHER_ABANDONED, STAT_TEACHER_CALLS, STAT_TEACHER_ROWS,
-    STAT_TEACHER_TIMEOUTS, STAT_TEACHER_WAIT_NS, TEACHER_RELEASED, TEACHER_STEP, THETA_FINISHED, THETA_RELEASED,
-    THETA_STEP, TOKEN,
+    BELL_TO_TEACHER, BELL_TO_THETA, ERR_BAD_LOGITS, ERR_NONE, ERROR, NUM_RECORDS, STAT_MIX_NS, STAT_PARKED_NS,
+    STAT_SPLIT_STEPS, STAT_TEACHER_ABANDONED, STAT_TEACHER_CALLS, STAT_TEACHER_ROWS, STAT_TEACHER_TIMEOUTS,
+    STAT_TEACHER_WAIT_NS, TEACHER_RELEASED, TEACHER_STEP, THETA_FINISHED, THETA_RELEASED, THETA_STEP, TOKEN,
 )
 from processors.base import BaseSyncLogitsProcessor, TrackedRow
 
 __all__ = ["TeacherSyncLogitsProcessor"]
+
+_MIN_ROWS_TO_SPLIT = 4
+"""Fewer ready rows than this are decided in one piece: splitting would cost more than it saves."""
 
 
 class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
@@ -29,10 +34,33 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
 
     role = "teacher"
     released_word = TEACHER_RELEASED
+    parked_stat_word = STAT_PARKED_NS
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         super().__init__(vllm_config, device, is_pin_memory)
         self.alpha_computer = get_alpha_computer(self.config["alpha_method"], **self.config.get("alpha_config", {}))
+        # While the teacher decides, theta only waits for the tokens: its CPUs can take half the rows.
+        helper_cpus = self.config.get("mix_helper_cpus")
+        self._helper = None
+        if helper_cpus and device.type == "cpu":
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="dual-sampling-mix",
+                                              initializer=os.sched_setaffinity, initargs=(0, set(helper_cpus)))
+
+    def _decide_rows(self, teacher: torch.Tensor, theta: torch.Tensor, ready: list[tuple[int, TrackedRow]]) -> Decision:
+        """decide() for these rows; with a helper thread, its first half runs there, at the same time."""
+
+        def run(lo: int, hi: int) -> Decision:
+            part = ready[lo:hi]
+            warm = torch.tensor([row.alpha for _, row in part], dtype=torch.float32, device=teacher.device)
+            return decide(teacher[lo:hi], theta[lo:hi], [row.step for _, row in part], [row.sampling for _, row in part],
+                          self.alpha_computer, warm, theta_normalized=True)
+
+        n = len(ready)
+        if self._helper is None or n < _MIN_ROWS_TO_SPLIT:
+            return run(0, n)
+        first = self._helper.submit(run, 0, n // 2)
+        second = run(n // 2, n)
+        return Decision.concatenate([first.result(), second])
 
     def synchronise(self, logits: torch.Tensor, batch: list[tuple[int, TrackedRow]]) -> dict[int, int]:
         s = self.session
@@ -47,7 +75,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         s.header[STAT_TEACHER_CALLS] += 1
         start = time.monotonic()
         deadline = start + self.sync_timeout
-        mixing_s = 0.0
+        mixing_s, rounds = 0.0, 0
         while pending:
             seen = s.bell_value(BELL_TO_TEACHER)
             ready = []
@@ -62,6 +90,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
                     continue
                 del pending[i]
             if ready:
+                rounds += 1
                 t0 = time.perf_counter()
                 decided.update(self._decide(logits, ready))
                 mixing_s += time.perf_counter() - t0
@@ -72,6 +101,8 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
                 self.time_out(pending, decided, STAT_TEACHER_TIMEOUTS)
                 break
             self.wait(BELL_TO_TEACHER, seen, deadline)
+        if rounds > 1:
+            s.header[STAT_SPLIT_STEPS] += 1
         s.header[STAT_MIX_NS] += int(mixing_s * 1e9)
         s.header[STAT_TEACHER_WAIT_NS] += int((time.monotonic() - start - mixing_s) * 1e9)
         return decided
@@ -80,8 +111,9 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         s = self.session
         index = torch.tensor([i for i, _ in ready], dtype=torch.long, device=logits.device)
         teacher = logits[index, : self.vocab].float()
-        theta = torch.from_numpy(s.theta_logits[[row.slot for _, row in ready]]).to(teacher.device)
-        bad = (torch.isnan(teacher).any(-1) | torch.isnan(theta).any(-1)).tolist()
+        theta = torch.from_numpy(s.theta_logprobs[[row.slot for _, row in ready]]).to(teacher.device)
+        # One reduction per side: NaN or +inf makes the row max non-finite, and so does a row with nothing finite.
+        bad = (~torch.isfinite(teacher.amax(-1)) | ~torch.isfinite(theta.amax(-1))).tolist()
         decided = {}
         for (i, row), is_bad in zip(ready, bad):
             if is_bad:
@@ -93,9 +125,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         if len(good) < len(ready):
             ready = [ready[k] for k in good]
             teacher, theta = teacher[good], theta[good]
-        warm = torch.tensor([row.alpha for _, row in ready], dtype=torch.float32, device=teacher.device)
-        d = decide(teacher, theta, [row.step for _, row in ready], [row.sampling for _, row in ready],
-                   self.alpha_computer, warm)
+        d = self._decide_rows(teacher, theta, ready)
         rows_out = zip(ready, *(t.cpu().tolist() for t in (d.tokens, d.alpha, d.logp_teacher, d.logp_theta, d.logq, d.ok)))
         control = s.control
         for (i, row), tok, a, lt, lth, lq, row_ok in rows_out:

@@ -1,4 +1,4 @@
-"""The theta engine's processor: publish theta's logits row, then force the teacher's token."""
+"""The theta engine's processor: publish theta's log-probability row, then force the teacher's token."""
 
 from __future__ import annotations
 
@@ -30,10 +30,12 @@ class ThetaSyncLogitsProcessor(BaseSyncLogitsProcessor):
         if owned:
             index = torch.tensor([i for i, _ in owned], dtype=torch.long, device=logits.device)
             slots = [row.slot for _, row in owned]
-            rows = logits[index, : self.vocab].float().cpu()
-            nan_rows = torch.isnan(rows).any(dim=-1).tolist()
+            # Normalised here, on theta's cores, while the teacher is still busy with its own model.
+            rows = torch.log_softmax(logits[index, : self.vocab].float(), dim=-1).cpu()
+            # NaN or +inf anywhere in a row makes its whole log-softmax NaN; so does a row with nothing finite.
+            nan_rows = torch.isnan(rows[:, 0]).tolist()
             # All rows in one copy; the step words are written after the data they announce.
-            s.theta_logits[slots] = rows.numpy()
+            s.theta_logprobs[slots] = rows.numpy()
             for (_, row), has_nan in zip(owned, nan_rows):
                 if has_nan:
                     s.fail_slot(row.slot, ERR_BAD_LOGITS, row.step)

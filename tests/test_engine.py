@@ -82,6 +82,20 @@ def test_many_requests_mixed_lengths_early_stops_no_timeouts(dual_engine):
                 assert len(s.token_ids) == len(s.alpha)
 
 
+def test_admission_keeps_the_two_batches_in_phase(dual_engine):
+    # A request taken in by one engine a step before the other makes every step of its life
+    # a split step (the teacher's rows arrive in two theta steps). 12 requests of 20 tokens
+    # through 4 seats give about 60 steps; a few split steps can come from the teacher catching
+    # theta in the microseconds between two rows' step words, a misadmitted request from 20 on.
+    before = dual_engine.get_sync_statistics()
+    out = dual_engine.generate([("word " * (1 + 5 * i)).strip() for i in range(12)], max_tokens=20, min_tokens=20, seed=4)
+    after = dual_engine.get_sync_statistics()
+    assert out.num_tokens == [20] * 12
+    steps = after["teacher_steps"] - before["teacher_steps"]
+    split = after["split_steps"] - before["split_steps"]
+    assert steps >= 40 and split < 5, (steps, split)
+
+
 def test_n_and_best_of(dual_engine):
     out = dual_engine.generate(PROMPTS[:2], max_tokens=10, n=2, best_of=4, best_of_score="logp_theta", seed=2)
     full = dual_engine.generate(PROMPTS[:2], max_tokens=10, n=4, seed=2)
