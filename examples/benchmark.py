@@ -73,6 +73,8 @@ class Settings:
     """Generated lengths at which time per token is probed."""
     probe_steps: int = 6
     """Decoding steps timed per probe."""
+    recompute_probe_steps: int = 2
+    """Decoding steps timed per probe of (e), whose steps take up to a minute at L = 1024."""
     realistic_prompts: int = 64
     """Prompts in the realistic workload (temperature 1, EOS, capped)."""
     realistic_max_tokens: int = 256
@@ -136,13 +138,13 @@ def chat_prompts(tokenizer, count: int) -> list[list[int]]:
 # ---------------------------------------------------------------------- vLLM designs (a), (b)
 
 
-def vllm_engine(path: str, s: Settings, max_len: int, role: str):
+def vllm_engine(path: str, s: Settings, max_len: int, role: str, prefill_budget: int):
     """One plain engine, its model threads bound to the CPUs that the dual engine gives ``role``."""
     from vllm import LLM
 
     with engine_cpus(split_cpu_binding().get(role)):
         return LLM(model=path, dtype="float32", max_model_len=max_len, max_num_seqs=s.batch, enforce_eager=True,
-                   enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 2048), enable_prefix_caching=False,
+                   enable_chunked_prefill=False, max_num_batched_tokens=prefill_budget, enable_prefix_caching=False,
                    # The same cache the dual engine gives each model: room for every sequence, no preemption.
                    kv_cache_memory_bytes=default_kv_cache_bytes(path, s.batch, max_len), seed=0)
 
@@ -245,7 +247,12 @@ def dual_run(dual: OptimalSamplingDual, prompts: list[list[int]], tokens: int, *
 
 
 def dual_probe_step(dual: OptimalSamplingDual, prompts: list[list[int]], steps: int) -> float:
-    """Seconds per decoding step after prefilling ``prompts``: timed from the teacher processor's step counter."""
+    """Seconds per decoding step of the whole batch after prefilling ``prompts``, timed from the teacher's step counter.
+
+    From idle engines the dual engine admits one request first and the rest one step later
+    (the admission gate), so engine steps 1 and 2 are prefills; steps 3 to steps + 2 decode
+    every row.
+    """
     stats = dual.session.statistics
     marks: list[tuple[float, int]] = []
     stop = threading.Event()
@@ -257,13 +264,12 @@ def dual_probe_step(dual: OptimalSamplingDual, prompts: list[list[int]], steps: 
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    dual.generate(prompts, max_tokens=steps + 1, min_tokens=steps + 1, use_tqdm=False)
+    dual.generate(prompts, max_tokens=steps + 3, min_tokens=steps + 3, use_tqdm=False)
     stop.set()
     watcher.join()
     first = marks[0][1]
-    # Skip the prefill step: time from the first decode step to the last.
-    t1 = next(t for t, c in marks if c >= first + 1)
-    t2 = next(t for t, c in marks if c >= first + steps + 1)
+    t1 = next(t for t, c in marks if c >= first + 2)
+    t2 = next(t for t, c in marks if c >= first + 2 + steps)
     return (t2 - t1) / steps
 
 
@@ -276,6 +282,9 @@ def run(s: Settings) -> dict:
     tok = AutoTokenizer.from_pretrained(s.teacher)
     longest = max(s.lengths)
     max_len = s.prompt_tokens + longest + s.probe_steps + 8
+    # Every probe prefills its whole batch in one engine step, so the steps timed after it are pure decoding.
+    prefill_budget = max(s.batch * max_len, 2048)
+    one_step_prefill = {"max_num_batched_tokens": prefill_budget}
     work = fixed_prompts(tok, s.batch, s.prompt_tokens)
     results: dict[str, dict] = {d: {"time_per_token_ms": {}} for d in DESIGNS}
 
@@ -285,7 +294,7 @@ def run(s: Settings) -> dict:
     # (a), (b): one engine at a time, so each has the machine to itself.
     for design, path in (("teacher", s.teacher), ("theta", s.theta)):
         with PeakRSS() as rss:
-            llm = vllm_engine(path, s, max_len, design)
+            llm = vllm_engine(path, s, max_len, design, prefill_budget)
             vllm_run(llm, work[:2], 4)  # warm-up
             wall, _ = vllm_run(llm, work, s.tokens)
             results[design]["tok_s"] = s.batch * s.tokens / wall
@@ -300,7 +309,8 @@ def run(s: Settings) -> dict:
     # (c)
     with PeakRSS() as rss:
         with OptimalSamplingDual(s.teacher, s.theta, alpha_method=s.alpha_method, max_num_seqs=s.batch,
-                                 max_model_len=max_len, use_tqdm=False) as dual:
+                                 max_model_len=max_len, use_tqdm=False, teacher_engine_kwargs=one_step_prefill,
+                                 theta_engine_kwargs=one_step_prefill) as dual:
             dual_run(dual, work[:2], 4)
             wall, generated, split = dual_run(dual, work, s.tokens, min_tokens=s.tokens)
             results["dual"]["tok_s"] = generated / wall
@@ -334,8 +344,8 @@ def run(s: Settings) -> dict:
             wall, generated, _ = hf.run(work, s.tokens, stop_at_eos=False)
             results[design]["tok_s"] = generated / wall
             for i, length in enumerate(s.lengths):
-                _, _, steps = hf.run(probe_prompts(length, i + 1), s.probe_steps + 1, stop_at_eos=False,
-                                     timed_steps=s.probe_steps + 1)
+                timed = s.recompute_probe_steps if recompute else s.probe_steps
+                _, _, steps = hf.run(probe_prompts(length, i + 1), timed + 1, stop_at_eos=False, timed_steps=timed + 1)
                 results[design]["time_per_token_ms"][length] = 1e3 * statistics.median(steps[1:]) / s.batch
             if not recompute:
                 realistic = chat_prompts(tok, s.realistic_prompts)
@@ -411,8 +421,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         teacher, theta = (str(p) for p in models.tiny_pair("same"))
-        s = Settings(teacher, theta, batch=4, tokens=16, lengths=[16, 64], probe_steps=3, realistic_prompts=8,
-                     realistic_max_tokens=24, prompt_tokens=8)
+        s = Settings(teacher, theta, batch=4, tokens=16, lengths=[16, 64], probe_steps=3, recompute_probe_steps=2,
+                     realistic_prompts=8, realistic_max_tokens=24, prompt_tokens=8)
     else:
         s = Settings(str(models.smollm2()), str(models.smollm2_pruned()))
     for name in ("teacher", "theta", "batch", "tokens", "lengths"):
