@@ -403,6 +403,7 @@ def plot(report: dict, path: str) -> None:
     ax.set(xscale="log", yscale="log", xlabel="generated length (tokens)", ylabel="ms per token (per sequence)",
            title=f"Time per token, batch {report['settings']['batch']}")
     ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # only the probed lengths are labelled
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
