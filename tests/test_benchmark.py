@@ -21,12 +21,16 @@ def test_quick_benchmark_writes_json_table_and_plot(tmp_path):
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert set(report["derived"]) == {"dual_vs_bound", "dual_vs_transformers", "dual_vs_recompute_at_1024", "per_token_growth"}
+    assert set(report["derived"]) == {"dual_vs_bound", "dual_vs_parallel_bound", "dual_vs_transformers",
+                                      "dual_vs_recompute_at_1024", "per_token_growth"}
     assert all(math.isfinite(v) and v > 0 for v in report["derived"].values())
     for design in ("teacher", "theta", "dual", "transformers", "recompute"):
         r = report["results"][design]
         assert r["tok_s"] > 0 and r["peak_rss_mib"] > 0
         assert all(v > 0 for v in r["time_per_token_ms"].values())
-    assert set(report["results"]["dual"]["step_split_ms"]) == {"total", "barrier_wait", "mixing", "model"}
+    split = report["results"]["dual"]["step_split_ms"]
+    assert set(split) == {"total", "model", "barrier_wait", "mixing", "admission_gate", "theta_waits_for_token"}
+    assert split["total"] >= split["model"] > 0
+    assert isinstance(report["results"]["dual"]["split_steps"], int)
     assert "dual_vs_bound" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").stat().st_size > 5000
