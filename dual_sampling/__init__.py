@@ -4,11 +4,36 @@
     with OptimalSamplingDual(model_teacher, model_theta, alpha_method="kl_symmetry") as s:
         out = s.generate(prompts, max_tokens=256)
 
-vLLM is imported only when an engine starts.
+The public names load on first use, so an engine process that imports the shared-memory
+protocol (``dual_sampling.protocol``) never imports the driver, and vLLM is imported only
+when an engine starts.
 """
 
-from dual_sampling.engine import DualEngineConfig, OptimalSamplingDual
-from dual_sampling.outputs import DualGenerationOutput, RequestRecord, SampleRecord
-from dual_sampling.sync import SyncError
+from __future__ import annotations
 
-__all__ = ["DualEngineConfig", "DualGenerationOutput", "OptimalSamplingDual", "RequestRecord", "SampleRecord", "SyncError"]
+import importlib
+from typing import Any
+
+__all__ = ["DualEngineConfig", "DualGenerationOutput", "EngineOptions", "OptimalSamplingDual", "RequestRecord",
+           "SampleRecord", "SamplingOptions", "SyncError"]
+
+_HOME = {
+    "DualEngineConfig": "dual_sampling.config",
+    "EngineOptions": "dual_sampling.config",
+    "SamplingOptions": "dual_sampling.config",
+    "DualGenerationOutput": "dual_sampling.outputs",
+    "RequestRecord": "dual_sampling.outputs",
+    "SampleRecord": "dual_sampling.outputs",
+    "OptimalSamplingDual": "dual_sampling.engine",
+    "SyncError": "dual_sampling.protocol",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        return getattr(importlib.import_module(_HOME[name]), name)
+    raise AttributeError(f"module 'dual_sampling' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

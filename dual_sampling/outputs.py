@@ -25,7 +25,7 @@ class SampleRecord:
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    """"stop", "length", or "sync_error" (then ``error`` says why)."""
+    """"stop", "length", "abort" (ended by an abort), or "error" (then ``error`` names the failure)."""
     seed: int
     alpha: list[float] = field(default_factory=list)
     """Teacher weight α used at each token."""
@@ -40,6 +40,14 @@ class SampleRecord:
     theta_token_ids: list[int] = field(default_factory=list)
     """The token ids as the theta engine reported them (always equal to the teacher's)."""
     error: str | None = None
+    """Why the sample failed, as "<code> at step <n>" (sync_timeout, bad_logits, preempted, diverged, ...); None if it did not."""
+    stop_reason: str | int | None = None
+    """The stop string, or the stop token id, that ended the sample."""
+
+    @property
+    def ok(self) -> bool:
+        """Complete and verified: usable as training data (not failed, not aborted)."""
+        return self.error is None and self.finish_reason in ("stop", "length")
 
     @property
     def log_w_theta(self) -> float:

@@ -1,44 +1,66 @@
-"""The vLLM (V1 model runner) logits-processor plugins that put two engines in lockstep.
+"""The vLLM (V1 model runner) logits-processor plugins: one logits row and one token per request per step.
 
 Each engine loads one subclass of :class:`BaseSyncLogitsProcessor`: the teacher engine
 :class:`processors.TeacherSyncLogitsProcessor`, the theta engine
-:class:`processors.ThetaSyncLogitsProcessor`. They find their role and the session's
-shared-memory name in ``vllm_config.additional_config["dual_sampling"]``, which the driver
-passes with ``LLM(..., additional_config=...)``.
+:class:`processors.ThetaSyncLogitsProcessor`. Which requests run at each step is not
+their business: the schedulers (``processors.scheduler``) make both engines run the same
+requests at every step. The processors only move data for those requests.
 
-Every request carries its pairing key in ``SamplingParams.extra_args["dual_sampling"]``:
-``{"slot": int, "key": int, "sampling": RowSampling dict}``. The batch index of a request
-is tracked through vLLM's ``BatchUpdate`` (removed, then added, then moved, SWAPs
-included); it is never used to pair requests across engines.
+Every request carries its pairing in ``SamplingParams.extra_args["dual_sampling"]``
+(:class:`dual_sampling.protocol` has the slot words). The batch index of a request is
+tracked through vLLM's ``BatchUpdate`` (removed, then added, then moved, SWAPs included);
+it is never used to pair requests across engines.
 
 At each ``apply(logits)`` a processor handles every tracked row at step
-s = len(output_token_ids) (the list in the added tuple is a live reference), and
-returns logits in which each row allows exactly the one token decided for it: 0 at that
-token, -inf elsewhere. The engines are configured greedy, so both emit that token.
+s = len(output_token_ids) (the list in the added tuple is a live reference) and returns
+logits in which each row allows exactly the one token decided for it. Both engines run
+greedy, so both emit that token.
 
-A row whose partner has already finished, failed, or left is *abandoned*: the processor
-stops waiting, records why, and forces ``abandon_token_id`` (an EOS) so the engine ends the
-request. The driver discards or flags abandoned data; nothing falls back to one model's
-logits.
+A row whose request has failed (an error in its slot, from either side) or whose session
+shut down is *abandoned*: the processor stops waiting and forces a filler token, one that
+is no stop token of the request, so the engine does not end the request on its own. The
+teacher scheduler ends failed requests on both engines at the next step boundary; the
+driver marks their samples failed. Nothing ever falls back to one model's logits.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
+from dual_sampling.protocol import Bell, ErrorCode, Slot, SyncError, SyncSession, Writer
 from dual_sampling.sampling import RowSampling
-from dual_sampling.sync import ERR_TIMEOUT, KEY, SyncError, SyncSession
 
-__all__ = ["BaseSyncLogitsProcessor", "TrackedRow", "CONFIG_KEY", "PARK_LIMIT_S"]
+__all__ = ["BaseSyncLogitsProcessor", "TrackedRow", "CONFIG_KEY", "WAIT_CAP_S", "lockstep_config", "request_pairing"]
 
 CONFIG_KEY = "dual_sampling"
-PARK_LIMIT_S = 2.0
-"""Longest a processor stays parked at the admission gate; the driver normally opens it within milliseconds."""
+WAIT_CAP_S = 0.05
+"""Longest single futex wait: shutdowns and errors without a wake are seen within it."""
+
+
+def lockstep_config(vllm_config: Any, role: str, plugin: str) -> dict:
+    """The session settings the driver put in ``additional_config``; raise naming what is missing."""
+    config = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
+    if not config:
+        raise ValueError(
+            f"{plugin} needs LLM(..., additional_config={{'{CONFIG_KEY}': {{...}}}}) naming the session; "
+            "build engines through dual_sampling.OptimalSamplingDual"
+        )
+    if config.get("role") != role:
+        raise ValueError(f"{plugin} is the {role} plugin but the engine's role is {config.get('role')!r}")
+    return config
+
+
+def request_pairing(params: Any, role: str) -> dict:
+    """The ``extra_args`` pairing of one request; raise SyncError if it has none (it was not built by the driver)."""
+    args = (getattr(params, "extra_args", None) or {}).get(CONFIG_KEY)
+    if args is None or "slot" not in args or "key" not in args:
+        raise SyncError(f"a request reached the {role} engine without a dual_sampling pairing (slot and key)")
+    return args
 
 
 @dataclass
@@ -52,6 +74,12 @@ class TrackedRow:
     sampling: RowSampling
     alpha: float = 0.5
     """Last α of this request (teacher side), the warm start of the next solve."""
+    filler: int = field(init=False)
+    """Token forced when the row is abandoned: never one of the request's stop tokens."""
+
+    def __post_init__(self) -> None:
+        stops = set(self.sampling.stop_token_ids)
+        self.filler = next(t for t in range(len(stops) + 1) if t not in stops)
 
     @property
     def step(self) -> int:
@@ -62,25 +90,15 @@ class BaseSyncLogitsProcessor(LogitsProcessor):
     """Shared bookkeeping: session attach, BatchUpdate tracking, blocking waits, forcing tokens."""
 
     role: ClassVar[str] = ""
-    released_word: ClassVar[int] = -1
-    """Slot control word this side sets when a request leaves its batch."""
-    parked_stat_word: ClassVar[int | None] = None
-    """Header word that accumulates this side's time parked at the admission gate (ns), if any."""
+    writer: ClassVar[Writer]
+    released_word: ClassVar[Slot]
+    """Slot word this side sets (to the key) when a request leaves its batch."""
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        config = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
-        if not config:
-            raise ValueError(
-                f"{type(self).__name__} needs LLM(..., additional_config={{'{CONFIG_KEY}': {{...}}}}) "
-                "naming the session; build engines through dual_sampling.OptimalSamplingDual"
-            )
-        if config.get("role") != self.role:
-            raise ValueError(f"{type(self).__name__} is the {self.role} processor but the engine's role is {config.get('role')!r}")
-        self.config = config
-        self.session = SyncSession.attach(config["session"])
+        self.config = lockstep_config(vllm_config, self.role, type(self).__name__)
+        self.session = SyncSession.attach(self.config["session"])
         self.vocab = self.session.layout.vocab
-        self.sync_timeout = float(config["sync_timeout"])
-        self.abandon_token_id = int(config["abandon_token_id"])
+        self.sync_timeout = float(self.config["sync_timeout"])
         self.rows: dict[int, TrackedRow] = {}
 
     # ------------------------------------------------------------------ vLLM interface
@@ -96,10 +114,9 @@ class BaseSyncLogitsProcessor(LogitsProcessor):
             self._release(self.rows.pop(index, None))
         for index, params, _prompt_ids, output_ids in batch_update.added:
             self._release(self.rows.pop(index, None))
-            args = (getattr(params, "extra_args", None) or {}).get(CONFIG_KEY)
-            if args is None:
-                raise SyncError(f"a request reached the {self.role} engine without a dual_sampling pairing key")
-            self.rows[index] = TrackedRow(int(args["slot"]), int(args["key"]), output_ids, RowSampling.from_dict(args["sampling"]))
+            pairing = request_pairing(params, self.role)
+            self.rows[index] = TrackedRow(int(pairing["slot"]), int(pairing["key"]), output_ids,
+                                          RowSampling.from_dict(pairing["sampling"]))
         for a, b, direction in batch_update.moved:
             row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)
             if direction == MoveDirectionality.SWAP:
@@ -114,17 +131,10 @@ class BaseSyncLogitsProcessor(LogitsProcessor):
                     self.rows[b] = row_a
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if not self.rows:
-            return logits
         batch = [(i, row) for i, row in sorted(self.rows.items()) if i < logits.shape[0]]
         if not batch:
             return logits
-        decided = self.synchronise(logits, batch)
-        # The step is decided: if the driver is admitting requests, wait here so that both engines take them in at once.
-        parked_s = self.session.park_if_held(self.role, PARK_LIMIT_S)
-        if parked_s and self.parked_stat_word is not None:
-            self.session.header[self.parked_stat_word] += int(parked_s * 1e9)
-        return self._force(logits, decided)
+        return self._force(logits, self.synchronise(logits, batch))
 
     # ------------------------------------------------------------------ for subclasses
 
@@ -132,27 +142,25 @@ class BaseSyncLogitsProcessor(LogitsProcessor):
         """Return {batch index: token id} for every row in ``batch``."""
         raise NotImplementedError
 
-    def owns(self, row: TrackedRow) -> bool:
-        """The slot still belongs to this request (the driver never reuses it before both sides release it)."""
-        return int(self.session.control[row.slot, KEY]) == row.key
+    def abandoned(self, row: TrackedRow) -> bool:
+        """Stop serving this row: its slot is no longer its own, it failed, or the session shut down."""
+        c = self.session.control[row.slot]
+        return int(c[Slot.KEY]) != row.key or int(c[Slot.ERROR]) != 0 or self.session.is_shut_down
 
-    def time_out(self, pending: dict[int, TrackedRow], decided: dict[int, int], stat_word: int) -> None:
-        """Fail every row still pending after ``sync_timeout``: flag its slot and abandon it."""
+    def time_out(self, pending: dict[int, TrackedRow], decided: dict[int, int]) -> None:
+        """Fail every row still pending after ``sync_timeout`` and abandon it."""
         for i, row in pending.items():
-            self.session.fail_slot(row.slot, ERR_TIMEOUT, row.step)
-            decided[i] = self.abandon_token_id
-        self.session.header[stat_word] += len(pending)
+            self.session.fail_slot(row.slot, row.key, ErrorCode.SYNC_TIMEOUT, row.step, self.writer)
+            decided[i] = row.filler
 
-    def wait(self, bell: int, seen: int, deadline: float) -> None:
-        self.session.wait_bell(bell, seen, min(deadline - time.monotonic(), 0.05))
+    def wait(self, bell: Bell, seen: int, deadline: float) -> None:
+        self.session.wait_bell(bell, seen, min(deadline - time.monotonic(), WAIT_CAP_S))
 
     # ------------------------------------------------------------------ helpers
 
     def _release(self, row: TrackedRow | None) -> None:
-        # The driver may already have read and closed the slot (key 0); it cannot have reopened
-        # it for another request, since that needs this side's release first.
-        if row is not None and int(self.session.control[row.slot, KEY]) in (row.key, 0):
-            self.session.control[row.slot, self.released_word] = 1
+        if row is not None:
+            self.session.release(row.slot, row.key, self.released_word)
 
     def _force(self, logits: torch.Tensor, decided: dict[int, int]) -> torch.Tensor:
         index = torch.tensor(list(decided), dtype=torch.long, device=logits.device)

@@ -2,8 +2,9 @@
 
 For every row it waits for theta's logits row of the same request and step, then, for all
 rows that are ready at once: solves α, mixes, draws (``dual_sampling.sampling``), writes
-the token and its records to shared memory, and wakes theta. Rows are served in whatever
-order they become ready, so one late row never holds back the others.
+the token and its records to shared memory, and wakes theta. Both engines run the same
+requests at every step (the schedulers see to it), so theta's rows for a step arrive in
+one round; rows are still served in whatever order they become ready.
 """
 
 from __future__ import annotations
@@ -15,12 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from alpha import get_alpha_computer
+from dual_sampling.protocol import Bell, ErrorCode, Slot, Stat, Writer
 from dual_sampling.sampling import Decision, decide
-from dual_sampling.sync import (
-    BELL_TO_TEACHER, BELL_TO_THETA, ERR_BAD_LOGITS, ERR_NONE, ERROR, NUM_RECORDS, STAT_MIX_NS, STAT_PARKED_NS,
-    STAT_SPLIT_STEPS, STAT_TEACHER_ABANDONED, STAT_TEACHER_CALLS, STAT_TEACHER_ROWS, STAT_TEACHER_TIMEOUTS,
-    STAT_TEACHER_WAIT_NS, TEACHER_RELEASED, TEACHER_STEP, THETA_FINISHED, THETA_RELEASED, THETA_STEP, TOKEN,
-)
 from processors.base import BaseSyncLogitsProcessor, TrackedRow
 
 __all__ = ["TeacherSyncLogitsProcessor"]
@@ -33,8 +30,8 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
     """Teacher side: reads theta's row, decides the token from q, publishes it and the records."""
 
     role = "teacher"
-    released_word = TEACHER_RELEASED
-    parked_stat_word = STAT_PARKED_NS
+    writer = Writer.TEACHER_PROCESSOR
+    released_word = Slot.TEACHER_RELEASED
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         super().__init__(vllm_config, device, is_pin_memory)
@@ -66,25 +63,19 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         s = self.session
         control = s.control
         decided: dict[int, int] = {}
-        pending: dict[int, TrackedRow] = {}
-        for i, row in batch:
-            if self.owns(row):
-                pending[i] = row
-            else:
-                decided[i] = self.abandon_token_id
-        s.header[STAT_TEACHER_CALLS] += 1
+        pending = dict(batch)
+        s.add_stat(Stat.TEACHER_STEPS, 1)
         start = time.monotonic()
         deadline = start + self.sync_timeout
         mixing_s, rounds = 0.0, 0
         while pending:
-            seen = s.bell_value(BELL_TO_TEACHER)
+            seen = s.bell_value(Bell.THETA_ROWS)
             ready = []
             for i, row in list(pending.items()):
-                c = control[row.slot]
-                if not self.owns(row) or c[ERROR] != ERR_NONE or c[THETA_FINISHED] or c[THETA_RELEASED] or s.is_shut_down:
-                    decided[i] = self.abandon_token_id
-                    s.header[STAT_TEACHER_ABANDONED] += 1
-                elif c[THETA_STEP] == row.step:
+                if self.abandoned(row):
+                    decided[i] = row.filler
+                    s.add_stat(Stat.TEACHER_ABANDONED, 1)
+                elif control[row.slot, Slot.THETA_STEP] == row.step:
                     ready.append((i, row))
                 else:
                     continue
@@ -98,13 +89,14 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
             if not pending:
                 break
             if time.monotonic() >= deadline:
-                self.time_out(pending, decided, STAT_TEACHER_TIMEOUTS)
+                self.time_out(pending, decided)
+                s.add_stat(Stat.TEACHER_TIMEOUTS, len(pending))
                 break
-            self.wait(BELL_TO_TEACHER, seen, deadline)
+            self.wait(Bell.THETA_ROWS, seen, deadline)
         if rounds > 1:
-            s.header[STAT_SPLIT_STEPS] += 1
-        s.header[STAT_MIX_NS] += int(mixing_s * 1e9)
-        s.header[STAT_TEACHER_WAIT_NS] += int((time.monotonic() - start - mixing_s) * 1e9)
+            s.add_stat(Stat.SPLIT_STEPS, 1)
+        s.add_stat(Stat.MIX_NS, int(mixing_s * 1e9))
+        s.add_stat(Stat.TEACHER_WAIT_NS, int((time.monotonic() - start - mixing_s) * 1e9))
         return decided
 
     def _decide(self, logits: torch.Tensor, ready: list[tuple[int, TrackedRow]]) -> dict[int, int]:
@@ -117,8 +109,8 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         decided = {}
         for (i, row), is_bad in zip(ready, bad):
             if is_bad:
-                s.fail_slot(row.slot, ERR_BAD_LOGITS, row.step)
-                decided[i] = self.abandon_token_id
+                s.fail_slot(row.slot, row.key, ErrorCode.BAD_LOGITS, row.step, self.writer)
+                decided[i] = row.filler
         good = [k for k, is_bad in enumerate(bad) if not is_bad]
         if not good:
             return decided
@@ -130,16 +122,16 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         control = s.control
         for (i, row), tok, a, lt, lth, lq, row_ok in rows_out:
             if not row_ok or row.step >= s.layout.max_steps:
-                s.fail_slot(row.slot, ERR_BAD_LOGITS, row.step)
-                decided[i] = self.abandon_token_id
+                s.fail_slot(row.slot, row.key, ErrorCode.BAD_LOGITS, row.step, self.writer)
+                decided[i] = row.filler
                 continue
             s.records[row.slot, row.step] = (a, lt, lth, lq)
             s.tokens[row.slot, row.step] = tok
-            control[row.slot, NUM_RECORDS] = row.step + 1
-            control[row.slot, TOKEN] = tok
-            control[row.slot, TEACHER_STEP] = row.step  # written last: it publishes the fields above
+            control[row.slot, Slot.NUM_RECORDS] = row.step + 1
+            control[row.slot, Slot.TOKEN] = tok
+            control[row.slot, Slot.TEACHER_STEP] = row.step  # written last: it publishes the fields above
             row.alpha = a
             decided[i] = tok
-        s.ring(BELL_TO_THETA)
-        s.header[STAT_TEACHER_ROWS] += len(ready)
+        s.ring(Bell.TEACHER_TOKENS, self.writer)
+        s.add_stat(Stat.TEACHER_ROWS, len(ready))
         return decided

@@ -1,115 +1,179 @@
-"""A vLLM-free simulation of two engines driving the real sync processors.
+"""Two simulated engines that run the real lockstep plugins and serve the real driver.
 
-Each simulated engine runs in its own thread with its own persistent batch. It admits
-requests in the driver's order (after random delays), removes finished ones, fills holes
-by one-way moves, shuffles rows with random SWAPs, and calls the processor's
-``update_state`` / ``apply`` exactly as vLLM's V1 runner does. Logits are a deterministic
-function of (side, key, step), so a stale read shows up as a record that does not match.
+What is real: both sides' scheduler plugins (subclasses of vLLM's own ``Scheduler``, with
+vLLM's queues, token budget and KV cache manager), both logits processors, the shared
+memory, and the driver (``dual_sampling.scheduler.DualScheduler``). What is simulated:
+
+- the **EngineCore loop** (:class:`SimEngineCore`, one thread per engine): it reads its
+  input with a delivery delay of its own per message, steps when vLLM's scheduler has
+  work, and sends the outputs to its frontend;
+- the **model runner**: a persistent batch updated the way vLLM's V1 runner does it
+  (finished and unscheduled requests removed, new ones added into holes, rows condensed
+  by one-way moves, random SWAPs), ``BatchUpdate``/``apply`` called as vLLM calls them, and
+  logits that are a fixed function of (side, sample seed, step), so a record can be
+  recomputed from scratch;
+- the **frontend** (:class:`SimAsyncEngine`): ``generate()`` as ``AsyncLLM`` has it (DELTA or
+  FINAL_ONLY outputs, a vLLM abort when the caller goes away).
+
+Adversity is chosen per run (:class:`Adversity`): uneven delivery delays per side, one
+side's KV cache too small (vLLM then tries to preempt), vLLM-level aborts sent to one
+engine only, a stalled engine.
 """
 
 from __future__ import annotations
 
+import asyncio
+import heapq
+import itertools
 import math
-import queue
 import random
 import threading
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
+from typing import Any
 
 import torch
+from vllm import SamplingParams
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+from vllm.v1.structured_output import StructuredOutputManager
 
 from alpha import geometric_mix, get_alpha_computer
-from dual_sampling.sampling import RowSampling
-from dual_sampling.sync import (
-    ERR_NONE, ERROR, ERROR_NAMES, NUM_RECORDS, TEACHER_FINISHED, THETA_FINISHED, SessionLayout, SyncSession,
-)
-from processors import TeacherSyncLogitsProcessor, ThetaSyncLogitsProcessor
+from processors import TeacherLockstepScheduler, TeacherSyncLogitsProcessor, ThetaLockstepScheduler, ThetaSyncLogitsProcessor
 
-VOCAB = 24
+VOCAB = 64
+"""Sim vocabulary: SmolLM2's first 64 ids (17 onwards decode to single ASCII characters)."""
 EOS = 0
-
-
+BLOCK = 16
 NAN_STEP = 2
-"""Step at which a request listed in ``nan_keys`` gets NaN logits on the theta side."""
+"""Step at which a sample whose seed is in ``Adversity.nan_seeds`` gets NaN logits on theta's side."""
 
 
-def sim_logits(side: str, key: int, step: int, nan_keys: frozenset = frozenset()) -> torch.Tensor:
-    g = torch.Generator().manual_seed(hash((side, key, step)) & 0x7FFFFFFF)
-    row = torch.randn(VOCAB, generator=g) * (3.0 if side == "teacher" else 1.5)
-    if side == "theta" and key in nan_keys and step == NAN_STEP:
-        row[VOCAB // 2] = float("nan")
-    return row
+def sim_logits(side: str, seed: int, step: int) -> torch.Tensor:
+    """The simulated model's logits: a fixed function of (side, sample seed, step)."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + step * 2 + (side == "theta")) % (1 << 62))
+    return torch.randn(VOCAB, generator=g) * (3.0 if side == "teacher" else 1.5)
 
 
 @dataclass
-class SimRequest:
-    key: int
-    slot: int
-    max_tokens: int
-    stop_ids: tuple[int, ...]
-    seed: int
-    outputs: dict = field(default_factory=lambda: {"teacher": [], "theta": []})
-    aborted: bool = False
+class Adversity:
+    """What goes wrong in one simulated run."""
+
+    delay_s: dict[str, float] = field(default_factory=lambda: {"teacher": 0.0, "theta": 0.0})
+    """Largest delivery delay of a message to each engine (each message draws its own)."""
+    kv_blocks: dict[str, int] = field(default_factory=dict)
+    """KV cache blocks per side; missing: enough for every seat at full length."""
+    one_sided_abort_rate: float = 0.0
+    """Chance that a request also gets a vLLM-level abort sent to one engine only."""
+    nan_seeds: frozenset = frozenset()
+    stall: tuple[str, float, float] | None = None
+    """(side, at_s, for_s): that engine stops stepping at at_s for for_s seconds."""
 
 
-class SimEngine(threading.Thread):
-    def __init__(self, side: str, processor, max_seqs: int, rng: random.Random, finished: "queue.Queue",
-                 nan_keys: frozenset = frozenset()):
-        super().__init__(daemon=True, name=f"sim-{side}")
-        self.nan_keys = nan_keys
-        self.side, self.proc, self.max_seqs, self.rng, self.finished = side, processor, max_seqs, rng, finished
-        self.inbox: "queue.Queue" = queue.Queue()
-        self.aborts: "queue.Queue" = queue.Queue()
-        self.batch: list[SimRequest | None] = []
-        self.waiting: list[SimRequest] = []
+class SimEngineCore(threading.Thread):
+    """One engine: vLLM's scheduler (our plugin) and our processor, with a simulated loop and model."""
+
+    def __init__(self, side: str, vllm_config: Any, num_blocks: int, rng: random.Random, adversity: Adversity,
+                 deliver) -> None:
+        super().__init__(name=f"sim-{side}", daemon=True)
+        self.side, self.rng, self.adversity, self.deliver = side, rng, adversity, deliver
+        vllm_config.cache_config.num_gpu_blocks = num_blocks
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float32)
+        kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(["layers.0"], spec)])
+        scheduler_cls = TeacherLockstepScheduler if side == "teacher" else ThetaLockstepScheduler
+        processor_cls = TeacherSyncLogitsProcessor if side == "teacher" else ThetaSyncLogitsProcessor
+        self.scheduler = scheduler_cls(vllm_config, kv, StructuredOutputManager(vllm_config), block_size=BLOCK,
+                                       hash_block_size=BLOCK)
+        self.processor = processor_cls(vllm_config, torch.device("cpu"), False)
+        self._inbox: list = []
+        self._inbox_lock = threading.Condition()
+        self._seq = itertools.count()
+        self.batch: list[str | None] = []
+        self.outputs_of: dict[str, list[int]] = {}
+        self.params_of: dict[str, SamplingParams] = {}
         self.stop_flag = threading.Event()
         self.error: BaseException | None = None
+        self.started_at = time.monotonic()
+
+    # ------------------------------------------------------------------ input, with delays
+
+    def send(self, kind: str, payload: Any) -> None:
+        delay = self.rng.random() * self.adversity.delay_s.get(self.side, 0.0)
+        with self._inbox_lock:
+            heapq.heappush(self._inbox, (time.monotonic() + delay, next(self._seq), kind, payload))
+            self._inbox_lock.notify()
+
+    def _read_inputs(self, block: bool) -> None:
+        with self._inbox_lock:
+            if block and not self._due():
+                self._inbox_lock.wait(0.01)
+            items = []
+            while self._due():
+                items.append(heapq.heappop(self._inbox))
+        for _, _, kind, payload in items:
+            if kind == "add":
+                self.scheduler.add_request(payload)
+            else:
+                self.scheduler.finish_requests(payload, RequestStatus.FINISHED_ABORTED)  # as EngineCore.abort_requests
+
+    def _due(self) -> bool:
+        return bool(self._inbox) and self._inbox[0][0] <= time.monotonic()
+
+    # ------------------------------------------------------------------ the loop
 
     def run(self) -> None:
         try:
             while not self.stop_flag.is_set():
-                self.step()
-        except BaseException as exc:
+                self._read_inputs(block=not self.scheduler.has_requests())
+                stall = self.adversity.stall
+                if stall and stall[0] == self.side and stall[1] <= time.monotonic() - self.started_at < stall[1] + stall[2]:
+                    time.sleep(0.01)
+                    continue
+                if self.scheduler.has_requests():
+                    self._step()
+        except BaseException as exc:  # the driver sees the engine die
             self.error = exc
 
-    def step(self) -> None:
-        while True:
-            try:
-                self.waiting.append(self.inbox.get_nowait())
-            except queue.Empty:
-                break
-        aborted = set()
-        while True:
-            try:
-                aborted.add(self.aborts.get_nowait())
-            except queue.Empty:
-                break
+    def _step(self) -> None:
+        so = self.scheduler.schedule()
+        mro = self._execute(so)
+        outputs = self.scheduler.update_from_output(so, mro)
+        for eco in outputs.values():
+            if eco.outputs:
+                self.deliver(eco.outputs)
+        if not so.total_num_scheduled_tokens:
+            time.sleep(0.001)
+
+    def _execute(self, so) -> ModelRunnerOutput:
+        """The V1 model runner's persistent-batch bookkeeping, our processor, and a fixed 'model'."""
+        scheduled = so.num_scheduled_tokens
         removed, added, moved = [], [], []
-        for i, r in enumerate(self.batch):
-            if r is not None and (self._done(r) or r.key in aborted):
+        for i, rid in enumerate(self.batch):
+            if rid is not None and (rid in so.finished_req_ids or rid not in scheduled):
                 removed.append(i)
                 self.batch[i] = None
-        for r in self.waiting:
-            if r.key in aborted:
-                # Never admitted, so this side's processor never saw it: the driver releases for it.
-                self.proc.session.control[r.slot, self.proc.released_word] = 1
-        self.waiting = [r for r in self.waiting if r.key not in aborted]
-        if self.rng.random() < 0.3:
-            time.sleep(self.rng.random() * 0.003)  # arrival delays differ between the engines
-        while self.waiting and sum(r is not None for r in self.batch) < self.max_seqs:
-            r = self.waiting.pop(0)
+        for rid in so.finished_req_ids:
+            self.outputs_of.pop(rid, None)
+            self.params_of.pop(rid, None)
+        present = set(self.batch)
+        for new in so.scheduled_new_reqs:
+            self.outputs_of[new.req_id] = []
+            self.params_of[new.req_id] = new.sampling_params
+        for rid in scheduled:
+            if rid in present:
+                continue
             holes = [i for i, x in enumerate(self.batch) if x is None]
             index = holes[0] if holes else len(self.batch)
             if index == len(self.batch):
                 self.batch.append(None)
-            self.batch[index] = r
-            params = SimpleNamespace(extra_args={"dual_sampling": {"slot": r.slot, "key": r.key, "sampling": RowSampling(
-                seed=r.seed, stop_token_ids=r.stop_ids).to_dict()}})
-            added.append((index, params, [1, 2, 3], r.outputs[self.side]))
-        # Condense: move the last rows into holes, one way.
-        while None in self.batch:
+            self.batch[index] = rid
+            added.append((index, self.params_of[rid], [1, 2, 3], self.outputs_of[rid]))
+        while None in self.batch:  # condense: move the last rows into holes, one way
             hole = self.batch.index(None)
             last = max((i for i, x in enumerate(self.batch) if x is not None), default=-1)
             if last < hole:
@@ -121,137 +185,267 @@ class SimEngine(threading.Thread):
             a, b = self.rng.sample(range(len(self.batch)), 2)
             self.batch[a], self.batch[b] = self.batch[b], self.batch[a]
             moved.append((a, b, MoveDirectionality.SWAP))
-        if removed or added or moved:
-            self.proc.update_state(BatchUpdate(len(self.batch), removed, added, moved))
-        else:
-            self.proc.update_state(None)
+        self.processor.update_state(BatchUpdate(len(self.batch), removed, added, moved) if removed or added or moved else None)
         if not self.batch:
-            time.sleep(0.001)
-            return
-        logits = torch.stack([sim_logits(self.side, r.key, len(r.outputs[self.side]), self.nan_keys) for r in self.batch])
-        logits = self.proc.apply(logits)
-        for i, r in enumerate(self.batch):
-            finite = torch.isfinite(logits[i])
-            assert int(finite.sum()) == 1, "every row must allow exactly one token"
-            r.outputs[self.side].append(int(logits[i].argmax()))
-            if self._done(r):
-                self.finished.put((self.side, r))
-
-    @staticmethod
-    def _done_ids(r: SimRequest, ids: list[int]) -> bool:
-        return len(ids) >= r.max_tokens or (bool(ids) and ids[-1] in r.stop_ids)
-
-    def _done(self, r: SimRequest) -> bool:
-        return self._done_ids(r, r.outputs[self.side])
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={})
+        seeds = [self.params_of[rid].extra_args["dual_sampling"]["sampling"]["seed"] for rid in self.batch]
+        logits = torch.stack([sim_logits(self.side, seed, len(self.outputs_of[rid])) for seed, rid in zip(seeds, self.batch)])
+        if self.side == "theta":
+            for i, (seed, rid) in enumerate(zip(seeds, self.batch)):
+                if seed in self.adversity.nan_seeds and len(self.outputs_of[rid]) == NAN_STEP:
+                    logits[i, VOCAB // 2] = math.nan
+        logits = self.processor.apply(logits)
+        tokens = []
+        for i, rid in enumerate(self.batch):
+            assert int(torch.isfinite(logits[i]).sum()) == 1, "every row must allow exactly one token"
+            tokens.append(int(logits[i].argmax()))
+            self.outputs_of[rid].append(tokens[-1])
+        return ModelRunnerOutput(req_ids=list(self.batch), req_id_to_index={rid: i for i, rid in enumerate(self.batch)},
+                                 sampled_token_ids=[[t] for t in tokens])
 
 
-def run_simulation(seed: int, n_requests: int, max_seqs: int, abort_rate: float = 0.0, timeout_s: float = 60.0,
-                   nan_keys: frozenset = frozenset()) -> dict:
-    """Run one schedule; return a summary. Raises AssertionError on a stale read or a mismatch.
+class SimAsyncEngine:
+    """The frontend of one simulated engine, with ``AsyncLLM.generate``'s behaviour."""
 
-    Requests in ``nan_keys`` must fail with the slot error ``bad_logits`` (counted in "failed")."""
-    rng = random.Random(seed)
-    session = SyncSession.create(SessionLayout(VOCAB, 2 * max_seqs + 2, 64))
-    try:
-        cfg = {"session": session.name, "sync_timeout": 10.0, "abandon_token_id": EOS, "alpha_method": "kl_symmetry",
-               "alpha_config": {}}
-        procs = {
-            "teacher": TeacherSyncLogitsProcessor(SimpleNamespace(additional_config={"dual_sampling": {**cfg, "role": "teacher"}}), torch.device("cpu"), False),
-            "theta": ThetaSyncLogitsProcessor(SimpleNamespace(additional_config={"dual_sampling": {**cfg, "role": "theta"}}), torch.device("cpu"), False),
-        }
-        finished: "queue.Queue" = queue.Queue()
-        engines = {side: SimEngine(side, procs[side], max_seqs, random.Random(rng.random()), finished, nan_keys)
-                   for side in procs}
-        for e in engines.values():
-            e.start()
-        todo = [SimRequest(key=k + 1, slot=-1, max_tokens=rng.randint(1, 20), stop_ids=(EOS, rng.randrange(1, VOCAB)),
-                           seed=rng.randrange(1 << 30)) for k in range(n_requests)]
-        todo.reverse()
-        in_flight: dict[int, SimRequest] = {}
-        sides_done: dict[int, set] = {}
-        completed, aborted_keys, failed = 0, 0, {}
-        deadline = time.monotonic() + timeout_s
-        while todo or in_flight:
-            assert time.monotonic() < deadline, f"deadlock: {len(in_flight)} requests in flight"
-            for e in engines.values():
-                assert e.error is None, f"{e.side} engine failed: {e.error!r}"
-            free = [s for s in range(session.layout.slots) if session.slot_free(s) and s not in {r.slot for r in in_flight.values()}]
-            while todo and free:
-                r = todo.pop()
-                r.slot = free.pop()
-                session.open_slot(r.slot, r.key)
-                in_flight[r.key] = r
-                sides_done[r.key] = set()
-                for e in engines.values():
-                    e.inbox.put(r)
-                if rng.random() < abort_rate:
-                    r.aborted = True
-                    for e in engines.values():
-                        e.aborts.put(r.key)
-                    session.mark_finished(r.slot, TEACHER_FINISHED)
-                    session.mark_finished(r.slot, THETA_FINISHED)
-            try:
-                side, r = finished.get(timeout=0.05)
-            except queue.Empty:
-                # aborted requests never report; retire them once both processors released the slot
-                for key, req in list(in_flight.items()):
-                    if req.aborted:
-                        session.close_slot(req.slot)
-                        del in_flight[key]
-                        aborted_keys += 1
-                continue
-            if r.key not in in_flight:
-                continue
-            session.mark_finished(r.slot, TEACHER_FINISHED if side == "teacher" else THETA_FINISHED)
-            sides_done[r.key].add(side)
-            if len(sides_done[r.key]) < 2:
-                continue
-            del in_flight[r.key]
-            if r.aborted:
-                session.close_slot(r.slot)
-                aborted_keys += 1
-                continue
-            if r.key in nan_keys and r.max_tokens > NAN_STEP and not _stopped_before(r, NAN_STEP):
-                failed[r.key] = ERROR_NAMES[int(session.control[r.slot, ERROR])]
-                session.close_slot(r.slot)
-                continue
-            t_ids, th_ids = r.outputs["teacher"], r.outputs["theta"]
-            assert t_ids == th_ids, f"request {r.key}: streams differ {t_ids} vs {th_ids}"
-            assert int(session.control[r.slot, ERROR]) == ERR_NONE, f"request {r.key}: error {int(session.control[r.slot, ERROR])}"
-            assert int(session.control[r.slot, NUM_RECORDS]) == len(t_ids)
-            check_records(session, r, t_ids)
-            session.close_slot(r.slot)
-            completed += 1
-        for e in engines.values():
-            e.stop_flag.set()
-            e.join(timeout=10)
-        # One last update on each side retires the finished requests, so every slot is released.
-        for side, e in engines.items():
-            removed = [i for i, x in enumerate(e.batch) if x is not None]
-            procs[side].update_state(BatchUpdate(0, removed, [], []))
-        leaked = [s for s in range(session.layout.slots) if not session.slot_free(s)]
-        return {"completed": completed, "aborted": aborted_keys, "failed": failed, "leaked_slots": leaked,
-                "stats": session.statistics()}
-    finally:
-        session.close()
+    def __init__(self, core: SimEngineCore, rng: random.Random, adversity: Adversity, partner: "SimAsyncEngine | None" = None):
+        self.core, self.rng, self.adversity = core, rng, adversity
+        self.partner = partner
+        self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+
+    def deliver(self, outputs: list) -> None:
+        for out in outputs:
+            target = self.queues.get(out.request_id)
+            if target is not None:
+                target[0].call_soon_threadsafe(target[1].put_nowait, out)
+
+    async def generate(self, prompt: dict, params: SamplingParams, request_id: str):
+        params = params.clone()
+        params._eos_token_id = EOS
+        params._all_stop_token_ids = set(params.stop_token_ids or ()) | {EOS}
+        request = Request(request_id, list(prompt["prompt_token_ids"]), params, None)
+        inbox: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = (asyncio.get_running_loop(), inbox)
+        self.core.send("add", request)
+        if self.rng.random() < self.adversity.one_sided_abort_rate:
+            self.core.send("abort", [request_id])  # a vLLM abort reaching this engine alone
+        tokens: list[int] = []
+        try:
+            while True:
+                out = await inbox.get()
+                tokens += out.new_token_ids
+                finished = out.finish_reason is not None
+                if params.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+                    continue
+                shown = tokens if params.output_kind == RequestOutputKind.FINAL_ONLY else list(out.new_token_ids)
+                reason = str(out.finish_reason) if finished else None
+                yield RequestOutput(request_id, None, request.prompt_token_ids, None,
+                                    [CompletionOutput(0, "", shown, None, None, finish_reason=reason,
+                                                      stop_reason=out.stop_reason)], finished)
+                if finished:
+                    return
+        except (asyncio.CancelledError, GeneratorExit):
+            self.core.send("abort", [request_id])
+            raise
+        finally:
+            self.queues.pop(request_id, None)
 
 
-def _stopped_before(r: SimRequest, step: int) -> bool:
-    """The request ended (on a stop id) before reaching ``step``."""
-    ids = r.outputs["teacher"]
-    return any(t in r.stop_ids for t in ids[:step])
+class SimEnginePair:
+    """Two simulated engines with :class:`dual_sampling.engines.EnginePair`'s interface."""
+
+    def __init__(self, session_name: str, configs: dict, rng: random.Random, adversity: Adversity, max_num_seqs: int,
+                 max_model_len: int) -> None:
+        full = max_num_seqs * -(-max_model_len // BLOCK) + 1
+        self.cores, self.engines = {}, {}
+        for side in ("teacher", "theta"):
+            cfg = configs[side]
+            cfg.additional_config["dual_sampling"]["session"] = session_name
+            engine = SimAsyncEngine(None, random.Random(rng.random()), adversity)
+            core = SimEngineCore(side, cfg, adversity.kv_blocks.get(side, full), random.Random(rng.random()), adversity,
+                                 engine.deliver)
+            engine.core = core
+            self.cores[side], self.engines[side] = core, engine
+        for core in self.cores.values():
+            core.start()
+
+    @property
+    def teacher(self) -> SimAsyncEngine:
+        return self.engines["teacher"]
+
+    @property
+    def theta(self) -> SimAsyncEngine:
+        return self.engines["theta"]
+
+    def dead(self) -> str | None:
+        for side, core in self.cores.items():
+            if core.error is not None or not core.is_alive():
+                return side
+        return None
+
+    def pids(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        for core in self.cores.values():
+            core.stop_flag.set()
+        for core in self.cores.values():
+            core.join(timeout=10)
+        for core in self.cores.values():
+            core.scheduler.shutdown()
 
 
-def check_records(session: SyncSession, r: SimRequest, tokens: list[int]) -> None:
-    """Recompute every step from the deterministic logits: a stale or mismatched row fails here."""
+def sim_configs(max_num_seqs: int, max_model_len: int, budget: int, sync_timeout: float) -> dict:
+    """vLLM configs of both simulated engines (the tiny models' folders; nothing is loaded)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from dual_sampling import models
+
+    teacher, theta = models.tiny_pair("same")
+    out = {}
+    for side, path in (("teacher", teacher), ("theta", theta)):
+        args = EngineArgs(model=str(path), tokenizer=str(teacher), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=budget, enable_chunked_prefill=False, async_scheduling=False,
+                          enforce_eager=True, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False,
+                          additional_config={"dual_sampling": {"role": side, "session": "", "sync_timeout": sync_timeout,
+                                                               "alpha_method": "kl_symmetry", "alpha_config": {}}})
+        out[side] = args.create_engine_config()
+    return out
+
+
+def check_records(sample, request=None) -> None:
+    """Recompute α, log π_t, log π_θ and log q of every token from the fixed logits: a stale row fails here.
+
+    With ``request``, its min_tokens masking of the stop ids is applied to q as well.
+    """
     ac = get_alpha_computer("kl_symmetry")
-    for step, tok in enumerate(tokens):
-        lt = torch.log_softmax(sim_logits("teacher", r.key, step), -1)
-        lth = torch.log_softmax(sim_logits("theta", r.key, step), -1)
+    for step, tok in enumerate(sample.token_ids):
+        lt = torch.log_softmax(sim_logits("teacher", sample.seed, step), -1)
+        lth = torch.log_softmax(sim_logits("theta", sample.seed, step), -1)
         a = ac(lth, lt)
-        rec = session.records[r.slot, step]
-        assert session.tokens[r.slot, step] == tok
-        assert math.isclose(rec[0], float(a), abs_tol=1e-5), f"request {r.key} step {step}: alpha {rec[0]} != {float(a)}"
-        assert math.isclose(rec[2], float(lth[tok]), abs_tol=1e-5), f"request {r.key} step {step}: stale theta row"
-        assert math.isclose(rec[1], float(lt[tok]), abs_tol=1e-5)
-        assert math.isclose(rec[3], float(geometric_mix(lth, lt, a)[tok]), abs_tol=1e-5)
+        logq = geometric_mix(lth, lt, a)
+        if request is not None and step < request.sampling.min_tokens:
+            logq[[t for t in request.sampling.stop_token_ids if t < VOCAB]] = -math.inf
+            logq = torch.log_softmax(logq, -1)
+        assert math.isclose(sample.alpha[step], float(a), abs_tol=1e-5), f"seed {sample.seed} step {step}: alpha"
+        assert math.isclose(sample.logp_theta[step], float(lth[tok]), abs_tol=1e-5), f"seed {sample.seed} step {step}: stale theta row"
+        assert math.isclose(sample.logp_teacher[step], float(lt[tok]), abs_tol=1e-5)
+        assert math.isclose(sample.logq[step], float(logq[tok]), abs_tol=1e-5), f"seed {sample.seed} step {step}: log q"
+
+
+# ---------------------------------------------------------------------- one simulated run
+
+
+@dataclass
+class SimRun:
+    """The outcome of :func:`run_simulation`."""
+
+    samples: list
+    """SampleRecord per request, None where the request was cancelled by its caller."""
+    requests: list
+    aborted: set
+    """Indices of requests the driver aborted."""
+    stats: dict
+    leaked_slots: list
+
+
+_TOKENIZER = None
+
+
+def sim_tokenizer():
+    """SmolLM2's tokenizer (the sim's 64 ids are its specials and single characters)."""
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        from transformers import AutoTokenizer
+
+        from dual_sampling import models
+
+        _TOKENIZER = AutoTokenizer.from_pretrained(models.tiny_pair("same")[0])
+    return _TOKENIZER
+
+
+def make_requests(rng: random.Random, count: int, max_model_len: int, stops: tuple[str, ...] = (),
+                  min_tokens: int = 0) -> list:
+    """Long teacher prompts and short theta ones (a hint on one side only), uneven lengths, random stop ids."""
+    from dual_sampling.sampling import RowSampling
+    from dual_sampling.scheduler import DualRequest
+
+    out = []
+    for k in range(count):
+        teacher_len, theta_len = rng.randint(max_model_len // 4, max_model_len // 2), rng.randint(1, 12)
+        max_tokens = rng.randint(max(1, min_tokens), 24)
+        out.append(DualRequest([rng.randrange(17, VOCAB) for _ in range(teacher_len)],
+                               [rng.randrange(17, VOCAB) for _ in range(theta_len)],
+                               RowSampling(seed=rng.randrange(1 << 40), min_tokens=min(min_tokens, max_tokens),
+                                           stop_token_ids=(EOS, rng.randrange(17, VOCAB))),
+                               max_tokens, stop=stops))
+    return out
+
+
+def run_simulation(seed: int, count: int, max_num_seqs: int, adversity: Adversity | None = None, *,
+                   max_model_len: int = 96, budget: int | None = None, abort_rate: float = 0.0,
+                   cancel_rate: float = 0.0, act_within_s: float = 0.3, stops: tuple[str, ...] = (), min_tokens: int = 0,
+                   sync_timeout: float = 10.0, slots: int | None = None) -> SimRun:
+    """Run ``count`` requests through the real plugins and driver on two simulated engines.
+
+    ``budget`` (tokens per step, default max_model_len) is small enough that one engine alone
+    would admit long teacher prompts and short theta prompts at different steps.
+    ``abort_rate`` aborts requests through the driver at a random moment (queued, in
+    prefill or in decode); ``cancel_rate`` has the caller walk away from the stream; either
+    happens at a uniform moment within ``act_within_s`` of the request's start.
+    """
+    from dual_sampling.scheduler import DualScheduler
+
+    rng = random.Random(seed)
+    adversity = adversity or Adversity()
+    configs = sim_configs(max_num_seqs, max_model_len, budget or max_model_len, sync_timeout)
+    requests = make_requests(rng, count, max_model_len, stops, min_tokens)
+    scheduler = DualScheduler(lambda name: SimEnginePair(name, configs, rng, adversity, max_num_seqs, max_model_len),
+                              sim_tokenizer(), vocab=VOCAB, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                              sync_timeout=sync_timeout, slots=slots)
+    aborted: set = set()
+    plan = [(rng.random() < abort_rate, rng.random() < cancel_rate, rng.random() * act_within_s) for _ in requests]
+
+    async def one(index: int, request) -> Any:
+        abort, cancel, after = plan[index]
+        stream = scheduler.stream(request)
+        task = asyncio.ensure_future(_drain(stream))
+        if abort or cancel:
+            await asyncio.sleep(after)
+            while abort and not task.done() and not any(f.request is request for f in scheduler._flights.values()):
+                await asyncio.sleep(0.001)  # still waiting for a slot: the driver aborts requests it has submitted
+            if not task.done():
+                if abort:
+                    ids = [rid for rid, f in scheduler._flights.items() if f.request is request]
+                    if ids and scheduler.abort(ids[0]):
+                        aborted.add(index)
+                else:
+                    task.cancel()
+        try:
+            return await task
+        except asyncio.CancelledError:
+            return None
+
+    async def main() -> list:
+        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(requests))))
+
+    try:
+        samples = scheduler.call(main(), timeout=300)
+        deadline = time.monotonic() + 5  # the engines release finished requests at their next step
+        leaked = [s for s in range(scheduler.session.layout.slots) if not scheduler.session.slot_free(s)]
+        while leaked and time.monotonic() < deadline:
+            time.sleep(0.02)
+            leaked = [s for s in range(scheduler.session.layout.slots) if not scheduler.session.slot_free(s)]
+        return SimRun(samples, requests, aborted, scheduler.statistics(), leaked)
+    finally:
+        scheduler.close()
+
+
+async def _drain(stream) -> Any:
+    """The final sample of a stream, after checking that the streamed deltas add up to it."""
+    streamed = []
+    async for delta in stream:
+        streamed += delta.token_ids
+        if delta.sample is not None:
+            assert streamed == delta.sample.token_ids, "the streamed tokens differ from the sample's"
+            return delta.sample
+    raise AssertionError("stream ended without a sample")

@@ -1,4 +1,9 @@
-"""The sync protocol under many random schedules, without vLLM engines (seconds per schedule)."""
+"""Lockstep under adversarial schedules: the real plugins and driver on two simulated engines (seconds per run).
+
+Every run checks: identical token streams on both engines (the driver verifies them; a
+mismatch would fail the sample as ``diverged``), records equal to a recomputation from the
+fixed logits, no timeouts, and no slot left held once the engines are idle.
+"""
 
 from __future__ import annotations
 
@@ -8,38 +13,148 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dual_sampling.sync import SESSION_PREFIX
-from tests.sim_engines import run_simulation
+from dual_sampling.protocol import SESSION_PREFIX
+from dual_sampling.text import decode
+from tests.sim_engines import Adversity, check_records, run_simulation, sim_tokenizer
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_schedules_complete_without_stale_reads(seed):
-    summary = run_simulation(seed, n_requests=25, max_seqs=4)
-    assert summary["completed"] == 25
-    assert summary["leaked_slots"] == []
-    assert summary["stats"]["teacher_timeouts"] == summary["stats"]["theta_timeouts"] == 0
+def assert_clean(run, *, allow_errors: frozenset = frozenset(), engine_aborts: bool = False) -> None:
+    """Every sample completed (or was aborted/cancelled) with correct records; nothing leaked or timed out."""
+    assert run.leaked_slots == []
+    assert run.stats["teacher_timeouts"] == run.stats["theta_timeouts"] == 0
+    for index, sample in enumerate(run.samples):
+        if sample is None:
+            continue  # the caller walked away
+        if sample.error is not None:
+            assert sample.error.split(" at ")[0] in allow_errors, (index, sample.error)
+            continue
+        assert sample.teacher_token_ids == sample.theta_token_ids == sample.token_ids
+        if sample.finish_reason == "abort" and not engine_aborts:
+            assert index in run.aborted
+        check_records(sample, run.requests[index])
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), max_seqs=st.integers(1, 6), n=st.integers(1, 20), abort_rate=st.sampled_from([0.0, 0.2]))
-def test_property_every_request_completes_or_is_aborted(seed, max_seqs, n, abort_rate):
-    summary = run_simulation(seed, n_requests=n, max_seqs=max_seqs, abort_rate=abort_rate)
-    assert summary["completed"] + summary["aborted"] == n
-    assert summary["leaked_slots"] == []
-    assert summary["stats"]["teacher_timeouts"] == summary["stats"]["theta_timeouts"] == 0
+@pytest.mark.parametrize("seed", range(4))
+def test_long_teacher_prompts_and_short_theta_prompts_stay_in_lockstep(seed):
+    # One engine alone would admit one long teacher prompt per step but many short theta
+    # prompts; deliveries to the teacher lag by up to 30 ms. The leader admits for both.
+    run = run_simulation(seed, count=24, max_num_seqs=4, adversity=Adversity(delay_s={"teacher": 0.03, "theta": 0.0}))
+    assert_clean(run)
+    assert all(s.finish_reason in ("stop", "length") for s in run.samples)
+    assert run.stats["split_steps"] == 0 and run.stats["follower_diverged"] == 0
+    assert run.stats["leader_admitted"] == 24
+
+
+def test_theta_deliveries_late_and_many_seats():
+    run = run_simulation(7, count=30, max_num_seqs=8, adversity=Adversity(delay_s={"teacher": 0.0, "theta": 0.05}),
+                         budget=200)
+    assert_clean(run)
+    assert run.stats["split_steps"] == 0
+
+
+def test_stop_strings_end_both_engines_at_the_same_token_after_min_tokens():
+    tokenizer = sim_tokenizer()
+    stops = ("5", "AB", "%")
+    run = run_simulation(3, count=30, max_num_seqs=4, stops=stops, min_tokens=3,
+                         adversity=Adversity(delay_s={"teacher": 0.01, "theta": 0.02}))
+    assert_clean(run)
+    by_string = [s for s in run.samples if isinstance(s.stop_reason, str)]
+    assert len(by_string) >= 5, "the stop strings should end several samples"
+    for s in run.samples:
+        ids = s.token_ids
+        # Independent oracle: the first prefix (of at least min_tokens) whose last token completes a stop string.
+        ends = [n for n in range(3, len(ids) + 1) for x in stops
+                if decode(tokenizer, ids[:n]).rfind(x) + len(x) > len(decode(tokenizer, ids[: n - 1])) and x in decode(tokenizer, ids[:n])]
+        if isinstance(s.stop_reason, str):
+            assert len(ids) == min(ends), (ids, ends)
+            # The text stops right before an occurrence of that stop string which the last token completes.
+            full, before = decode(tokenizer, ids), decode(tokenizer, ids[:-1])
+            assert full.startswith(s.text) and full[len(s.text):].startswith(s.stop_reason)
+            assert len(s.text) + len(s.stop_reason) > len(before)
+        else:
+            # No stop string completed within the sample, unless at its last token, where the stop token
+            # or max_tokens (checked first, as in vLLM) ended it.
+            assert not ends or min(ends) == len(ids), (ids, ends)
+            expected = decode(tokenizer, ids[:-1] if s.finish_reason == "stop" else ids)
+            assert s.text == expected
+
+
+def test_aborts_while_queued_in_prefill_and_in_decode_end_only_their_request():
+    run = run_simulation(11, count=40, max_num_seqs=4, abort_rate=0.5, act_within_s=0.05,
+                         adversity=Adversity(delay_s={"teacher": 0.02, "theta": 0.02}))
+    assert_clean(run)
+    aborted = [i for i, s in enumerate(run.samples) if s.finish_reason == "abort"]
+    assert len(aborted) >= 5 and set(aborted) <= run.aborted
+    assert any(not s.token_ids for s in run.samples if s.finish_reason == "abort"), "no abort caught a queued request"
+    assert any(s.token_ids for s in run.samples if s.finish_reason == "abort"), "no abort caught a running request"
+    # Every request nobody aborted completed; an aborted one either ended by the abort or finished first.
+    assert all(s.finish_reason in ("stop", "length") for i, s in enumerate(run.samples) if i not in run.aborted)
+
+
+def test_callers_walking_away_free_their_slots():
+    run = run_simulation(12, count=30, max_num_seqs=4, cancel_rate=0.4, slots=6)
+    assert_clean(run)
+    assert sum(s is None for s in run.samples) >= 5
+    assert sum(s is not None and s.finish_reason in ("stop", "length") for s in run.samples) >= 10
+
+
+def test_vllm_aborts_reaching_one_engine_become_lockstep_aborts():
+    run = run_simulation(13, count=40, max_num_seqs=4, adversity=Adversity(one_sided_abort_rate=0.4,
+                                                                         delay_s={"teacher": 0.01, "theta": 0.03}))
+    assert_clean(run, engine_aborts=True)
+    ended = [s for s in run.samples if s.finish_reason == "abort"]
+    assert len(ended) >= 3 and all(s.teacher_token_ids == s.theta_token_ids for s in ended)
+
+
+def test_a_preemption_attempt_fails_its_request_alone():
+    # Theta's KV cache holds 4 usable blocks of 16 tokens, less than 4 seats need: vLLM would preempt a
+    # running request (refused: it fails as "preempted") or fail to admit a planned one (it fails as
+    # "diverged"). Start-up refuses such a cache on real engines; here the refusal paths run.
+    run = run_simulation(14, count=16, max_num_seqs=4, adversity=Adversity(kv_blocks={"theta": 5}))
+    assert_clean(run, allow_errors=frozenset({"preempted", "diverged"}))
+    errors = [s.error for s in run.samples if s.error]
+    assert any(e.startswith("preempted") for e in errors)
+    assert sum(s.error is None for s in run.samples) >= 4
+
+
+def test_nan_logits_fail_only_their_request_with_a_named_error():
+    run0 = run_simulation(5, count=16, max_num_seqs=4)
+    nan = frozenset(s.seed for s in run0.samples[:8] if len(s.token_ids) > 2)
+    run = run_simulation(5, count=16, max_num_seqs=4, adversity=Adversity(nan_seeds=nan))
+    assert_clean(run, allow_errors=frozenset({"bad_logits"}))
+    failed = {s.seed for s in run.samples if s.error}
+    assert failed == nan and all(s.error == "bad_logits at step 2" for s in run.samples if s.error)
+
+
+def test_a_stalled_engine_fails_its_requests_and_later_ones_complete():
+    # Theta stops stepping for 2.5 s (from 20 ms in, with requests running); sync_timeout is 1 s.
+    run = run_simulation(6, count=24, max_num_seqs=4, sync_timeout=1.0,
+                         adversity=Adversity(stall=("theta", 0.02, 2.5)))
+    assert run.leaked_slots == []
+    errors = [s.error for s in run.samples if s.error]
+    assert errors and all(e.split(" at ")[0] in ("sync_timeout", "diverged") for e in errors)
+    assert any(e.startswith("sync_timeout") for e in errors)
+    assert sum(s.error is None for s in run.samples) >= 4
+    for s, request in zip(run.samples, run.requests):
+        if s.error is None:
+            check_records(s, request)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(seed=st.integers(0, 10_000), max_num_seqs=st.integers(1, 6), count=st.integers(1, 20),
+       abort_rate=st.sampled_from([0.0, 0.3]), teacher_delay=st.sampled_from([0.0, 0.02]),
+       theta_delay=st.sampled_from([0.0, 0.02]), one_sided=st.sampled_from([0.0, 0.2]))
+def test_property_every_request_completes_or_is_aborted(seed, max_num_seqs, count, abort_rate, teacher_delay,
+                                                         theta_delay, one_sided):
+    run = run_simulation(seed, count=count, max_num_seqs=max_num_seqs, abort_rate=abort_rate, stops=("7",),
+                         adversity=Adversity(delay_s={"teacher": teacher_delay, "theta": theta_delay},
+                                             one_sided_abort_rate=one_sided))
+    assert_clean(run, engine_aborts=one_sided > 0)
+    assert all(s.finish_reason in ("stop", "length", "abort") for s in run.samples)
+    assert run.stats["follower_diverged"] == 0
 
 
 def test_no_session_file_left_behind():
     before = {f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX)}
-    run_simulation(0, n_requests=3, max_seqs=2)
+    run_simulation(0, count=3, max_num_seqs=2)
     assert {f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX)} <= before
-
-
-def test_nan_logits_fail_only_their_request_with_a_named_error():
-    nan_keys = frozenset({3, 7, 11})
-    summary = run_simulation(5, n_requests=16, max_seqs=4, nan_keys=nan_keys)
-    assert summary["failed"] and set(summary["failed"]) <= nan_keys
-    assert set(summary["failed"].values()) == {"bad_logits"}
-    assert summary["completed"] + len(summary["failed"]) == 16
-    assert summary["leaked_slots"] == []
-    assert summary["stats"]["teacher_timeouts"] == summary["stats"]["theta_timeouts"] == 0

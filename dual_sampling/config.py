@@ -1,0 +1,224 @@
+"""Configuration: how to sample (:class:`SamplingOptions`) and how to run the two engines (:class:`EngineOptions`).
+
+Each is one validated dataclass with a docstring under every field; errors name the
+field. :class:`DualEngineConfig` adds the two model folders to the engine options, and
+the data-generation run's ``RunConfig`` composes both, so no field is written twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from alpha import get_alpha_computer
+
+__all__ = ["SamplingOptions", "EngineOptions", "DualEngineConfig", "BEST_OF_SCORES", "UNSUPPORTED_SAMPLING",
+           "kv_cache_bytes_needed", "default_kv_cache_bytes", "model_config"]
+
+BEST_OF_SCORES = ("logq", "logp_theta", "logp_teacher")
+UNSUPPORTED_SAMPLING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words")
+"""vLLM options that would act after the token is forced; refused by name."""
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class SamplingOptions:
+    """How to sample from q ∝ π_θ^(1−α)·π_t^α. Every filter acts on q; α is the teacher weight."""
+
+    max_tokens: int = 256
+    """Generated tokens per sample at most (also capped by the room the longer prompt leaves in max_model_len)."""
+    temperature: float = 1.0
+    """Divides log q before the draw; 0 is greedy (the mode of q)."""
+    top_p: float = 1.0
+    """Nucleus filter on the tempered q, in (0, 1]; 1 is off."""
+    top_k: int = -1
+    """Keep the k most likely tokens of q; -1 is off."""
+    min_p: float = 0.0
+    """Drop tokens below min_p times the most likely token's probability, in [0, 1]; 0 is off."""
+    min_tokens: int = 0
+    """Generated tokens before any stop token or stop string may end a sample."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: a sample ends at the token that completes one; its text ends before it."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a sample, besides both models' EOS ids."""
+    n: int = 1
+    """Samples per prompt."""
+    best_of: int | None = None
+    """Draw this many samples per prompt (>= n) and keep the n with the highest summed best_of_score."""
+    best_of_score: str = "logq"
+    """Score for best_of: logq, logp_theta or logp_teacher, summed over the sample's tokens."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Added to log q per token id before temperature."""
+    force_first_token: bool = False
+    """Sample the first token from the teacher alone (α = 1 at step 0)."""
+    teacher_support_top_k: int = -1
+    """Restrict q to the teacher's k most likely tokens; -1 is off."""
+    teacher_support_top_p: float = 1.0
+    """Restrict q to the teacher's top-p set, in (0, 1]; 1 is off."""
+    seed: int = 0
+    """Seed of the call; sample j of prompt i is drawn with a seed derived from (seed, prompt key, j)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
+        for name in ("temperature", "top_p", "min_p", "teacher_support_top_p"):
+            if _is_int(getattr(self, name)):
+                setattr(self, name, float(getattr(self, name)))
+        _need(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _need(_is_number(self.temperature) and self.temperature >= 0, f"temperature must be a number >= 0, got {self.temperature!r}")
+        _need(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must lie in (0, 1], got {self.top_p!r}")
+        _need(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+        _need(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must lie in [0, 1], got {self.min_p!r}")
+        _need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+              f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        _need(all(isinstance(s, str) and s for s in self.stop), f"stop must be a list of non-empty strings, got {self.stop!r}")
+        _need(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        _need(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _need(self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n),
+              f"best_of must be an integer >= n={self.n}, got {self.best_of!r}")
+        _need(self.best_of_score in BEST_OF_SCORES, f"best_of_score must be one of {BEST_OF_SCORES}, got {self.best_of_score!r}")
+        for token, bias in self.logit_bias.items():
+            _need(_is_int(token) and token >= 0, f"logit_bias keys must be token ids >= 0, got {token!r}")
+            _need(_is_number(bias), f"logit_bias for token {token} must be a finite number, got {bias!r}")
+        _need(isinstance(self.force_first_token, bool), f"force_first_token must be true or false, got {self.force_first_token!r}")
+        _need(_is_int(self.teacher_support_top_k) and (self.teacher_support_top_k == -1 or self.teacher_support_top_k >= 1),
+              f"teacher_support_top_k must be -1 (off) or >= 1, got {self.teacher_support_top_k!r}")
+        _need(_is_number(self.teacher_support_top_p) and 0 < self.teacher_support_top_p <= 1,
+              f"teacher_support_top_p must lie in (0, 1], got {self.teacher_support_top_p!r}")
+        _need(_is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def draws(self) -> int:
+        """Samples drawn per prompt (best_of if set, else n)."""
+        return self.best_of or self.n
+
+    def check_vocab(self, vocab: int) -> None:
+        """Refuse token ids outside the shared vocabulary, naming the field."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias))):
+            bad = [t for t in ids if t >= vocab]
+            _need(not bad, f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
+    def replace(self, **changes: Any) -> "SamplingOptions":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(kw_only=True)
+class EngineOptions:
+    """How the two engines run: everything of a dual engine but its two models. Validated at construction."""
+
+    alpha_method: str = "kl_symmetry"
+    """Registered alpha method: fixed, kl_symmetry, ess_balance, entropy, or a plugin's."""
+    alpha_min: float = 0.0
+    """Lower clamp on the teacher weight α."""
+    alpha_max: float = 1.0
+    """Upper clamp on the teacher weight α."""
+    alpha_config: dict[str, Any] = field(default_factory=dict)
+    """Further fields of the alpha method (for example ``{"alpha": 0.3}`` for fixed)."""
+    sync_timeout: float = 60.0
+    """Seconds an engine waits for its partner before failing the requests it waits on."""
+    max_num_seqs: int = 8
+    """Requests each engine runs at once (equal on both sides)."""
+    max_model_len: int | None = None
+    """Prompt plus generated tokens per request; None: min(model limit, 2048)."""
+    max_num_batched_tokens: int | None = None
+    """Tokens per engine step (prefills included); None: max(max_model_len, 2048). At least max_model_len."""
+    dtype: str = "float32"
+    """Model dtype; float32 is about 2x faster than bfloat16 on CPUs without bf16."""
+    kv_cache_memory_bytes: int | None = None
+    """KV cache per engine; None sizes it for max_num_seqs full contexts, so nothing is ever preempted."""
+    enforce_eager: bool = True
+    """Skip graph compilation (engine start in seconds rather than minutes)."""
+    enable_prefix_caching: bool = True
+    """Share the KV of common prompt prefixes (the n samples of one prompt)."""
+    cpu_binding: str = "split"
+    """CPU backend only. "split": each engine's model gets its own half of the CPUs, so both run at once; "vllm": vLLM's own binding."""
+    teacher_engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra vLLM engine arguments for the teacher; settings that would break lockstep are refused after start."""
+    theta_engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra vLLM engine arguments for theta."""
+    use_tqdm: bool = True
+    """Show a progress bar over samples in generate()."""
+
+    def __post_init__(self) -> None:
+        # Building the computer validates the method name and its bounds, naming the bad value.
+        get_alpha_computer(self.alpha_method, alpha_min=self.alpha_min, alpha_max=self.alpha_max, **self.alpha_config)
+        _need(_is_number(self.sync_timeout) and self.sync_timeout > 0,
+              f"sync_timeout must be a positive number of seconds, got {self.sync_timeout!r}")
+        _need(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
+        _need(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
+              f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        _need(self.max_num_batched_tokens is None or (_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1),
+              f"max_num_batched_tokens must be a positive integer, got {self.max_num_batched_tokens!r}")
+        _need(self.kv_cache_memory_bytes is None or (_is_int(self.kv_cache_memory_bytes) and self.kv_cache_memory_bytes > 0),
+              f"kv_cache_memory_bytes must be a positive integer, got {self.kv_cache_memory_bytes!r}")
+        _need(self.cpu_binding in ("split", "vllm"), f"cpu_binding must be 'split' or 'vllm', got {self.cpu_binding!r}")
+        for name in ("teacher_engine_kwargs", "theta_engine_kwargs"):
+            _need(isinstance(getattr(self, name), dict), f"{name} must be a dict of vLLM engine arguments")
+
+    def options(self) -> "EngineOptions":
+        """These options alone (without the models of a DualEngineConfig)."""
+        return EngineOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineOptions)})
+
+
+@dataclass
+class DualEngineConfig(EngineOptions):
+    """Everything fixed for the life of a dual engine: the two models and the :class:`EngineOptions`."""
+
+    model_teacher: str
+    """Path of the teacher model (a local Hugging Face folder)."""
+    model_theta: str
+    """Path of the theta (student) model; must share the teacher's tokenizer."""
+
+    def __post_init__(self) -> None:
+        for role in ("model_teacher", "model_theta"):
+            path = Path(str(getattr(self, role)))
+            if not (path / "config.json").is_file():
+                raise FileNotFoundError(f"{role}={str(path)!r} is not a local model folder (no config.json)")
+            setattr(self, role, str(path))
+        super().__post_init__()
+
+
+def model_config(path: str) -> dict:
+    """A model folder's config.json."""
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+def kv_cache_bytes_needed(model_path: str, max_num_seqs: int, max_model_len: int, dtype: str = "float32",
+                          block_size: int = 1) -> int:
+    """Bytes of KV cache that hold ``max_num_seqs`` full contexts, each rounded up to whole blocks, plus vLLM's null block."""
+    cfg = model_config(model_path)
+    heads = cfg.get("num_attention_heads", 1)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
+    blocks = max_num_seqs * -(-max_model_len // block_size) + 1
+    return blocks * block_size * per_token
+
+
+def default_kv_cache_bytes(model_path: str, max_num_seqs: int, max_model_len: int, dtype: str = "float32",
+                           block_size: int = 128) -> int:
+    """The cache an engine gets when none is given: the need at vLLM's CPU block size, plus 10 %."""
+    return int(kv_cache_bytes_needed(model_path, max_num_seqs, max_model_len, dtype, block_size) * 1.1)

@@ -1,0 +1,336 @@
+"""The two vLLM engines of one session: built, verified, watched and stopped together.
+
+:class:`EnginePair` starts one ``AsyncLLM`` per role with the lockstep plugins
+(``processors``), then reads back each engine's *effective* configuration and refuses any
+setting that would break lockstep, naming it. It knows its engines' processes (each
+EngineCore and its workers), tells when one has died, and on :meth:`EnginePair.close`
+leaves no process and no shared-memory file of theirs behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from dual_sampling.config import DualEngineConfig, default_kv_cache_bytes, kv_cache_bytes_needed
+from dual_sampling.protocol import SHM_DIR, SESSION_PREFIX, pid_alive
+
+__all__ = ["EnginePair", "ROLES", "LOCKSTEP_SETTINGS", "split_cpu_binding", "engine_cpus", "engine_segments_file",
+           "remove_engine_segments"]
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("teacher", "theta")
+LOCKSTEP_SETTINGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "enable_chunked_prefill",
+                     "async_scheduling", "scheduler_cls", "logits_processors", "additional_config",
+                     "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "speculative_config",
+                     "scheduling_policy", "long_prefill_token_threshold", "max_num_partial_prefills")
+"""Engine arguments the dual engine sets itself; per-engine overrides of them are refused."""
+_MiB = 1 << 20
+_EXIT_WAIT_S = 10.0
+"""How long close() waits for an engine's processes to exit after vLLM's shutdown before killing them."""
+
+
+def engine_segments_file(session_name: str) -> Path:
+    """Where a session lists the /dev/shm files its engines created, for cleanup after a crash."""
+    return SHM_DIR / f"{session_name}.segments"
+
+
+def remove_engine_segments(listing: Path) -> list[str]:
+    """Remove the files a dead session's engines left in /dev/shm (those no live process maps), and the listing."""
+    try:
+        names = json.loads(listing.read_text())
+    except (FileNotFoundError, ValueError):
+        names = []
+    mapped = _mapped_shm_files() if names else set()
+    removed = []
+    for name in names:
+        path = SHM_DIR / name
+        if name not in mapped and path.exists():
+            path.unlink(missing_ok=True)
+            removed.append(name)
+    listing.unlink(missing_ok=True)
+    return removed
+
+
+def _mapped_shm_files(pids: list[int] | None = None) -> set[str]:
+    """Names of /dev/shm files mapped by the given processes (all readable ones when None)."""
+    if pids is None:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    names = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+                if path.startswith(str(SHM_DIR) + "/"):
+                    names.add(Path(path.removesuffix(" (deleted)")).name)
+    return names
+
+
+class EnginePair:
+    """One teacher and one theta ``AsyncLLM``, in lockstep through the session ``session_name``.
+
+    Build it inside the asyncio loop that will use the engines (their clients bind to it).
+    """
+
+    def __init__(self, config: DualEngineConfig, session_name: str, max_model_len: int, sync_timeout: float) -> None:
+        self.config = config
+        self.session_name = session_name
+        self.max_model_len = max_model_len
+        self.sync_timeout = sync_timeout
+        self.budget = config.max_num_batched_tokens or max(max_model_len, 2048)
+        if self.budget < max_model_len:
+            raise ValueError(f"max_num_batched_tokens={self.budget} is below max_model_len={max_model_len}: "
+                             "a full-length prompt could never be admitted")
+        for role in ROLES:
+            overridden = sorted(set(self._user_kwargs(role)) & set(LOCKSTEP_SETTINGS))
+            if overridden:
+                raise ValueError(f"{role}_engine_kwargs sets {', '.join(overridden)}; the dual engine sets these itself "
+                                 "(use the DualEngineConfig fields where one exists)")
+        self.binding = split_cpu_binding() if config.cpu_binding == "split" else {}
+        self.engines: dict[str, Any] = {}
+        self._segments: set[str] = set()
+        try:
+            for role in ROLES:
+                self.engines[role] = self._start(role)
+            self.verify()
+            self._record_segments()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def teacher(self) -> Any:
+        return self.engines["teacher"]
+
+    @property
+    def theta(self) -> Any:
+        return self.engines["theta"]
+
+    # ------------------------------------------------------------------ start
+
+    def _user_kwargs(self, role: str) -> dict[str, Any]:
+        return self.config.teacher_engine_kwargs if role == "teacher" else self.config.theta_engine_kwargs
+
+    def engine_kwargs(self, role: str) -> dict[str, Any]:
+        """The vLLM engine arguments of ``role``."""
+        from processors import (
+            TeacherLockstepScheduler, TeacherSyncLogitsProcessor, ThetaLockstepScheduler, ThetaSyncLogitsProcessor,
+        )
+
+        cfg = self.config
+        model = cfg.model_teacher if role == "teacher" else cfg.model_theta
+        kv_bytes = cfg.kv_cache_memory_bytes or default_kv_cache_bytes(model, cfg.max_num_seqs, self.max_model_len, cfg.dtype)
+        helper_cpus = [int(c) for c in self.binding["theta"].split(",")] if role == "teacher" and self.binding else None
+        kwargs = dict(
+            model=model,
+            tokenizer=cfg.model_teacher,  # one tokenizer for both: the same stop ids and EOS on both sides
+            dtype=cfg.dtype,
+            max_model_len=self.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=self.budget,
+            # A partial prefill would hand the processors a logits row that vLLM then discards.
+            enable_chunked_prefill=False,
+            # Lockstep needs each step's tokens before the next step is scheduled.
+            async_scheduling=False,
+            kv_cache_memory_bytes=kv_bytes,
+            enforce_eager=cfg.enforce_eager,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            seed=0,
+            generation_config="vllm",
+            disable_log_stats=True,
+            scheduler_cls=TeacherLockstepScheduler if role == "teacher" else ThetaLockstepScheduler,
+            logits_processors=[TeacherSyncLogitsProcessor if role == "teacher" else ThetaSyncLogitsProcessor],
+            additional_config={"dual_sampling": {
+                "role": role,
+                "session": self.session_name,
+                "sync_timeout": self.sync_timeout,
+                "alpha_method": cfg.alpha_method,
+                "alpha_config": {"alpha_min": cfg.alpha_min, "alpha_max": cfg.alpha_max, **cfg.alpha_config},
+                # Theta's CPUs idle while the teacher decides; the teacher borrows them (see processors.teacher).
+                "mix_helper_cpus": helper_cpus,
+            }},
+        )
+        kwargs.update(self._user_kwargs(role))
+        return kwargs
+
+    def _start(self, role: str) -> Any:
+        # The V1 logits-processor interface: GPUs default to Model Runner V2, which has another one.
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        with engine_cpus(self.binding.get(role)):
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_kwargs(role)))
+
+    # ------------------------------------------------------------------ verification
+
+    def verify(self) -> None:
+        """Read both engines' effective settings and refuse any that would break lockstep, naming it."""
+        from processors import TeacherLockstepScheduler, ThetaLockstepScheduler
+
+        problems = []
+        cfgs = {role: engine.vllm_config for role, engine in self.engines.items()}
+        for role, vc in cfgs.items():
+            sc, pc = vc.scheduler_config, vc.parallel_config
+            want = TeacherLockstepScheduler if role == "teacher" else ThetaLockstepScheduler
+            if sc.get_scheduler_cls() is not want:
+                problems.append(f"{role}: scheduler_cls is {sc.get_scheduler_cls().__name__}, not {want.__name__}")
+            if sc.async_scheduling:
+                problems.append(f"{role}: async_scheduling is on (a step would be scheduled before its tokens exist)")
+            if sc.enable_chunked_prefill or (sc.long_prefill_token_threshold or 0) > 0:
+                problems.append(f"{role}: chunked prefill is on (partial prefills would be sampled and discarded)")
+            if sc.max_num_batched_tokens < vc.model_config.max_model_len:
+                problems.append(f"{role}: max_num_batched_tokens={sc.max_num_batched_tokens} is below "
+                                f"max_model_len={vc.model_config.max_model_len}")
+            for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+                if getattr(pc, name) != 1:
+                    problems.append(f"{role}: {name}={getattr(pc, name)}; only 1 is supported (every rank would "
+                                    "run the processors and race to publish the token)")
+            if vc.speculative_config is not None:
+                problems.append(f"{role}: speculative decoding is on (tokens would be proposed outside the mixture)")
+            if vc.use_v2_model_runner:
+                problems.append(f"{role}: Model Runner V2 is on; the processors implement V1's interface "
+                                "(set VLLM_USE_V2_MODEL_RUNNER=0)")
+            if str(sc.policy) not in ("fcfs", "SchedulingPolicy.FCFS"):
+                problems.append(f"{role}: scheduling_policy is {sc.policy}, not fcfs")
+            problems += self._kv_problems(role, vc)
+        for name, get in (("max_num_seqs", lambda vc: vc.scheduler_config.max_num_seqs),
+                          ("max_model_len", lambda vc: vc.model_config.max_model_len),
+                          ("max_num_batched_tokens", lambda vc: vc.scheduler_config.max_num_batched_tokens)):
+            values = {role: get(vc) for role, vc in cfgs.items()}
+            if len(set(values.values())) > 1:
+                problems.append(f"{name} differs between the engines ({values})")
+        if problems:
+            raise ValueError("the engines' settings would break lockstep: " + "; ".join(problems))
+
+    def _kv_problems(self, role: str, vc: Any) -> list[str]:
+        cache = vc.cache_config
+        blocks, block_size = getattr(cache, "num_gpu_blocks", None), cache.block_size
+        if not blocks:
+            return []
+        per_request = math.ceil(vc.model_config.max_model_len / block_size)
+        need = vc.scheduler_config.max_num_seqs * per_request + 1  # +1: vLLM's null block is never handed out
+        if blocks >= need:
+            return []
+        model = self.config.model_teacher if role == "teacher" else self.config.model_theta
+        want = kv_cache_bytes_needed(model, vc.scheduler_config.max_num_seqs, vc.model_config.max_model_len,
+                                     self.config.dtype, block_size)
+        return [f"{role}: the KV cache has {blocks} blocks of {block_size} tokens, fewer than the {need} that "
+                f"max_num_seqs x max_model_len need (about {want / _MiB:.0f} MiB); an engine short of KV would "
+                "preempt requests. Raise kv_cache_memory_bytes or lower max_num_seqs / max_model_len"]
+
+    # ------------------------------------------------------------------ processes
+
+    def _core_processes(self) -> dict[str, list]:
+        procs = {}
+        for role, engine in self.engines.items():
+            manager = getattr(getattr(engine.engine_core, "resources", None), "engine_manager", None)
+            procs[role] = list(getattr(manager, "processes", []))
+        return procs
+
+    def pids(self) -> dict[str, list[int]]:
+        """Process ids of each engine: its EngineCore first, then the workers it started."""
+        import psutil
+
+        out = {}
+        for role, procs in self._core_processes().items():
+            pids = [p.pid for p in procs]
+            for p in procs:
+                with contextlib.suppress(psutil.Error):
+                    pids += [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
+            out[role] = pids
+        return out
+
+    def dead(self) -> str | None:
+        """The role of an engine whose EngineCore process has exited, if any."""
+        for role, procs in self._core_processes().items():
+            if any(not p.is_alive() for p in procs):
+                return role
+        return None
+
+    def _record_segments(self) -> None:
+        """Note the /dev/shm files the engines map, so a crash of this driver cannot leak them."""
+        self._segments |= {name for name in _mapped_shm_files([pid for pids in self.pids().values() for pid in pids])
+                           if not name.startswith(SESSION_PREFIX)}
+        listing = engine_segments_file(self.session_name)
+        tmp = listing.with_name(listing.name + ".tmp")
+        tmp.write_text(json.dumps(sorted(self._segments)))
+        os.replace(tmp, listing)
+
+    def close(self) -> None:
+        """Stop both engines; afterwards none of their processes and none of their /dev/shm files remain."""
+        if not self.engines:
+            return
+        pids = []
+        with contextlib.suppress(Exception):
+            pids = [pid for role_pids in self.pids().values() for pid in role_pids]
+            self._segments |= {n for n in _mapped_shm_files(pids) if not n.startswith(SESSION_PREFIX)}
+        for role, engine in list(self.engines.items()):
+            try:
+                engine.shutdown()
+            except Exception:
+                logger.exception("shutting down the %s engine failed; its processes are killed instead", role)
+        self.engines.clear()
+        _reap(pids, _EXIT_WAIT_S)
+        for name in self._segments:
+            (SHM_DIR / name).unlink(missing_ok=True)
+        engine_segments_file(self.session_name).unlink(missing_ok=True)
+
+
+def _reap(pids: list[int], timeout: float) -> None:
+    """Wait for ``pids`` to exit; SIGKILL the ones still there after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in pids:
+        if pid_alive(pid):
+            logger.warning("engine process %d did not exit; killing it", pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def split_cpu_binding() -> dict[str, str]:
+    """{role: CPU list} for vLLM's CPU backend: the teacher's model threads get the first half of the CPUs, theta's the rest.
+
+    vLLM binds every engine's model threads to the same cores of NUMA node 0 and leaves
+    one core to its scheduler process; two engines would then time-share those cores
+    while the others idle. Empty (vLLM's own binding applies) when not on the CPU backend,
+    when the user set VLLM_CPU_OMP_THREADS_BIND, or with fewer than two CPUs.
+    """
+    from vllm.platforms import current_platform
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if not current_platform.is_cpu() or len(cpus) < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    half = (len(cpus) + 1) // 2
+    return {"teacher": ",".join(map(str, cpus[:half])), "theta": ",".join(map(str, cpus[half:]))}
+
+
+@contextlib.contextmanager
+def engine_cpus(cpu_list: str | None) -> Iterator[None]:
+    """Build a vLLM engine inside this block to bind its model threads to ``cpu_list`` ("0,1"; None: vLLM's choice).
+
+    The engine's processes read VLLM_CPU_OMP_THREADS_BIND when they are spawned.
+    """
+    old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    try:
+        if cpu_list is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
+

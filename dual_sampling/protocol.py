@@ -1,0 +1,573 @@
+"""The shared memory of one dual-engine session: its layout, who writes what, and the waits.
+
+One session is one file in /dev/shm, mapped by the driver and by four plugins inside the
+two engines: each engine's scheduler (``processors.scheduler``, in the EngineCore process)
+and each engine's logits processor (``processors.teacher`` / ``processors.theta``, in the
+worker process). It holds:
+
+- a header: sizes, the owner's pid, the shutdown word, plan counters and statistics;
+- doorbells: 32-bit futex words, one per direction of waiting;
+- the plan ring: the teacher scheduler's list of request keys for each engine step;
+- per request *slot*: control words (:class:`Slot`), theta's log-probability row for the
+  current step, and the per-token records the teacher processor writes.
+
+Roles and the words they write (:data:`WRITERS` is the table; ``docs/architecture.md`` has
+the argument for why lockstep holds):
+
+- the **driver** opens and closes slots and asks for aborts;
+- the **teacher scheduler** (the leader) decides every change of batch membership: it
+  admits, publishes each step's plan, and ends requests (aborts, stop strings, errors);
+- the **theta scheduler** (the follower) marks arrivals and runs exactly each plan;
+- the **processors** exchange one logits row and one token per request per step.
+
+Every flag that a late writer could leave behind carries the request key it refers to,
+so it can never mark a slot's next occupant. Doorbells are rung by *storing* a fresh
+value (the writer's id and a counter), never by a read-modify-write, so several writers
+cannot lose a wake. Waits block on a futex (Linux) with a cap, so a shutdown is seen
+within the cap even without a wake. Lockstep relies on stores becoming visible in program
+order, which x86-64 guarantees; on other architectures :meth:`SyncSession.create` refuses
+to start rather than run without fences.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import mmap
+import os
+import platform
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "SHM_DIR", "SESSION_PREFIX", "PLAN_RING", "RECORD_FIELDS",
+    "Header", "Stat", "Bell", "Writer", "Slot", "Phase", "Finish", "ErrorCode", "WRITERS",
+    "SessionLayout", "SyncSession", "SyncError", "cleanup_stale_sessions", "pid_alive", "check_host",
+]
+
+SHM_DIR = Path("/dev/shm")
+SESSION_PREFIX = "dual-sampling-"
+_MAGIC = 0x44554132  # "DUA2"; a session written by an older layout is refused, never misread
+PLAN_RING = 4
+"""Plans kept at once. The leader is at most one plan ahead of the follower (its step needs theta's rows)."""
+RECORD_FIELDS = ("alpha", "logp_teacher", "logp_theta", "logq")
+"""Columns of the per-token records (float32), in order."""
+
+
+class SyncError(RuntimeError):
+    """The two engines could not be kept in lockstep, or an engine failed."""
+
+
+class Header(IntEnum):
+    """Header words (int64)."""
+
+    MAGIC = 0
+    VOCAB = 1
+    SLOTS = 2
+    MAX_STEPS = 3
+    PLAN_WIDTH = 4
+    OWNER_PID = 5
+    """The driver's pid: engines exit when it dies; the next session removes the file."""
+    SHUTDOWN = 6
+    """Non-zero: every wait ends and every row is abandoned."""
+    PLANS_PUBLISHED = 7
+    """Teacher scheduler: plans published so far (the next plan's number)."""
+    PLANS_CONSUMED = 8
+    """Theta scheduler: plans it has run so far."""
+
+
+_STATS_BASE = 16
+
+
+class Stat(IntEnum):
+    """Statistics words (int64) in the header after the fixed words; each has one writer (its prefix's role)."""
+
+    TEACHER_ROWS = _STATS_BASE
+    THETA_ROWS = _STATS_BASE + 1
+    TEACHER_WAIT_NS = _STATS_BASE + 2
+    THETA_WAIT_NS = _STATS_BASE + 3
+    MIX_NS = _STATS_BASE + 4
+    TEACHER_STEPS = _STATS_BASE + 5
+    THETA_STEPS = _STATS_BASE + 6
+    TEACHER_TIMEOUTS = _STATS_BASE + 7
+    THETA_TIMEOUTS = _STATS_BASE + 8
+    TEACHER_ABANDONED = _STATS_BASE + 9
+    THETA_ABANDONED = _STATS_BASE + 10
+    SPLIT_STEPS = _STATS_BASE + 11
+    """Teacher steps whose theta rows arrived in more than one round (batches out of phase; 0 by construction)."""
+    LEADER_ADMITTED = _STATS_BASE + 12
+    LEADER_ENDED = _STATS_BASE + 13
+    """Requests the teacher scheduler ended itself: aborts, stop strings, errors."""
+    FOLLOWER_PLAN_WAIT_NS = _STATS_BASE + 14
+    """Time the theta scheduler waited for the teacher scheduler's plan."""
+    FOLLOWER_DIVERGED = _STATS_BASE + 15
+    """Plan entries the theta scheduler could not run (each fails its request alone)."""
+    PREEMPTIONS_REFUSED = _STATS_BASE + 16
+
+
+_HEADER_WORDS = 64
+
+
+class Bell(IntEnum):
+    """Doorbells (int32 futex words), one per direction of waiting."""
+
+    THETA_ROWS = 0
+    """Theta processor -> teacher processor: rows published."""
+    TEACHER_TOKENS = 1
+    """Teacher processor -> theta processor: tokens decided."""
+    PLAN = 2
+    """Teacher scheduler -> theta scheduler: a plan or an ending published. The driver rings it after a submit."""
+    TO_LEADER = 3
+    """Theta scheduler (arrivals) and driver (submits, aborts) -> teacher scheduler."""
+
+
+_BELLS = 16  # 64 bytes: their own cache line
+
+
+class Writer(IntEnum):
+    """Who rings a bell; part of the value stored, so two writers never store the same value."""
+
+    DRIVER = 1
+    TEACHER_SCHEDULER = 2
+    THETA_SCHEDULER = 3
+    TEACHER_PROCESSOR = 4
+    THETA_PROCESSOR = 5
+
+
+class Slot(IntEnum):
+    """Per-slot control words (int64)."""
+
+    KEY = 0
+    """Driver: the occupying request's key (> 0); -key once the driver has read the slot; 0 never used."""
+    TEACHER_PROMPT_LEN = 1
+    THETA_PROMPT_LEN = 2
+    """Driver: prompt lengths, so the teacher scheduler can budget both engines' prefills."""
+    ABORT = 3
+    """Driver, or either scheduler turning a vLLM abort into a lockstep one: key of the request to end."""
+    TEACHER_ARRIVED = 4
+    THETA_ARRIVED = 5
+    """Each side's scheduler: key of the request once it sits in that scheduler's queue."""
+    PHASE = 6
+    """Teacher scheduler: :class:`Phase` of the occupying request."""
+    ADMIT_PLAN = 7
+    """Teacher scheduler: number of the first plan that holds the request."""
+    FINISH_PLAN = 8
+    """Teacher scheduler: number of the first plan that no longer holds it."""
+    FINISH = 9
+    """Teacher scheduler: :class:`Finish` reason."""
+    STOP_INDEX = 10
+    """Teacher scheduler: index of the stop string that ended it, else -1."""
+    THETA_STEP = 11
+    """Theta processor: step of the row in ``theta_logprobs`` (written after the row)."""
+    TEACHER_STEP = 12
+    """Teacher processor: step of the token in ``TOKEN`` (written after the token and records)."""
+    TOKEN = 13
+    NUM_RECORDS = 14
+    ERROR = 15
+    """First error: ``code | step << 8`` in one store (:meth:`SyncSession.fail_slot`); 0 if none."""
+    TEACHER_RELEASED = 16
+    THETA_RELEASED = 17
+    """Key of the request that side no longer touches (its processor saw it leave, or it never ran)."""
+
+
+_CONTROL_WORDS = 24
+
+
+class Phase(IntEnum):
+    """Life of a request in its slot, as the teacher scheduler decides it."""
+
+    EMPTY = 0
+    SUBMITTED = 1
+    """Opened by the driver; not yet in any plan."""
+    RUNNING = 2
+    """In every plan from ADMIT_PLAN on."""
+    FINISHED = 3
+    """In no plan from FINISH_PLAN on (ADMIT_PLAN = -1: never admitted)."""
+
+
+class Finish(IntEnum):
+    """Why a request ended (the teacher scheduler's word on it)."""
+
+    NONE = 0
+    STOP = 1
+    """An EOS or a stop token id."""
+    STOP_STRING = 2
+    LENGTH = 3
+    ABORT = 4
+    ERROR = 5
+
+
+class ErrorCode(IntEnum):
+    """Why a request failed; stored in :attr:`Slot.ERROR`."""
+
+    NONE = 0
+    SYNC_TIMEOUT = 1
+    """A processor waited longer than sync_timeout for its partner."""
+    BAD_LOGITS = 2
+    """NaN or +inf logits, or nothing left to sample."""
+    PREEMPTED = 3
+    """An engine tried to preempt the request (its KV cache ran out); refused."""
+    DIVERGED = 4
+    """The two engines' batches differed for this request; it could not be kept in lockstep."""
+    SHUTDOWN = 5
+    """The session shut down while the request ran."""
+    ENGINE_DEAD = 6
+    """An engine process exited while the request ran."""
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+WRITERS: dict[Slot, tuple[str, ...]] = {
+    Slot.KEY: ("driver",),
+    Slot.TEACHER_PROMPT_LEN: ("driver",),
+    Slot.THETA_PROMPT_LEN: ("driver",),
+    Slot.ABORT: ("driver", "teacher scheduler", "theta scheduler"),  # all store the same key
+    Slot.TEACHER_ARRIVED: ("teacher scheduler",),
+    Slot.THETA_ARRIVED: ("theta scheduler",),
+    Slot.PHASE: ("teacher scheduler",),
+    Slot.ADMIT_PLAN: ("teacher scheduler",),
+    Slot.FINISH_PLAN: ("teacher scheduler",),
+    Slot.FINISH: ("teacher scheduler",),
+    Slot.STOP_INDEX: ("teacher scheduler",),
+    Slot.THETA_STEP: ("theta processor",),
+    Slot.TEACHER_STEP: ("teacher processor",),
+    Slot.TOKEN: ("teacher processor",),
+    Slot.NUM_RECORDS: ("teacher processor",),
+    Slot.ERROR: ("teacher processor", "theta processor", "teacher scheduler", "theta scheduler"),  # one store each
+    Slot.TEACHER_RELEASED: ("teacher processor", "teacher scheduler"),  # never both for one key
+    Slot.THETA_RELEASED: ("theta processor", "theta scheduler"),
+}
+"""Which role writes each slot word. Words with several writers are written by single stores of values that agree."""
+
+
+def check_host() -> None:
+    """Refuse hosts whose memory model could reorder the protocol's plain stores."""
+    machine = platform.machine().lower()
+    if platform.system() != "Linux" or machine not in ("x86_64", "amd64"):
+        raise SyncError(
+            f"dual-sampling runs on Linux x86-64 only (this host: {platform.system()} {machine}): its shared-memory "
+            "protocol relies on stores becoming visible in program order, which other architectures do not guarantee "
+            "without fences"
+        )
+
+
+@dataclass(frozen=True)
+class SessionLayout:
+    """Sizes of one session's shared file; byte offsets are derived from them."""
+
+    vocab: int
+    """Tokens per logits row (the shared tokenizer's vocabulary, padding rows excluded)."""
+    slots: int
+    """Requests that can be submitted to the engines at once."""
+    max_steps: int
+    """Generated tokens recorded per request (at least max_model_len)."""
+    plan_width: int
+    """Requests per engine step at most (max_num_seqs)."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "slots", "max_steps", "plan_width"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        """Byte offset of each region, each aligned to a cache line, and the total size."""
+        sizes = [
+            ("header", 8 * _HEADER_WORDS),
+            ("bells", 4 * _BELLS),
+            ("plans", 8 * PLAN_RING * (2 + self.plan_width)),
+            ("control", 8 * _CONTROL_WORDS * self.slots),
+            ("theta_logprobs", 4 * self.vocab * self.slots),
+            ("tokens", 4 * self.max_steps * self.slots),
+            ("records", 4 * len(RECORD_FIELDS) * self.max_steps * self.slots),
+        ]
+        out, pos = {}, 0
+        for name, size in sizes:
+            out[name] = pos
+            pos += (size + 63) // 64 * 64
+        out["total"] = pos
+        return out
+
+
+class _Futex:
+    """FUTEX_WAIT / FUTEX_WAKE on a 32-bit word in a shared mapping (Linux x86-64)."""
+
+    _SYS_FUTEX = 202
+
+    class _Timespec(ctypes.Structure):
+        _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+    def __init__(self) -> None:
+        supported = platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64")
+        self.libc = ctypes.CDLL(None, use_errno=True) if supported else None
+
+    def wait(self, address: int, expected: int, timeout_s: float) -> None:
+        if self.libc is None:
+            time.sleep(min(timeout_s, 0.001))
+            return
+        ts = self._Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
+        # Shared (non-private) futex: the word lives in a mapping shared across processes.
+        self.libc.syscall(self._SYS_FUTEX, ctypes.c_void_p(address), 0, ctypes.c_int(expected), ctypes.byref(ts), None, 0)
+
+    def wake(self, address: int) -> None:
+        if self.libc is not None:
+            self.libc.syscall(self._SYS_FUTEX, ctypes.c_void_p(address), 1, ctypes.c_int(2**31 - 1), None, None, 0)
+
+
+_FUTEX = _Futex()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (zombies count as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def cleanup_stale_sessions(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Remove session files whose owning driver is dead; return their names.
+
+    Names carry the owner's pid (``dual-sampling-<pid>-<token>``); live sessions are kept.
+    """
+    removed = []
+    pattern = re.compile(re.escape(SESSION_PREFIX) + r"(\d+)-[0-9a-f]+$")
+    for path in shm_dir.glob(SESSION_PREFIX + "*"):
+        m = pattern.match(path.name)
+        if m and not pid_alive(int(m.group(1))):
+            try:
+                path.unlink()
+                removed.append(path.name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+class SyncSession:
+    """A mapped session file. The driver creates it (:meth:`create`); the plugins :meth:`attach` by name."""
+
+    def __init__(self, name: str, layout: SessionLayout, mm: mmap.mmap, owner: bool) -> None:
+        self.name, self.layout, self.owner = name, layout, owner
+        self._mm = mm
+        off = layout.offsets
+        buf = memoryview(mm)
+        s, v, t = layout.slots, layout.vocab, layout.max_steps
+        self.header = np.frombuffer(buf, np.int64, _HEADER_WORDS, off["header"])
+        self.bells = np.frombuffer(buf, np.int32, _BELLS, off["bells"])
+        self.plans = np.frombuffer(buf, np.int64, PLAN_RING * (2 + layout.plan_width), off["plans"]).reshape(PLAN_RING, -1)
+        self.control = np.frombuffer(buf, np.int64, _CONTROL_WORDS * s, off["control"]).reshape(s, _CONTROL_WORDS)
+        self.theta_logprobs = np.frombuffer(buf, np.float32, v * s, off["theta_logprobs"]).reshape(s, v)
+        self.tokens = np.frombuffer(buf, np.int32, t * s, off["tokens"]).reshape(s, t)
+        self.records = np.frombuffer(buf, np.float32, len(RECORD_FIELDS) * t * s, off["records"]).reshape(s, t, -1)
+        self._bell_anchor = ctypes.c_char.from_buffer(mm, off["bells"])
+        self._bell_base = ctypes.addressof(self._bell_anchor)
+        self._ring_lock = threading.Lock()
+        self._ring_count = itertools.count(1)
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def create(cls, layout: SessionLayout, shm_dir: Path = SHM_DIR) -> "SyncSession":
+        """Create a new session file with a unique name, after removing stale ones."""
+        check_host()
+        cleanup_stale_sessions(shm_dir)
+        name = f"{SESSION_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        path = shm_dir / name
+        size = layout.offsets["total"]
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        session = cls(name, layout, mm, owner=True)
+        h = session.header
+        h[Header.VOCAB], h[Header.SLOTS], h[Header.MAX_STEPS] = layout.vocab, layout.slots, layout.max_steps
+        h[Header.PLAN_WIDTH], h[Header.OWNER_PID] = layout.plan_width, os.getpid()
+        session.plans[:, 0] = -1
+        h[Header.MAGIC] = _MAGIC  # last: an attacher never sees a half-initialised header
+        return session
+
+    @classmethod
+    def attach(cls, name: str, shm_dir: Path = SHM_DIR) -> "SyncSession":
+        """Map an existing session by name (inside an engine process)."""
+        path = shm_dir / name
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        header = np.frombuffer(mm, np.int64, _HEADER_WORDS, 0)
+        if int(header[Header.MAGIC]) != _MAGIC:
+            del header
+            mm.close()
+            raise SyncError(f"shared-memory file {path} is not a session of this dual-sampling version")
+        layout = SessionLayout(*(int(header[w]) for w in (Header.VOCAB, Header.SLOTS, Header.MAX_STEPS, Header.PLAN_WIDTH)))
+        del header
+        return cls(name, layout, mm, owner=False)
+
+    @property
+    def path(self) -> Path:
+        return SHM_DIR / self.name
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Unmap; the owner also removes the file. Safe to call twice."""
+        if self._closed:
+            return
+        if self.owner:
+            self.shutdown()
+        self._closed = True
+        del self.header, self.bells, self.plans, self.control, self.theta_logprobs, self.tokens, self.records
+        del self._bell_anchor
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes with the process
+        if self.owner:
+            self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> "SyncSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ doorbells
+
+    def ring(self, bell: Bell, writer: Writer) -> None:
+        """Announce new data to the waiters on ``bell``, by storing a value no earlier store used."""
+        with self._ring_lock:
+            self.bells[bell] = (int(writer) << 24) | (next(self._ring_count) & 0xFFFFFF)
+        _FUTEX.wake(self._bell_base + 4 * int(bell))
+
+    def bell_value(self, bell: Bell) -> int:
+        return int(self.bells[bell])
+
+    def wait_bell(self, bell: Bell, seen: int, timeout_s: float) -> None:
+        """Block until ``bell`` differs from ``seen`` or ``timeout_s`` passes (it may return early)."""
+        if int(self.bells[bell]) == seen and timeout_s > 0:
+            _FUTEX.wait(self._bell_base + 4 * int(bell), seen, timeout_s)
+
+    # ------------------------------------------------------------------ session state
+
+    def shutdown(self) -> None:
+        """Tell every waiter to stop waiting; rows in flight are abandoned."""
+        self.header[Header.SHUTDOWN] = 1
+        for bell in Bell:
+            self.ring(bell, Writer.DRIVER)
+
+    @property
+    def is_shut_down(self) -> bool:
+        return bool(self.header[Header.SHUTDOWN])
+
+    def owner_alive(self) -> bool:
+        return pid_alive(int(self.header[Header.OWNER_PID]))
+
+    def statistics(self) -> dict[str, int]:
+        """Every :class:`Stat` counter, by lower-case name."""
+        return {stat.name.lower(): int(self.header[stat]) for stat in Stat}
+
+    def add_stat(self, stat: Stat, amount: int) -> None:
+        """Add to a counter this process alone writes."""
+        self.header[stat] += int(amount)
+
+    # ------------------------------------------------------------------ plans
+
+    def publish_plan(self, number: int, keys: list[int]) -> None:
+        """Teacher scheduler: plan ``number`` runs exactly ``keys`` (announced by the number, written last)."""
+        if len(keys) > self.layout.plan_width:
+            raise SyncError(f"plan {number} holds {len(keys)} requests, more than max_num_seqs={self.layout.plan_width}")
+        row = self.plans[number % PLAN_RING]
+        row[0] = -1
+        row[1] = len(keys)
+        row[2 : 2 + len(keys)] = keys
+        row[0] = number
+        self.header[Header.PLANS_PUBLISHED] = number + 1
+        self.ring(Bell.PLAN, Writer.TEACHER_SCHEDULER)
+
+    def read_plan(self, number: int) -> list[int] | None:
+        """Theta scheduler: the keys of plan ``number``, or None if it is not published yet."""
+        row = self.plans[number % PLAN_RING]
+        if int(row[0]) != number:
+            return None
+        keys = row[2 : 2 + int(row[1])].tolist()
+        return keys if int(row[0]) == number else None  # overwritten while read: not yet ours to take
+
+    # ------------------------------------------------------------------ slots
+
+    def slot_key(self, slot: int) -> int:
+        return int(self.control[slot, Slot.KEY])
+
+    def slot_free(self, slot: int) -> bool:
+        """Driver: the slot can take a new request (both sides released its last one, and it was read)."""
+        c = self.control[slot]
+        key = int(c[Slot.KEY])
+        return key == 0 or (key < 0 and int(c[Slot.TEACHER_RELEASED]) == -key and int(c[Slot.THETA_RELEASED]) == -key)
+
+    def open_slot(self, slot: int, key: int, teacher_prompt_len: int, theta_prompt_len: int) -> None:
+        """Driver: prepare a free slot for request ``key`` (> 0) before either engine sees it."""
+        if key <= 0:
+            raise ValueError(f"request keys must be positive, got {key}")
+        if not self.slot_free(slot):
+            raise SyncError(f"slot {slot} is still in use")
+        c = self.control[slot]
+        c[:] = 0
+        c[Slot.TEACHER_PROMPT_LEN], c[Slot.THETA_PROMPT_LEN] = teacher_prompt_len, theta_prompt_len
+        c[Slot.THETA_STEP] = c[Slot.TEACHER_STEP] = c[Slot.TOKEN] = -1
+        c[Slot.ADMIT_PLAN] = c[Slot.FINISH_PLAN] = c[Slot.STOP_INDEX] = -1
+        c[Slot.PHASE] = Phase.SUBMITTED
+        c[Slot.KEY] = key  # last: the slot is announced once everything above is set
+
+    def close_slot(self, slot: int) -> None:
+        """Driver: it has read the slot; the slot is free once both sides have released the request too."""
+        key = self.slot_key(slot)
+        if key > 0:
+            self.control[slot, Slot.KEY] = -key
+
+    def request_abort(self, slot: int, key: int, writer: Writer) -> None:
+        """Ask the teacher scheduler to end request ``key`` on both engines at the next step boundary."""
+        if self.slot_key(slot) == key:
+            self.control[slot, Slot.ABORT] = key
+            self.ring(Bell.TO_LEADER, writer)
+
+    def abort_requested(self, slot: int, key: int) -> bool:
+        return int(self.control[slot, Slot.ABORT]) == key
+
+    def fail_slot(self, slot: int, key: int, code: ErrorCode, step: int, writer: Writer) -> None:
+        """Record the first error of request ``key`` (one store of code and step) and wake both processors."""
+        c = self.control[slot]
+        if int(c[Slot.KEY]) == key and int(c[Slot.ERROR]) == 0:
+            c[Slot.ERROR] = int(code) | (max(step, 0) << 8)
+        self.ring(Bell.THETA_ROWS, writer)
+        self.ring(Bell.TEACHER_TOKENS, writer)
+
+    def error(self, slot: int) -> tuple[ErrorCode, int]:
+        """(code, step) of the slot's first error; (NONE, -1) if none."""
+        word = int(self.control[slot, Slot.ERROR])
+        return (ErrorCode(word & 0xFF), word >> 8) if word else (ErrorCode.NONE, -1)
+
+    def release(self, slot: int, key: int, word: Slot) -> None:
+        """Mark that one side no longer touches request ``key`` (``word``: TEACHER_RELEASED or THETA_RELEASED).
+
+        Only while the slot still holds that request (open or read by the driver): a late
+        release can never overwrite the release of the slot's next occupant.
+        """
+        if abs(self.slot_key(slot)) == key:
+            self.control[slot, word] = key

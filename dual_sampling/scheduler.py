@@ -1,0 +1,469 @@
+"""The long-lived lockstep scheduler on the driver side: two engines, requests accepted at any time.
+
+:class:`DualScheduler` owns one shared-memory session and one :class:`EnginePair`, on an
+asyncio loop of its own (a background thread), so it serves blocking callers
+(``OptimalSamplingDual.generate``), asyncio callers on other loops (the server) and Ray
+actors alike. Per sample it:
+
+1. waits for a free slot, first come first served (the slot count bounds what is
+   submitted to the engines; the engines' schedulers decide what runs);
+2. opens the slot and submits the two prompts to the two engines;
+3. streams the teacher engine's tokens with their records (:class:`SampleDelta`);
+4. when both engines have ended the request, checks that both produced the same tokens
+   that were decided, reads why it ended, and returns the verified :class:`SampleRecord`.
+
+:meth:`DualScheduler.abort` ends one request on both engines at the next step boundary
+(the teacher engine's scheduler decides it; see ``processors.scheduler``). A request
+that fails (a timeout, bad logits, a divergence) fails alone: its sample carries
+``finish_reason="error"`` and a named ``error``; nothing raises. An engine that dies, or
+a session in which no engine makes progress for ``sync_timeout + 30`` seconds, fails
+every request in flight with :class:`SyncError` and closes the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Coroutine, TypeVar
+
+import numpy as np
+
+from dual_sampling.outputs import SampleRecord
+from dual_sampling.protocol import (
+    RECORD_FIELDS, ErrorCode, Finish, Phase, SessionLayout, Slot, SyncError, SyncSession, Writer,
+)
+from dual_sampling.sampling import RowSampling
+from dual_sampling.text import sample_text
+
+__all__ = ["DualScheduler", "DualRequest", "SampleDelta", "FINISH_REASONS"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+FINISH_REASONS = {Finish.STOP: "stop", Finish.STOP_STRING: "stop", Finish.LENGTH: "length", Finish.ABORT: "abort",
+                  Finish.ERROR: "error"}
+"""The ``finish_reason`` of a sample, by the teacher scheduler's :class:`Finish`."""
+_SLOT_POLL_S = 0.005
+"""How often a request waiting for a slot looks again (slots free up as the engines release them)."""
+_WATCH_S = 0.5
+"""How often the engines' processes and progress are checked."""
+_STALL_GRACE_S = 30.0
+"""Beyond sync_timeout, how long no engine may serve a row while requests are in flight."""
+
+
+@dataclass
+class DualRequest:
+    """One sample to draw: both prompts as token ids, and how to draw it."""
+
+    teacher_prompt_ids: list[int]
+    theta_prompt_ids: list[int]
+    sampling: RowSampling
+    """The per-token decision's settings, with this sample's seed and the stop token ids (EOS included)."""
+    max_tokens: int
+    """Generated tokens at most; must fit in max_model_len after the longer prompt."""
+    stop: tuple[str, ...] = ()
+    """Stop strings (the teacher scheduler looks for them)."""
+
+
+@dataclass
+class SampleDelta:
+    """New tokens of one sample and their records; the last delta of a sample carries the verified sample."""
+
+    token_ids: list[int]
+    records: np.ndarray
+    """``[len(token_ids), 4]`` float32: α, log π_t, log π_θ, log q of each token (provisional until ``sample``)."""
+    sample: SampleRecord | None = None
+    """Set on the last delta only: the whole sample, checked against both engines."""
+
+    @property
+    def finished(self) -> bool:
+        return self.sample is not None
+
+
+@dataclass
+class _Flight:
+    """One request between its submission and the moment both engines have let it go."""
+
+    request_id: str
+    slot: int
+    key: int
+    request: DualRequest
+    tokens: list[int] = field(default_factory=list)
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    """Deltas (or the exception that ended the request) for the caller's stream."""
+    task: asyncio.Task | None = None
+
+
+class DualScheduler:
+    """Two engines in lockstep behind one asyncio API; see the module docstring.
+
+    ``engine_factory(session_name)`` builds the engine pair on the scheduler's loop (the
+    real one is :class:`dual_sampling.engines.EnginePair`; tests pass simulated engines).
+    """
+
+    def __init__(self, engine_factory: Callable[[str], Any], tokenizer: Any, vocab: int, max_model_len: int,
+                 max_num_seqs: int, sync_timeout: float, slots: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.sync_timeout = sync_timeout
+        layout = SessionLayout(vocab=vocab, slots=slots or 2 * max_num_seqs + 2, max_steps=max_model_len,
+                               plan_width=max_num_seqs)
+        self.session = SyncSession.create(layout)
+        self.engines: Any = None
+        self.failure: SyncError | None = None
+        """Set once the scheduler can serve nothing more (an engine died, or it was closed)."""
+        self.counters: collections.Counter = collections.Counter()
+        """Requests submitted, finished by reason, failed by error code, and tokens generated."""
+        self._keys = itertools.count(1)
+        self._flights: dict[str, _Flight] = {}
+        self._held: set[int] = set()
+        self._slot_waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._slot_feeder: asyncio.Task | None = None
+        self._closing = False
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="dual-sampling-loop", daemon=True)
+        self._thread.start()
+        try:
+            self.engines = self.call(self._start(engine_factory))
+        except BaseException:
+            self.close()
+            raise
+
+    async def _start(self, engine_factory: Callable[[str], Any]) -> Any:
+        engines = engine_factory(self.session.name)
+        self._watch_task = asyncio.create_task(self._watch())
+        return engines
+
+    # ------------------------------------------------------------------ calling in from other threads and loops
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the scheduler's loop from another thread and return its result.
+
+        A KeyboardInterrupt while waiting cancels it (its requests are aborted on both
+        engines) and is raised again once they have been released.
+        """
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except KeyboardInterrupt:
+            future.cancel()
+            with contextlib.suppress(BaseException):
+                future.result(self.sync_timeout)
+            raise
+
+    async def bridge(self, aiter: AsyncIterator[T]) -> AsyncIterator[T]:
+        """Iterate ``aiter`` (which runs on the scheduler's loop) from the caller's own loop; cancelling ends it."""
+        caller = asyncio.get_running_loop()
+        if caller is self.loop:
+            async for item in aiter:
+                yield item
+            return
+        inbox: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump() -> None:
+            try:
+                async for item in aiter:
+                    caller.call_soon_threadsafe(inbox.put_nowait, (item, None))
+                caller.call_soon_threadsafe(inbox.put_nowait, (done, None))
+            except BaseException as exc:  # delivered to the caller, which re-raises it
+                caller.call_soon_threadsafe(inbox.put_nowait, (done, exc))
+
+        task = asyncio.run_coroutine_threadsafe(pump(), self.loop)
+        try:
+            while True:
+                item, exc = await inbox.get()
+                if item is done:
+                    if exc is not None and not isinstance(exc, asyncio.CancelledError):
+                        raise exc
+                    return
+                yield item
+        finally:
+            task.cancel()
+
+    # ------------------------------------------------------------------ requests
+
+    async def stream(self, request: DualRequest) -> AsyncIterator[SampleDelta]:
+        """Draw one sample, yielding its tokens as the engines produce them (on the scheduler's loop).
+
+        A caller that stops iterating aborts the request; the scheduler still drains both
+        engines' outputs for it, so its slot is released only once both engines let it go.
+        """
+        self._check_alive()
+        self._check_request(request)
+        slot = await self._acquire_slot()
+        flight = self._launch(request, slot)
+        try:
+            while True:
+                delta = await flight.outbox.get()
+                if isinstance(delta, BaseException):
+                    raise delta
+                yield delta
+                if delta.sample is not None:
+                    return
+        finally:
+            if not flight.task.done():
+                self.abort(flight.request_id)
+
+    def _launch(self, request: DualRequest, slot: int) -> _Flight:
+        """Open ``slot`` for ``request`` and start the task that talks to both engines (no await: atomic)."""
+        key = next(self._keys)
+        flight = _Flight(f"ds-{key}", slot, key, request)
+        self._flights[flight.request_id] = flight
+        self.counters["requests"] += 1
+        self.session.open_slot(slot, key, len(request.teacher_prompt_ids), len(request.theta_prompt_ids))
+        flight.task = asyncio.create_task(self._fly(flight))
+        return flight
+
+    async def _fly(self, flight: _Flight) -> None:
+        """Submit one request to both engines, relay the teacher's tokens, and verify the end."""
+        s, slot, request = self.session, flight.slot, flight.request
+        try:
+            teacher_params, theta_params = self._sampling_params(flight)
+            theta_task = asyncio.create_task(_last(self.engines.theta.generate(
+                {"prompt_token_ids": request.theta_prompt_ids}, theta_params, flight.request_id)))
+            try:
+                async for out in self.engines.teacher.generate({"prompt_token_ids": request.teacher_prompt_ids},
+                                                               teacher_params, flight.request_id):
+                    completion = out.outputs[0]
+                    new = list(completion.token_ids)
+                    start = len(flight.tokens)
+                    flight.tokens += new
+                    records = s.records[slot, start : len(flight.tokens)].copy()
+                    if out.finished:
+                        theta_out = await theta_task
+                        sample = self._collect(flight, list(theta_out.outputs[0].token_ids), completion.finish_reason)
+                        flight.outbox.put_nowait(SampleDelta(new, records, sample))
+                        return
+                    if new:
+                        flight.outbox.put_nowait(SampleDelta(new, records))
+                raise SyncError("the teacher engine ended a request without a final output")
+            finally:
+                if not theta_task.done():
+                    theta_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await theta_task
+        except asyncio.CancelledError:
+            flight.outbox.put_nowait(self.failure or SyncError("the dual engine was closed"))
+            raise
+        except Exception as exc:
+            flight.outbox.put_nowait(self._engine_error(exc))
+        finally:
+            s.close_slot(slot)
+            self._held.discard(slot)
+            self._flights.pop(flight.request_id, None)
+
+    async def sample(self, request: DualRequest) -> SampleRecord:
+        """Draw one sample and return it whole."""
+        async for delta in self.stream(request):
+            if delta.sample is not None:
+                return delta.sample
+        raise SyncError("a sample's stream ended without its final record")
+
+    def abort(self, request_id: str) -> bool:
+        """End one request on both engines at the next step boundary; False if it is not in flight. Thread-safe."""
+        flight = self._flights.get(request_id)
+        if flight is None:
+            return False
+        self.session.request_abort(flight.slot, flight.key, Writer.DRIVER)
+        return True
+
+    def in_flight(self) -> list[str]:
+        """Request ids holding a slot now."""
+        return list(self._flights)
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+        if self._closing:
+            raise SyncError("this dual engine is closed")
+
+    def _check_request(self, request: DualRequest) -> None:
+        longest = max(len(request.teacher_prompt_ids), len(request.theta_prompt_ids))
+        if not request.teacher_prompt_ids or not request.theta_prompt_ids:
+            raise ValueError("both prompts must hold at least one token")
+        if request.max_tokens < 1 or longest + request.max_tokens > self.max_model_len:
+            raise ValueError(f"a prompt of {longest} tokens and max_tokens={request.max_tokens} exceed "
+                             f"max_model_len={self.max_model_len}")
+
+    def _sampling_params(self, flight: _Flight) -> tuple[Any, Any]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        r = flight.request
+        pairing = {"slot": flight.slot, "key": flight.key, "sampling": r.sampling.to_dict(), "stop": list(r.stop)}
+        # Both engines run greedy on logits that allow one token; stop strings are the teacher scheduler's.
+        teacher = SamplingParams(n=1, temperature=0.0, max_tokens=r.max_tokens, min_tokens=0,
+                                 stop_token_ids=list(r.sampling.stop_token_ids), detokenize=False,
+                                 output_kind=RequestOutputKind.DELTA, extra_args={"dual_sampling": pairing})
+        theta = teacher.clone()
+        theta.output_kind = RequestOutputKind.FINAL_ONLY
+        return teacher, theta
+
+    async def _acquire_slot(self) -> int:
+        """A free slot, first come first served."""
+        slot = None if self._slot_waiters else self._free_slot()
+        if slot is not None:
+            self._held.add(slot)
+            return slot
+        waiter = self.loop.create_future()
+        self._slot_waiters.append(waiter)
+        if self._slot_feeder is None or self._slot_feeder.done():
+            self._slot_feeder = asyncio.create_task(self._feed_slots())
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self._held.discard(waiter.result())
+            raise
+
+    def _free_slot(self) -> int | None:
+        for slot in range(self.session.layout.slots):
+            if slot not in self._held and self.session.slot_free(slot):
+                return slot
+        return None
+
+    async def _feed_slots(self) -> None:
+        while self._slot_waiters:
+            while self._slot_waiters and self._slot_waiters[0].done():
+                self._slot_waiters.popleft()  # cancelled while waiting
+            slot = self._free_slot() if self._slot_waiters else None
+            if slot is None:
+                await asyncio.sleep(_SLOT_POLL_S)
+                continue
+            self._held.add(slot)
+            self._slot_waiters.popleft().set_result(slot)
+
+    def _collect(self, flight: _Flight, theta_tokens: list[int], teacher_finish: str | None) -> SampleRecord:
+        """The verified sample of a request both engines have ended."""
+        s, slot, tokens = self.session, flight.slot, flight.tokens
+        control = s.control[slot]
+        code, step = s.error(slot)
+        finish = Finish(int(control[Slot.FINISH])) if int(control[Slot.PHASE]) == Phase.FINISHED else Finish.NONE
+        stop_index = int(control[Slot.STOP_INDEX])
+        recorded = s.tokens[slot, : len(tokens)].tolist()
+        records = s.records[slot, : len(tokens)].copy()
+        sample = SampleRecord(text="", token_ids=list(tokens), finish_reason=FINISH_REASONS.get(finish, teacher_finish),
+                              seed=flight.request.sampling.seed, teacher_token_ids=list(tokens),
+                              theta_token_ids=theta_tokens)
+        if code == ErrorCode.NONE and (theta_tokens != tokens or recorded != tokens
+                                       or int(control[Slot.NUM_RECORDS]) < len(tokens)):
+            code, step = ErrorCode.DIVERGED, _first_difference(tokens, theta_tokens, recorded)
+        if code != ErrorCode.NONE:
+            sample.finish_reason = "error"
+            sample.error = f"{code.label} at step {step}"
+            self.counters[f"failed_{code.label}"] += 1
+        else:
+            sample.alpha, sample.logp_teacher, sample.logp_theta, sample.logq = (
+                records[:, k].tolist() for k in range(len(RECORD_FIELDS)))
+            self.counters["tokens"] += len(tokens)
+        stop = flight.request.stop[stop_index] if finish == Finish.STOP_STRING and 0 <= stop_index < len(flight.request.stop) else None
+        sample.stop_reason = stop if stop is not None else (tokens[-1] if finish == Finish.STOP and tokens else None)
+        sample.text = sample_text(self.tokenizer, tokens, stop, stop_token=finish == Finish.STOP)
+        self.counters[f"finished_{sample.finish_reason}"] += 1
+        return sample
+
+    def _engine_error(self, exc: Exception) -> Exception:
+        """The error a request gets when its engine call raised."""
+        if self.failure is not None:
+            return self.failure
+        if isinstance(exc, (SyncError, ValueError)):
+            return exc
+        dead = self.engines.dead() if self.engines is not None else None
+        if dead:
+            return self._fail(f"the {dead} engine failed: its engine process exited")
+        return SyncError(f"an engine call failed: {type(exc).__name__}: {exc}")
+
+    def _fail(self, message: str) -> SyncError:
+        """Stop serving: record why, release the engines' waits, and stop the engines."""
+        if self.failure is None:
+            self.failure = SyncError(message)
+            logger.error("%s; closing the dual engine", message)
+            self.session.shutdown()
+            asyncio.get_running_loop().run_in_executor(None, self._close_engines)
+        return self.failure
+
+    async def _watch(self) -> None:
+        """Fail fast when an engine process dies, or when nothing moves while requests wait on the engines."""
+        last_rows, last_move = None, time.monotonic()
+        while self.failure is None and not self._closing:
+            await asyncio.sleep(_WATCH_S)
+            dead = self.engines.dead() if self.engines is not None else None
+            if dead:
+                self._fail(f"the {dead} engine failed: its engine process exited")
+                return
+            stats = self.session.statistics()
+            rows = (stats["teacher_rows"], stats["theta_rows"], stats["leader_ended"])
+            if rows != last_rows or not self._flights:
+                last_rows, last_move = rows, time.monotonic()
+            elif time.monotonic() - last_move > self.sync_timeout + _STALL_GRACE_S:
+                self._fail(f"neither engine served a row for {self.sync_timeout + _STALL_GRACE_S:.0f} s "
+                           f"({len(self._flights)} requests in flight); an engine stopped responding")
+                return
+
+    def statistics(self) -> dict[str, float]:
+        """The engines' counters (rows, waits, timeouts, plans) and the driver's (requests, tokens, failures)."""
+        stats: dict[str, float] = {}
+        if not self.session.closed:
+            stats.update(self.session.statistics())
+        for name in [k for k in stats if k.endswith("_ns")]:
+            stats[name[:-3] + "_s"] = stats.pop(name) / 1e9
+        stats.update(self.counters)
+        stats["in_flight"] = len(self._flights)
+        stats["queued"] = len(self._slot_waiters)
+        return stats
+
+    def _close_engines(self) -> None:
+        if self.engines is not None:
+            self.engines.close()
+
+    def close(self) -> None:
+        """Abort what is in flight, stop both engines, remove the shared memory. Safe to call twice."""
+        if self._closing and self.session.closed:
+            return
+        self._closing = True
+        if self.failure is None:
+            self.failure = SyncError("this dual engine is closed")
+        if not self.session.closed:
+            self.session.shutdown()
+        if self.loop.is_running():
+            with contextlib.suppress(BaseException):
+                asyncio.run_coroutine_threadsafe(self._cancel_all(), self.loop).result(10)
+        self._close_engines()
+        self.engines = None
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+        self.session.close()
+
+    async def _cancel_all(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks, timeout=5) if tasks else None
+
+
+async def _last(aiter: AsyncIterator[T]) -> T:
+    item = None
+    async for item in aiter:
+        pass
+    if item is None:
+        raise SyncError("an engine ended a request without any output")
+    return item
+
+
+def _first_difference(*streams: list[int]) -> int:
+    """The first position where the token streams disagree (or where the shorter one ends)."""
+    for i, values in enumerate(itertools.zip_longest(*streams)):
+        if len(set(values)) > 1:
+            return i
+    return 0
+

@@ -1,0 +1,65 @@
+"""Generated text and stop strings: one definition, shared by the teacher scheduler and the driver.
+
+A sample's text is its generated token ids decoded alone (special tokens skipped), never
+primed with the prompt, so every process that decodes them gets the same string. A stop
+string ends a sample at the first token whose text completes an occurrence of it, once at
+least ``min_tokens`` tokens were generated; occurrences completed earlier do not count.
+The sample's text ends before the stop string; a sample ended by a stop token (an EOS or
+a stop token id) leaves that token's text out, as vLLM does. Only the teacher scheduler
+looks for stop strings, so both engines end a sample at the same step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+__all__ = ["decode", "StopStringWatch", "sample_text"]
+
+
+def decode(tokenizer: Any, token_ids: Sequence[int]) -> str:
+    """The text of generated tokens, decoded on their own."""
+    return tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+def _new_occurrence(before: str, after: str, stop: str) -> int:
+    """Position in ``after`` of an occurrence of ``stop`` that ends beyond ``before``'s length, else -1."""
+    return after.find(stop, max(0, len(before) - len(stop) + 1))
+
+
+class StopStringWatch:
+    """Finds the stop string completed by the newest token of a growing list of generated tokens.
+
+    Only a window of the last tokens is decoded: 4 tokens per character of the longest stop
+    string (a character can take up to 4 byte tokens) and 8 more, so the cost per token does
+    not grow with the length of the sample.
+    """
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stops = tuple(stops)
+        if not self.stops or not all(isinstance(s, str) and s for s in self.stops):
+            raise ValueError(f"stop strings must be non-empty strings, got {list(stops)!r}")
+        self.window = 4 * max(map(len, self.stops)) + 8
+
+    def check(self, token_ids: Sequence[int]) -> int | None:
+        """Index of the stop string that the last token completes, else None."""
+        if not token_ids:
+            return None
+        tail = list(token_ids[-self.window :])
+        before, after = decode(self.tokenizer, tail[:-1]), decode(self.tokenizer, tail)
+        for index, stop in enumerate(self.stops):
+            if _new_occurrence(before, after, stop) >= 0:
+                return index
+        return None
+
+
+def sample_text(tokenizer: Any, token_ids: Sequence[int], stop_string: str | None = None,
+                stop_token: bool = False) -> str:
+    """A sample's text: its tokens decoded, cut before the stop string that ended it, or without its stop token."""
+    if stop_token and token_ids:
+        return decode(tokenizer, token_ids[:-1])
+    text = decode(tokenizer, token_ids)
+    if stop_string is None or not token_ids:
+        return text
+    position = _new_occurrence(decode(tokenizer, token_ids[:-1]), text, stop_string)
+    return text[:position] if position >= 0 else text

@@ -1,0 +1,508 @@
+"""vLLM scheduler plugins that make the two engines run the same requests at every step, by construction.
+
+Each engine runs one subclass of vLLM's ``Scheduler`` inside its EngineCore process
+(``LLM(scheduler_cls=...)``): the teacher engine :class:`TeacherLockstepScheduler`, the
+leader, and the theta engine :class:`ThetaLockstepScheduler`, the follower. They agree
+through the session's shared memory (``dual_sampling.protocol``):
+
+- **Arrival.** Each scheduler marks a request arrived (its key in the slot) once it sits
+  in its queue. The leader admits only requests that have arrived on both sides, so the
+  follower always holds what a plan names. Nothing is timed.
+- **Admission.** Before each step the leader picks the requests to admit, first come first
+  served, within the seats left and the token budget of *both* engines (each prompt counted
+  in full, as if nothing were cached). It shows vLLM's scheduler only those, then publishes
+  the step's *plan*: the keys of every request in the batch.
+- **Following.** The follower waits for each plan (it never runs a step without one), ends
+  what the leader ended, admits exactly the plan's new requests, and checks that its batch
+  equals the plan. A plan entry it cannot run fails that request alone (``diverged``).
+- **Ending.** EOS, stop token ids and max_tokens end a request on both sides at the same
+  step, because both engines see the same tokens and the same stop criteria. Everything
+  else is decided by the leader alone and reaches the follower as an ending before the
+  next plan: aborts (from the driver, or vLLM's own aborts, which are turned into lockstep
+  ones instead of ending one engine early), stop strings, and failed requests.
+- **Preemption** cannot happen with the KV cache the driver verifies; if vLLM preempts
+  anyway, the request fails (``preempted``) instead of silently diverging.
+
+Waits block on futex doorbells. With requests running, the follower waits for the next
+plan until ``sync_timeout`` (then fails them); otherwise both wait at most
+:data:`IDLE_WAIT_S` so that the EngineCore keeps reading its input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import ClassVar, Iterable, Iterator
+
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+
+from dual_sampling.protocol import Bell, ErrorCode, Finish, Header, Phase, Slot, Stat, SyncSession, Writer, pid_alive
+from processors.base import WAIT_CAP_S, lockstep_config, request_pairing
+
+__all__ = ["LockstepScheduler", "TeacherLockstepScheduler", "ThetaLockstepScheduler", "IDLE_WAIT_S",
+           "plan_entry", "split_plan_entry"]
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.02
+"""Longest wait inside ``schedule()`` when no request runs: the EngineCore reads new requests between calls."""
+PARENT_POLL_S = 1.0
+"""How often an engine checks that the driver process is still alive."""
+
+_STATUS_OF_FINISH = {
+    Finish.STOP: RequestStatus.FINISHED_STOPPED,
+    Finish.STOP_STRING: RequestStatus.FINISHED_STOPPED,
+    Finish.LENGTH: RequestStatus.FINISHED_LENGTH_CAPPED,
+    Finish.ABORT: RequestStatus.FINISHED_ABORTED,
+    Finish.ERROR: RequestStatus.FINISHED_ERROR,
+}
+_FINISH_OF_REASON = {FinishReason.STOP: Finish.STOP, FinishReason.LENGTH: Finish.LENGTH, FinishReason.ABORT: Finish.ABORT,
+                     FinishReason.ERROR: Finish.ERROR}
+
+
+def plan_entry(slot: int, key: int) -> int:
+    """One plan word: the request's key and its slot."""
+    return (key << 16) | slot
+
+
+def split_plan_entry(entry: int) -> tuple[int, int]:
+    """(slot, key) of one plan word."""
+    return entry & 0xFFFF, entry >> 16
+
+
+@dataclass
+class _Ticket:
+    """This engine's view of one lockstep request."""
+
+    slot: int
+    key: int
+    stops: tuple[str, ...]
+    min_tokens: int
+    scheduled: bool = False
+    """It reached the model runner, so the processor (not the scheduler) releases it."""
+
+    @property
+    def entry(self) -> int:
+        return plan_entry(self.slot, self.key)
+
+
+class LockstepScheduler(Scheduler):
+    """What both sides share: tickets, arrival, ending requests, queue masking, the parent watch."""
+
+    role: ClassVar[str] = ""
+    writer: ClassVar[Writer]
+    arrived_word: ClassVar[Slot]
+    released_word: ClassVar[Slot]
+
+    def __init__(self, vllm_config, *args, **kwargs) -> None:
+        super().__init__(vllm_config, *args, **kwargs)
+        config = lockstep_config(vllm_config, self.role, type(self).__name__)
+        self.session = SyncSession.attach(config["session"])
+        self.sync_timeout = float(config["sync_timeout"])
+        self.tickets: dict[str, _Ticket] = {}
+        self._ending_outputs: list[tuple[int, EngineCoreOutput]] = []
+        """Outputs of requests ended outside update_from_output, sent with the next step's outputs."""
+        self._budget = min(self.max_num_scheduled_tokens, self.scheduler_config.max_num_batched_tokens)
+        _watch_parent(self.session)
+
+    # ------------------------------------------------------------------ vLLM interface
+
+    def add_request(self, request: Request) -> None:
+        pairing = request_pairing(request.sampling_params, self.role)
+        ticket = _Ticket(int(pairing["slot"]), int(pairing["key"]), tuple(pairing.get("stop") or ()),
+                         int(pairing.get("sampling", {}).get("min_tokens", 0)))
+        super().add_request(request)
+        self.tickets[request.request_id] = ticket
+        self.session.control[ticket.slot, self.arrived_word] = ticket.key
+        self.on_arrival()
+
+    def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus) -> list[Request]:
+        # vLLM's own aborts (a client that went away, an engine shutting down a request) reach one engine
+        # only, at a step of its choosing. A lockstep request is instead ended by the leader on both engines.
+        if finished_status != RequestStatus.FINISHED_ABORTED or request_ids is None or self.session.is_shut_down:
+            return super().finish_requests(request_ids, finished_status)
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            ticket = self.tickets.get(rid)
+            if ticket is not None:
+                self.session.request_abort(ticket.slot, ticket.key, self.writer)
+        others = [rid for rid in ids if rid not in self.tickets]
+        return super().finish_requests(others, finished_status) if others else []
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self.after_step(scheduler_output, outputs)
+        for client, output in self._ending_outputs:
+            outputs.setdefault(client, EngineCoreOutputs()).outputs.append(output)
+        self._ending_outputs.clear()
+        for rid in [rid for rid in self.tickets if rid not in self.requests]:
+            del self.tickets[rid]  # ended by vLLM's own stop checks (EOS, stop ids, length)
+        return outputs
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.session.close()
+
+    # ------------------------------------------------------------------ for subclasses
+
+    def on_arrival(self) -> None:
+        """Called after a request was queued and marked arrived."""
+
+    def after_step(self, scheduler_output: SchedulerOutput, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """Called after vLLM processed a step's output."""
+
+    # ------------------------------------------------------------------ helpers
+
+    def end(self, request: Request, status: RequestStatus, stop_reason: str | None = None, emit: bool = True) -> None:
+        """End ``request`` in this engine now; with ``emit``, its frontend hears of it with the next outputs."""
+        ticket = self.tickets.pop(request.request_id, None)
+        Scheduler.finish_requests(self, request.request_id, status)
+        if ticket is not None and not ticket.scheduled:
+            self.session.release(ticket.slot, ticket.key, self.released_word)  # no processor ever saw it
+        if emit:
+            self._ending_outputs.append((request.client_index, EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[], finish_reason=RequestStatus.get_finished_reason(status),
+                stop_reason=stop_reason)))
+
+    def fail(self, request: Request, code: ErrorCode) -> None:
+        """Record ``code`` in the request's slot (the processors abandon its rows) and end it here."""
+        ticket = self.tickets.get(request.request_id)
+        if ticket is not None:
+            self.session.fail_slot(ticket.slot, ticket.key, code, request.num_output_tokens, self.writer)
+        self.end(request, RequestStatus.FINISHED_ERROR)
+
+    def live_requests(self) -> list[tuple[Request, _Ticket]]:
+        """Every lockstep request this engine holds and has not ended, running or waiting."""
+        return [(self.requests[rid], t) for rid, t in self.tickets.items()
+                if rid in self.requests and not self.requests[rid].is_finished()]
+
+    @contextlib.contextmanager
+    def queue_only(self, admit: list[Request]) -> Iterator[None]:
+        """Show vLLM's scheduler only ``admit`` as waiting requests; the others keep their places."""
+        order = {id(r): n for n, r in enumerate(self.waiting)}
+        chosen = {id(r) for r in admit}
+        held = [r for r in self.waiting if id(r) not in chosen]
+        self.waiting.remove_requests(held)
+        try:
+            yield
+        finally:
+            rest = list(self.waiting) + held
+            rest.sort(key=lambda r: order.get(id(r), -1))  # preempted requests (unknown order) go first
+            self.waiting.clear()
+            self.waiting.extend(rest)
+
+    def mark_scheduled(self, scheduler_output: SchedulerOutput) -> None:
+        for rid in scheduler_output.num_scheduled_tokens:
+            ticket = self.tickets.get(rid)
+            if ticket is not None:
+                ticket.scheduled = True
+
+    def refuse_preemptions(self, scheduler_output: SchedulerOutput) -> None:
+        """A preempted request would restart on one engine only: fail it instead."""
+        for rid in scheduler_output.preempted_req_ids or ():
+            request = self.requests.get(rid)
+            if request is not None and not request.is_finished() and rid in self.tickets:
+                self.fail(request, ErrorCode.PREEMPTED)
+
+
+class TeacherLockstepScheduler(LockstepScheduler):
+    """The leader: decides admissions and endings, and publishes each step's plan."""
+
+    role = "teacher"
+    writer = Writer.TEACHER_SCHEDULER
+    arrived_word = Slot.TEACHER_ARRIVED
+    released_word = Slot.TEACHER_RELEASED
+
+    def __init__(self, vllm_config, *args, **kwargs) -> None:
+        super().__init__(vllm_config, *args, **kwargs)
+        self.plans_published = 0
+        self._tokenizer_path = vllm_config.model_config.tokenizer
+        self._stop_watches: dict[tuple[str, ...], object] = {}
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        self._end_requested()
+        admit = self._admissible()
+        if not admit and not self.running:
+            admit = self._await_admissible()
+        with self.queue_only(admit):
+            out = super().schedule(throttle_prefills)
+        self.refuse_preemptions(out)
+        self._end_unscheduled(out)
+        self.mark_scheduled(out)
+        if out.num_scheduled_tokens:
+            self._publish(out)
+        return out
+
+    def after_step(self, scheduler_output: SchedulerOutput, outputs: dict[int, EngineCoreOutputs]) -> None:
+        by_id = {o.request_id: o for eco in outputs.values() for o in eco.outputs}
+        for rid in scheduler_output.num_scheduled_tokens:
+            ticket, request, output = self.tickets.get(rid), self.requests.get(rid), by_id.get(rid)
+            if ticket is None:
+                continue
+            if request is None or request.is_finished():
+                # vLLM's stop checks ended it; theta's identical checks end it at the same step.
+                reason = output.finish_reason if output is not None else None
+                self._record_end(ticket, _FINISH_OF_REASON.get(reason, Finish.STOP))
+            elif self.session.error(ticket.slot)[0] != ErrorCode.NONE:
+                self._end_here(request, ticket, Finish.ERROR, output)
+            elif ticket.stops and request.num_output_tokens >= ticket.min_tokens:
+                index = self._stop_watch(ticket.stops).check(request.output_token_ids)
+                if index is not None:
+                    self._end_here(request, ticket, Finish.STOP_STRING, output, stop_index=index)
+
+    # ------------------------------------------------------------------ admission
+
+    def _admissible(self) -> list[Request]:
+        """Waiting requests to admit now: first come first served, while seats and both engines' budgets last."""
+        seats = self.max_num_running_reqs - len(self.running)
+        budget_teacher = budget_theta = self._budget - len(self.running)  # each running request decodes one token
+        control = self.session.control
+        admit: list[Request] = []
+        for request in self.waiting:
+            ticket = self.tickets.get(request.request_id)
+            if ticket is None:
+                continue
+            c = control[ticket.slot]
+            if int(c[Slot.THETA_ARRIVED]) != ticket.key:
+                break  # strictly in arrival order: it reaches theta shortly
+            cost_teacher, cost_theta = request.num_prompt_tokens, int(c[Slot.THETA_PROMPT_LEN])
+            if seats <= 0 or cost_teacher > budget_teacher or cost_theta > budget_theta:
+                break
+            admit.append(request)
+            seats, budget_teacher, budget_theta = seats - 1, budget_teacher - cost_teacher, budget_theta - cost_theta
+        return admit
+
+    def _await_admissible(self) -> list[Request]:
+        """Nothing runs: wait (briefly) for a partner's arrival or an abort instead of stepping an empty batch."""
+        deadline = time.monotonic() + IDLE_WAIT_S
+        while True:
+            seen = self.session.bell_value(Bell.TO_LEADER)
+            self._end_requested()
+            admit = self._admissible()
+            remaining = deadline - time.monotonic()
+            if admit or not self.waiting or remaining <= 0 or self.session.is_shut_down:
+                return admit
+            self.session.wait_bell(Bell.TO_LEADER, seen, remaining)
+
+    def _publish(self, out: SchedulerOutput) -> None:
+        number = self.plans_published
+        control = self.session.control
+        admitted = 0
+        for new in out.scheduled_new_reqs:
+            ticket = self.tickets[new.req_id]
+            control[ticket.slot, Slot.ADMIT_PLAN] = number
+            control[ticket.slot, Slot.PHASE] = Phase.RUNNING
+            admitted += 1
+        self.session.publish_plan(number, [self.tickets[rid].entry for rid in out.num_scheduled_tokens])
+        self.plans_published = number + 1
+        self.session.add_stat(Stat.LEADER_ADMITTED, admitted)
+
+    # ------------------------------------------------------------------ endings
+
+    def _end_requested(self) -> None:
+        """End what was aborted, or failed on either side, before the next plan."""
+        for request, ticket in self.live_requests():
+            if self.session.abort_requested(ticket.slot, ticket.key):
+                self._end_here(request, ticket, Finish.ABORT)
+            elif request.status == RequestStatus.RUNNING and self.session.error(ticket.slot)[0] != ErrorCode.NONE:
+                self._end_here(request, ticket, Finish.ERROR)
+
+    def _end_unscheduled(self, out: SchedulerOutput) -> None:
+        """A running request left out of a step would run one step behind theta's copy: fail it."""
+        for request in list(self.running):
+            if request.request_id not in out.num_scheduled_tokens and request.request_id in self.tickets:
+                self._fail_here(request, ErrorCode.DIVERGED)
+
+    def _fail_here(self, request: Request, code: ErrorCode) -> None:
+        ticket = self.tickets[request.request_id]
+        self.session.fail_slot(ticket.slot, ticket.key, code, request.num_output_tokens, self.writer)
+        self._end_here(request, ticket, Finish.ERROR)
+
+    def refuse_preemptions(self, scheduler_output: SchedulerOutput) -> None:
+        for rid in scheduler_output.preempted_req_ids or ():
+            request = self.requests.get(rid)
+            if request is not None and not request.is_finished() and rid in self.tickets:
+                self.session.add_stat(Stat.PREEMPTIONS_REFUSED, 1)
+                self._fail_here(request, ErrorCode.PREEMPTED)
+
+    def _end_here(self, request: Request, ticket: _Ticket, finish: Finish, output: EngineCoreOutput | None = None,
+                  stop_index: int = -1) -> None:
+        """End ``request`` on both engines: here now, on theta before the next plan."""
+        stop_reason = ticket.stops[stop_index] if stop_index >= 0 else None
+        self._record_end(ticket, finish, stop_index)
+        self.session.add_stat(Stat.LEADER_ENDED, 1)
+        if output is not None:  # it has an output this step: that output carries the ending
+            output.finish_reason = RequestStatus.get_finished_reason(_STATUS_OF_FINISH[finish])
+            output.stop_reason = stop_reason
+        self.end(request, _STATUS_OF_FINISH[finish], stop_reason, emit=output is None)
+
+    def _record_end(self, ticket: _Ticket, finish: Finish, stop_index: int = -1) -> None:
+        c = self.session.control[ticket.slot]
+        if int(c[Slot.KEY]) != ticket.key or int(c[Slot.PHASE]) == Phase.FINISHED:
+            return
+        c[Slot.FINISH], c[Slot.STOP_INDEX], c[Slot.FINISH_PLAN] = finish, stop_index, self.plans_published
+        c[Slot.PHASE] = Phase.FINISHED  # last: it announces the fields above
+        self.session.ring(Bell.PLAN, self.writer)
+
+    def _stop_watch(self, stops: tuple[str, ...]):
+        watch = self._stop_watches.get(stops)
+        if watch is None:
+            from transformers import AutoTokenizer
+
+            from dual_sampling.text import StopStringWatch
+
+            tokenizer = getattr(self, "_tokenizer", None) or AutoTokenizer.from_pretrained(self._tokenizer_path)
+            self._tokenizer = tokenizer
+            watch = self._stop_watches[stops] = StopStringWatch(tokenizer, stops)
+        return watch
+
+
+class ThetaLockstepScheduler(LockstepScheduler):
+    """The follower: runs exactly the leader's plan at every step."""
+
+    role = "theta"
+    writer = Writer.THETA_SCHEDULER
+    arrived_word = Slot.THETA_ARRIVED
+    released_word = Slot.THETA_RELEASED
+
+    def __init__(self, vllm_config, *args, **kwargs) -> None:
+        super().__init__(vllm_config, *args, **kwargs)
+        self.plans_consumed = 0
+
+    def on_arrival(self) -> None:
+        self.session.ring(Bell.TO_LEADER, self.writer)
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        number = self.plans_consumed
+        plan = self._await_plan(number)
+        admit = [] if plan is None else self._apply_plan(number, plan)
+        # Without a plan nothing runs here: _await_plan returns None only once no request is running.
+        with self.queue_only(admit):
+            out = super().schedule(throttle_prefills)
+        if plan is not None:
+            self.refuse_preemptions(out)
+            self._check_batch(out, plan)
+            self.plans_consumed = number + 1
+            self.session.header[Header.PLANS_CONSUMED] = number + 1
+        self.mark_scheduled(out)
+        return out
+
+    # ------------------------------------------------------------------ plans
+
+    def _await_plan(self, number: int) -> list[int] | None:
+        """Plan ``number``; None if it is not there and nothing here runs (after a short wait) or it never came."""
+        s = self.session
+        start = time.monotonic()
+        deadline = start + self.sync_timeout
+        try:
+            while True:
+                seen = s.bell_value(Bell.PLAN)
+                plan = s.read_plan(number)
+                if plan is not None:
+                    return plan
+                self._follow_endings(number)
+                now = time.monotonic()
+                if s.is_shut_down:
+                    for request, _ in self.live_requests():
+                        self.fail(request, ErrorCode.SHUTDOWN)
+                    return None
+                if not self.running:
+                    if now - start >= IDLE_WAIT_S:
+                        return None
+                    s.wait_bell(Bell.PLAN, seen, IDLE_WAIT_S - (now - start))
+                    continue
+                if now >= deadline:
+                    logger.error("no plan %d from the teacher engine within %.0f s; failing %d running requests",
+                                 number, self.sync_timeout, len(self.running))
+                    for request in list(self.running):
+                        self.fail(request, ErrorCode.SYNC_TIMEOUT)
+                    return None
+                s.wait_bell(Bell.PLAN, seen, min(deadline - now, WAIT_CAP_S))
+        finally:
+            s.add_stat(Stat.FOLLOWER_PLAN_WAIT_NS, int((time.monotonic() - start) * 1e9))
+
+    def _follow_endings(self, number: int) -> None:
+        """End every request the leader ended before plan ``number`` (or dropped before admitting it)."""
+        control = self.session.control
+        for request, ticket in self.live_requests():
+            c = control[ticket.slot]
+            if int(c[Slot.KEY]) != ticket.key or int(c[Slot.PHASE]) != Phase.FINISHED:
+                continue
+            if int(c[Slot.ADMIT_PLAN]) < 0 or int(c[Slot.FINISH_PLAN]) <= number:
+                finish, index = Finish(int(c[Slot.FINISH])), int(c[Slot.STOP_INDEX])
+                stop_reason = ticket.stops[index] if 0 <= index < len(ticket.stops) else None
+                self.end(request, _STATUS_OF_FINISH.get(finish, RequestStatus.FINISHED_ABORTED), stop_reason)
+
+    def _apply_plan(self, number: int, plan: list[int]) -> list[Request]:
+        """End running requests the plan leaves out; return the waiting requests it admits."""
+        self._follow_endings(number)
+        members = set(plan)
+        for request in list(self.running):
+            ticket = self.tickets.get(request.request_id)
+            if ticket is not None and ticket.entry not in members:
+                self._diverged(request)  # the leader ended it, but said nothing before this plan
+        by_entry = {t.entry: self.requests.get(rid) for rid, t in self.tickets.items()}
+        running = {id(r) for r in self.running}
+        admit = []
+        for entry in plan:
+            request = by_entry.get(entry)
+            if request is not None and id(request) in running:
+                continue
+            if request is None or request.status != RequestStatus.WAITING:
+                slot, key = split_plan_entry(entry)
+                self.session.fail_slot(slot, key, ErrorCode.DIVERGED, 0, self.writer)
+                self.session.add_stat(Stat.FOLLOWER_DIVERGED, 1)
+                if request is not None:
+                    self.end(request, RequestStatus.FINISHED_ERROR)
+                continue
+            admit.append(request)
+        return admit
+
+    def _check_batch(self, out: SchedulerOutput, plan: list[int]) -> None:
+        """Every plan entry this engine holds must be in its batch; one that is not fails alone."""
+        members = set(plan)
+        scheduled = {self.tickets[rid].entry for rid in out.num_scheduled_tokens if rid in self.tickets}
+        for request, ticket in self.live_requests():
+            if ticket.entry in members and ticket.entry not in scheduled:
+                self._diverged(request)
+
+    def _diverged(self, request: Request) -> None:
+        self.session.add_stat(Stat.FOLLOWER_DIVERGED, 1)
+        self.fail(request, ErrorCode.DIVERGED)
+
+
+def _watch_parent(session: SyncSession) -> None:
+    """Exit this engine (and its workers) if the driver dies, instead of waiting on it for ever."""
+
+    owner = int(session.header[Header.OWNER_PID])
+
+    def run() -> None:
+        while not session.closed:
+            time.sleep(PARENT_POLL_S)
+            if not session.closed and not pid_alive(owner):
+                logger.error("the dual-sampling driver (pid %d) is gone; stopping this engine", owner)
+                _kill_process_tree()
+
+    threading.Thread(target=run, name="dual-sampling-parent-watch", daemon=True).start()
+
+
+def _kill_process_tree() -> None:
+    """SIGKILL this process's children, then exit at once (nothing left to shut down cleanly for)."""
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+    finally:
+        os.kill(os.getpid(), signal.SIGKILL)
