@@ -1,9 +1,9 @@
 """The ``dual-sampling`` command line: ``generate``, ``report`` and ``models``.
 
-``generate`` takes every field of :class:`dual_sampling.datagen.RunConfig` as a flag
-(``--max-tokens 128``) or as a key of ``--config run.yaml`` (``max_tokens: 128``); flags
-win over the file. The flags and their help are derived from the dataclass, so the two
-can never disagree.
+``generate`` takes every setting of a run (:class:`dual_sampling.datagen.RunConfig`, its
+:class:`SamplingOptions` and its :class:`EngineOptions`) as a flag (``--max-tokens 128``)
+or as a key of ``--config run.yaml`` (``max_tokens: 128``); flags win over the file. The
+flags and their help are derived from the dataclasses, so they can never disagree.
 """
 
 from __future__ import annotations
@@ -31,16 +31,25 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def _config_classes() -> list[type]:
+    from dual_sampling.config import EngineOptions, SamplingOptions
+    from dual_sampling.datagen import RunConfig
+
+    return [RunConfig, SamplingOptions, EngineOptions]
+
+
 def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     docs = _field_docs(cls)
     for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            continue  # a composed config: its own fields are flags
         flag = "--" + f.name.replace("_", "-")
         kind = str(f.type)
         kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": docs.get(f.name, "")}
         if kind == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         elif kind.startswith("list["):
-            parser.add_argument(flag, nargs="*", metavar="VALUE", **kwargs)
+            parser.add_argument(flag, nargs="*", metavar="VALUE", type=int if kind == "list[int]" else str, **kwargs)
         elif kind.startswith("dict["):
             parser.add_argument(flag, type=json.loads, metavar="JSON", **kwargs)
         else:
@@ -48,14 +57,14 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(flag, type={"int": int, "float": float}.get(base, str), **kwargs)
 
 
-def _load_config_file(path: str, cls: type) -> dict[str, Any]:
+def _load_config_file(path: str) -> dict[str, Any]:
     import yaml
 
     data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a mapping of run settings, got {type(data).__name__}")
     data = {str(k).replace("-", "_"): v for k, v in data.items()}
-    known = {f.name for f in dataclasses.fields(cls)}
+    known = {f.name for cls in _config_classes() for f in dataclasses.fields(cls)} - {"sampling", "engine"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"{path}: unknown settings {unknown}; known: {sorted(known)}")
@@ -65,14 +74,14 @@ def _load_config_file(path: str, cls: type) -> dict[str, Any]:
 def _generate(args: argparse.Namespace) -> int:
     from dual_sampling.datagen import RunConfig, run_generation
 
-    settings = _load_config_file(args.config, RunConfig) if args.config else {}
+    settings = _load_config_file(args.config) if args.config else {}
     settings.update({k: v for k, v in vars(args).items() if k not in ("config", "run", "command")})
     missing = [name for name in ("input", "output") if name not in settings]
     if missing:
         raise SystemExit(f"dual-sampling generate: missing {', '.join('--' + m for m in missing)} (flag or config key)")
-    summary = run_generation(RunConfig(**settings))
+    summary = run_generation(RunConfig.from_settings(settings))
     print(json.dumps(summary, indent=1))
-    return 0 if summary["sync_errors"] == 0 else 3
+    return 0 if summary["failed_samples"] == 0 else 3
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -93,15 +102,14 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dual_sampling.datagen import RunConfig
-
     parser = argparse.ArgumentParser(prog="dual-sampling", description="Sample from the geometric mixture of two models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="run (or resume) a distillation data-generation run",
                        description="Generate one record per (problem, sample) from the teacher/theta mixture.")
     g.add_argument("--config", help="YAML file with the same keys as the flags (flags override it)")
-    _add_config_flags(g, RunConfig)
+    for cls in _config_classes():
+        _add_config_flags(g, cls)
     g.set_defaults(run=_generate)
 
     r = sub.add_parser("report", help="plots and a Markdown summary of a records file")

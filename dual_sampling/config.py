@@ -79,7 +79,8 @@ class SamplingOptions:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        self.logit_bias = dict(self.logit_bias or {})
+        # JSON and YAML give token ids as strings; they are token ids all the same.
+        self.logit_bias = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in (self.logit_bias or {}).items()}
         for name in ("temperature", "top_p", "min_p", "teacher_support_top_p"):
             if _is_int(getattr(self, name)):
                 setattr(self, name, float(getattr(self, name)))
@@ -160,6 +161,9 @@ class EngineOptions:
     """Show a progress bar over samples in generate()."""
 
     def __post_init__(self) -> None:
+        for name in ("alpha_min", "alpha_max", "sync_timeout"):  # 30 and 30.0 configure (and hash) the same run
+            if _is_int(getattr(self, name)):
+                setattr(self, name, float(getattr(self, name)))
         # Building the computer validates the method name and its bounds, naming the bad value.
         get_alpha_computer(self.alpha_method, alpha_min=self.alpha_min, alpha_max=self.alpha_max, **self.alpha_config)
         _need(_is_number(self.sync_timeout) and self.sync_timeout > 0,

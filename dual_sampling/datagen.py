@@ -15,10 +15,15 @@ Crash safety
   already in the journal. A torn last line (a kill mid-write) is cut off, not read as data.
 - Sample seeds derive from (seed, id, sample_index), so a resumed sample is drawn with the
   same seed as it would have been in an uninterrupted run.
+
+Only complete, verified samples are training data: a sample that failed (or was
+aborted) goes to ``OUT.failed.jsonl`` with its error, never to the output, and is drawn
+again by ``--resume``. The summary counts failures by their error code.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from dual_sampling.config import EngineOptions, SamplingOptions
 from dual_sampling.outputs import effective_sample_size
 
 __all__ = ["RunConfig", "run_generation", "load_rows", "shard_of", "read_journal", "model_fingerprint",
@@ -41,13 +47,20 @@ DEFAULT_TEACHER_TEMPLATE = (
 )
 DEFAULT_THETA_TEMPLATE = "{{ problem }}"
 
-# Configuration keys that do not change what a record contains (so --resume may change them).
-_NOT_IDENTITY = {"resume", "batch_size", "use_tqdm", "output"}
+# Settings that do not change what a record contains (so --resume may change them).
+_NOT_IDENTITY = {"resume", "batch_size", "use_tqdm", "output", "sync_timeout", "max_num_seqs", "max_num_batched_tokens",
+                 "cpu_binding", "enforce_eager", "enable_prefix_caching", "kv_cache_memory_bytes"}
 
 
 @dataclass
 class RunConfig:
-    """One data-generation run; the same keys work as CLI flags and in ``--config run.yaml``."""
+    """One data-generation run.
+
+    It composes :class:`SamplingOptions` (how to sample) and :class:`EngineOptions` (how to
+    run the engines). On the command line and in ``--config run.yaml`` every field of all
+    three is one flat key (``--max-tokens 128``, ``alpha_method: ess_balance``); see
+    :meth:`from_settings`.
+    """
 
     input: str
     """Problems: a .jsonl or .parquet file, or a local Hugging Face datasets folder."""
@@ -75,56 +88,16 @@ class RunConfig:
     """Jinja template (string or file) of theta's user message; sees problem, hint, row."""
     format: str = "records"
     """"records" (everything) or "messages" (a TRL-ready chat view)."""
-    n: int = 1
-    """Samples per problem."""
-    max_tokens: int = 256
-    """Generated tokens per sample at most."""
-    min_tokens: int = 0
-    """Generated tokens per sample at least."""
-    temperature: float = 1.0
-    """Temperature applied to q (0: greedy)."""
-    top_p: float = 1.0
-    """Nucleus filter on q."""
-    top_k: int = -1
-    """Top-k filter on q (-1: off)."""
-    min_p: float = 0.0
-    """min-p filter on q (0: off)."""
-    stop: list[str] = field(default_factory=list)
-    """Stop strings."""
-    seed: int = 0
-    """Run seed; each sample's seed derives from (seed, id, sample_index)."""
-    alpha_method: str = "kl_symmetry"
-    """Alpha method."""
-    alpha_min: float = 0.0
-    """Lower clamp on α (teacher weight)."""
-    alpha_max: float = 1.0
-    """Upper clamp on α."""
-    alpha_config: dict[str, Any] = field(default_factory=dict)
-    """Extra fields of the alpha method."""
-    force_first_token: bool = False
-    """Sample the first token from the teacher alone."""
-    teacher_support_top_k: int = -1
-    """Restrict q to the teacher's top-k tokens (-1: off)."""
-    teacher_support_top_p: float = 1.0
-    """Restrict q to the teacher's top-p set (1: off)."""
-    sync_timeout: float = 60.0
-    """Seconds an engine waits for its partner before failing a request."""
-    max_num_seqs: int = 8
-    """Requests per engine at once."""
-    max_model_len: int | None = None
-    """Context per request; None: min(model limit, 2048)."""
-    dtype: str = "float32"
-    """Model dtype."""
-    kv_cache_memory_bytes: int | None = None
-    """KV cache per engine; None: sized so nothing is preempted."""
     shard: str = "0/1"
     """"i/N": this machine's deterministic share of the dataset."""
     resume: bool = False
-    """Continue an interrupted run in place."""
+    """Continue an interrupted run in place (failed samples are drawn again)."""
     batch_size: int = 32
     """Problems per generate() call; records are fsync'd after each."""
-    use_tqdm: bool = True
-    """Show a progress bar."""
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    """How to sample; its fields are flat keys of the run (n, max_tokens, temperature, seed, ...)."""
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    """How to run the engines; its fields are flat keys of the run (alpha_method, max_num_seqs, ...)."""
 
     def __post_init__(self) -> None:
         if self.teacher is None or self.theta is None:
@@ -137,21 +110,34 @@ class RunConfig:
         if Path(self.output).suffix not in (".jsonl", ".parquet"):
             raise ValueError(f"output must end in .jsonl or .parquet, got {self.output!r}")
         self.shard_index, self.shard_count = _parse_shard(self.shard)
-        for name in ("n", "max_tokens", "batch_size"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        # 30 and 30.0 must configure (and hash) the same run, from YAML, flags or Python.
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if str(f.type) == "float" and isinstance(value, int) and not isinstance(value, bool):
-                setattr(self, f.name, float(value))
+        if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
+            raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any]) -> "RunConfig":
+        """Build from flat keys (CLI flags, run.yaml): each goes to the run, its sampling or its engine options."""
+        parts: dict[str, dict[str, Any]] = {"run": {}, "sampling": {}, "engine": {}}
+        for key, value in settings.items():
+            part = _FLAT_KEYS.get(key)
+            if part is None:
+                raise ValueError(f"unknown setting {key!r}; known: {sorted(_FLAT_KEYS)}")
+            parts[part][key] = value
+        return cls(**parts["run"], sampling=SamplingOptions(**parts["sampling"]), engine=EngineOptions(**parts["engine"]))
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting as one flat mapping (the inverse of :meth:`from_settings`)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("sampling", "engine")}
+        return {**out, **dataclasses.asdict(self.sampling), **dataclasses.asdict(self.engine)}
 
     def identity(self) -> dict[str, Any]:
-        """The keys that decide what the records contain (compared on --resume)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in _NOT_IDENTITY}
+        """The settings that decide what the records contain (compared on --resume)."""
+        return {k: v for k, v in self.flat().items() if k not in _NOT_IDENTITY}
+
+
+_FLAT_KEYS = {**{f.name: "run" for f in dataclasses.fields(RunConfig) if f.name not in ("sampling", "engine")},
+              **{f.name: "sampling" for f in dataclasses.fields(SamplingOptions)},
+              **{f.name: "engine" for f in dataclasses.fields(EngineOptions)}}
+"""Which part of a run each flat key belongs to."""
 
 
 def _parse_shard(text: str) -> tuple[int, int]:
@@ -331,7 +317,8 @@ def _paths(cfg: RunConfig) -> dict[str, Path]:
     out = Path(cfg.output)
     journal = out if out.suffix == ".jsonl" else out.with_name(out.name + ".journal.jsonl")
     return {"output": out, "journal": journal, "manifest": out.with_name(out.name + ".manifest.json"),
-            "rejects": out.with_name(out.stem + ".rejects.jsonl"), "summary": out.with_name(out.name + ".summary.json")}
+            "rejects": out.with_name(out.stem + ".rejects.jsonl"), "failed": out.with_name(out.stem + ".failed.jsonl"),
+            "summary": out.with_name(out.name + ".summary.json")}
 
 
 def _check_manifest(cfg: RunConfig, paths: dict[str, Path], models: dict) -> None:
@@ -361,21 +348,28 @@ def _record(cfg: RunConfig, item: _Item, j: int, sample, models: dict) -> dict[s
         messages = ([{"role": "system", "content": cfg.system_prompt_theta}] if cfg.system_prompt_theta else [])
         messages += [{"role": "user", "content": item.theta_user}, {"role": "assistant", "content": sample.text}]
         return {"id": item.id, "sample_index": j, "messages": messages}
+    engine = cfg.engine
     return {
         "id": item.id, "sample_index": j, "seed": sample.seed,
         "teacher_prompt": item.teacher_prompt, "theta_prompt": item.theta_prompt,
         "response": sample.text, "token_ids": sample.token_ids, "finish_reason": sample.finish_reason,
-        "error": sample.error, "num_tokens": len(sample.token_ids),
+        "stop_reason": sample.stop_reason, "error": sample.error, "num_tokens": len(sample.token_ids),
         "alpha": sample.alpha, "logp_teacher": sample.logp_teacher, "logp_theta": sample.logp_theta, "logq": sample.logq,
         "sum_alpha": math.fsum(sample.alpha), "sum_logp_teacher": math.fsum(sample.logp_teacher),
         "sum_logp_theta": math.fsum(sample.logp_theta), "sum_logq": math.fsum(sample.logq),
         "log_w_theta": sample.log_w_theta, "log_w_teacher": sample.log_w_teacher,
         "models": models,
-        "sampling": {k: getattr(cfg, k) for k in ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
-                                                  "stop", "seed", "force_first_token", "teacher_support_top_k",
-                                                  "teacher_support_top_p")},
-        "alpha_config": {"method": cfg.alpha_method, "alpha_min": cfg.alpha_min, "alpha_max": cfg.alpha_max, **cfg.alpha_config},
+        # Parquet has no empty struct: logit_bias is stored as [token id, bias] pairs.
+        "sampling": {**dataclasses.asdict(cfg.sampling), "logit_bias": [[t, b] for t, b in cfg.sampling.logit_bias.items()]},
+        "alpha_config": {"method": engine.alpha_method, "alpha_min": engine.alpha_min, "alpha_max": engine.alpha_max,
+                         **engine.alpha_config},
     }
+
+
+def _failure(item: _Item, j: int, sample) -> dict[str, Any]:
+    """What a failed sample leaves behind: enough to see why, nothing to train on."""
+    return {"id": item.id, "sample_index": j, "seed": sample.seed, "finish_reason": sample.finish_reason,
+            "error": sample.error, "num_tokens": len(sample.token_ids)}
 
 
 def run_generation(cfg: RunConfig, sampler=None) -> dict[str, Any]:
@@ -403,17 +397,14 @@ def run_generation(cfg: RunConfig, sampler=None) -> dict[str, Any]:
             if Path(wanted).resolve() != Path(running).resolve():
                 raise ValueError(f"the sampler runs {role} {running!r} but the run configures {wanted!r}")
     if own:
-        sampler = OptimalSamplingDual(cfg.teacher, cfg.theta, alpha_method=cfg.alpha_method, alpha_min=cfg.alpha_min,
-                                      alpha_max=cfg.alpha_max, alpha_config=cfg.alpha_config, sync_timeout=cfg.sync_timeout,
-                                      max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, dtype=cfg.dtype,
-                                      kv_cache_memory_bytes=cfg.kv_cache_memory_bytes, use_tqdm=False)
-    journal = None
+        sampler = OptimalSamplingDual(cfg.teacher, cfg.theta, **{**dataclasses.asdict(cfg.engine), "use_tqdm": False})
+    journal = failed_log = None
     try:
         renderer = _Renderer(cfg, sampler.tokenizer)
         selected, rejects = _prepare(cfg, rows, renderer)
         items = []
         for number, row, row_id in selected:
-            missing = [j for j in range(cfg.n) if (row_id, j) not in done]
+            missing = [j for j in range(cfg.sampling.n) if (row_id, j) not in done]
             if not missing:
                 continue
             hint = None if cfg.hint_field is None else row[cfg.hint_field]
@@ -427,40 +418,42 @@ def run_generation(cfg: RunConfig, sampler=None) -> dict[str, Any]:
             items.append(item)
         _write_rejects(paths["rejects"], rejects)
 
-        journal = _Journal(paths["journal"])
-        written = []  # SampleRecords of this invocation, for the summary
+        journal, failed_log = _Journal(paths["journal"]), _Journal(paths["failed"])
+        written, failed = [], []  # SampleRecords of this invocation, for the summary
         tokens = 0
-        bar = tqdm(total=sum(len(i.missing) for i in items), desc="samples", unit="sample", disable=not cfg.use_tqdm)
+        bar = tqdm(total=sum(len(i.missing) for i in items), desc="samples", unit="sample", disable=not cfg.engine.use_tqdm)
         generating = time.monotonic()
         for start in range(0, len(items), cfg.batch_size):
             batch = items[start : start + cfg.batch_size]
-            out = sampler.generate(
-                [i.theta_prompt for i in batch], teacher_prompts=[i.teacher_prompt for i in batch],
-                prompt_keys=[i.id for i in batch], max_tokens=cfg.max_tokens, min_tokens=cfg.min_tokens,
-                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p, n=cfg.n, seed=cfg.seed,
-                stop=cfg.stop or None, force_first_token=cfg.force_first_token,
-                teacher_support_top_k=cfg.teacher_support_top_k, teacher_support_top_p=cfg.teacher_support_top_p,
-                use_tqdm=False,
-            )
+            out = sampler.generate([i.theta_prompt for i in batch], teacher_prompts=[i.teacher_prompt for i in batch],
+                                   prompt_keys=[i.id for i in batch], sampling=cfg.sampling, use_tqdm=False)
             pairs = [(item, j, req.samples[j]) for item, req in zip(batch, out.requests) for j in item.missing]
-            journal.write(_record(cfg, item, j, sample, models) for item, j, sample in pairs)
-            written += [sample for _, _, sample in pairs]
+            # Only complete, verified samples are training data; a failed one is logged and drawn again on --resume.
+            journal.write(_record(cfg, item, j, sample, models) for item, j, sample in pairs if sample.ok)
+            failed_log.write(_failure(item, j, sample) for item, j, sample in pairs if not sample.ok)
+            written += [sample for _, _, sample in pairs if sample.ok]
+            failed += [sample for _, _, sample in pairs if not sample.ok]
             tokens += sum(len(sample.token_ids) for _, _, sample in pairs)
             alphas = [a for s in written for a in s.alpha]
             bar.set_postfix(tok_s=f"{tokens / max(time.monotonic() - generating, 1e-9):.1f}",
-                            mean_alpha=f"{statistics.fmean(alphas):.3f}" if alphas else "-")
+                            mean_alpha=f"{statistics.fmean(alphas):.3f}" if alphas else "-", failed=len(failed))
             bar.update(len(pairs))
         bar.close()
         journal.close()
-        journal = None
+        failed_log.close()
+        journal = failed_log = None
+        if not paths["failed"].stat().st_size:
+            paths["failed"].unlink()
         if paths["output"].suffix == ".parquet":
             _write_parquet(paths["journal"], paths["output"])
-        summary = _summary(cfg, written, len(done), rejects, sampler.get_sync_statistics(), time.monotonic() - started)
+        summary = _summary(cfg, written, failed, len(done), rejects, sampler.get_sync_statistics(),
+                           time.monotonic() - started)
         paths["summary"].write_text(json.dumps(summary, indent=1) + "\n")
         return summary
     finally:
-        if journal is not None:
-            journal.close()
+        for log in (journal, failed_log):
+            if log is not None:
+                log.close()
         if own:
             sampler.close()
 
@@ -485,17 +478,20 @@ def _write_parquet(journal: Path, output: Path) -> None:
     os.replace(tmp, output)
 
 
-def _summary(cfg: RunConfig, samples: list, already: int, rejects: list[dict], sync: dict, wall: float) -> dict:
+def _summary(cfg: RunConfig, samples: list, failed: list, already: int, rejects: list[dict], sync: dict,
+             wall: float) -> dict:
+    """Counts, α statistics, the ESS of the θ-weights, failures by error code, sync statistics, wall time."""
     alphas = [a for s in samples for a in s.alpha]
-    ok = [s for s in samples if s.error is None]
-    log_w = [s.log_w_theta for s in ok]
+    log_w = [s.log_w_theta for s in samples]
     ess = effective_sample_size(log_w) if log_w else None
+    failures = collections.Counter((s.error or s.finish_reason or "unknown").split(" at ")[0] for s in failed)
     return {
         "output": cfg.output,
         "samples_written": len(samples),
         "samples_already_done": already,
+        "failed_samples": len(failed),
+        "failures": dict(sorted(failures.items())),
         "rejected_prompts": len(rejects),
-        "sync_errors": len(samples) - len(ok),
         "generated_tokens": sum(len(s.token_ids) for s in samples),
         "alpha_mean": statistics.fmean(alphas) if alphas else None,
         "alpha_std": statistics.pstdev(alphas) if alphas else None,

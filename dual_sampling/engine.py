@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import signal
+import threading
 from typing import Any, AsyncIterator, Sequence
 
 from dual_sampling.config import UNSUPPORTED_SAMPLING, DualEngineConfig, SamplingOptions, model_config
@@ -62,6 +64,7 @@ class OptimalSamplingDual:
                                     | set(_as_list(self.tokenizer.eos_token_id)))
         if not self.eos_token_ids:
             raise ValueError("neither model nor the tokenizer defines an EOS token id")
+        _exit_on_sigterm()
         self.scheduler = DualScheduler(
             lambda session_name: EnginePair(cfg, session_name, self.max_model_len, cfg.sync_timeout),
             self.tokenizer, vocab=self.vocab, max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
@@ -74,12 +77,12 @@ class OptimalSamplingDual:
         self,
         prompts: Sequence[str | Sequence[int]],
         teacher_prompts: Sequence[str | Sequence[int]] | None = None,
-        max_tokens: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        n: int = 1,
-        seed: int = 0,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        n: int | None = None,
+        seed: int | None = None,
         *,
         sampling: SamplingOptions | None = None,
         prompt_keys: Sequence[str] | None = None,
@@ -90,7 +93,8 @@ class OptimalSamplingDual:
 
         ``teacher_prompts`` (same length) lets the teacher see a different prompt from theta's,
         for example with a reference solution as a hint. Sampling is set either by keywords
-        (the fields of :class:`SamplingOptions`) or by one ``sampling`` object. Sample j of
+        (the fields of :class:`SamplingOptions`, with its defaults: max_tokens=256,
+        temperature=1.0, top_p=1.0, top_k=-1, n=1, seed=0, ...) or by one ``sampling`` object. Sample j of
         prompt i is drawn with a seed derived from (seed, i, j); ``prompt_keys`` (stable ids,
         one per prompt) replace i, so a sample's seed does not depend on which other prompts
         share the call (data-generation runs rely on this to resume). A sample that fails has
@@ -98,10 +102,11 @@ class OptimalSamplingDual:
         arguments or a dead engine.
         """
         self._check_open()
-        opts = sampling or self._options(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                         n=n, seed=seed, **options)
+        named = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n, seed=seed)
+        options.update({k: v for k, v in named.items() if v is not None})
         if sampling is not None and options:
             raise ValueError(f"pass sampling options either as sampling= or as keywords, not both ({sorted(options)})")
+        opts = sampling or self._options(**options)
         teacher_ids, theta_ids = self._prompt_pairs(prompts, teacher_prompts)
         if prompt_keys is not None and len(prompt_keys) != len(prompts):
             raise ValueError(f"prompt_keys has {len(prompt_keys)} entries but prompts has {len(prompts)}")
@@ -247,6 +252,20 @@ class OptimalSamplingDual:
             self.close()
         except Exception:
             pass
+
+
+def _exit_on_sigterm() -> None:
+    """Make SIGTERM unwind the main thread like Ctrl-C does, so the engines and the shared memory are released.
+
+    Only when nothing else handles SIGTERM (its default action would kill the driver on the
+    spot and leave the engines to notice on their own).
+    """
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_exit)
+
+
+def _raise_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _score(sample: SampleRecord, name: str) -> float:

@@ -15,15 +15,15 @@ import logging
 import math
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
 from dual_sampling.config import DualEngineConfig, default_kv_cache_bytes, kv_cache_bytes_needed
-from dual_sampling.protocol import SHM_DIR, SESSION_PREFIX, pid_alive
+from dual_sampling.protocol import SESSION_PREFIX, SHM_DIR, mapped_shm_files, pid_alive, segments_listing
 
-__all__ = ["EnginePair", "ROLES", "LOCKSTEP_SETTINGS", "split_cpu_binding", "engine_cpus", "engine_segments_file",
-           "remove_engine_segments"]
+__all__ = ["EnginePair", "ROLES", "LOCKSTEP_SETTINGS", "split_cpu_binding", "engine_cpus"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,42 +36,6 @@ LOCKSTEP_SETTINGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", 
 _MiB = 1 << 20
 _EXIT_WAIT_S = 10.0
 """How long close() waits for an engine's processes to exit after vLLM's shutdown before killing them."""
-
-
-def engine_segments_file(session_name: str) -> Path:
-    """Where a session lists the /dev/shm files its engines created, for cleanup after a crash."""
-    return SHM_DIR / f"{session_name}.segments"
-
-
-def remove_engine_segments(listing: Path) -> list[str]:
-    """Remove the files a dead session's engines left in /dev/shm (those no live process maps), and the listing."""
-    try:
-        names = json.loads(listing.read_text())
-    except (FileNotFoundError, ValueError):
-        names = []
-    mapped = _mapped_shm_files() if names else set()
-    removed = []
-    for name in names:
-        path = SHM_DIR / name
-        if name not in mapped and path.exists():
-            path.unlink(missing_ok=True)
-            removed.append(name)
-    listing.unlink(missing_ok=True)
-    return removed
-
-
-def _mapped_shm_files(pids: list[int] | None = None) -> set[str]:
-    """Names of /dev/shm files mapped by the given processes (all readable ones when None)."""
-    if pids is None:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    names = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-                path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-                if path.startswith(str(SHM_DIR) + "/"):
-                    names.add(Path(path.removesuffix(" (deleted)")).name)
-    return names
 
 
 class EnginePair:
@@ -98,8 +62,7 @@ class EnginePair:
         self.engines: dict[str, Any] = {}
         self._segments: set[str] = set()
         try:
-            for role in ROLES:
-                self.engines[role] = self._start(role)
+            self._start_both()
             self.verify()
             self._record_segments()
         except BaseException:
@@ -161,14 +124,36 @@ class EnginePair:
         kwargs.update(self._user_kwargs(role))
         return kwargs
 
-    def _start(self, role: str) -> Any:
+    def _start_both(self) -> None:
+        """Start both engines at once (each takes tens of seconds, mostly imports in new processes).
+
+        An engine's CPU binding is read from the environment its EngineCore process is spawned
+        with, so the variable is switched to theta's binding only once the teacher's EngineCore
+        exists.
+        """
         # The V1 logits-processor interface: GPUs default to Model Runner V2, which has another one.
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        from concurrent.futures import ThreadPoolExecutor
+
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        with engine_cpus(self.binding.get(role)):
+        def start(role: str) -> Any:
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_kwargs(role)))
+
+        with ThreadPoolExecutor(2, thread_name_prefix="dual-sampling-start") as pool:
+            futures = {}
+            for role in ROLES:
+                with engine_cpus(self.binding.get(role)):
+                    known = _spawned_children()
+                    futures[role] = pool.submit(start, role)
+                    if self.binding:
+                        _await_new_child(known, futures[role])
+            errors = [_result_into(self.engines, role, futures.pop(role)) for role in ROLES]
+        # Nothing in this frame refers to an engine any more: a lingering frame cannot keep one alive past close().
+        for error in errors:
+            if error is not None:
+                raise error
 
     # ------------------------------------------------------------------ verification
 
@@ -258,9 +243,9 @@ class EnginePair:
 
     def _record_segments(self) -> None:
         """Note the /dev/shm files the engines map, so a crash of this driver cannot leak them."""
-        self._segments |= {name for name in _mapped_shm_files([pid for pids in self.pids().values() for pid in pids])
+        self._segments |= {name for name in mapped_shm_files([pid for pids in self.pids().values() for pid in pids])
                            if not name.startswith(SESSION_PREFIX)}
-        listing = engine_segments_file(self.session_name)
+        listing = segments_listing(self.session_name)
         tmp = listing.with_name(listing.name + ".tmp")
         tmp.write_text(json.dumps(sorted(self._segments)))
         os.replace(tmp, listing)
@@ -272,17 +257,27 @@ class EnginePair:
         pids = []
         with contextlib.suppress(Exception):
             pids = [pid for role_pids in self.pids().values() for pid in role_pids]
-            self._segments |= {n for n in _mapped_shm_files(pids) if not n.startswith(SESSION_PREFIX)}
-        for role, engine in list(self.engines.items()):
-            try:
-                engine.shutdown()
-            except Exception:
-                logger.exception("shutting down the %s engine failed; its processes are killed instead", role)
+            self._segments |= {n for n in mapped_shm_files(pids) if not n.startswith(SESSION_PREFIX)}
+        engines = list(self.engines.items())
         self.engines.clear()
+        # vLLM stops an engine in up to 5 s (SIGTERM, then SIGKILL); both at once halves the wait.
+        threads = [threading.Thread(target=_shutdown, args=(role, engine), daemon=True) for role, engine in engines]
+        del engines
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=_EXIT_WAIT_S + 5)
         _reap(pids, _EXIT_WAIT_S)
         for name in self._segments:
             (SHM_DIR / name).unlink(missing_ok=True)
-        engine_segments_file(self.session_name).unlink(missing_ok=True)
+        segments_listing(self.session_name).unlink(missing_ok=True)
+
+
+def _shutdown(role: str, engine: Any) -> None:
+    try:
+        engine.shutdown()
+    except Exception:
+        logger.exception("shutting down the %s engine failed; its processes are killed instead", role)
 
 
 def _reap(pids: list[int], timeout: float) -> None:
@@ -298,6 +293,34 @@ def _reap(pids: list[int], timeout: float) -> None:
     deadline = time.monotonic() + 5
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def _result_into(engines: dict, role: str, future: Any) -> BaseException | None:
+    """Store a start's engine under ``role``, or return the exception it raised."""
+    try:
+        engines[role] = future.result()
+        return None
+    except BaseException as exc:
+        return exc
+
+
+def _spawned_children() -> set[int]:
+    """Pids of this process's children started by multiprocessing's spawn (engine processes)."""
+    import psutil
+
+    out = set()
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if "spawn_main" in " ".join(child.cmdline()):
+                out.add(child.pid)
+    return out
+
+
+def _await_new_child(known: set[int], future: Any, timeout: float = 120.0) -> None:
+    """Wait until an engine process beyond ``known`` exists (its environment is then fixed), or the start ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not future.done() and not (_spawned_children() - known):
+        time.sleep(0.02)
 
 
 def split_cpu_binding() -> dict[str, str]:

@@ -24,6 +24,7 @@ class SampleRecord:
 
     text: str
     token_ids: list[int]
+    """The tokens the teacher processor decided (from shared memory)."""
     finish_reason: str | None
     """"stop", "length", "abort" (ended by an abort), or "error" (then ``error`` names the failure)."""
     seed: int
@@ -36,9 +37,9 @@ class SampleRecord:
     logq: list[float] = field(default_factory=list)
     """log-probability of the token under the distribution actually sampled from."""
     teacher_token_ids: list[int] = field(default_factory=list)
-    """The token ids as the teacher engine reported them."""
+    """The token ids as the teacher engine emitted them."""
     theta_token_ids: list[int] = field(default_factory=list)
-    """The token ids as the theta engine reported them (always equal to the teacher's)."""
+    """The token ids as the theta engine emitted them (equal to both others unless the sample failed)."""
     error: str | None = None
     """Why the sample failed, as "<code> at step <n>" (sync_timeout, bad_logits, preempted, diverged, ...); None if it did not."""
     stop_reason: str | int | None = None

@@ -50,6 +50,7 @@ __all__ = [
     "SHM_DIR", "SESSION_PREFIX", "PLAN_RING", "RECORD_FIELDS",
     "Header", "Stat", "Bell", "Writer", "Slot", "Phase", "Finish", "ErrorCode", "WRITERS",
     "SessionLayout", "SyncSession", "SyncError", "cleanup_stale_sessions", "pid_alive", "check_host",
+    "mapped_shm_files", "segments_listing",
 ]
 
 SHM_DIR = Path("/dev/shm")
@@ -337,21 +338,64 @@ def pid_alive(pid: int) -> bool:
 
 
 def cleanup_stale_sessions(shm_dir: Path = SHM_DIR) -> list[str]:
-    """Remove session files whose owning driver is dead; return their names.
+    """Remove what dead drivers left in /dev/shm: their session files, and the files their engines listed.
 
     Names carry the owner's pid (``dual-sampling-<pid>-<token>``); live sessions are kept.
+    Returns the names removed.
     """
     removed = []
-    pattern = re.compile(re.escape(SESSION_PREFIX) + r"(\d+)-[0-9a-f]+$")
-    for path in shm_dir.glob(SESSION_PREFIX + "*"):
+    pattern = re.compile(re.escape(SESSION_PREFIX) + r"(\d+)-[0-9a-f]+(\.segments)?$")
+    for path in sorted(shm_dir.glob(SESSION_PREFIX + "*")):
         m = pattern.match(path.name)
-        if m and not pid_alive(int(m.group(1))):
-            try:
-                path.unlink()
-                removed.append(path.name)
-            except FileNotFoundError:
-                pass
+        if not m or pid_alive(int(m.group(1))):
+            continue
+        if m.group(2):
+            removed += _remove_listed(path, shm_dir)
+        elif path.exists():
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
     return removed
+
+
+def _remove_listed(listing: Path, shm_dir: Path) -> list[str]:
+    """Remove the files a listing names (those no live process maps), then the listing."""
+    import json
+
+    try:
+        names = json.loads(listing.read_text())
+    except (FileNotFoundError, ValueError):
+        names = []
+    mapped = mapped_shm_files() if names else set()
+    removed = []
+    for name in names:
+        path = shm_dir / name
+        if name not in mapped and path.exists():
+            path.unlink(missing_ok=True)
+            removed.append(name)
+    listing.unlink(missing_ok=True)
+    return removed + [listing.name]
+
+
+def mapped_shm_files(pids: list[int] | None = None) -> set[str]:
+    """Names of /dev/shm files mapped by the given processes (every readable one when None)."""
+    if pids is None:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    names = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith(str(SHM_DIR) + "/"):
+                names.add(Path(parts[5].removesuffix(" (deleted)")).name)
+    return names
+
+
+def segments_listing(session_name: str, shm_dir: Path = SHM_DIR) -> Path:
+    """Where a session lists the /dev/shm files its engines created, for cleanup after a crash."""
+    return shm_dir / f"{session_name}.segments"
 
 
 class SyncSession:

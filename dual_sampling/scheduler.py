@@ -23,6 +23,7 @@ every request in flight with :class:`SyncError` and closes the scheduler.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import contextlib
 import itertools
@@ -129,6 +130,7 @@ class DualScheduler:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="dual-sampling-loop", daemon=True)
         self._thread.start()
+        atexit.register(self.close)  # an exception or a signal that ends the program still stops the engines
         try:
             self.engines = self.call(self._start(engine_factory))
         except BaseException:
@@ -145,13 +147,13 @@ class DualScheduler:
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the scheduler's loop from another thread and return its result.
 
-        A KeyboardInterrupt while waiting cancels it (its requests are aborted on both
-        engines) and is raised again once they have been released.
+        A KeyboardInterrupt (or a SystemExit from SIGTERM) while waiting cancels it: its
+        requests are aborted on both engines, and it is raised again once they are released.
         """
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result(timeout)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, SystemExit):
             future.cancel()
             with contextlib.suppress(BaseException):
                 future.result(self.sync_timeout)
@@ -351,7 +353,8 @@ class DualScheduler:
         stop_index = int(control[Slot.STOP_INDEX])
         recorded = s.tokens[slot, : len(tokens)].tolist()
         records = s.records[slot, : len(tokens)].copy()
-        sample = SampleRecord(text="", token_ids=list(tokens), finish_reason=FINISH_REASONS.get(finish, teacher_finish),
+        # Three independent streams: what the teacher processor decided, and what each engine emitted.
+        sample = SampleRecord(text="", token_ids=recorded, finish_reason=FINISH_REASONS.get(finish, teacher_finish),
                               seed=flight.request.sampling.seed, teacher_token_ids=list(tokens),
                               theta_token_ids=theta_tokens)
         if code == ErrorCode.NONE and (theta_tokens != tokens or recorded != tokens
@@ -430,6 +433,7 @@ class DualScheduler:
         if self._closing and self.session.closed:
             return
         self._closing = True
+        atexit.unregister(self.close)
         if self.failure is None:
             self.failure = SyncError("this dual engine is closed")
         if not self.session.closed:

@@ -1,10 +1,33 @@
-"""Shared fixtures: real vLLM CPU engines on the tiny models, started once per session."""
+"""Shared fixtures (real vLLM CPU engines on the tiny models, started once per session) and the test tiers.
+
+Tiers: ``engine`` marks every test that starts engines (directly, through a fixture, or in
+a subprocess); ``models`` marks tests that build the real SmolLM2 folders. ``make test-fast``
+runs the rest in a few minutes; CI runs everything.
+
+Hypothesis runs derandomized (the same examples every run); set HYPOTHESIS_PROFILE=explore
+to search new ones.
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import settings
 
 from dual_sampling import models
+
+settings.register_profile("default", derandomize=True, deadline=None)
+settings.register_profile("explore", derandomize=False, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+ENGINE_FIXTURES = {"dual_engine", "load_engine"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.engine)
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,12 @@
-"""Independent oracles for the engine tests: teacher-forced re-scoring in plain transformers."""
+"""Independent oracles for the engine tests: teacher-forced re-scoring in plain transformers, and q in float64."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from alpha import geometric_mix, get_alpha_computer
+from alpha import get_alpha_computer
 
 
 def rescore(model, prompt_ids: list[int], token_ids: list[int], vocab: int) -> torch.Tensor:
@@ -12,21 +14,74 @@ def rescore(model, prompt_ids: list[int], token_ids: list[int], vocab: int) -> t
     ids = torch.tensor([prompt_ids + token_ids])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(token_ids), :vocab]
-    return torch.log_softmax(logits.float(), -1)
+    return torch.log_softmax(logits.double(), -1)
 
 
-def assert_records_match_rescoring(request, hf_teacher, hf_theta, vocab: int, alpha_method: str, atol: float = 1e-4) -> int:
-    """Check every sample of ``request`` (untempered, unfiltered sampling) against the oracle; return tokens checked."""
+def _keep_top(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Tokens in the top-k and in the smallest set whose mass reaches top_p (the best token always stays)."""
+    order = torch.argsort(logp, descending=True)
+    probs = torch.softmax(logp[order], -1)
+    keep_sorted = torch.ones_like(probs, dtype=torch.bool)
+    if top_k > 0:
+        keep_sorted[top_k:] = False
+    if top_p < 1:
+        keep_sorted &= (torch.cumsum(probs, -1) - probs) < top_p
+    keep_sorted[0] = True
+    keep = torch.zeros_like(keep_sorted)
+    keep[order] = keep_sorted
+    return keep
+
+
+def reference_logq(lth: torch.Tensor, lt: torch.Tensor, alpha: torch.Tensor, step0: int = 0, *, temperature: float = 1.0,
+                   top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0, min_tokens: int = 0,
+                   stop_ids: tuple = (), logit_bias: dict | None = None, teacher_support_top_k: int = -1,
+                   teacher_support_top_p: float = 1.0, force_first_token: bool = False) -> torch.Tensor:
+    """log q [T, V] in float64, stage by stage, written independently of dual_sampling.sampling."""
+    out = []
+    for t in range(lth.shape[0]):
+        a = 1.0 if force_first_token and step0 + t == 0 else float(alpha[t])
+        x = (1 - a) * lth[t] + a * lt[t]
+        if teacher_support_top_k > 0 or teacher_support_top_p < 1:
+            x = torch.where(_keep_top(lt[t], teacher_support_top_k, teacher_support_top_p), x, -math.inf)
+        if step0 + t < min_tokens:
+            x[list(stop_ids)] = -math.inf
+        for token, bias in (logit_bias or {}).items():
+            x[token] += bias
+        x = x / temperature
+        if top_k > 0 or top_p < 1:
+            x = torch.where(_keep_top(torch.log_softmax(x, -1), top_k, top_p), x, -math.inf)
+        if min_p > 0:
+            p = torch.softmax(x, -1)
+            x = torch.where(p >= min_p * p.max(), x, -math.inf)
+        out.append(torch.log_softmax(x, -1))
+    return torch.stack(out)
+
+
+def oracle_rows(sample, request, hf_teacher, hf_theta, vocab: int, alpha_method: str = "kl_symmetry"):
+    """(log π_t, log π_θ, α) of every generated token by teacher-forced re-scoring, in float64."""
+    lt = rescore(hf_teacher, request.teacher_prompt_token_ids, sample.token_ids, vocab)
+    lth = rescore(hf_theta, request.theta_prompt_token_ids, sample.token_ids, vocab)
+    return lt, lth, get_alpha_computer(alpha_method)(lth, lt)
+
+
+def assert_records_match_rescoring(request, hf_teacher, hf_theta, vocab: int, alpha_method: str, atol: float = 1e-4,
+                                   **sampling) -> int:
+    """Check every sample of ``request`` against the oracle (``sampling``: the options used); return tokens checked."""
     checked = 0
     for sample in request.samples:
-        lt = rescore(hf_teacher, request.teacher_prompt_token_ids, sample.token_ids, vocab)
-        lth = rescore(hf_theta, request.theta_prompt_token_ids, sample.token_ids, vocab)
+        assert sample.error is None, sample.error
+        lt, lth, alpha = oracle_rows(sample, request, hf_teacher, hf_theta, vocab, alpha_method)
+        if sampling.get("force_first_token"):
+            alpha = alpha.clone()
+            alpha[0] = 1.0
         tok = torch.tensor(sample.token_ids).unsqueeze(-1)
-        alpha = get_alpha_computer(alpha_method)(lth, lt)
-        logq = geometric_mix(lth, lt, alpha).gather(-1, tok).squeeze(-1)
-        torch.testing.assert_close(torch.tensor(sample.alpha), alpha.float(), atol=atol, rtol=0)
-        torch.testing.assert_close(torch.tensor(sample.logp_teacher), lt.gather(-1, tok).squeeze(-1), atol=atol, rtol=0)
-        torch.testing.assert_close(torch.tensor(sample.logp_theta), lth.gather(-1, tok).squeeze(-1), atol=atol, rtol=0)
-        torch.testing.assert_close(torch.tensor(sample.logq), logq.float(), atol=atol, rtol=0)
+        logq = reference_logq(lth, lt, alpha, **sampling).gather(-1, tok).squeeze(-1)
+        assert torch.isfinite(logq).all(), "a sampled token lies outside the support the options allow"
+        torch.testing.assert_close(torch.tensor(sample.alpha, dtype=torch.float64), alpha, atol=atol, rtol=0)
+        torch.testing.assert_close(torch.tensor(sample.logp_teacher, dtype=torch.float64), lt.gather(-1, tok).squeeze(-1),
+                                   atol=atol, rtol=0)
+        torch.testing.assert_close(torch.tensor(sample.logp_theta, dtype=torch.float64), lth.gather(-1, tok).squeeze(-1),
+                                   atol=atol, rtol=0)
+        torch.testing.assert_close(torch.tensor(sample.logq, dtype=torch.float64), logq, atol=atol * 2, rtol=0)
         checked += len(sample.token_ids)
     return checked

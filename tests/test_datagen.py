@@ -15,9 +15,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from dual_sampling.cli import build_parser, main
+from dual_sampling.cli import _load_config_file, build_parser, main
 from dual_sampling.datagen import RunConfig, load_rows, read_journal, run_generation, shard_of
-from dual_sampling.sync import SESSION_PREFIX, SessionLayout, SyncSession
+from dual_sampling.engine import derive_seed
+from dual_sampling.protocol import SESSION_PREFIX, SessionLayout, SyncSession
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "math_problems.jsonl"
 
@@ -38,7 +39,25 @@ def tiny_config(tiny_same, tmp_path: Path, **overrides) -> RunConfig:
                     output=str(tmp_path / "out.jsonl"), hint_field="solution", id_field="id", n=2, max_tokens=12,
                     max_num_seqs=4, max_model_len=256, sync_timeout=30, use_tqdm=False, batch_size=4, seed=7)
     settings.update(overrides)
-    return RunConfig(**settings)
+    return RunConfig.from_settings(settings)
+
+
+class FailingSampler:
+    """The shared engine, but every sample whose seed is divisible by 3 comes back failed (fault injection)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, *args, **kwargs):
+        out = self.engine.generate(*args, **kwargs)
+        for req in out.requests:
+            for sample in req.samples:
+                if sample.seed % 3 == 0:
+                    sample.finish_reason, sample.error = "error", "sync_timeout at step 1"
+        return out
 
 
 # ---------------------------------------------------------------- no engine
@@ -54,12 +73,15 @@ def test_torn_last_line_is_cut_and_damage_elsewhere_is_refused(tmp_path):
         read_journal(path)
 
 
-def test_shards_are_disjoint_and_cover():
+def test_shards_are_stable_and_balanced():
     ids = [f"row-{i}" for i in range(3000)]
-    shards = [{i for i in ids if shard_of(i, 3) == k} for k in range(3)]
-    assert set().union(*shards) == set(ids)
-    assert sum(len(s) for s in shards) == len(ids)
-    assert all(800 < len(s) < 1200 for s in shards)
+    sizes = Counter(shard_of(i, 3) for i in ids)
+    assert all(800 < sizes[k] < 1200 for k in range(3))
+    # The shard of an id depends on the id alone: not on the order, the process or the other ids.
+    assert [shard_of(i, 3) for i in reversed(ids)] == [shard_of(i, 3) for i in ids][::-1]
+    script = "from dual_sampling.datagen import shard_of; print([shard_of(f'row-{i}', 3) for i in range(50)])"
+    other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert other.strip() == str([shard_of(f"row-{i}", 3) for i in range(50)])
 
 
 def test_inputs_jsonl_parquet_and_datasets_folder(tmp_path):
@@ -76,13 +98,23 @@ def test_inputs_jsonl_parquet_and_datasets_folder(tmp_path):
         load_rows(str(tmp_path / "nope.jsonl"))
 
 
-def test_config_file_and_flags_merge(tmp_path):
+def test_config_file_and_flags_merge_and_flags_win(tiny_same, tmp_path):
+    teacher, theta = tiny_same
     cfg = tmp_path / "run.yaml"
-    cfg.write_text("max-tokens: 99\ntemperature: 0.5\nstop: ['END']\n")
-    args = build_parser().parse_args(["generate", "--config", str(cfg), "--temperature", "0.7", "--no-chat-template"])
-    assert args.temperature == 0.7 and args.chat_template is False and not hasattr(args, "max_tokens")
+    cfg.write_text(f"max-tokens: 99\ntemperature: 0.5\nstop: ['END']\nalpha_method: ess_balance\nteacher: {teacher}\n")
+    args = build_parser().parse_args(["generate", "--config", str(cfg), "--temperature", "0.7", "--no-chat-template",
+                                      "--input", "in.jsonl", "--output", "o.jsonl", "--theta", str(theta),
+                                      "--stop-token-ids", "5", "7", "--logit-bias", '{"11": -5}'])
+    settings = _load_config_file(args.config)
+    settings.update({k: v for k, v in vars(args).items() if k not in ("config", "run", "command")})
+    run = RunConfig.from_settings(settings)
+    assert run.sampling.temperature == 0.7 and run.sampling.max_tokens == 99 and run.sampling.stop == ["END"]
+    assert run.sampling.stop_token_ids == [5, 7] and run.sampling.logit_bias == {11: -5}
+    assert run.engine.alpha_method == "ess_balance" and run.chat_template is False
     (tmp_path / "bad.yaml").write_text("max_tokenz: 3\n")
     assert main(["generate", "--config", str(tmp_path / "bad.yaml"), "--input", "x", "--output", "y.jsonl"]) == 2
+    with pytest.raises(ValueError, match="unknown setting 'max_tokenz'"):
+        RunConfig.from_settings({"input": "x", "output": "y.jsonl", "max_tokenz": 3})
 
 
 def test_bad_config_values_are_named(tiny_same, tmp_path):
@@ -110,7 +142,7 @@ def test_records_are_complete_and_consistent(dual_engine, tiny_same, tmp_path):
     rejects = [json.loads(line) for line in (tmp_path / "out.rejects.jsonl").read_text().splitlines()]
     assert {r["id"]: r["reason"] for r in rejects}.keys() == {"empty", "long"}
     assert "max_model_len" in next(r["reason"] for r in rejects if r["id"] == "long")
-    assert summary["samples_written"] == 12 and summary["rejected_prompts"] == 2 and summary["sync_errors"] == 0
+    assert summary["samples_written"] == 12 and summary["rejected_prompts"] == 2 and summary["failed_samples"] == 0
     for r in records:
         n = r["num_tokens"]
         assert n == len(r["token_ids"]) == len(r["alpha"]) == len(r["logq"]) >= 1
@@ -119,6 +151,7 @@ def test_records_are_complete_and_consistent(dual_engine, tiny_same, tmp_path):
         assert r["log_w_teacher"] == pytest.approx(math.fsum(r["logp_teacher"]) - math.fsum(r["logq"]))
         assert "Use it as a hint" in r["teacher_prompt"] and "hint" not in r["theta_prompt"]
         assert r["models"]["teacher"]["blake2b"] and r["alpha_config"]["method"] == "kl_symmetry"
+        assert r["error"] is None and r["finish_reason"] in ("stop", "length")
     assert len({r["seed"] for r in records}) == len(records)
     assert json.loads((tmp_path / "out.jsonl.summary.json").read_text())["samples_written"] == 12
 
@@ -158,8 +191,49 @@ def test_resume_refuses_a_different_configuration(dual_engine, tiny_same, tmp_pa
         run_generation(tiny_config(tiny_same, tmp_path), sampler=dual_engine)
     with pytest.raises(ValueError, match="temperature: 1.0 -> 0.5"):
         run_generation(tiny_config(tiny_same, tmp_path, temperature=0.5, resume=True), sampler=dual_engine)
-    summary = run_generation(tiny_config(tiny_same, tmp_path, resume=True, batch_size=2), sampler=dual_engine)
+    summary = run_generation(tiny_config(tiny_same, tmp_path, resume=True, batch_size=2, max_num_seqs=2),
+                             sampler=dual_engine)
     assert summary["samples_written"] == 0 and summary["samples_already_done"] == 12
+
+
+def test_failed_samples_are_never_training_data_and_resume_draws_them_again(dual_engine, tiny_same, tmp_path):
+    pairs = Counter((f"p{i}", j) for i in range(6) for j in range(2))
+    for fmt in ("records", "messages"):
+        out = tmp_path / f"{fmt}.jsonl"
+        first = run_generation(tiny_config(tiny_same, tmp_path, output=str(out), format=fmt),
+                               sampler=FailingSampler(dual_engine))
+        written = read_journal(out)
+        failed = [json.loads(line) for line in (tmp_path / f"{fmt}.failed.jsonl").read_text().splitlines()]
+        assert failed and first["failed_samples"] == len(failed) and first["failures"] == {"sync_timeout": len(failed)}
+        assert first["samples_written"] == len(written) == 12 - len(failed)
+        assert not {(f["id"], f["sample_index"]) for f in failed} & {(r["id"], r["sample_index"]) for r in written}
+        assert all(f["error"] == "sync_timeout at step 1" for f in failed)
+        assert main_exit_code(first) == 3
+        resumed = run_generation(tiny_config(tiny_same, tmp_path, output=str(out), format=fmt, resume=True),
+                                 sampler=dual_engine)
+        assert resumed["samples_written"] == len(failed) and resumed["failed_samples"] == 0
+        assert Counter((r["id"], r["sample_index"]) for r in read_journal(out)) == pairs
+
+
+def main_exit_code(summary: dict) -> int:
+    return 0 if summary["failed_samples"] == 0 else 3
+
+
+def test_a_resumed_sample_gets_the_seed_and_tokens_of_an_uninterrupted_run(dual_engine, tiny_same, tmp_path):
+    whole = tiny_config(tiny_same, tmp_path, output=str(tmp_path / "whole.jsonl"), temperature=0.8)
+    run_generation(whole, sampler=dual_engine)
+    part = tiny_config(tiny_same, tmp_path, output=str(tmp_path / "part.jsonl"), temperature=0.8)
+    run_generation(part, sampler=dual_engine)
+    kept = read_journal(tmp_path / "part.jsonl")[:5]  # as if killed after five records
+    (tmp_path / "part.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    run_generation(tiny_config(tiny_same, tmp_path, output=str(tmp_path / "part.jsonl"), temperature=0.8, resume=True),
+                   sampler=dual_engine)
+    by_key = lambda path: {(r["id"], r["sample_index"]): r for r in read_journal(path)}  # noqa: E731
+    a, b = by_key(tmp_path / "whole.jsonl"), by_key(tmp_path / "part.jsonl")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key]["seed"] == b[key]["seed"] == derive_seed(7, key[0], key[1])
+        assert a[key]["token_ids"] == b[key]["token_ids"]
 
 
 # ---------------------------------------------------------------- the real CLI, killed and resumed
@@ -185,16 +259,17 @@ def test_cli_killed_partway_then_resumed_has_every_pair_once(dual_engine, tiny_s
     # The killed driver left its shared memory behind; the next session start removes it, and only it.
     left = {f for f in os.listdir("/dev/shm") if f.startswith(f"{SESSION_PREFIX}{proc.pid}-")}
     assert left
-    SyncSession.create(SessionLayout(8, 2, 4)).close()
+    SyncSession.create(SessionLayout(8, 2, 4, 1)).close()
     remaining = set(os.listdir("/dev/shm"))
     assert not left & remaining and dual_engine.session.name in remaining
     before = out.read_text().count("\n")
     assert 6 <= before < 48
     with out.open("a") as f:  # the kill may or may not tear a line: make sure one is torn
         f.write('{"id": "p9", "sample_index": 1, "respo')
-    cfg = RunConfig(teacher=str(teacher), theta=str(theta), input=str(src), output=str(out), hint_field="solution",
-                    id_field="id", n=2, max_tokens=24, max_num_seqs=4, max_model_len=256, sync_timeout=30, batch_size=8,
-                    seed=7, use_tqdm=False, resume=True)
+    cfg = RunConfig.from_settings(dict(teacher=str(teacher), theta=str(theta), input=str(src), output=str(out),
+                                       hint_field="solution", id_field="id", n=2, max_tokens=24, max_num_seqs=4,
+                                       max_model_len=256, sync_timeout=30, batch_size=8, seed=7, use_tqdm=False,
+                                       resume=True))
     summary = run_generation(cfg, sampler=dual_engine)
     records = read_journal(out, repair=False)
     assert Counter((r["id"], r["sample_index"]) for r in records) == Counter((f"p{i}", j) for i in range(24) for j in range(2))
@@ -215,10 +290,11 @@ def test_cli_shard_run_end_to_end(dual_engine, tiny_same, tmp_path):
     done = subprocess.run([sys.executable, "-m", "dual_sampling.cli", "generate", *common, "--shard", "0/2",
                            "--output", str(tmp_path / "s0.jsonl")], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads((tmp_path / "s0.jsonl.summary.json").read_text())["sync_errors"] == 0
-    cfg = RunConfig(teacher=str(teacher), theta=str(theta), input=str(EXAMPLES), output=str(tmp_path / "s1.jsonl"),
-                    hint_field="solution", id_field="id", max_tokens=8, max_num_seqs=4, max_model_len=256,
-                    sync_timeout=30, use_tqdm=False, shard="1/2")
+    assert json.loads((tmp_path / "s0.jsonl.summary.json").read_text())["failed_samples"] == 0
+    cfg = RunConfig.from_settings(dict(teacher=str(teacher), theta=str(theta), input=str(EXAMPLES),
+                                       output=str(tmp_path / "s1.jsonl"), hint_field="solution", id_field="id",
+                                       max_tokens=8, max_num_seqs=4, max_model_len=256, sync_timeout=30, use_tqdm=False,
+                                       shard="1/2"))
     run_generation(cfg, sampler=dual_engine)
     ids = [{r["id"] for r in read_journal(tmp_path / f"s{k}.jsonl")} for k in range(2)]
     all_ids = {r["id"] for r in load_rows(str(EXAMPLES))}

@@ -56,6 +56,7 @@ def test_parallel_builders_do_not_race(tmp_path):
     assert AutoConfig.from_pretrained(outs[0][0].decode().strip()).num_hidden_layers == 2
 
 
+@pytest.mark.models
 def test_smollm2_is_dequantised_and_answers():
     path = models.smollm2()
     tok = AutoTokenizer.from_pretrained(path)
@@ -67,6 +68,7 @@ def test_smollm2_is_dequantised_and_answers():
     assert tok.decode(out[0, ids.shape[1]:]).startswith(" Paris")
 
 
+@pytest.mark.models
 def test_pruned_theta_keeps_evenly_spaced_layers_and_tokenizer():
     path = models.smollm2_pruned(24)
     info = json.loads((path / "pruning.json").read_text())

@@ -1,22 +1,20 @@
-"""Faults, load and isolation: nothing lost, nothing hung, nothing shared by accident."""
+"""Load and isolation: nothing lost, nothing hung, nothing shared by accident (faults: tests/test_faults.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import psutil
 import pytest
 
-from dual_sampling import OptimalSamplingDual, SyncError
-from dual_sampling.sync import SESSION_PREFIX
+from dual_sampling import OptimalSamplingDual
+from dual_sampling.protocol import SESSION_PREFIX
 from tests.oracles import assert_records_match_rescoring
 
 pytestmark = pytest.mark.engine
@@ -32,33 +30,6 @@ def load_engine(tiny_same):
     with OptimalSamplingDual(teacher, theta, alpha_method="ess_balance", max_num_seqs=8, max_model_len=512,
                              sync_timeout=30, use_tqdm=False) as s:
         yield s
-
-
-@pytest.mark.parametrize("victim", ["theta", "teacher"])
-def test_partner_death_fails_fast_names_the_engine_and_cleans_up(tiny_same, victim):
-    teacher, theta = tiny_same
-    timeout = 10.0
-    s = OptimalSamplingDual(teacher, theta, max_num_seqs=2, max_model_len=256, sync_timeout=timeout, use_tqdm=False)
-    name = s.session.name
-    pids = s.engine_pids()
-    victim_pid, other_pid = pids[victim][0], pids["theta" if victim == "teacher" else "teacher"][0]
-    killer = threading.Timer(3.0, os.kill, (victim_pid, signal.SIGKILL))
-    killer.start()
-    started = time.monotonic()
-    try:
-        with pytest.raises(SyncError, match=f"the {victim} engine failed"):
-            s.generate(["tell me a story"] * 60, max_tokens=200, seed=1)
-        assert time.monotonic() - started - 3.0 <= timeout + 5.0
-        assert not os.path.exists(f"/dev/shm/{name}")
-        # The surviving engine was released and shut down, not left blocked in a wait.
-        if psutil.pid_exists(other_pid):
-            _, alive = psutil.wait_procs([psutil.Process(other_pid)], timeout=30)
-            assert not alive
-        with pytest.raises(RuntimeError, match="closed"):
-            s.generate(["again"])
-    finally:
-        killer.cancel()
-        s.close()
 
 
 def test_load_300_requests_no_timeouts_flat_memory(load_engine):
@@ -89,13 +60,15 @@ def test_load_300_requests_no_timeouts_flat_memory(load_engine):
                                    stop=[rng.choice(["th", "an", "er", "on"])], stop_token_ids=[rng.randrange(49152)])
         for req in out.requests:
             for sample in req.samples:
-                assert sample.error is None and sample.teacher_token_ids == sample.theta_token_ids
+                assert sample.error is None and sample.teacher_token_ids == sample.theta_token_ids == sample.token_ids
+                assert len(sample.logq) == len(sample.token_ids)
                 total += 1
     rss_end = rss()
     stats1 = load_engine.get_sync_statistics()
     print(f"load: {total} requests, RSS start {rss_start / 2**20:.0f} MiB, end {rss_end / 2**20:.0f} MiB")
     assert total == 300
     assert stats1["teacher_timeouts"] == stats0["teacher_timeouts"] and stats1["theta_timeouts"] == stats0["theta_timeouts"]
+    assert stats1["split_steps"] == stats0["split_steps"] and stats1["follower_diverged"] == stats0["follower_diverged"]
     assert session_files() == files0
     assert rss_end <= rss_start * 1.10 + 64 * 2**20
 
@@ -140,11 +113,9 @@ def test_two_processes_do_not_cross_talk(dual_engine, tiny_same):
     assert result["session"] != dual_engine.session.name
     assert result["stats"]["teacher_timeouts"] == result["stats"]["theta_timeouts"] == 0
     assert len(result["tokens"]) == 6 and all(result["tokens"])
-    assert ours  # both ran at the same time, and every one of ours passed the stream check
+    assert ours  # both ran at the same time
+    for out in ours:
+        for req in out.requests:
+            assert all(s.error is None and s.teacher_token_ids == s.theta_token_ids == s.token_ids for s in req.samples)
 
 
-def test_bad_counts_are_named(dual_engine):
-    with pytest.raises(ValueError, match="n must be an integer >= 1"):
-        dual_engine.generate(["a"], n=0)
-    with pytest.raises(ValueError, match="prompt_keys has 1 entries"):
-        dual_engine.generate(["a", "b"], prompt_keys=["k"])

@@ -1,0 +1,34 @@
+"""A driver process for the fault matrix (tests/test_faults.py): starts a dual engine, then misbehaves as told.
+
+Usage: python -m tests.fault_driver MODE TEACHER THETA. It prints one line ``READY {json}``
+(the session name and the engines' pids) once the engines run, then:
+
+- ``normal``: generates and exits through the context manager;
+- ``exception``: generates, then raises out of the program without closing anything;
+- ``hold``: generates for a long time (the test sends a signal to it or to an engine);
+  an engine failure is printed as ``FAILED <message>``.
+"""
+
+import json
+import sys
+
+from dual_sampling import OptimalSamplingDual, SyncError
+
+if __name__ == "__main__":
+    mode, teacher, theta = sys.argv[1:4]
+    s = OptimalSamplingDual(teacher, theta, max_num_seqs=2, max_model_len=256, sync_timeout=10, use_tqdm=False)
+    print("READY " + json.dumps({"session": s.session.name, "pids": s.engine_pids()}), flush=True)
+    if mode == "normal":
+        with s:
+            s.generate(["a short one"] * 3, max_tokens=8)
+        sys.exit(0)
+    if mode == "exception":
+        s.generate(["a short one"] * 3, max_tokens=8)
+        raise RuntimeError("the program fails with the engines still open")
+    try:
+        s.generate(["tell me a long story"] * 40, max_tokens=200, min_tokens=200)
+    except SyncError as exc:
+        print(f"FAILED {exc}", flush=True)
+        s.close()
+        sys.exit(0)
+    sys.exit(5)

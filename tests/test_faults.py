@@ -1,0 +1,112 @@
+"""The fault matrix: whatever ends the driver or an engine, no process and no /dev/shm file of ours remains.
+
+Each case starts a driver process (``tests/fault_driver.py``) on the tiny models, takes the
+process table and the /dev/shm listing before it starts, applies one fault, and compares
+once things settle: normal exit, an exception escaping the program, SIGINT, SIGTERM and
+SIGKILL of the driver, and SIGKILL of each engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from dual_sampling.protocol import SESSION_PREFIX, SessionLayout, SyncSession
+
+pytestmark = pytest.mark.engine
+
+SETTLE_S = 30.0
+
+
+def snapshot() -> tuple[set[int], set[str]]:
+    """User processes that are alive (kernel threads, children of kthreadd, are not ours to count) and /dev/shm."""
+    procs = set()
+    for p in psutil.process_iter(["ppid", "status"]):
+        if p.info["status"] != psutil.STATUS_ZOMBIE and p.info["ppid"] != 2 and p.pid != 2:
+            procs.add(p.pid)
+    return procs, set(os.listdir("/dev/shm"))
+
+
+def settled(before: tuple[set[int], set[str]], timeout: float = SETTLE_S) -> tuple[set[str], set[str]]:
+    """New processes (as "pid name") and new /dev/shm files, once they are gone or ``timeout`` passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        procs, files = snapshot()
+        new = set()
+        for pid in procs - before[0] - {os.getpid()}:
+            try:
+                new.add(f"{pid} {' '.join(psutil.Process(pid).cmdline())[:80]}")
+            except psutil.Error:
+                pass  # gone meanwhile
+        if not new and not files - before[1] or time.monotonic() > deadline:
+            return new, files - before[1]
+        time.sleep(0.2)
+
+
+def start_driver(mode: str, tiny_same) -> tuple[subprocess.Popen, dict]:
+    teacher, theta = tiny_same
+    proc = subprocess.Popen([sys.executable, "-m", "tests.fault_driver", mode, str(teacher), str(theta)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("READY "):
+            return proc, json.loads(line[6:])
+    raise AssertionError(f"the driver did not start: {proc.stderr.read()[-3000:]}")
+
+
+@pytest.mark.parametrize("mode", ["normal", "exception"])
+def test_exit_leaves_nothing(tiny_same, mode):
+    before = snapshot()
+    proc, _ = start_driver(mode, tiny_same)
+    code = proc.wait(timeout=300)
+    assert code == (0 if mode == "normal" else 1), proc.stderr.read()[-3000:]
+    assert settled(before) == (set(), set())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_driver_interrupted_or_terminated_leaves_nothing(tiny_same, sig):
+    before = snapshot()
+    proc, info = start_driver("hold", tiny_same)
+    time.sleep(3)  # mid-generation
+    proc.send_signal(sig)
+    assert proc.wait(timeout=120) != 0
+    assert not any(psutil.pid_exists(p) for pids in info["pids"].values() for p in pids) or settled(before)[0] == set()
+    assert settled(before) == (set(), set())
+
+
+def test_driver_killed_engines_exit_by_themselves_and_next_session_cleans(tiny_same):
+    before = snapshot()
+    proc, info = start_driver("hold", tiny_same)
+    time.sleep(3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    engine_pids = [p for pids in info["pids"].values() for p in pids]
+    deadline = time.monotonic() + 10  # sync_timeout of the driver's engines
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in engine_pids):
+        assert time.monotonic() < deadline, "the engines outlived their driver"
+        time.sleep(0.2)
+    assert any(f.startswith(info["session"]) for f in os.listdir("/dev/shm")), "nothing was left for the next session"
+    SyncSession.create(SessionLayout(8, 2, 4, 1)).close()  # a new session removes what dead drivers left
+    assert settled(before) == (set(), set())
+
+
+@pytest.mark.parametrize("victim", ["teacher", "theta"])
+def test_engine_killed_fails_fast_names_it_and_leaves_nothing(tiny_same, victim):
+    before = snapshot()
+    proc, info = start_driver("hold", tiny_same)
+    time.sleep(3)
+    killed_at = time.monotonic()
+    os.kill(info["pids"][victim][0], signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    failed = [line for line in out.splitlines() if line.startswith("FAILED ")]
+    assert failed and f"the {victim} engine failed" in failed[0]
+    assert time.monotonic() - killed_at < 10 + 20  # sync_timeout plus shutdown
+    assert settled(before) == (set(), set())
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX) and info["session"] in f]

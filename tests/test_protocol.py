@@ -1,0 +1,186 @@
+"""The shared-memory protocol's pieces, one at a time (no engines): layout, doorbells, slots, plans, settings checks."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from dual_sampling.config import DualEngineConfig
+from dual_sampling.engines import EnginePair, engine_cpus, split_cpu_binding
+from dual_sampling.protocol import (
+    WRITERS, Bell, ErrorCode, Header, Phase, SessionLayout, Slot, Stat, SyncSession, Writer, cleanup_stale_sessions,
+    segments_listing,
+)
+
+
+@pytest.fixture
+def session():
+    with SyncSession.create(SessionLayout(vocab=8, slots=3, max_steps=4, plan_width=2)) as s:
+        yield s
+
+
+def test_every_slot_word_has_named_writers_and_no_words_overlap():
+    assert set(WRITERS) == set(Slot)
+    assert len({int(w) for w in Slot}) == len(Slot)
+    assert len({int(w) for w in Header} | {int(w) for w in Stat}) == len(Header) + len(Stat)
+
+
+def test_a_bell_rung_by_many_writers_at_once_never_loses_a_wake(session):
+    # Ringing stores a fresh value; a read-modify-write would lose increments between writers.
+    seen = session.bell_value(Bell.TO_LEADER)
+    woke = threading.Event()
+
+    def waiter() -> None:
+        session.wait_bell(Bell.TO_LEADER, seen, 10.0)
+        woke.set()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    writers = [threading.Thread(target=lambda w=w: [session.ring(Bell.TO_LEADER, w) for _ in range(200)])
+               for w in (Writer.DRIVER, Writer.THETA_SCHEDULER)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    assert woke.wait(5) and session.bell_value(Bell.TO_LEADER) != seen
+    t.join()
+
+
+def test_wait_returns_on_the_cap_without_a_ring(session):
+    start = time.monotonic()
+    session.wait_bell(Bell.PLAN, session.bell_value(Bell.PLAN), 0.05)
+    assert 0.04 <= time.monotonic() - start < 1.0
+
+
+def test_slot_is_reused_only_after_both_sides_released_and_the_driver_read_it(session):
+    assert session.slot_free(0)
+    session.open_slot(0, key=7, teacher_prompt_len=5, theta_prompt_len=3)
+    assert not session.slot_free(0) and session.control[0, Slot.PHASE] == Phase.SUBMITTED
+    with pytest.raises(Exception, match="still in use"):
+        session.open_slot(0, key=8, teacher_prompt_len=1, theta_prompt_len=1)
+    session.release(0, 7, Slot.TEACHER_RELEASED)
+    session.release(0, 7, Slot.THETA_RELEASED)
+    assert not session.slot_free(0)  # the driver has not read it yet
+    session.close_slot(0)
+    assert session.slot_free(0)
+    session.open_slot(0, key=8, teacher_prompt_len=1, theta_prompt_len=1)
+    session.release(0, 7, Slot.THETA_RELEASED)  # a late release of the previous occupant
+    assert int(session.control[0, Slot.THETA_RELEASED]) == 0, "a stale release marked the next occupant"
+
+
+def test_errors_are_one_store_first_wins_and_name_the_step(session):
+    session.open_slot(1, key=3, teacher_prompt_len=1, theta_prompt_len=1)
+    session.fail_slot(1, 3, ErrorCode.BAD_LOGITS, 5, Writer.THETA_PROCESSOR)
+    session.fail_slot(1, 3, ErrorCode.SYNC_TIMEOUT, 9, Writer.TEACHER_PROCESSOR)
+    assert session.error(1) == (ErrorCode.BAD_LOGITS, 5)
+    session.fail_slot(1, 4, ErrorCode.DIVERGED, 0, Writer.DRIVER)  # not its key: ignored
+    assert session.error(1) == (ErrorCode.BAD_LOGITS, 5)
+
+
+def test_abort_requests_are_key_tagged(session):
+    session.open_slot(2, key=11, teacher_prompt_len=1, theta_prompt_len=1)
+    session.request_abort(2, 10, Writer.DRIVER)
+    assert not session.abort_requested(2, 11)
+    session.request_abort(2, 11, Writer.DRIVER)
+    assert session.abort_requested(2, 11)
+
+
+def test_plans_are_read_only_once_published_and_never_torn(session):
+    assert session.read_plan(0) is None
+    session.publish_plan(0, [5, 6])
+    assert session.read_plan(0) == [5, 6] and session.read_plan(1) is None
+    session.publish_plan(1, [])
+    assert session.read_plan(1) == [] and int(session.header[Header.PLANS_PUBLISHED]) == 2
+    with pytest.raises(Exception, match="more than max_num_seqs=2"):
+        session.publish_plan(2, [1, 2, 3])
+
+
+def test_stale_sessions_and_their_engine_files_are_removed(tmp_path):
+    dead = 999_999_99
+    (tmp_path / f"dual-sampling-{dead}-abc123").write_bytes(b"x")
+    (tmp_path / "psm_left_by_engine").write_bytes(b"x")
+    (tmp_path / "psm_someone_elses").write_bytes(b"x")
+    segments_listing(f"dual-sampling-{dead}-abc123", tmp_path).write_text('["psm_left_by_engine"]')
+    live = tmp_path / f"dual-sampling-{os.getpid()}-def456"
+    live.write_bytes(b"x")
+    removed = cleanup_stale_sessions(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == sorted([live.name, "psm_someone_elses"])
+    assert "psm_left_by_engine" in removed
+
+
+def test_split_binding_halves_the_cpus(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {4, 0, 2})
+    assert split_cpu_binding() == {"teacher": "0,2", "theta": "4"}
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {3})
+    assert split_cpu_binding() == {}
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    assert split_cpu_binding() == {}, "the user's own binding must win"
+
+
+def test_engine_cpus_sets_and_restores_the_variable(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "7")
+    with engine_cpus("1"):
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "7"
+    with engine_cpus(None):
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "7"
+
+
+def test_bad_engine_options_are_named(tiny_same):
+    with pytest.raises(ValueError, match="cpu_binding must be 'split' or 'vllm', got 'both'"):
+        DualEngineConfig(*tiny_same, cpu_binding="both")
+    with pytest.raises(ValueError, match="sync_timeout must be a positive number"):
+        DualEngineConfig(*tiny_same, sync_timeout=0)
+    with pytest.raises(ValueError, match="max_num_seqs must be a positive integer"):
+        DualEngineConfig(*tiny_same, max_num_seqs=0)
+
+
+class _FakeEngine:
+    def __init__(self, vllm_config):
+        self.vllm_config = vllm_config
+
+
+def _verify(tiny_same, change) -> str:
+    """EnginePair.verify on two real vLLM configs (no engine), after ``change(role, config)``."""
+    from tests.sim_engines import sim_configs
+
+    configs = sim_configs(4, 96, 96, 10.0)
+    for role, cfg in configs.items():
+        cfg.scheduler_config.scheduler_cls = ("processors.scheduler.TeacherLockstepScheduler" if role == "teacher"
+                                              else "processors.scheduler.ThetaLockstepScheduler")
+        cfg.cache_config.block_size = 16
+        cfg.cache_config.num_gpu_blocks = 4 * 6 + 1  # 4 seats of 96 tokens in blocks of 16, and the null block
+        change(role, cfg)
+    pair = EnginePair.__new__(EnginePair)
+    pair.config = DualEngineConfig(*tiny_same)
+    pair.engines = {role: _FakeEngine(cfg) for role, cfg in configs.items()}
+    try:
+        pair.verify()
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r, c: None, ""),
+    (lambda r, c: setattr(c.scheduler_config, "max_num_seqs", 8) if r == "theta" else None, "max_num_seqs differs"),
+    (lambda r, c: setattr(c.scheduler_config, "async_scheduling", True) if r == "teacher" else None,
+     "teacher: async_scheduling is on"),
+    (lambda r, c: setattr(c.scheduler_config, "enable_chunked_prefill", True) if r == "theta" else None,
+     "theta: chunked prefill is on"),
+    (lambda r, c: setattr(c.scheduler_config, "max_num_batched_tokens", 64), "max_num_batched_tokens=64 is below"),
+    (lambda r, c: setattr(c.parallel_config, "tensor_parallel_size", 2) if r == "teacher" else None,
+     "teacher: tensor_parallel_size=2"),
+    (lambda r, c: setattr(c.cache_config, "num_gpu_blocks", 24) if r == "theta" else None,
+     "theta: the KV cache has 24 blocks of 16 tokens, fewer than the 25"),
+    (lambda r, c: setattr(c.scheduler_config, "scheduler_cls", None) if r == "theta" else None,
+     "theta: scheduler_cls is Scheduler, not ThetaLockstepScheduler"),
+])
+def test_settings_that_break_lockstep_are_refused_by_name(tiny_same, change, message):
+    got = _verify(tiny_same, change)
+    assert (message in got) if message else got == "", got
