@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install models bench bench-alpha clean
+.PHONY: demo test test-fast lint install models bench bench-alpha clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,17 @@ models: $(STAMP)
 demo: models
 	$(PY) examples/quickstart.py
 
-test: $(STAMP)
+# The style is the tool's: lint and format are checked before the tests run.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q
+
+# No engines and no real models: the tier to run often while developing (a few minutes).
+test-fast: lint
+	$(PY) -m pytest -q -m "not engine and not models"
 
 bench: models
 	$(PY) examples/benchmark.py --output bench-out/smollm2.json

@@ -14,11 +14,11 @@ from alpha.mixing import geometric_log_weights, geometric_mix
 from alpha.registry import ENTRY_POINT_GROUP, available_alpha_methods, get_alpha_computer, register_alpha_computer
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "AlphaComputer",
     "AlphaResult",
-    "ENTRY_POINT_GROUP",
-    "EntropyAlpha",
     "ESSBalanceAlpha",
+    "EntropyAlpha",
     "FixedAlpha",
     "KLSymmetryAlpha",
     "available_alpha_methods",

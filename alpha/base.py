@@ -82,8 +82,11 @@ def check_log_prob_pair(logp_theta: Tensor, logp_teacher: Tensor) -> tuple[Tenso
         # One reduction finds every bad row: the row max is NaN, +inf, or -inf (all masked).
         top = x.amax(dim=-1)
         if not bool(torch.isfinite(top).all()):
-            for bad, what in ((torch.isnan(x).any(dim=-1), "contains NaN"), ((x == math.inf).any(dim=-1), "contains +inf"),
-                              (top == -math.inf, "has no finite entry (every token masked)")):
+            for bad, what in (
+                (torch.isnan(x).any(dim=-1), "contains NaN"),
+                ((x == math.inf).any(dim=-1), "contains +inf"),
+                (top == -math.inf, "has no finite entry (every token masked)"),
+            ):
                 if bad.any():
                     raise ValueError(f"{name} {what} in rows {_rows(bad)}")
         pair.append(x)
@@ -116,13 +119,15 @@ class AlphaComputer:
                 f"alpha_min must not exceed alpha_max, got alpha_min={self.alpha_min} > alpha_max={self.alpha_max}"
             )
 
-    def __call__(self, logp_theta: Tensor, logp_teacher: Tensor, alpha_init: Tensor | None = None,
-                 normalized: bool = False) -> Tensor:
+    def __call__(
+        self, logp_theta: Tensor, logp_teacher: Tensor, alpha_init: Tensor | None = None, normalized: bool = False
+    ) -> Tensor:
         """α per row, shape ``[B]`` (0-d for 1-D inputs); see the module docstring."""
         return self.compute(logp_theta, logp_teacher, alpha_init, normalized).alpha
 
-    def compute(self, logp_theta: Tensor, logp_teacher: Tensor, alpha_init: Tensor | None = None,
-                normalized: bool = False) -> AlphaResult:
+    def compute(
+        self, logp_theta: Tensor, logp_teacher: Tensor, alpha_init: Tensor | None = None, normalized: bool = False
+    ) -> AlphaResult:
         """Like calling the computer, but also reports the solver's vocabulary passes.
 
         ``normalized=True`` promises that the rows are already log-softmax outputs and skips

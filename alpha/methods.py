@@ -23,7 +23,7 @@ from alpha.base import AlphaComputer, validate_unit_interval
 from alpha.registry import register_alpha_computer
 from alpha.root import solve_monotone_root
 
-__all__ = ["FixedAlpha", "KLSymmetryAlpha", "ESSBalanceAlpha", "EntropyAlpha"]
+__all__ = ["ESSBalanceAlpha", "EntropyAlpha", "FixedAlpha", "KLSymmetryAlpha"]
 
 
 @register_alpha_computer("fixed")

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from alpha.base import _rows, check_log_prob_pair
 
-__all__ = ["geometric_mix", "geometric_log_weights"]
+__all__ = ["geometric_log_weights", "geometric_mix"]
 
 
 def geometric_mix(logp_theta: Tensor, logp_teacher: Tensor, alpha: Tensor | float) -> Tensor:
@@ -27,7 +27,9 @@ def geometric_mix(logp_theta: Tensor, logp_teacher: Tensor, alpha: Tensor | floa
     theta, teacher = check_log_prob_pair(logp_theta, logp_teacher)
     a = torch.as_tensor(alpha, dtype=theta.dtype, device=theta.device).reshape(-1)
     if a.numel() not in (1, theta.shape[0]):
-        raise ValueError(f"alpha must be a scalar or have one entry per row ({theta.shape[0]}), got shape {tuple(a.shape)}")
+        raise ValueError(
+            f"alpha must be a scalar or have one entry per row ({theta.shape[0]}), got shape {tuple(a.shape)}"
+        )
     if torch.isnan(a).any() or (a < 0).any() or (a > 1).any():
         raise ValueError(f"alpha must lie in [0, 1], got {a.tolist() if a.numel() <= 8 else a}")
     mixed = geometric_log_weights(theta, teacher, a.expand(theta.shape[0]))

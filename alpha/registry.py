@@ -13,12 +13,13 @@ registered ones.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from alpha.base import AlphaComputer
 
-__all__ = ["ENTRY_POINT_GROUP", "register_alpha_computer", "get_alpha_computer", "available_alpha_methods"]
+__all__ = ["ENTRY_POINT_GROUP", "available_alpha_methods", "get_alpha_computer", "register_alpha_computer"]
 
 ENTRY_POINT_GROUP = "dual_sampling.alpha_computers"
 
@@ -36,7 +37,9 @@ def register_alpha_computer(name: str) -> Callable[[C], C]:
             raise TypeError(f"alpha computer {name!r} must be an AlphaComputer subclass, got {cls!r}")
         existing = _REGISTRY.get(name)
         if existing is not None and existing is not cls:
-            raise ValueError(f"alpha method {name!r} is already registered by {existing.__module__}.{existing.__qualname__}")
+            raise ValueError(
+                f"alpha method {name!r} is already registered by {existing.__module__}.{existing.__qualname__}"
+            )
         cls.name = name
         _REGISTRY[name] = cls
         return cls

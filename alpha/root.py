@@ -16,12 +16,12 @@ safeguarded passes even for hostile inputs.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-__all__ = ["solve_monotone_root", "Evaluate"]
+__all__ = ["Evaluate", "solve_monotone_root"]
 
 Evaluate = Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor]]
 """(alpha ``[b]``, rows ``[b]`` int64 or None for all rows) -> (g ``[b]``, g′ ``[b]``)."""
@@ -57,7 +57,7 @@ def solve_monotone_root(
         g, slope = evaluate(a, rows)
         passes += 1
 
-        def pick(t: Tensor) -> Tensor:
+        def pick(t: Tensor, rows: Tensor | None = rows) -> Tensor:
             return t if rows is None else t[rows]
 
         at_lo, at_hi = a <= lo, a >= hi
@@ -69,7 +69,9 @@ def solve_monotone_root(
         # Newton target; a flat slope points straight at the side that g's sign names.
         usable = (slope > 0) & torch.isfinite(slope)
         inf = torch.full_like(a, float("inf"))
-        target = torch.where(usable, a - g / torch.where(usable, slope, torch.ones_like(slope)), torch.where(g > 0, -inf, inf))
+        target = torch.where(
+            usable, a - g / torch.where(usable, slope, torch.ones_like(slope)), torch.where(g > 0, -inf, inf)
+        )
         newton_ok = usable & (target > lo_b) & (target < hi_b) & (g.abs() <= 0.5 * pick(prev_abs_g))
         nxt = torch.where(newton_ok, target, 0.5 * (lo_b + hi_b))
         # A step aimed past an untried end of [lo, hi] tries that end first.
@@ -92,5 +94,7 @@ def solve_monotone_root(
         if not bool(active.any()):
             break
     else:
-        raise RuntimeError(f"alpha solver did not converge in {max_passes} passes (rows {active.nonzero().flatten().tolist()})")
+        raise RuntimeError(
+            f"alpha solver did not converge in {max_passes} passes (rows {active.nonzero().flatten().tolist()})"
+        )
     return alpha.clamp_(lo, hi), passes

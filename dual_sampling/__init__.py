@@ -14,8 +14,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["DualEngineConfig", "DualGenerationOutput", "EngineOptions", "OptimalSamplingDual", "RequestRecord",
-           "SampleRecord", "SamplingOptions", "SyncError"]
+__all__ = [
+    "DualEngineConfig",
+    "DualGenerationOutput",
+    "EngineOptions",
+    "OptimalSamplingDual",
+    "RequestRecord",
+    "SampleRecord",
+    "SamplingOptions",
+    "SyncError",
+]
 
 _HOME = {
     "DualEngineConfig": "dual_sampling.config",

@@ -12,12 +12,14 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import itertools
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -25,8 +27,12 @@ def _field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body
     docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+    for node, nxt in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(getattr(nxt, "value", None), ast.Constant)
+        ):
             docs[node.target.id] = " ".join(str(nxt.value.value).split())
     return docs
 
@@ -102,11 +108,16 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dual-sampling", description="Sample from the geometric mixture of two models.")
+    parser = argparse.ArgumentParser(
+        prog="dual-sampling", description="Sample from the geometric mixture of two models."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="run (or resume) a distillation data-generation run",
-                       description="Generate one record per (problem, sample) from the teacher/theta mixture.")
+    g = sub.add_parser(
+        "generate",
+        help="run (or resume) a distillation data-generation run",
+        description="Generate one record per (problem, sample) from the teacher/theta mixture.",
+    )
     g.add_argument("--config", help="YAML file with the same keys as the flags (flags override it)")
     for cls in _config_classes():
         _add_config_flags(g, cls)

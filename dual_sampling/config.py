@@ -16,8 +16,16 @@ from typing import Any
 
 from alpha import get_alpha_computer
 
-__all__ = ["SamplingOptions", "EngineOptions", "DualEngineConfig", "BEST_OF_SCORES", "UNSUPPORTED_SAMPLING",
-           "kv_cache_bytes_needed", "default_kv_cache_bytes", "model_config"]
+__all__ = [
+    "BEST_OF_SCORES",
+    "UNSUPPORTED_SAMPLING",
+    "DualEngineConfig",
+    "EngineOptions",
+    "SamplingOptions",
+    "default_kv_cache_bytes",
+    "kv_cache_bytes_needed",
+    "model_config",
+]
 
 BEST_OF_SCORES = ("logq", "logp_theta", "logp_teacher")
 UNSUPPORTED_SAMPLING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words")
@@ -80,32 +88,63 @@ class SamplingOptions:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         # JSON and YAML give token ids as strings; they are token ids all the same.
-        self.logit_bias = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in (self.logit_bias or {}).items()}
+        self.logit_bias = {
+            int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in (self.logit_bias or {}).items()
+        }
         for name in ("temperature", "top_p", "min_p", "teacher_support_top_p"):
             if _is_int(getattr(self, name)):
                 setattr(self, name, float(getattr(self, name)))
-        _need(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _need(_is_number(self.temperature) and self.temperature >= 0, f"temperature must be a number >= 0, got {self.temperature!r}")
+        _need(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        _need(
+            _is_number(self.temperature) and self.temperature >= 0,
+            f"temperature must be a number >= 0, got {self.temperature!r}",
+        )
         _need(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must lie in (0, 1], got {self.top_p!r}")
-        _need(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+        _need(
+            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+            f"top_k must be -1 (off) or >= 1, got {self.top_k!r}",
+        )
         _need(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must lie in [0, 1], got {self.min_p!r}")
-        _need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-              f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        _need(all(isinstance(s, str) and s for s in self.stop), f"stop must be a list of non-empty strings, got {self.stop!r}")
-        _need(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        _need(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+        )
+        _need(
+            all(isinstance(s, str) and s for s in self.stop),
+            f"stop must be a list of non-empty strings, got {self.stop!r}",
+        )
+        _need(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",
+        )
         _need(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        _need(self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n),
-              f"best_of must be an integer >= n={self.n}, got {self.best_of!r}")
-        _need(self.best_of_score in BEST_OF_SCORES, f"best_of_score must be one of {BEST_OF_SCORES}, got {self.best_of_score!r}")
+        _need(
+            self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n),
+            f"best_of must be an integer >= n={self.n}, got {self.best_of!r}",
+        )
+        _need(
+            self.best_of_score in BEST_OF_SCORES,
+            f"best_of_score must be one of {BEST_OF_SCORES}, got {self.best_of_score!r}",
+        )
         for token, bias in self.logit_bias.items():
             _need(_is_int(token) and token >= 0, f"logit_bias keys must be token ids >= 0, got {token!r}")
             _need(_is_number(bias), f"logit_bias for token {token} must be a finite number, got {bias!r}")
-        _need(isinstance(self.force_first_token, bool), f"force_first_token must be true or false, got {self.force_first_token!r}")
-        _need(_is_int(self.teacher_support_top_k) and (self.teacher_support_top_k == -1 or self.teacher_support_top_k >= 1),
-              f"teacher_support_top_k must be -1 (off) or >= 1, got {self.teacher_support_top_k!r}")
-        _need(_is_number(self.teacher_support_top_p) and 0 < self.teacher_support_top_p <= 1,
-              f"teacher_support_top_p must lie in (0, 1], got {self.teacher_support_top_p!r}")
+        _need(
+            isinstance(self.force_first_token, bool),
+            f"force_first_token must be true or false, got {self.force_first_token!r}",
+        )
+        _need(
+            _is_int(self.teacher_support_top_k)
+            and (self.teacher_support_top_k == -1 or self.teacher_support_top_k >= 1),
+            f"teacher_support_top_k must be -1 (off) or >= 1, got {self.teacher_support_top_k!r}",
+        )
+        _need(
+            _is_number(self.teacher_support_top_p) and 0 < self.teacher_support_top_p <= 1,
+            f"teacher_support_top_p must lie in (0, 1], got {self.teacher_support_top_p!r}",
+        )
         _need(_is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
 
     @property
@@ -119,7 +158,7 @@ class SamplingOptions:
             bad = [t for t in ids if t >= vocab]
             _need(not bad, f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
 
-    def replace(self, **changes: Any) -> "SamplingOptions":
+    def replace(self, **changes: Any) -> SamplingOptions:
         return dataclasses.replace(self, **changes)
 
 
@@ -152,7 +191,8 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     """Share the KV of common prompt prefixes (the n samples of one prompt)."""
     cpu_binding: str = "split"
-    """CPU backend only. "split": each engine's model gets its own half of the CPUs, so both run at once; "vllm": vLLM's own binding."""
+    """CPU backend only. "split": each engine's model gets its own half of the CPUs, so both run at once;
+    "vllm": vLLM's own binding (both models on the same cores)."""
     teacher_engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra vLLM engine arguments for the teacher; settings that would break lockstep are refused after start."""
     theta_engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -166,20 +206,33 @@ class EngineOptions:
                 setattr(self, name, float(getattr(self, name)))
         # Building the computer validates the method name and its bounds, naming the bad value.
         get_alpha_computer(self.alpha_method, alpha_min=self.alpha_min, alpha_max=self.alpha_max, **self.alpha_config)
-        _need(_is_number(self.sync_timeout) and self.sync_timeout > 0,
-              f"sync_timeout must be a positive number of seconds, got {self.sync_timeout!r}")
-        _need(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
-        _need(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
-              f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-        _need(self.max_num_batched_tokens is None or (_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1),
-              f"max_num_batched_tokens must be a positive integer, got {self.max_num_batched_tokens!r}")
-        _need(self.kv_cache_memory_bytes is None or (_is_int(self.kv_cache_memory_bytes) and self.kv_cache_memory_bytes > 0),
-              f"kv_cache_memory_bytes must be a positive integer, got {self.kv_cache_memory_bytes!r}")
+        _need(
+            _is_number(self.sync_timeout) and self.sync_timeout > 0,
+            f"sync_timeout must be a positive number of seconds, got {self.sync_timeout!r}",
+        )
+        _need(
+            _is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
+            f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}",
+        )
+        _need(
+            self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
+            f"max_model_len must be an integer >= 2, got {self.max_model_len!r}",
+        )
+        _need(
+            self.max_num_batched_tokens is None
+            or (_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1),
+            f"max_num_batched_tokens must be a positive integer, got {self.max_num_batched_tokens!r}",
+        )
+        _need(
+            self.kv_cache_memory_bytes is None
+            or (_is_int(self.kv_cache_memory_bytes) and self.kv_cache_memory_bytes > 0),
+            f"kv_cache_memory_bytes must be a positive integer, got {self.kv_cache_memory_bytes!r}",
+        )
         _need(self.cpu_binding in ("split", "vllm"), f"cpu_binding must be 'split' or 'vllm', got {self.cpu_binding!r}")
         for name in ("teacher_engine_kwargs", "theta_engine_kwargs"):
             _need(isinstance(getattr(self, name), dict), f"{name} must be a dict of vLLM engine arguments")
 
-    def options(self) -> "EngineOptions":
+    def options(self) -> EngineOptions:
         """These options alone (without the models of a DualEngineConfig)."""
         return EngineOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineOptions)})
 
@@ -210,9 +263,10 @@ def model_config(path: str) -> dict:
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
-def kv_cache_bytes_needed(model_path: str, max_num_seqs: int, max_model_len: int, dtype: str = "float32",
-                          block_size: int = 1) -> int:
-    """Bytes of KV cache that hold ``max_num_seqs`` full contexts, each rounded up to whole blocks, plus vLLM's null block."""
+def kv_cache_bytes_needed(
+    model_path: str, max_num_seqs: int, max_model_len: int, dtype: str = "float32", block_size: int = 1
+) -> int:
+    """Bytes of KV cache that hold ``max_num_seqs`` full contexts, each in whole blocks, plus vLLM's null block."""
     cfg = model_config(model_path)
     heads = cfg.get("num_attention_heads", 1)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -222,7 +276,8 @@ def kv_cache_bytes_needed(model_path: str, max_num_seqs: int, max_model_len: int
     return blocks * block_size * per_token
 
 
-def default_kv_cache_bytes(model_path: str, max_num_seqs: int, max_model_len: int, dtype: str = "float32",
-                           block_size: int = 128) -> int:
+def default_kv_cache_bytes(
+    model_path: str, max_num_seqs: int, max_model_len: int, dtype: str = "float32", block_size: int = 128
+) -> int:
     """The cache an engine gets when none is given: the need at vLLM's CPU block size, plus 10 %."""
     return int(kv_cache_bytes_needed(model_path, max_num_seqs, max_model_len, dtype, block_size) * 1.1)

@@ -31,15 +31,24 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from dual_sampling.config import EngineOptions, SamplingOptions
 from dual_sampling.outputs import effective_sample_size
 
-__all__ = ["RunConfig", "run_generation", "load_rows", "shard_of", "read_journal", "model_fingerprint",
-           "DEFAULT_TEACHER_TEMPLATE", "DEFAULT_THETA_TEMPLATE"]
+__all__ = [
+    "DEFAULT_TEACHER_TEMPLATE",
+    "DEFAULT_THETA_TEMPLATE",
+    "RunConfig",
+    "load_rows",
+    "model_fingerprint",
+    "read_journal",
+    "run_generation",
+    "shard_of",
+]
 
 DEFAULT_TEACHER_TEMPLATE = (
     "{{ problem }}{% if hint %}\n\nA reference solution follows. Use it as a hint, and write your own complete "
@@ -48,8 +57,19 @@ DEFAULT_TEACHER_TEMPLATE = (
 DEFAULT_THETA_TEMPLATE = "{{ problem }}"
 
 # Settings that do not change what a record contains (so --resume may change them).
-_NOT_IDENTITY = {"resume", "batch_size", "use_tqdm", "output", "sync_timeout", "max_num_seqs", "max_num_batched_tokens",
-                 "cpu_binding", "enforce_eager", "enable_prefix_caching", "kv_cache_memory_bytes"}
+_NOT_IDENTITY = {
+    "resume",
+    "batch_size",
+    "use_tqdm",
+    "output",
+    "sync_timeout",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "cpu_binding",
+    "enforce_eager",
+    "enable_prefix_caching",
+    "kv_cache_memory_bytes",
+}
 
 
 @dataclass
@@ -114,7 +134,7 @@ class RunConfig:
             raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
 
     @classmethod
-    def from_settings(cls, settings: dict[str, Any]) -> "RunConfig":
+    def from_settings(cls, settings: dict[str, Any]) -> RunConfig:
         """Build from flat keys (CLI flags, run.yaml): each goes to the run, its sampling or its engine options."""
         parts: dict[str, dict[str, Any]] = {"run": {}, "sampling": {}, "engine": {}}
         for key, value in settings.items():
@@ -122,7 +142,9 @@ class RunConfig:
             if part is None:
                 raise ValueError(f"unknown setting {key!r}; known: {sorted(_FLAT_KEYS)}")
             parts[part][key] = value
-        return cls(**parts["run"], sampling=SamplingOptions(**parts["sampling"]), engine=EngineOptions(**parts["engine"]))
+        return cls(
+            **parts["run"], sampling=SamplingOptions(**parts["sampling"]), engine=EngineOptions(**parts["engine"])
+        )
 
     def flat(self) -> dict[str, Any]:
         """Every setting as one flat mapping (the inverse of :meth:`from_settings`)."""
@@ -134,9 +156,11 @@ class RunConfig:
         return {k: v for k, v in self.flat().items() if k not in _NOT_IDENTITY}
 
 
-_FLAT_KEYS = {**{f.name: "run" for f in dataclasses.fields(RunConfig) if f.name not in ("sampling", "engine")},
-              **{f.name: "sampling" for f in dataclasses.fields(SamplingOptions)},
-              **{f.name: "engine" for f in dataclasses.fields(EngineOptions)}}
+_FLAT_KEYS = {
+    **{f.name: "run" for f in dataclasses.fields(RunConfig) if f.name not in ("sampling", "engine")},
+    **{f.name: "sampling" for f in dataclasses.fields(SamplingOptions)},
+    **{f.name: "engine" for f in dataclasses.fields(EngineOptions)},
+}
 """Which part of a run each flat key belongs to."""
 
 
@@ -164,10 +188,14 @@ def load_rows(path: str) -> list[dict[str, Any]]:
         try:
             from datasets import DatasetDict, load_from_disk
         except ImportError:
-            raise ImportError("reading a datasets folder needs the 'datasets' package: pip install 'dual-sampling[data]'") from None
+            raise ImportError(
+                "reading a datasets folder needs the 'datasets' package: pip install 'dual-sampling[data]'"
+            ) from None
         data = load_from_disk(str(p))
         if isinstance(data, DatasetDict):
-            raise ValueError(f"{path!r} is a DatasetDict with splits {list(data.keys())}; point --input at one split's folder")
+            raise ValueError(
+                f"{path!r} is a DatasetDict with splits {list(data.keys())}; point --input at one split's folder"
+            )
         return [dict(r) for r in data]
     if p.suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -189,7 +217,9 @@ def model_fingerprint(folder: str) -> dict[str, str]:
     h = hashlib.blake2b(digest_size=16)
     root = Path(folder)
     for f in sorted(root.iterdir()):
-        if f.is_file() and (f.suffix in (".json", ".safetensors", ".bin", ".model", ".txt") or f.name == "tokenizer.json"):
+        if f.is_file() and (
+            f.suffix in (".json", ".safetensors", ".bin", ".model", ".txt") or f.name == "tokenizer.json"
+        ):
             h.update(f.name.encode())
             with f.open("rb") as fh:
                 for chunk in iter(lambda: fh.read(1 << 22), b""):
@@ -260,8 +290,10 @@ class _Renderer:
         self.cfg, self.tokenizer = cfg, tokenizer
 
     def user_messages(self, problem: str, hint: str | None, row: dict) -> tuple[str, str]:
-        return (self.teacher.render(problem=problem, hint=hint, row=row),
-                self.theta.render(problem=problem, hint=hint, row=row))
+        return (
+            self.teacher.render(problem=problem, hint=hint, row=row),
+            self.theta.render(problem=problem, hint=hint, row=row),
+        )
 
     def prompt(self, user: str, system: str | None) -> str:
         if not self.cfg.chat_template:
@@ -316,9 +348,14 @@ def _prepare(cfg: RunConfig, rows: list[dict], renderer: _Renderer) -> tuple[lis
 def _paths(cfg: RunConfig) -> dict[str, Path]:
     out = Path(cfg.output)
     journal = out if out.suffix == ".jsonl" else out.with_name(out.name + ".journal.jsonl")
-    return {"output": out, "journal": journal, "manifest": out.with_name(out.name + ".manifest.json"),
-            "rejects": out.with_name(out.stem + ".rejects.jsonl"), "failed": out.with_name(out.stem + ".failed.jsonl"),
-            "summary": out.with_name(out.name + ".summary.json")}
+    return {
+        "output": out,
+        "journal": journal,
+        "manifest": out.with_name(out.name + ".manifest.json"),
+        "rejects": out.with_name(out.stem + ".rejects.jsonl"),
+        "failed": out.with_name(out.stem + ".failed.jsonl"),
+        "summary": out.with_name(out.name + ".summary.json"),
+    }
 
 
 def _check_manifest(cfg: RunConfig, paths: dict[str, Path], models: dict) -> None:
@@ -334,42 +371,72 @@ def _check_manifest(cfg: RunConfig, paths: dict[str, Path], models: dict) -> Non
             raise ValueError(f"refusing to resume {cfg.output}: the configuration differs ({details})")
         return
     if not cfg.resume and any(paths[k].exists() for k in ("output", "journal", "manifest")):
-        raise FileExistsError(f"{cfg.output} (or its journal or manifest) already exists; pass --resume to continue it, "
-                              "or remove it to start over")
+        raise FileExistsError(
+            f"{cfg.output} (or its journal or manifest) already exists; pass --resume to continue it, "
+            "or remove it to start over"
+        )
     manifest.parent.mkdir(parents=True, exist_ok=True)
     tmp = manifest.with_name(manifest.name + ".tmp")
-    tmp.write_text(json.dumps({"config_hash": digest, "config": identity, "created": time.strftime("%Y-%m-%dT%H:%M:%S")},
-                              indent=1) + "\n")
+    tmp.write_text(
+        json.dumps({"config_hash": digest, "config": identity, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1)
+        + "\n"
+    )
     os.replace(tmp, manifest)
 
 
 def _record(cfg: RunConfig, item: _Item, j: int, sample, models: dict) -> dict[str, Any]:
     if cfg.format == "messages":
-        messages = ([{"role": "system", "content": cfg.system_prompt_theta}] if cfg.system_prompt_theta else [])
+        messages = [{"role": "system", "content": cfg.system_prompt_theta}] if cfg.system_prompt_theta else []
         messages += [{"role": "user", "content": item.theta_user}, {"role": "assistant", "content": sample.text}]
         return {"id": item.id, "sample_index": j, "messages": messages}
     engine = cfg.engine
     return {
-        "id": item.id, "sample_index": j, "seed": sample.seed,
-        "teacher_prompt": item.teacher_prompt, "theta_prompt": item.theta_prompt,
-        "response": sample.text, "token_ids": sample.token_ids, "finish_reason": sample.finish_reason,
-        "stop_reason": sample.stop_reason, "error": sample.error, "num_tokens": len(sample.token_ids),
-        "alpha": sample.alpha, "logp_teacher": sample.logp_teacher, "logp_theta": sample.logp_theta, "logq": sample.logq,
-        "sum_alpha": math.fsum(sample.alpha), "sum_logp_teacher": math.fsum(sample.logp_teacher),
-        "sum_logp_theta": math.fsum(sample.logp_theta), "sum_logq": math.fsum(sample.logq),
-        "log_w_theta": sample.log_w_theta, "log_w_teacher": sample.log_w_teacher,
+        "id": item.id,
+        "sample_index": j,
+        "seed": sample.seed,
+        "teacher_prompt": item.teacher_prompt,
+        "theta_prompt": item.theta_prompt,
+        "response": sample.text,
+        "token_ids": sample.token_ids,
+        "finish_reason": sample.finish_reason,
+        "stop_reason": sample.stop_reason,
+        "error": sample.error,
+        "num_tokens": len(sample.token_ids),
+        "alpha": sample.alpha,
+        "logp_teacher": sample.logp_teacher,
+        "logp_theta": sample.logp_theta,
+        "logq": sample.logq,
+        "sum_alpha": math.fsum(sample.alpha),
+        "sum_logp_teacher": math.fsum(sample.logp_teacher),
+        "sum_logp_theta": math.fsum(sample.logp_theta),
+        "sum_logq": math.fsum(sample.logq),
+        "log_w_theta": sample.log_w_theta,
+        "log_w_teacher": sample.log_w_teacher,
         "models": models,
         # Parquet has no empty struct: logit_bias is stored as [token id, bias] pairs.
-        "sampling": {**dataclasses.asdict(cfg.sampling), "logit_bias": [[t, b] for t, b in cfg.sampling.logit_bias.items()]},
-        "alpha_config": {"method": engine.alpha_method, "alpha_min": engine.alpha_min, "alpha_max": engine.alpha_max,
-                         **engine.alpha_config},
+        "sampling": {
+            **dataclasses.asdict(cfg.sampling),
+            "logit_bias": [[t, b] for t, b in cfg.sampling.logit_bias.items()],
+        },
+        "alpha_config": {
+            "method": engine.alpha_method,
+            "alpha_min": engine.alpha_min,
+            "alpha_max": engine.alpha_max,
+            **engine.alpha_config,
+        },
     }
 
 
 def _failure(item: _Item, j: int, sample) -> dict[str, Any]:
     """What a failed sample leaves behind: enough to see why, nothing to train on."""
-    return {"id": item.id, "sample_index": j, "seed": sample.seed, "finish_reason": sample.finish_reason,
-            "error": sample.error, "num_tokens": len(sample.token_ids)}
+    return {
+        "id": item.id,
+        "sample_index": j,
+        "seed": sample.seed,
+        "finish_reason": sample.finish_reason,
+        "error": sample.error,
+        "num_tokens": len(sample.token_ids),
+    }
 
 
 def run_generation(cfg: RunConfig, sampler=None) -> dict[str, Any]:
@@ -392,8 +459,10 @@ def run_generation(cfg: RunConfig, sampler=None) -> dict[str, Any]:
 
     own = sampler is None
     if not own:
-        for role, wanted, running in (("teacher", cfg.teacher, sampler.config.model_teacher),
-                                      ("theta", cfg.theta, sampler.config.model_theta)):
+        for role, wanted, running in (
+            ("teacher", cfg.teacher, sampler.config.model_teacher),
+            ("theta", cfg.theta, sampler.config.model_theta),
+        ):
             if Path(wanted).resolve() != Path(running).resolve():
                 raise ValueError(f"the sampler runs {role} {running!r} but the run configures {wanted!r}")
     if own:
@@ -409,11 +478,26 @@ def run_generation(cfg: RunConfig, sampler=None) -> dict[str, Any]:
                 continue
             hint = None if cfg.hint_field is None else row[cfg.hint_field]
             t_user, th_user = renderer.user_messages(row[cfg.prompt_field], hint, row)
-            item = _Item(row_id, t_user, th_user, renderer.prompt(t_user, cfg.system_prompt_teacher),
-                         renderer.prompt(th_user, cfg.system_prompt_theta), missing)
-            longest = max(len(sampler.tokenizer(p, add_special_tokens=True)["input_ids"]) for p in (item.teacher_prompt, item.theta_prompt))
+            item = _Item(
+                row_id,
+                t_user,
+                th_user,
+                renderer.prompt(t_user, cfg.system_prompt_teacher),
+                renderer.prompt(th_user, cfg.system_prompt_theta),
+                missing,
+            )
+            longest = max(
+                len(sampler.tokenizer(p, add_special_tokens=True)["input_ids"])
+                for p in (item.teacher_prompt, item.theta_prompt)
+            )
             if longest + 1 > sampler.max_model_len:
-                rejects.append({"id": row_id, "row": number, "reason": f"prompt has {longest} tokens; max_model_len is {sampler.max_model_len}"})
+                rejects.append(
+                    {
+                        "id": row_id,
+                        "row": number,
+                        "reason": f"prompt has {longest} tokens; max_model_len is {sampler.max_model_len}",
+                    }
+                )
                 continue
             items.append(item)
         _write_rejects(paths["rejects"], rejects)
@@ -421,12 +505,19 @@ def run_generation(cfg: RunConfig, sampler=None) -> dict[str, Any]:
         journal, failed_log = _Journal(paths["journal"]), _Journal(paths["failed"])
         written, failed = [], []  # SampleRecords of this invocation, for the summary
         tokens = 0
-        bar = tqdm(total=sum(len(i.missing) for i in items), desc="samples", unit="sample", disable=not cfg.engine.use_tqdm)
+        bar = tqdm(
+            total=sum(len(i.missing) for i in items), desc="samples", unit="sample", disable=not cfg.engine.use_tqdm
+        )
         generating = time.monotonic()
         for start in range(0, len(items), cfg.batch_size):
             batch = items[start : start + cfg.batch_size]
-            out = sampler.generate([i.theta_prompt for i in batch], teacher_prompts=[i.teacher_prompt for i in batch],
-                                   prompt_keys=[i.id for i in batch], sampling=cfg.sampling, use_tqdm=False)
+            out = sampler.generate(
+                [i.theta_prompt for i in batch],
+                teacher_prompts=[i.teacher_prompt for i in batch],
+                prompt_keys=[i.id for i in batch],
+                sampling=cfg.sampling,
+                use_tqdm=False,
+            )
             pairs = [(item, j, req.samples[j]) for item, req in zip(batch, out.requests) for j in item.missing]
             # Only complete, verified samples are training data; a failed one is logged and drawn again on --resume.
             journal.write(_record(cfg, item, j, sample, models) for item, j, sample in pairs if sample.ok)
@@ -435,8 +526,11 @@ def run_generation(cfg: RunConfig, sampler=None) -> dict[str, Any]:
             failed += [sample for _, _, sample in pairs if not sample.ok]
             tokens += sum(len(sample.token_ids) for _, _, sample in pairs)
             alphas = [a for s in written for a in s.alpha]
-            bar.set_postfix(tok_s=f"{tokens / max(time.monotonic() - generating, 1e-9):.1f}",
-                            mean_alpha=f"{statistics.fmean(alphas):.3f}" if alphas else "-", failed=len(failed))
+            bar.set_postfix(
+                tok_s=f"{tokens / max(time.monotonic() - generating, 1e-9):.1f}",
+                mean_alpha=f"{statistics.fmean(alphas):.3f}" if alphas else "-",
+                failed=len(failed),
+            )
             bar.update(len(pairs))
         bar.close()
         journal.close()
@@ -446,8 +540,9 @@ def run_generation(cfg: RunConfig, sampler=None) -> dict[str, Any]:
             paths["failed"].unlink()
         if paths["output"].suffix == ".parquet":
             _write_parquet(paths["journal"], paths["output"])
-        summary = _summary(cfg, written, failed, len(done), rejects, sampler.get_sync_statistics(),
-                           time.monotonic() - started)
+        summary = _summary(
+            cfg, written, failed, len(done), rejects, sampler.get_sync_statistics(), time.monotonic() - started
+        )
         paths["summary"].write_text(json.dumps(summary, indent=1) + "\n")
         return summary
     finally:
@@ -478,8 +573,9 @@ def _write_parquet(journal: Path, output: Path) -> None:
     os.replace(tmp, output)
 
 
-def _summary(cfg: RunConfig, samples: list, failed: list, already: int, rejects: list[dict], sync: dict,
-             wall: float) -> dict:
+def _summary(
+    cfg: RunConfig, samples: list, failed: list, already: int, rejects: list[dict], sync: dict, wall: float
+) -> dict:
     """Counts, α statistics, the ESS of the θ-weights, failures by error code, sync statistics, wall time."""
     alphas = [a for s in samples for a in s.alpha]
     log_w = [s.log_w_theta for s in samples]

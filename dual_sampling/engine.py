@@ -9,11 +9,13 @@ prompts, turns :class:`SamplingOptions` into one request per sample, and assembl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import math
 import signal
 import threading
-from typing import Any, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from dual_sampling.config import UNSUPPORTED_SAMPLING, DualEngineConfig, SamplingOptions, model_config
 from dual_sampling.outputs import DualGenerationOutput, RequestRecord, SampleRecord
@@ -55,19 +57,27 @@ class OptimalSamplingDual:
         t_cfg, th_cfg = model_config(cfg.model_teacher), model_config(cfg.model_theta)
         for role, mc in (("teacher", t_cfg), ("theta", th_cfg)):
             if mc.get("vocab_size", self.vocab) < self.vocab:
-                raise ValueError(f"the {role} model has {mc['vocab_size']} embedding rows, fewer than the tokenizer's {self.vocab} tokens")
+                raise ValueError(
+                    f"the {role} model has {mc['vocab_size']} embedding rows, "
+                    f"fewer than the tokenizer's {self.vocab} tokens"
+                )
         limit = min(t_cfg.get("max_position_embeddings", 2048), th_cfg.get("max_position_embeddings", 2048))
         self.max_model_len = cfg.max_model_len or min(limit, 2048)
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the models' limit of {limit} positions")
-        self.eos_token_ids = sorted({i for mc in (t_cfg, th_cfg) for i in _as_list(mc.get("eos_token_id"))}
-                                    | set(_as_list(self.tokenizer.eos_token_id)))
+        self.eos_token_ids = sorted(
+            {i for mc in (t_cfg, th_cfg) for i in _as_list(mc.get("eos_token_id"))}
+            | set(_as_list(self.tokenizer.eos_token_id))
+        )
         if not self.eos_token_ids:
             raise ValueError("neither model nor the tokenizer defines an EOS token id")
         _exit_on_sigterm()
         self.scheduler = DualScheduler(
             lambda session_name: EnginePair(cfg, session_name, self.max_model_len, cfg.sync_timeout),
-            self.tokenizer, vocab=self.vocab, max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
+            self.tokenizer,
+            vocab=self.vocab,
+            max_model_len=self.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
             sync_timeout=cfg.sync_timeout,
         )
 
@@ -111,8 +121,10 @@ class OptimalSamplingDual:
         if prompt_keys is not None and len(prompt_keys) != len(prompts):
             raise ValueError(f"prompt_keys has {len(prompt_keys)} entries but prompts has {len(prompts)}")
         keys = list(prompt_keys) if prompt_keys is not None else list(range(len(prompts)))
-        requests = [[self.request(t, th, opts, derive_seed(opts.seed, keys[i], j)) for j in range(opts.draws)]
-                    for i, (t, th) in enumerate(zip(teacher_ids, theta_ids))]
+        requests = [
+            [self.request(t, th, opts, derive_seed(opts.seed, keys[i], j)) for j in range(opts.draws)]
+            for i, (t, th) in enumerate(zip(teacher_ids, theta_ids))
+        ]
         show = self.config.use_tqdm if use_tqdm is None else use_tqdm
         samples = self.scheduler.call(self._sample_all([r for per in requests for r in per], show))
         out, it = [], iter(samples)
@@ -127,6 +139,7 @@ class OptimalSamplingDual:
         from tqdm.auto import tqdm
 
         with tqdm(total=len(requests), desc="dual sampling", unit="seq", disable=not show) as bar:
+
             async def one(request: DualRequest) -> SampleRecord:
                 sample = await self.scheduler.sample(request)
                 bar.update(1)
@@ -142,23 +155,41 @@ class OptimalSamplingDual:
 
     # ------------------------------------------------------------------ asyncio API
 
-    async def stream(self, prompt: str | Sequence[int], teacher_prompt: str | Sequence[int] | None = None, *,
-                     sampling: SamplingOptions | None = None, sample_key: int | str = 0, sample_index: int = 0,
-                     **options: Any) -> AsyncIterator[SampleDelta]:
+    async def stream(
+        self,
+        prompt: str | Sequence[int],
+        teacher_prompt: str | Sequence[int] | None = None,
+        *,
+        sampling: SamplingOptions | None = None,
+        sample_key: int | str = 0,
+        sample_index: int = 0,
+        request_id: str | None = None,
+        **options: Any,
+    ) -> AsyncIterator[SampleDelta]:
         """Draw one sample and yield its tokens as they come, from any asyncio loop.
 
-        The last delta carries the verified :class:`SampleRecord`. Cancelling the task (or
-        closing the iterator) aborts the request on both engines.
+        The sample is drawn with the seed derived from (seed, sample_key, sample_index), as
+        sample ``sample_index`` of prompt ``sample_key`` in :meth:`generate`. The last delta
+        carries the verified :class:`SampleRecord`. :meth:`abort` with ``request_id``, or
+        cancelling the task, ends the request on both engines.
         """
         self._check_open()
         opts = sampling or self._options(**options)
-        (teacher_ids,), (theta_ids,) = self._prompt_pairs([prompt], None if teacher_prompt is None else [teacher_prompt])
+        (teacher_ids,), (theta_ids,) = self._prompt_pairs(
+            [prompt], None if teacher_prompt is None else [teacher_prompt]
+        )
         request = self.request(teacher_ids, theta_ids, opts, derive_seed(opts.seed, sample_key, sample_index))
+        request.request_id = request_id
         async for delta in self.scheduler.bridge(self.scheduler.stream(request)):
             yield delta
 
-    async def complete(self, prompt: str | Sequence[int], teacher_prompt: str | Sequence[int] | None = None,
-                       **kwargs: Any) -> SampleRecord:
+    def abort(self, request_id: str) -> bool:
+        """End the request ``request_id`` on both engines (its sample ends with finish_reason "abort"). Thread-safe."""
+        return self.scheduler.abort(request_id)
+
+    async def complete(
+        self, prompt: str | Sequence[int], teacher_prompt: str | Sequence[int] | None = None, **kwargs: Any
+    ) -> SampleRecord:
         """Draw one sample and return it whole, from any asyncio loop (see :meth:`stream`)."""
         async for delta in self.stream(prompt, teacher_prompt, **kwargs):
             if delta.sample is not None:
@@ -172,8 +203,10 @@ class OptimalSamplingDual:
         if unsupported:
             refused = [u for u in unsupported if u in UNSUPPORTED_SAMPLING]
             why = " (penalties and bad words would act after the token is forced)" if refused else ""
-            raise ValueError(f"unsupported sampling options: {', '.join(unsupported)}{why}; supported: "
-                             f"{', '.join(SamplingOptions.__dataclass_fields__)}")
+            raise ValueError(
+                f"unsupported sampling options: {', '.join(unsupported)}{why}; supported: "
+                f"{', '.join(SamplingOptions.__dataclass_fields__)}"
+            )
         opts = SamplingOptions(**options)
         opts.check_vocab(self.vocab)
         return opts
@@ -181,10 +214,19 @@ class OptimalSamplingDual:
     def request(self, teacher_ids: list[int], theta_ids: list[int], opts: SamplingOptions, seed: int) -> DualRequest:
         """The request for one sample of a prompt pair (already tokenized)."""
         stops = tuple(sorted(set(self.eos_token_ids) | set(opts.stop_token_ids)))
-        row = RowSampling(seed=seed, temperature=float(opts.temperature), top_k=int(opts.top_k), top_p=float(opts.top_p),
-                          min_p=float(opts.min_p), min_tokens=int(opts.min_tokens), stop_token_ids=stops,
-                          logit_bias=dict(opts.logit_bias), force_first_token=bool(opts.force_first_token),
-                          support_top_k=int(opts.teacher_support_top_k), support_top_p=float(opts.teacher_support_top_p))
+        row = RowSampling(
+            seed=seed,
+            temperature=float(opts.temperature),
+            top_k=int(opts.top_k),
+            top_p=float(opts.top_p),
+            min_p=float(opts.min_p),
+            min_tokens=int(opts.min_tokens),
+            stop_token_ids=stops,
+            logit_bias=dict(opts.logit_bias),
+            force_first_token=bool(opts.force_first_token),
+            support_top_k=int(opts.teacher_support_top_k),
+            support_top_p=float(opts.teacher_support_top_p),
+        )
         room = self.max_model_len - max(len(teacher_ids), len(theta_ids))
         return DualRequest(list(teacher_ids), list(theta_ids), row, min(opts.max_tokens, room), tuple(opts.stop))
 
@@ -200,7 +242,9 @@ class OptimalSamplingDual:
             teacher_ids = [self._tokenize(p, i, "teacher_prompts") for i, p in enumerate(teacher_prompts)]
         for i, (t, th) in enumerate(zip(teacher_ids, theta_ids)):
             if max(len(t), len(th)) >= self.max_model_len:
-                raise ValueError(f"prompt {i} has {max(len(t), len(th))} tokens, no room left in max_model_len={self.max_model_len}")
+                raise ValueError(
+                    f"prompt {i} has {max(len(t), len(th))} tokens, no room left in max_model_len={self.max_model_len}"
+                )
         return teacher_ids, theta_ids
 
     def _tokenize(self, prompt: str | Sequence[int], index: int, name: str) -> list[int]:
@@ -241,17 +285,15 @@ class OptimalSamplingDual:
         if scheduler is not None:
             scheduler.close()
 
-    def __enter__(self) -> "OptimalSamplingDual":
+    def __enter__(self) -> OptimalSamplingDual:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
 
 def _exit_on_sigterm() -> None:

@@ -17,21 +17,34 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from dual_sampling.config import DualEngineConfig, default_kv_cache_bytes, kv_cache_bytes_needed
 from dual_sampling.protocol import SESSION_PREFIX, SHM_DIR, mapped_shm_files, pid_alive, segments_listing
 
-__all__ = ["EnginePair", "ROLES", "LOCKSTEP_SETTINGS", "split_cpu_binding", "engine_cpus"]
+__all__ = ["LOCKSTEP_SETTINGS", "ROLES", "EnginePair", "engine_cpus", "split_cpu_binding"]
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("teacher", "theta")
-LOCKSTEP_SETTINGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "enable_chunked_prefill",
-                     "async_scheduling", "scheduler_cls", "logits_processors", "additional_config",
-                     "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "speculative_config",
-                     "scheduling_policy", "long_prefill_token_threshold", "max_num_partial_prefills")
+LOCKSTEP_SETTINGS = (
+    "max_num_seqs",
+    "max_model_len",
+    "max_num_batched_tokens",
+    "enable_chunked_prefill",
+    "async_scheduling",
+    "scheduler_cls",
+    "logits_processors",
+    "additional_config",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "speculative_config",
+    "scheduling_policy",
+    "long_prefill_token_threshold",
+    "max_num_partial_prefills",
+)
 """Engine arguments the dual engine sets itself; per-engine overrides of them are refused."""
 _MiB = 1 << 20
 _EXIT_WAIT_S = 10.0
@@ -51,13 +64,17 @@ class EnginePair:
         self.sync_timeout = sync_timeout
         self.budget = config.max_num_batched_tokens or max(max_model_len, 2048)
         if self.budget < max_model_len:
-            raise ValueError(f"max_num_batched_tokens={self.budget} is below max_model_len={max_model_len}: "
-                             "a full-length prompt could never be admitted")
+            raise ValueError(
+                f"max_num_batched_tokens={self.budget} is below max_model_len={max_model_len}: "
+                "a full-length prompt could never be admitted"
+            )
         for role in ROLES:
             overridden = sorted(set(self._user_kwargs(role)) & set(LOCKSTEP_SETTINGS))
             if overridden:
-                raise ValueError(f"{role}_engine_kwargs sets {', '.join(overridden)}; the dual engine sets these itself "
-                                 "(use the DualEngineConfig fields where one exists)")
+                raise ValueError(
+                    f"{role}_engine_kwargs sets {', '.join(overridden)}; the dual engine sets these itself "
+                    "(use the DualEngineConfig fields where one exists)"
+                )
         self.binding = split_cpu_binding() if config.cpu_binding == "split" else {}
         self.engines: dict[str, Any] = {}
         self._segments: set[str] = set()
@@ -85,12 +102,17 @@ class EnginePair:
     def engine_kwargs(self, role: str) -> dict[str, Any]:
         """The vLLM engine arguments of ``role``."""
         from processors import (
-            TeacherLockstepScheduler, TeacherSyncLogitsProcessor, ThetaLockstepScheduler, ThetaSyncLogitsProcessor,
+            TeacherLockstepScheduler,
+            TeacherSyncLogitsProcessor,
+            ThetaLockstepScheduler,
+            ThetaSyncLogitsProcessor,
         )
 
         cfg = self.config
         model = cfg.model_teacher if role == "teacher" else cfg.model_theta
-        kv_bytes = cfg.kv_cache_memory_bytes or default_kv_cache_bytes(model, cfg.max_num_seqs, self.max_model_len, cfg.dtype)
+        kv_bytes = cfg.kv_cache_memory_bytes or default_kv_cache_bytes(
+            model, cfg.max_num_seqs, self.max_model_len, cfg.dtype
+        )
         helper_cpus = [int(c) for c in self.binding["theta"].split(",")] if role == "teacher" and self.binding else None
         kwargs = dict(
             model=model,
@@ -111,15 +133,17 @@ class EnginePair:
             disable_log_stats=True,
             scheduler_cls=TeacherLockstepScheduler if role == "teacher" else ThetaLockstepScheduler,
             logits_processors=[TeacherSyncLogitsProcessor if role == "teacher" else ThetaSyncLogitsProcessor],
-            additional_config={"dual_sampling": {
-                "role": role,
-                "session": self.session_name,
-                "sync_timeout": self.sync_timeout,
-                "alpha_method": cfg.alpha_method,
-                "alpha_config": {"alpha_min": cfg.alpha_min, "alpha_max": cfg.alpha_max, **cfg.alpha_config},
-                # Theta's CPUs idle while the teacher decides; the teacher borrows them (see processors.teacher).
-                "mix_helper_cpus": helper_cpus,
-            }},
+            additional_config={
+                "dual_sampling": {
+                    "role": role,
+                    "session": self.session_name,
+                    "sync_timeout": self.sync_timeout,
+                    "alpha_method": cfg.alpha_method,
+                    "alpha_config": {"alpha_min": cfg.alpha_min, "alpha_max": cfg.alpha_max, **cfg.alpha_config},
+                    # Theta's CPUs idle while the teacher decides; the teacher borrows them (see processors.teacher).
+                    "mix_helper_cpus": helper_cpus,
+                }
+            },
         )
         kwargs.update(self._user_kwargs(role))
         return kwargs
@@ -173,23 +197,31 @@ class EnginePair:
             if sc.enable_chunked_prefill or (sc.long_prefill_token_threshold or 0) > 0:
                 problems.append(f"{role}: chunked prefill is on (partial prefills would be sampled and discarded)")
             if sc.max_num_batched_tokens < vc.model_config.max_model_len:
-                problems.append(f"{role}: max_num_batched_tokens={sc.max_num_batched_tokens} is below "
-                                f"max_model_len={vc.model_config.max_model_len}")
+                problems.append(
+                    f"{role}: max_num_batched_tokens={sc.max_num_batched_tokens} is below "
+                    f"max_model_len={vc.model_config.max_model_len}"
+                )
             for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
                 if getattr(pc, name) != 1:
-                    problems.append(f"{role}: {name}={getattr(pc, name)}; only 1 is supported (every rank would "
-                                    "run the processors and race to publish the token)")
+                    problems.append(
+                        f"{role}: {name}={getattr(pc, name)}; only 1 is supported (every rank would "
+                        "run the processors and race to publish the token)"
+                    )
             if vc.speculative_config is not None:
                 problems.append(f"{role}: speculative decoding is on (tokens would be proposed outside the mixture)")
             if vc.use_v2_model_runner:
-                problems.append(f"{role}: Model Runner V2 is on; the processors implement V1's interface "
-                                "(set VLLM_USE_V2_MODEL_RUNNER=0)")
+                problems.append(
+                    f"{role}: Model Runner V2 is on; the processors implement V1's interface "
+                    "(set VLLM_USE_V2_MODEL_RUNNER=0)"
+                )
             if str(sc.policy) not in ("fcfs", "SchedulingPolicy.FCFS"):
                 problems.append(f"{role}: scheduling_policy is {sc.policy}, not fcfs")
             problems += self._kv_problems(role, vc)
-        for name, get in (("max_num_seqs", lambda vc: vc.scheduler_config.max_num_seqs),
-                          ("max_model_len", lambda vc: vc.model_config.max_model_len),
-                          ("max_num_batched_tokens", lambda vc: vc.scheduler_config.max_num_batched_tokens)):
+        for name, get in (
+            ("max_num_seqs", lambda vc: vc.scheduler_config.max_num_seqs),
+            ("max_model_len", lambda vc: vc.model_config.max_model_len),
+            ("max_num_batched_tokens", lambda vc: vc.scheduler_config.max_num_batched_tokens),
+        ):
             values = {role: get(vc) for role, vc in cfgs.items()}
             if len(set(values.values())) > 1:
                 problems.append(f"{name} differs between the engines ({values})")
@@ -206,11 +238,14 @@ class EnginePair:
         if blocks >= need:
             return []
         model = self.config.model_teacher if role == "teacher" else self.config.model_theta
-        want = kv_cache_bytes_needed(model, vc.scheduler_config.max_num_seqs, vc.model_config.max_model_len,
-                                     self.config.dtype, block_size)
-        return [f"{role}: the KV cache has {blocks} blocks of {block_size} tokens, fewer than the {need} that "
-                f"max_num_seqs x max_model_len need (about {want / _MiB:.0f} MiB); an engine short of KV would "
-                "preempt requests. Raise kv_cache_memory_bytes or lower max_num_seqs / max_model_len"]
+        want = kv_cache_bytes_needed(
+            model, vc.scheduler_config.max_num_seqs, vc.model_config.max_model_len, self.config.dtype, block_size
+        )
+        return [
+            f"{role}: the KV cache has {blocks} blocks of {block_size} tokens, fewer than the {need} that "
+            f"max_num_seqs x max_model_len need (about {want / _MiB:.0f} MiB); an engine short of KV would "
+            "preempt requests. Raise kv_cache_memory_bytes or lower max_num_seqs / max_model_len"
+        ]
 
     # ------------------------------------------------------------------ processes
 
@@ -243,8 +278,11 @@ class EnginePair:
 
     def _record_segments(self) -> None:
         """Note the /dev/shm files the engines map, so a crash of this driver cannot leak them."""
-        self._segments |= {name for name in mapped_shm_files([pid for pids in self.pids().values() for pid in pids])
-                           if not name.startswith(SESSION_PREFIX)}
+        self._segments |= {
+            name
+            for name in mapped_shm_files([pid for pids in self.pids().values() for pid in pids])
+            if not name.startswith(SESSION_PREFIX)
+        }
         listing = segments_listing(self.session_name)
         tmp = listing.with_name(listing.name + ".tmp")
         tmp.write_text(json.dumps(sorted(self._segments)))
@@ -324,7 +362,7 @@ def _await_new_child(known: set[int], future: Any, timeout: float = 120.0) -> No
 
 
 def split_cpu_binding() -> dict[str, str]:
-    """{role: CPU list} for vLLM's CPU backend: the teacher's model threads get the first half of the CPUs, theta's the rest.
+    """{role: CPU list} for vLLM's CPU backend: the teacher's model gets the first half of the CPUs, theta's the rest.
 
     vLLM binds every engine's model threads to the same cores of NUMA node 0 and leaves
     one core to its scheduler process; two engines would then time-share those cores
@@ -356,4 +394,3 @@ def engine_cpus(cpu_list: str | None) -> Iterator[None]:
             os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         else:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
-

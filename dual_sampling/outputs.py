@@ -6,7 +6,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-__all__ = ["SampleRecord", "RequestRecord", "DualGenerationOutput", "effective_sample_size"]
+__all__ = ["DualGenerationOutput", "RequestRecord", "SampleRecord", "effective_sample_size"]
 
 
 def effective_sample_size(log_weights: list[float]) -> float:
@@ -41,7 +41,8 @@ class SampleRecord:
     theta_token_ids: list[int] = field(default_factory=list)
     """The token ids as the theta engine emitted them (equal to both others unless the sample failed)."""
     error: str | None = None
-    """Why the sample failed, as "<code> at step <n>" (sync_timeout, bad_logits, preempted, diverged, ...); None if it did not."""
+    """Why the sample failed, as "<code> at step <n>" (sync_timeout, bad_logits, preempted, diverged, ...);
+    None if it did not."""
     stop_reason: str | int | None = None
     """The stop string, or the stop token id, that ended the sample."""
 

@@ -31,6 +31,7 @@ to start rather than run without fences.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import mmap
@@ -47,10 +48,27 @@ from pathlib import Path
 import numpy as np
 
 __all__ = [
-    "SHM_DIR", "SESSION_PREFIX", "PLAN_RING", "RECORD_FIELDS",
-    "Header", "Stat", "Bell", "Writer", "Slot", "Phase", "Finish", "ErrorCode", "WRITERS",
-    "SessionLayout", "SyncSession", "SyncError", "cleanup_stale_sessions", "pid_alive", "check_host",
-    "mapped_shm_files", "segments_listing",
+    "PLAN_RING",
+    "RECORD_FIELDS",
+    "SESSION_PREFIX",
+    "SHM_DIR",
+    "WRITERS",
+    "Bell",
+    "ErrorCode",
+    "Finish",
+    "Header",
+    "Phase",
+    "SessionLayout",
+    "Slot",
+    "Stat",
+    "SyncError",
+    "SyncSession",
+    "Writer",
+    "check_host",
+    "cleanup_stale_sessions",
+    "mapped_shm_files",
+    "pid_alive",
+    "segments_listing",
 ]
 
 SHM_DIR = Path("/dev/shm")
@@ -318,7 +336,9 @@ class _Futex:
             return
         ts = self._Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
         # Shared (non-private) futex: the word lives in a mapping shared across processes.
-        self.libc.syscall(self._SYS_FUTEX, ctypes.c_void_p(address), 0, ctypes.c_int(expected), ctypes.byref(ts), None, 0)
+        self.libc.syscall(
+            self._SYS_FUTEX, ctypes.c_void_p(address), 0, ctypes.c_int(expected), ctypes.byref(ts), None, 0
+        )
 
     def wake(self, address: int) -> None:
         if self.libc is not None:
@@ -373,7 +393,7 @@ def _remove_listed(listing: Path, shm_dir: Path) -> list[str]:
             path.unlink(missing_ok=True)
             removed.append(name)
     listing.unlink(missing_ok=True)
-    return removed + [listing.name]
+    return [*removed, listing.name]
 
 
 def mapped_shm_files(pids: list[int] | None = None) -> set[str]:
@@ -409,7 +429,9 @@ class SyncSession:
         s, v, t = layout.slots, layout.vocab, layout.max_steps
         self.header = np.frombuffer(buf, np.int64, _HEADER_WORDS, off["header"])
         self.bells = np.frombuffer(buf, np.int32, _BELLS, off["bells"])
-        self.plans = np.frombuffer(buf, np.int64, PLAN_RING * (2 + layout.plan_width), off["plans"]).reshape(PLAN_RING, -1)
+        self.plans = np.frombuffer(buf, np.int64, PLAN_RING * (2 + layout.plan_width), off["plans"]).reshape(
+            PLAN_RING, -1
+        )
         self.control = np.frombuffer(buf, np.int64, _CONTROL_WORDS * s, off["control"]).reshape(s, _CONTROL_WORDS)
         self.theta_logprobs = np.frombuffer(buf, np.float32, v * s, off["theta_logprobs"]).reshape(s, v)
         self.tokens = np.frombuffer(buf, np.int32, t * s, off["tokens"]).reshape(s, t)
@@ -423,7 +445,7 @@ class SyncSession:
     # ------------------------------------------------------------------ lifecycle
 
     @classmethod
-    def create(cls, layout: SessionLayout, shm_dir: Path = SHM_DIR) -> "SyncSession":
+    def create(cls, layout: SessionLayout, shm_dir: Path = SHM_DIR) -> SyncSession:
         """Create a new session file with a unique name, after removing stale ones."""
         check_host()
         cleanup_stale_sessions(shm_dir)
@@ -445,7 +467,7 @@ class SyncSession:
         return session
 
     @classmethod
-    def attach(cls, name: str, shm_dir: Path = SHM_DIR) -> "SyncSession":
+    def attach(cls, name: str, shm_dir: Path = SHM_DIR) -> SyncSession:
         """Map an existing session by name (inside an engine process)."""
         path = shm_dir / name
         fd = os.open(path, os.O_RDWR)
@@ -459,7 +481,9 @@ class SyncSession:
             del header
             mm.close()
             raise SyncError(f"shared-memory file {path} is not a session of this dual-sampling version")
-        layout = SessionLayout(*(int(header[w]) for w in (Header.VOCAB, Header.SLOTS, Header.MAX_STEPS, Header.PLAN_WIDTH)))
+        layout = SessionLayout(
+            *(int(header[w]) for w in (Header.VOCAB, Header.SLOTS, Header.MAX_STEPS, Header.PLAN_WIDTH))
+        )
         del header
         return cls(name, layout, mm, owner=False)
 
@@ -480,14 +504,12 @@ class SyncSession:
         self._closed = True
         del self.header, self.bells, self.plans, self.control, self.theta_logprobs, self.tokens, self.records
         del self._bell_anchor
-        try:
+        with contextlib.suppress(BufferError):  # a view is still alive somewhere; the mapping goes with the process
             self._mm.close()
-        except BufferError:
-            pass  # a view is still alive somewhere; the mapping goes with the process
         if self.owner:
             self.path.unlink(missing_ok=True)
 
-    def __enter__(self) -> "SyncSession":
+    def __enter__(self) -> SyncSession:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -537,7 +559,9 @@ class SyncSession:
     def publish_plan(self, number: int, keys: list[int]) -> None:
         """Teacher scheduler: plan ``number`` runs exactly ``keys`` (announced by the number, written last)."""
         if len(keys) > self.layout.plan_width:
-            raise SyncError(f"plan {number} holds {len(keys)} requests, more than max_num_seqs={self.layout.plan_width}")
+            raise SyncError(
+                f"plan {number} holds {len(keys)} requests, more than max_num_seqs={self.layout.plan_width}"
+            )
         row = self.plans[number % PLAN_RING]
         row[0] = -1
         row[1] = len(keys)

@@ -15,7 +15,7 @@ import numpy as np
 
 from dual_sampling.outputs import effective_sample_size
 
-__all__ = ["write_report", "load_records"]
+__all__ = ["load_records", "write_report"]
 
 
 def load_records(path: str | Path) -> list[dict]:
@@ -70,8 +70,12 @@ def write_report(records_path: str | Path, out_dir: str | Path | None = None) ->
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.fill_between(pos, q1, q3, color="#3366aa", alpha=0.25, label="interquartile range")
     ax.plot(pos, mean, color="#3366aa", label="mean")
-    ax.set(xlabel="token position", ylabel="α (teacher weight)", ylim=(0, 1),
-           title="α against position (positions with at least 3 sequences)")
+    ax.set(
+        xlabel="token position",
+        ylabel="α (teacher weight)",
+        ylim=(0, 1),
+        title="α against position (positions with at least 3 sequences)",
+    )
     ax.legend()
     _save(fig, out / "alpha_by_position.png")
 

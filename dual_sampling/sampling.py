@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from alpha import AlphaComputer, geometric_log_weights
 
-__all__ = ["RowSampling", "Decision", "counter_uniform", "keep_top_k_top_p", "inverse_cdf", "draw_tokens", "decide"]
+__all__ = ["Decision", "RowSampling", "counter_uniform", "decide", "draw_tokens", "inverse_cdf", "keep_top_k_top_p"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -70,7 +70,7 @@ class RowSampling:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RowSampling":
+    def from_dict(cls, d: dict) -> RowSampling:
         d = dict(d)
         d["stop_token_ids"] = tuple(d.get("stop_token_ids", ()))
         d["logit_bias"] = {int(k): float(v) for k, v in (d.get("logit_bias") or {}).items()}
@@ -113,7 +113,7 @@ def inverse_cdf(weights: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     cumulative sums of 256-token block sums locate the block, then one block's cumulative sum
     locates the token. Nothing V-sized is copied.
     """
-    b, vocab = weights.shape
+    _b, vocab = weights.shape
     full = vocab - vocab % _CDF_BLOCK
     # Block sums in the weights' own precision (a float64 sum would first copy all of them), then float64.
     sums = weights[:, :full].unflatten(-1, (-1, _CDF_BLOCK)).sum(-1)
@@ -124,8 +124,9 @@ def inverse_cdf(weights: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     total = block_cdf[:, -1]
     target = u.to(torch.float64) * total
     block = torch.searchsorted(block_cdf, target.unsqueeze(-1)).squeeze(-1).clamp_max(block_cdf.shape[1] - 1)
-    before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp_min(0).unsqueeze(-1)).squeeze(-1),
-                         torch.zeros_like(target))
+    before = torch.where(
+        block > 0, block_cdf.gather(-1, (block - 1).clamp_min(0).unsqueeze(-1)).squeeze(-1), torch.zeros_like(target)
+    )
     index = block.unsqueeze(-1) * _CDF_BLOCK + torch.arange(_CDF_BLOCK, device=weights.device)
     inner = weights.gather(-1, index.clamp_max(vocab - 1)).double().masked_fill_(index >= vocab, 0.0)
     inner_cdf = torch.cumsum(inner, dim=-1)
@@ -133,8 +134,9 @@ def inverse_cdf(weights: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     return (block * _CDF_BLOCK + pos).clamp_max(vocab - 1), total
 
 
-def draw_tokens(logq: Tensor, logp_teacher: Tensor, steps: Sequence[int], rows: Sequence[RowSampling],
-                overwrite: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def draw_tokens(
+    logq: Tensor, logp_teacher: Tensor, steps: Sequence[int], rows: Sequence[RowSampling], overwrite: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
     """Apply steps 4–9 above to ``logq`` ``[b, V]`` and draw one token per row.
 
     ``logq`` is log q up to a per-row constant (it need not be normalised). With
@@ -143,7 +145,7 @@ def draw_tokens(logq: Tensor, logp_teacher: Tensor, steps: Sequence[int], rows: 
     bool). A row whose every token was removed is not ok (its token is 0 and must not be
     used). Stages that are off cost nothing.
     """
-    b, vocab = logq.shape
+    _b, vocab = logq.shape
     x = logq
     dev = x.device
     owned = overwrite
@@ -209,13 +211,20 @@ class Decision:
     """False where every token was removed (the row's token must not be used)."""
 
     @classmethod
-    def concatenate(cls, parts: Sequence["Decision"]) -> "Decision":
+    def concatenate(cls, parts: Sequence[Decision]) -> Decision:
         """The decisions of consecutive row ranges, as one."""
         return cls(*(torch.cat([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(cls)))
 
 
-def decide(teacher_logits: Tensor, theta_logits: Tensor, steps: Sequence[int], rows: Sequence[RowSampling],
-           alpha_computer: AlphaComputer, alpha_init: Tensor | None = None, theta_normalized: bool = False) -> Decision:
+def decide(
+    teacher_logits: Tensor,
+    theta_logits: Tensor,
+    steps: Sequence[int],
+    rows: Sequence[RowSampling],
+    alpha_computer: AlphaComputer,
+    alpha_init: Tensor | None = None,
+    theta_normalized: bool = False,
+) -> Decision:
     """Steps 1–9 of the module docstring for a batch of rows: the whole per-token decision.
 
     ``teacher_logits`` and ``theta_logits`` are ``[b, V]`` over the shared vocabulary (padding
@@ -232,5 +241,11 @@ def decide(teacher_logits: Tensor, theta_logits: Tensor, steps: Sequence[int], r
     log_weights = geometric_log_weights(logp_theta, logp_teacher, alpha)
     tokens, logq_token, ok = draw_tokens(log_weights, logp_teacher, steps, rows, overwrite=True)
     pick = tokens.unsqueeze(-1)
-    return Decision(tokens, alpha, logp_teacher.gather(-1, pick).squeeze(-1), logp_theta.gather(-1, pick).squeeze(-1),
-                    logq_token, ok)
+    return Decision(
+        tokens,
+        alpha,
+        logp_teacher.gather(-1, pick).squeeze(-1),
+        logp_theta.gather(-1, pick).squeeze(-1),
+        logq_token,
+        ok,
+    )

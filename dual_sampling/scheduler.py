@@ -30,25 +30,39 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Coroutine, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from dual_sampling.outputs import SampleRecord
 from dual_sampling.protocol import (
-    RECORD_FIELDS, ErrorCode, Finish, Phase, SessionLayout, Slot, SyncError, SyncSession, Writer,
+    RECORD_FIELDS,
+    ErrorCode,
+    Finish,
+    Phase,
+    SessionLayout,
+    Slot,
+    SyncError,
+    SyncSession,
+    Writer,
 )
 from dual_sampling.sampling import RowSampling
 from dual_sampling.text import sample_text
 
-__all__ = ["DualScheduler", "DualRequest", "SampleDelta", "FINISH_REASONS"]
+__all__ = ["FINISH_REASONS", "DualRequest", "DualScheduler", "SampleDelta"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-FINISH_REASONS = {Finish.STOP: "stop", Finish.STOP_STRING: "stop", Finish.LENGTH: "length", Finish.ABORT: "abort",
-                  Finish.ERROR: "error"}
+FINISH_REASONS = {
+    Finish.STOP: "stop",
+    Finish.STOP_STRING: "stop",
+    Finish.LENGTH: "length",
+    Finish.ABORT: "abort",
+    Finish.ERROR: "error",
+}
 """The ``finish_reason`` of a sample, by the teacher scheduler's :class:`Finish`."""
 _SLOT_POLL_S = 0.005
 """How often a request waiting for a slot looks again (slots free up as the engines release them)."""
@@ -70,6 +84,9 @@ class DualRequest:
     """Generated tokens at most; must fit in max_model_len after the longer prompt."""
     stop: tuple[str, ...] = ()
     """Stop strings (the teacher scheduler looks for them)."""
+    request_id: str | None = None
+    """The caller's name for the request, unique among those in flight (for :meth:`DualScheduler.abort`);
+    None: one is made up."""
 
 
 @dataclass
@@ -108,21 +125,43 @@ class DualScheduler:
     real one is :class:`dual_sampling.engines.EnginePair`; tests pass simulated engines).
     """
 
-    def __init__(self, engine_factory: Callable[[str], Any], tokenizer: Any, vocab: int, max_model_len: int,
-                 max_num_seqs: int, sync_timeout: float, slots: int | None = None) -> None:
+    def __init__(
+        self,
+        engine_factory: Callable[[str], Any],
+        tokenizer: Any,
+        vocab: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        sync_timeout: float,
+        slots: int | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.sync_timeout = sync_timeout
-        layout = SessionLayout(vocab=vocab, slots=slots or 2 * max_num_seqs + 2, max_steps=max_model_len,
-                               plan_width=max_num_seqs)
+        layout = SessionLayout(
+            vocab=vocab, slots=slots or 2 * max_num_seqs + 2, max_steps=max_model_len, plan_width=max_num_seqs
+        )
         self.session = SyncSession.create(layout)
         self.engines: Any = None
         self.failure: SyncError | None = None
         """Set once the scheduler can serve nothing more (an engine died, or it was closed)."""
-        self.counters: collections.Counter = collections.Counter()
-        """Requests submitted, finished by reason, failed by error code, and tokens generated."""
+        self.counters: collections.Counter = collections.Counter(
+            {
+                name: 0
+                for name in [
+                    "requests",
+                    "tokens",
+                    *(f"finished_{r}" for r in ("stop", "length", "abort", "error")),
+                    *(f"failed_{c.label}" for c in ErrorCode if c != ErrorCode.NONE),
+                ]
+            }
+        )
+        """Requests submitted, finished by reason, failed by error code, and tokens generated (all keys present)."""
         self._keys = itertools.count(1)
+        self._ids = itertools.count(1)
         self._flights: dict[str, _Flight] = {}
+        self._queued: dict[str, asyncio.Future] = {}
+        """Requests waiting for a slot, by id; an abort resolves the future with None."""
         self._held: set[int] = set()
         self._slot_waiters: collections.deque[asyncio.Future] = collections.deque()
         self._slot_feeder: asyncio.Task | None = None
@@ -199,8 +238,22 @@ class DualScheduler:
         """
         self._check_alive()
         self._check_request(request)
-        slot = await self._acquire_slot()
-        flight = self._launch(request, slot)
+        request_id = request.request_id or f"ds-{next(self._ids)}"
+        if request_id in self._queued or request_id in self._flights:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        waiter = self.loop.create_future()
+        self._queued[request_id] = waiter
+        try:
+            slot = await self._acquire_slot(waiter)
+        finally:
+            self._queued.pop(request_id, None)
+        if slot is None:  # aborted while it waited for a slot: it never reached an engine
+            sample = SampleRecord(text="", token_ids=[], finish_reason="abort", seed=request.sampling.seed)
+            self.counters["requests"] += 1
+            self.counters["finished_abort"] += 1
+            yield SampleDelta([], np.zeros((0, len(RECORD_FIELDS)), np.float32), sample)
+            return
+        flight = self._launch(request, slot, request_id)
         try:
             while True:
                 delta = await flight.outbox.get()
@@ -213,10 +266,10 @@ class DualScheduler:
             if not flight.task.done():
                 self.abort(flight.request_id)
 
-    def _launch(self, request: DualRequest, slot: int) -> _Flight:
+    def _launch(self, request: DualRequest, slot: int, request_id: str) -> _Flight:
         """Open ``slot`` for ``request`` and start the task that talks to both engines (no await: atomic)."""
         key = next(self._keys)
-        flight = _Flight(f"ds-{key}", slot, key, request)
+        flight = _Flight(request_id, slot, key, request)
         self._flights[flight.request_id] = flight
         self.counters["requests"] += 1
         self.session.open_slot(slot, key, len(request.teacher_prompt_ids), len(request.theta_prompt_ids))
@@ -228,11 +281,17 @@ class DualScheduler:
         s, slot, request = self.session, flight.slot, flight.request
         try:
             teacher_params, theta_params = self._sampling_params(flight)
-            theta_task = asyncio.create_task(_last(self.engines.theta.generate(
-                {"prompt_token_ids": request.theta_prompt_ids}, theta_params, flight.request_id)))
+            theta_task = asyncio.create_task(
+                _last(
+                    self.engines.theta.generate(
+                        {"prompt_token_ids": request.theta_prompt_ids}, theta_params, flight.request_id
+                    )
+                )
+            )
             try:
-                async for out in self.engines.teacher.generate({"prompt_token_ids": request.teacher_prompt_ids},
-                                                               teacher_params, flight.request_id):
+                async for out in self.engines.teacher.generate(
+                    {"prompt_token_ids": request.teacher_prompt_ids}, teacher_params, flight.request_id
+                ):
                     completion = out.outputs[0]
                     new = list(completion.token_ids)
                     start = len(flight.tokens)
@@ -269,15 +328,22 @@ class DualScheduler:
         raise SyncError("a sample's stream ended without its final record")
 
     def abort(self, request_id: str) -> bool:
-        """End one request on both engines at the next step boundary; False if it is not in flight. Thread-safe."""
+        """End one request on both engines at the next step boundary; False if it is unknown or done.
+
+        A request still waiting for a slot ends at once, without reaching an engine. Thread-safe.
+        """
         flight = self._flights.get(request_id)
-        if flight is None:
+        if flight is not None:
+            self.session.request_abort(flight.slot, flight.key, Writer.DRIVER)
+            return True
+        waiter = self._queued.get(request_id)
+        if waiter is None:
             return False
-        self.session.request_abort(flight.slot, flight.key, Writer.DRIVER)
+        self.loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
         return True
 
     def in_flight(self) -> list[str]:
-        """Request ids holding a slot now."""
+        """Request ids submitted to the engines (holding a slot) now."""
         return list(self._flights)
 
     # ------------------------------------------------------------------ internals
@@ -293,8 +359,10 @@ class DualScheduler:
         if not request.teacher_prompt_ids or not request.theta_prompt_ids:
             raise ValueError("both prompts must hold at least one token")
         if request.max_tokens < 1 or longest + request.max_tokens > self.max_model_len:
-            raise ValueError(f"a prompt of {longest} tokens and max_tokens={request.max_tokens} exceed "
-                             f"max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"a prompt of {longest} tokens and max_tokens={request.max_tokens} exceed "
+                f"max_model_len={self.max_model_len}"
+            )
 
     def _sampling_params(self, flight: _Flight) -> tuple[Any, Any]:
         from vllm import SamplingParams
@@ -303,27 +371,33 @@ class DualScheduler:
         r = flight.request
         pairing = {"slot": flight.slot, "key": flight.key, "sampling": r.sampling.to_dict(), "stop": list(r.stop)}
         # Both engines run greedy on logits that allow one token; stop strings are the teacher scheduler's.
-        teacher = SamplingParams(n=1, temperature=0.0, max_tokens=r.max_tokens, min_tokens=0,
-                                 stop_token_ids=list(r.sampling.stop_token_ids), detokenize=False,
-                                 output_kind=RequestOutputKind.DELTA, extra_args={"dual_sampling": pairing})
+        teacher = SamplingParams(
+            n=1,
+            temperature=0.0,
+            max_tokens=r.max_tokens,
+            min_tokens=0,
+            stop_token_ids=list(r.sampling.stop_token_ids),
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={"dual_sampling": pairing},
+        )
         theta = teacher.clone()
         theta.output_kind = RequestOutputKind.FINAL_ONLY
         return teacher, theta
 
-    async def _acquire_slot(self) -> int:
-        """A free slot, first come first served."""
+    async def _acquire_slot(self, waiter: asyncio.Future) -> int | None:
+        """A free slot, first come first served; None if the request was aborted meanwhile (``waiter`` set to None)."""
         slot = None if self._slot_waiters else self._free_slot()
         if slot is not None:
             self._held.add(slot)
             return slot
-        waiter = self.loop.create_future()
         self._slot_waiters.append(waiter)
         if self._slot_feeder is None or self._slot_feeder.done():
             self._slot_feeder = asyncio.create_task(self._feed_slots())
         try:
             return await waiter
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
+            if waiter.done() and not waiter.cancelled() and waiter.result() is not None:
                 self._held.discard(waiter.result())
             raise
 
@@ -354,11 +428,17 @@ class DualScheduler:
         recorded = s.tokens[slot, : len(tokens)].tolist()
         records = s.records[slot, : len(tokens)].copy()
         # Three independent streams: what the teacher processor decided, and what each engine emitted.
-        sample = SampleRecord(text="", token_ids=recorded, finish_reason=FINISH_REASONS.get(finish, teacher_finish),
-                              seed=flight.request.sampling.seed, teacher_token_ids=list(tokens),
-                              theta_token_ids=theta_tokens)
-        if code == ErrorCode.NONE and (theta_tokens != tokens or recorded != tokens
-                                       or int(control[Slot.NUM_RECORDS]) < len(tokens)):
+        sample = SampleRecord(
+            text="",
+            token_ids=recorded,
+            finish_reason=FINISH_REASONS.get(finish, teacher_finish),
+            seed=flight.request.sampling.seed,
+            teacher_token_ids=list(tokens),
+            theta_token_ids=theta_tokens,
+        )
+        if code == ErrorCode.NONE and (
+            theta_tokens != tokens or recorded != tokens or int(control[Slot.NUM_RECORDS]) < len(tokens)
+        ):
             code, step = ErrorCode.DIVERGED, _first_difference(tokens, theta_tokens, recorded)
         if code != ErrorCode.NONE:
             sample.finish_reason = "error"
@@ -366,9 +446,14 @@ class DualScheduler:
             self.counters[f"failed_{code.label}"] += 1
         else:
             sample.alpha, sample.logp_teacher, sample.logp_theta, sample.logq = (
-                records[:, k].tolist() for k in range(len(RECORD_FIELDS)))
+                records[:, k].tolist() for k in range(len(RECORD_FIELDS))
+            )
             self.counters["tokens"] += len(tokens)
-        stop = flight.request.stop[stop_index] if finish == Finish.STOP_STRING and 0 <= stop_index < len(flight.request.stop) else None
+        stop = (
+            flight.request.stop[stop_index]
+            if finish == Finish.STOP_STRING and 0 <= stop_index < len(flight.request.stop)
+            else None
+        )
         sample.stop_reason = stop if stop is not None else (tokens[-1] if finish == Finish.STOP and tokens else None)
         sample.text = sample_text(self.tokenizer, tokens, stop, stop_token=finish == Finish.STOP)
         self.counters[f"finished_{sample.finish_reason}"] += 1
@@ -408,8 +493,10 @@ class DualScheduler:
             if rows != last_rows or not self._flights:
                 last_rows, last_move = rows, time.monotonic()
             elif time.monotonic() - last_move > self.sync_timeout + _STALL_GRACE_S:
-                self._fail(f"neither engine served a row for {self.sync_timeout + _STALL_GRACE_S:.0f} s "
-                           f"({len(self._flights)} requests in flight); an engine stopped responding")
+                self._fail(
+                    f"neither engine served a row for {self.sync_timeout + _STALL_GRACE_S:.0f} s "
+                    f"({len(self._flights)} requests in flight); an engine stopped responding"
+                )
                 return
 
     def statistics(self) -> dict[str, float]:
@@ -421,7 +508,7 @@ class DualScheduler:
             stats[name[:-3] + "_s"] = stats.pop(name) / 1e9
         stats.update(self.counters)
         stats["in_flight"] = len(self._flights)
-        stats["queued"] = len(self._slot_waiters)
+        stats["queued"] = len(self._queued)
         return stats
 
     def _close_engines(self) -> None:
@@ -456,12 +543,12 @@ class DualScheduler:
 
 
 async def _last(aiter: AsyncIterator[T]) -> T:
-    item = None
+    last = None
     async for item in aiter:
-        pass
-    if item is None:
+        last = item
+    if last is None:
         raise SyncError("an engine ended a request without any output")
-    return item
+    return last
 
 
 def _first_difference(*streams: list[int]) -> int:
@@ -470,4 +557,3 @@ def _first_difference(*streams: list[int]) -> int:
         if len(set(values)) > 1:
             return i
     return 0
-

@@ -11,9 +11,10 @@ looks for stop strings, so both engines end a sample at the same step.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["decode", "StopStringWatch", "sample_text"]
+__all__ = ["StopStringWatch", "decode", "sample_text"]
 
 
 def decode(tokenizer: Any, token_ids: Sequence[int]) -> str:
@@ -53,8 +54,9 @@ class StopStringWatch:
         return None
 
 
-def sample_text(tokenizer: Any, token_ids: Sequence[int], stop_string: str | None = None,
-                stop_token: bool = False) -> str:
+def sample_text(
+    tokenizer: Any, token_ids: Sequence[int], stop_string: str | None = None, stop_token: bool = False
+) -> str:
     """A sample's text: its tokens decoded, cut before the stop string that ended it, or without its stop token."""
     if stop_token and token_ids:
         return decode(tokenizer, token_ids[:-1])

@@ -18,13 +18,16 @@ def check_tokenizers_match(teacher, theta) -> None:
     if v_t != v_th:
         for token, idx in sorted(v_t.items(), key=lambda kv: kv[1]):
             if v_th.get(token) != idx:
-                raise ValueError(f"tokenizers differ: token {token!r} has id {idx} in the teacher and "
-                                 f"{v_th.get(token)} in theta")
+                raise ValueError(
+                    f"tokenizers differ: token {token!r} has id {idx} in the teacher and {v_th.get(token)} in theta"
+                )
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
         a, b = getattr(teacher, name, None), getattr(theta, name, None)
         if a != b:
             raise ValueError(f"tokenizers differ: {name} is {a!r} in the teacher and {b!r} in theta")
     a, b = sorted(map(str, teacher.all_special_tokens)), sorted(map(str, theta.all_special_tokens))
     if a != b:
-        raise ValueError(f"tokenizers differ in special tokens: teacher only {sorted(set(a) - set(b))}, "
-                         f"theta only {sorted(set(b) - set(a))}")
+        raise ValueError(
+            f"tokenizers differ in special tokens: teacher only {sorted(set(a) - set(b))}, "
+            f"theta only {sorted(set(b) - set(a))}"
+        )

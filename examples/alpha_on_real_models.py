@@ -23,14 +23,15 @@ def main() -> None:
     computers = {m: get_alpha_computer(m) for m in available_alpha_methods()}
     alphas: dict[str, list[torch.Tensor]] = {m: [] for m in computers}
     for prompt in PROMPTS:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
         with torch.no_grad():
             full = teacher.generate(ids, max_new_tokens=40, do_sample=False)
             n = full.shape[1] - ids.shape[1]
             logp_t = torch.log_softmax(teacher(full).logits[0, -n - 1 : -1], -1)
             logp_th = torch.log_softmax(theta(full).logits[0, -n - 1 : -1], -1)
-        print(f"\n{prompt!r} -> {tokenizer.decode(full[0, ids.shape[1]:], skip_special_tokens=True)!r}")
+        print(f"\n{prompt!r} -> {tokenizer.decode(full[0, ids.shape[1] :], skip_special_tokens=True)!r}")
         for m, ac in computers.items():
             alphas[m].append(ac(logp_th, logp_t))
     print("\nteacher weight α per token over all replies")

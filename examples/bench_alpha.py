@@ -46,22 +46,43 @@ def main() -> None:
         teacher = torch.log_softmax(torch.randn(args.batch, vocab, generator=g) * 2.5, -1)
         for method in ("kl_symmetry", "ess_balance", "entropy"):
             ac = get_alpha_computer(method)
-            cold_s, cold = timed(lambda: ac.compute(theta, teacher), args.repeats)
+            cold_s, cold = timed(lambda ac=ac, th=theta, t=teacher: ac.compute(th, t), args.repeats)
             init = (cold.alpha + 0.02).clamp(0, 1)
-            warm_s, warm = timed(lambda: ac.compute(theta, teacher, alpha_init=init), args.repeats)
-            rows.append({"vocab": vocab, "method": method, "cold_ms": 1e3 * cold_s, "cold_passes": cold.passes,
-                         "warm_ms": 1e3 * warm_s, "warm_passes": warm.passes})
-            print(f"V={vocab:6d} {method:12s} cold {1e3 * cold_s:7.1f} ms ({cold.passes} passes)"
-                  f"  warm {1e3 * warm_s:7.1f} ms ({warm.passes} passes)")
+            warm_s, warm = timed(
+                lambda ac=ac, th=theta, t=teacher, i=init: ac.compute(th, t, alpha_init=i), args.repeats
+            )
+            rows.append(
+                {
+                    "vocab": vocab,
+                    "method": method,
+                    "cold_ms": 1e3 * cold_s,
+                    "cold_passes": cold.passes,
+                    "warm_ms": 1e3 * warm_s,
+                    "warm_passes": warm.passes,
+                }
+            )
+            print(
+                f"V={vocab:6d} {method:12s} cold {1e3 * cold_s:7.1f} ms ({cold.passes} passes)"
+                f"  warm {1e3 * warm_s:7.1f} ms ({warm.passes} passes)"
+            )
         # The whole per-token decision the teacher processor makes (log-softmax, α, mix, draw).
         rows_cfg = [RowSampling(seed=i) for i in range(args.batch)]
         ac = get_alpha_computer("kl_symmetry")
-        decide_s, _ = timed(lambda: decide(teacher, theta, [1] * args.batch, rows_cfg, ac), args.repeats)
+        decide_s, _ = timed(
+            lambda t=teacher, th=theta, r=rows_cfg, a=ac: decide(t, th, [1] * args.batch, r, a), args.repeats
+        )
         rows.append({"vocab": vocab, "method": "decide(kl_symmetry)", "cold_ms": 1e3 * decide_s})
         print(f"V={vocab:6d} decide       {1e3 * decide_s:7.1f} ms (log-softmax, kl_symmetry, mix, draw)")
     if args.output:
-        info = {"batch": args.batch, "dtype": "float32", "torch": torch.__version__, "threads": torch.get_num_threads(),
-                "machine": platform.machine(), "processor": platform.processor(), "date": time.strftime("%Y-%m-%d")}
+        info = {
+            "batch": args.batch,
+            "dtype": "float32",
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+            "date": time.strftime("%Y-%m-%d"),
+        }
         with open(args.output, "w") as f:
             json.dump({"info": info, "rows": rows}, f, indent=1)
             f.write("\n")

@@ -16,13 +16,14 @@ Measured:
     times a few decoding steps, so the curve is exact at each L without generating
     everything before it (an O(n²) design would otherwise take hours at L = 1024);
   - peak RSS of the process tree during each design;
-  - for (c), the split of the run into model time, barrier wait, mixing time and the
-    admission gate, and how many steps found the two engines' batches out of phase;
+  - for (c), the split of the run into model time, barrier wait and mixing time, theta's
+    wait for the plan, and how many steps found the two engines' batches out of phase
+    (0 by construction);
   - a realistic workload for (c) against (d): chat-formatted questions, sampled at
     temperature 1, lengths ending at EOS, capped at 256 tokens.
 
 Plain engines (a) and (b) bind their model threads to the same CPUs as the dual engine
-gives each model (``dual_sampling.engine.split_cpu_binding``).
+gives each model (``dual_sampling.engines.split_cpu_binding``).
 
 Derived (the names are fixed; other tools read them):
   dual_vs_bound             tok/s(c) / (1 / (1/tok/s(a) + 1/tok/s(b)))
@@ -31,6 +32,7 @@ Derived (the names are fixed; other tools read them):
   dual_vs_transformers      tok/s(c) / tok/s(d) on the realistic workload
   dual_vs_recompute_at_1024 time per token (e) / (c) at the longest length
   per_token_growth          time per token of (c) at the longest length / at the shortest
+  growth_vs_teacher         per_token_growth of (c) / the same growth of (a): what the dual engine adds
 
     python examples/benchmark.py                      # SmolLM2 pair, batch 32
     python examples/benchmark.py --quick              # tiny models, seconds per design
@@ -39,6 +41,7 @@ Derived (the names are fixed; other tools read them):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -53,7 +56,8 @@ import torch
 
 from alpha import get_alpha_computer
 from dual_sampling import OptimalSamplingDual, models
-from dual_sampling.engine import default_kv_cache_bytes, engine_cpus, split_cpu_binding
+from dual_sampling.config import default_kv_cache_bytes
+from dual_sampling.engines import engine_cpus, split_cpu_binding
 from dual_sampling.sampling import RowSampling, decide
 
 DESIGNS = ("teacher", "theta", "dual", "transformers", "recompute")
@@ -95,15 +99,13 @@ class PeakRSS:
         me = psutil.Process()
         while not self._stop.is_set():
             total = 0
-            for p in [me] + me.children(recursive=True):
-                try:
+            for p in [me, *me.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
                     total += p.memory_info().rss
-                except psutil.Error:
-                    pass
             self.peak = max(self.peak, total)
             self._stop.wait(0.05)
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self._thread.start()
         return self
 
@@ -114,7 +116,7 @@ class PeakRSS:
 
 def fixed_prompts(tokenizer, count: int, length: int, offset: int = 0) -> list[list[int]]:
     """``count`` distinct prompts of exactly ``length`` tokens (no prefix sharing between them)."""
-    words = "the a of to and in is it that for on with as was at by an be this from".split()
+    words = "the a of to and in is it that for on with as was at by an be this from".split()  # noqa: SIM905
     out = []
     for i in range(count):
         text = " ".join(words[(i * 7 + j * 3 + offset) % len(words)] + str((i * 31 + j) % 97) for j in range(length))
@@ -124,13 +126,33 @@ def fixed_prompts(tokenizer, count: int, length: int, offset: int = 0) -> list[l
 
 def chat_prompts(tokenizer, count: int) -> list[list[int]]:
     """``count`` distinct chat-formatted questions (the realistic workload: answers end at EOS)."""
-    asks = ["What is {a} + {b}?", "Explain in two sentences what makes {thing} interesting.", "Write a short poem about {thing}.",
-            "Give three facts about {thing}.", "What is {a} times {b}? Show your steps.", "Describe {thing} to a child."]
-    things = ["the moon", "rivers", "bread", "volcanoes", "music", "bees", "winter", "trains", "the ocean", "forests", "salt"]
+    asks = [
+        "What is {a} + {b}?",
+        "Explain in two sentences what makes {thing} interesting.",
+        "Write a short poem about {thing}.",
+        "Give three facts about {thing}.",
+        "What is {a} times {b}? Show your steps.",
+        "Describe {thing} to a child.",
+    ]
+    things = [
+        "the moon",
+        "rivers",
+        "bread",
+        "volcanoes",
+        "music",
+        "bees",
+        "winter",
+        "trains",
+        "the ocean",
+        "forests",
+        "salt",
+    ]
     out = []
     for i in range(count):
         text = asks[i % len(asks)].format(a=12 + 7 * i, b=5 + 3 * i, thing=things[i % len(things)])
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
         out.append(tokenizer(chat, add_special_tokens=False)["input_ids"])
     return out
 
@@ -143,10 +165,19 @@ def vllm_engine(path: str, s: Settings, max_len: int, role: str, prefill_budget:
     from vllm import LLM
 
     with engine_cpus(split_cpu_binding().get(role)):
-        return LLM(model=path, dtype="float32", max_model_len=max_len, max_num_seqs=s.batch, enforce_eager=True,
-                   enable_chunked_prefill=False, max_num_batched_tokens=prefill_budget, enable_prefix_caching=False,
-                   # The same cache the dual engine gives each model: room for every sequence, no preemption.
-                   kv_cache_memory_bytes=default_kv_cache_bytes(path, s.batch, max_len), seed=0)
+        return LLM(
+            model=path,
+            dtype="float32",
+            max_model_len=max_len,
+            max_num_seqs=s.batch,
+            enforce_eager=True,
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=prefill_budget,
+            enable_prefix_caching=False,
+            # The same cache the dual engine gives each model: room for every sequence, no preemption.
+            kv_cache_memory_bytes=default_kv_cache_bytes(path, s.batch, max_len),
+            seed=0,
+        )
 
 
 def vllm_run(llm, prompts: list[list[int]], tokens: int) -> tuple[float, list[float]]:
@@ -185,18 +216,26 @@ class HFMixture:
         self.eos = self.tokenizer.eos_token_id
 
     @torch.no_grad()
-    def run(self, prompts: list[list[int]], max_tokens: int, stop_at_eos: bool, seed: int = 0,
-            timed_steps: int | None = None) -> tuple[float, int, list[float]]:
+    def run(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        stop_at_eos: bool,
+        seed: int = 0,
+        timed_steps: int | None = None,
+    ) -> tuple[float, int, list[float]]:
         """Generate for one static batch (left-padded); return (seconds, generated tokens, step durations)."""
         b = len(prompts)
         width = max(len(p) for p in prompts)
         ids = torch.full((b, width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
         mask = torch.zeros((b, width), dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        rows = [RowSampling(seed=seed * 1000 + i, min_tokens=0 if stop_at_eos else max_tokens,
-                            stop_token_ids=(self.eos,)) for i in range(b)]
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        rows = [
+            RowSampling(seed=seed * 1000 + i, min_tokens=0 if stop_at_eos else max_tokens, stop_token_ids=(self.eos,))
+            for i in range(b)
+        ]
         start = time.perf_counter()
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         out_t = self.teacher(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
@@ -216,14 +255,24 @@ class HFMixture:
             nxt = tokens.unsqueeze(-1)
             all_ids = torch.cat([all_ids, nxt], 1)
             all_mask = torch.cat([all_mask, torch.ones((b, 1), dtype=torch.long)], 1)
-            pos_next = (all_mask.sum(-1, keepdim=True) - 1)
-            out_t = self.teacher(input_ids=nxt, attention_mask=all_mask, position_ids=pos_next, past_key_values=cache_t, use_cache=True)
+            pos_next = all_mask.sum(-1, keepdim=True) - 1
+            out_t = self.teacher(
+                input_ids=nxt, attention_mask=all_mask, position_ids=pos_next, past_key_values=cache_t, use_cache=True
+            )
             cache_t, logits_t = out_t.past_key_values, out_t.logits[:, -1, : self.vocab]
             if self.recompute:
                 full_pos = (all_mask.cumsum(-1) - 1).clamp_min(0)
-                logits_th = self.theta(input_ids=all_ids, attention_mask=all_mask, position_ids=full_pos, use_cache=False).logits[:, -1, : self.vocab]
+                logits_th = self.theta(
+                    input_ids=all_ids, attention_mask=all_mask, position_ids=full_pos, use_cache=False
+                ).logits[:, -1, : self.vocab]
             else:
-                out_th = self.theta(input_ids=nxt, attention_mask=all_mask, position_ids=pos_next, past_key_values=cache_th, use_cache=True)
+                out_th = self.theta(
+                    input_ids=nxt,
+                    attention_mask=all_mask,
+                    position_ids=pos_next,
+                    past_key_values=cache_th,
+                    use_cache=True,
+                )
                 cache_th, logits_th = out_th.past_key_values, out_th.logits[:, -1, : self.vocab]
             now = time.perf_counter()
             steps.append(now - last)
@@ -249,27 +298,31 @@ def dual_run(dual: OptimalSamplingDual, prompts: list[list[int]], tokens: int, *
 def dual_probe_step(dual: OptimalSamplingDual, prompts: list[list[int]], steps: int) -> float:
     """Seconds per decoding step of the whole batch after prefilling ``prompts``, timed from the teacher's step counter.
 
-    From idle engines the dual engine admits one request first and the rest one step later
-    (the admission gate), so engine steps 1 and 2 are prefills; steps 3 to steps + 2 decode
-    every row.
+    The teacher scheduler admits requests as they reach both engines, so the batch may be
+    prefilled over a few steps; timing starts at the first step after the last admission,
+    when every row decodes.
     """
     stats = dual.session.statistics
-    marks: list[tuple[float, int]] = []
+    admitted0 = stats()["leader_admitted"]
+    marks: list[tuple[float, int, int]] = []
     stop = threading.Event()
 
     def watch() -> None:
         while not stop.is_set():
-            marks.append((time.perf_counter(), stats()["teacher_steps"]))
+            now = stats()
+            marks.append((time.perf_counter(), now["teacher_steps"], now["leader_admitted"]))
             time.sleep(0.002)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    dual.generate(prompts, max_tokens=steps + 3, min_tokens=steps + 3, use_tqdm=False)
-    stop.set()
-    watcher.join()
-    first = marks[0][1]
-    t1 = next(t for t, c in marks if c >= first + 2)
-    t2 = next(t for t, c in marks if c >= first + 2 + steps)
+    try:
+        dual.generate(prompts, max_tokens=steps + 8, min_tokens=steps + 8, use_tqdm=False)
+    finally:
+        stop.set()
+        watcher.join()
+    full = next(c for _, c, a in marks if a >= admitted0 + len(prompts))  # the step that admitted the last one
+    t1 = next(t for t, c, _ in marks if c >= full + 1)
+    t2 = next(t for t, c, _ in marks if c >= full + 1 + steps)
     return (t2 - t1) / steps
 
 
@@ -282,9 +335,8 @@ def run(s: Settings) -> dict:
     tok = AutoTokenizer.from_pretrained(s.teacher)
     longest = max(s.lengths)
     max_len = s.prompt_tokens + longest + s.probe_steps + 8
-    # Every probe prefills its whole batch in one engine step, so the steps timed after it are pure decoding.
+    # A probe's whole batch may be prefilled in one engine step, so the steps timed after it are pure decoding.
     prefill_budget = max(s.batch * max_len, 2048)
-    one_step_prefill = {"max_num_batched_tokens": prefill_budget}
     work = fixed_prompts(tok, s.batch, s.prompt_tokens)
     results: dict[str, dict] = {d: {"time_per_token_ms": {}} for d in DESIGNS}
 
@@ -307,32 +359,40 @@ def run(s: Settings) -> dict:
         print(f"{design:12s} {results[design]['tok_s']:8.1f} tok/s", flush=True)
 
     # (c)
-    with PeakRSS() as rss:
-        with OptimalSamplingDual(s.teacher, s.theta, alpha_method=s.alpha_method, max_num_seqs=s.batch,
-                                 max_model_len=max_len, use_tqdm=False, teacher_engine_kwargs=one_step_prefill,
-                                 theta_engine_kwargs=one_step_prefill) as dual:
-            dual_run(dual, work[:2], 4)
-            wall, generated, split = dual_run(dual, work, s.tokens, min_tokens=s.tokens)
-            results["dual"]["tok_s"] = generated / wall
-            steps = split["teacher_steps"]
-            per_step = 1e3 / max(steps, 1)
-            # Seen from the teacher, whose step is the critical path: its model, its wait for theta's rows,
-            # the decision, and the admission gate. Theta's wait for the token is reported beside them.
-            results["dual"]["step_split_ms"] = {
-                "total": wall * per_step,
-                "model": (wall - split["teacher_wait_s"] - split["mix_s"] - split["teacher_parked_s"]) * per_step,
-                "barrier_wait": split["teacher_wait_s"] * per_step,
-                "mixing": split["mix_s"] * per_step,
-                "admission_gate": split["teacher_parked_s"] * per_step,
-                "theta_waits_for_token": split["theta_wait_s"] * per_step,
-            }
-            results["dual"]["split_steps"] = int(split["split_steps"])
-            for i, length in enumerate(s.lengths):
-                step = dual_probe_step(dual, probe_prompts(length, i + 1), s.probe_steps)
-                results["dual"]["time_per_token_ms"][length] = 1e3 * step / s.batch
-            realistic = chat_prompts(tok, s.realistic_prompts)
-            r_wall, r_tokens, _ = dual_run(dual, realistic, s.realistic_max_tokens, seed=3)
-            results["dual"]["realistic_tok_s"] = r_tokens / r_wall
+    with (
+        PeakRSS() as rss,
+        OptimalSamplingDual(
+            s.teacher,
+            s.theta,
+            alpha_method=s.alpha_method,
+            max_num_seqs=s.batch,
+            max_model_len=max_len,
+            use_tqdm=False,
+            max_num_batched_tokens=prefill_budget,
+        ) as dual,
+    ):
+        dual_run(dual, work[:2], 4)
+        wall, generated, split = dual_run(dual, work, s.tokens, min_tokens=s.tokens)
+        results["dual"]["tok_s"] = generated / wall
+        steps = split["teacher_steps"]
+        per_step = 1e3 / max(steps, 1)
+        # Seen from the teacher, whose step is the critical path: its model, its wait for theta's rows and
+        # the decision. Theta's waits for the token and for the plan are reported beside them.
+        results["dual"]["step_split_ms"] = {
+            "total": wall * per_step,
+            "model": (wall - split["teacher_wait_s"] - split["mix_s"]) * per_step,
+            "barrier_wait": split["teacher_wait_s"] * per_step,
+            "mixing": split["mix_s"] * per_step,
+            "theta_waits_for_token": split["theta_wait_s"] * per_step,
+            "theta_waits_for_plan": split["follower_plan_wait_s"] * per_step,
+        }
+        results["dual"]["split_steps"] = int(split["split_steps"])
+        for i, length in enumerate(s.lengths):
+            step = dual_probe_step(dual, probe_prompts(length, i + 1), s.probe_steps)
+            results["dual"]["time_per_token_ms"][length] = 1e3 * step / s.batch
+        realistic = chat_prompts(tok, s.realistic_prompts)
+        r_wall, r_tokens, _ = dual_run(dual, realistic, s.realistic_max_tokens, seed=3)
+        results["dual"]["realistic_tok_s"] = r_tokens / r_wall
     results["dual"]["peak_rss_mib"] = rss.peak / 2**20
     print(f"{'dual':12s} {results['dual']['tok_s']:8.1f} tok/s", flush=True)
 
@@ -351,7 +411,9 @@ def run(s: Settings) -> dict:
                 realistic = chat_prompts(tok, s.realistic_prompts)
                 r_wall, r_tokens = 0.0, 0
                 for start in range(0, len(realistic), s.batch):
-                    w, g, _ = hf.run(realistic[start : start + s.batch], s.realistic_max_tokens, stop_at_eos=True, seed=3)
+                    w, g, _ = hf.run(
+                        realistic[start : start + s.batch], s.realistic_max_tokens, stop_at_eos=True, seed=3
+                    )
                     r_wall, r_tokens = r_wall + w, r_tokens + g
                 results[design]["realistic_tok_s"] = r_tokens / r_wall
             del hf
@@ -364,14 +426,27 @@ def run(s: Settings) -> dict:
     derived = {
         "dual_vs_bound": results["dual"]["tok_s"] / bound,
         # With each engine's model on its own cores the two run at once: the ceiling is the slower one alone.
-        "dual_vs_parallel_bound": results["dual"]["tok_s"] / min(results["teacher"]["tok_s"], results["theta"]["tok_s"]),
+        "dual_vs_parallel_bound": results["dual"]["tok_s"]
+        / min(results["teacher"]["tok_s"], results["theta"]["tok_s"]),
         "dual_vs_transformers": results["dual"]["realistic_tok_s"] / results["transformers"]["realistic_tok_s"],
         "dual_vs_recompute_at_1024": tpt["recompute"][long_] / tpt["dual"][long_],
         "per_token_growth": tpt["dual"][long_] / tpt["dual"][short],
+        "growth_vs_teacher": (tpt["dual"][long_] / tpt["dual"][short])
+        / (tpt["teacher"][long_] / tpt["teacher"][short]),
     }
-    return {"settings": s.__dict__, "results": results, "derived": derived, "bound_tok_s": bound,
-            "machine": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
-                        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M")}}
+    return {
+        "settings": s.__dict__,
+        "results": results,
+        "derived": derived,
+        "bound_tok_s": bound,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+        },
+    }
 
 
 def markdown_table(report: dict) -> str:
@@ -400,8 +475,13 @@ def plot(report: dict, path: str) -> None:
     lengths = report["settings"]["lengths"]
     for d in DESIGNS:
         ax.plot(lengths, [report["results"][d]["time_per_token_ms"][n] for n in lengths], marker="o", label=d)
-    ax.set(xscale="log", yscale="log", xlabel="generated length (tokens)", ylabel="ms per token (per sequence)",
-           title=f"Time per token, batch {report['settings']['batch']}")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="generated length (tokens)",
+        ylabel="ms per token (per sequence)",
+        title=f"Time per token, batch {report['settings']['batch']}",
+    )
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # only the probed lengths are labelled
     ax.legend()
@@ -417,13 +497,27 @@ def main() -> None:
     parser.add_argument("--batch", type=int)
     parser.add_argument("--tokens", type=int)
     parser.add_argument("--lengths", type=int, nargs="+")
-    parser.add_argument("--quick", action="store_true", help="tiny models and short lengths: a smoke run in about a minute")
-    parser.add_argument("--output", default="bench-out/benchmark.json", help="JSON path; the .md table and .png plot go beside it")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny models and short lengths: a smoke run in about a minute"
+    )
+    parser.add_argument(
+        "--output", default="bench-out/benchmark.json", help="JSON path; the .md table and .png plot go beside it"
+    )
     args = parser.parse_args()
     if args.quick:
         teacher, theta = (str(p) for p in models.tiny_pair("same"))
-        s = Settings(teacher, theta, batch=4, tokens=16, lengths=[16, 64], probe_steps=3, recompute_probe_steps=2,
-                     realistic_prompts=8, realistic_max_tokens=24, prompt_tokens=8)
+        s = Settings(
+            teacher,
+            theta,
+            batch=4,
+            tokens=16,
+            lengths=[16, 64],
+            probe_steps=3,
+            recompute_probe_steps=2,
+            realistic_prompts=8,
+            realistic_max_tokens=24,
+            prompt_tokens=8,
+        )
     else:
         s = Settings(str(models.smollm2()), str(models.smollm2_pruned()))
     for name in ("teacher", "theta", "batch", "tokens", "lengths"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dual_sampling import EngineOptions, SamplingOptions
 from dual_sampling.datagen import RunConfig, run_generation
 from dual_sampling.report import write_report
 
@@ -26,8 +27,13 @@ def main() -> None:
     output = Path("runs/math.jsonl")
     output.parent.mkdir(exist_ok=True)
     cfg = RunConfig(
-        input=str(HERE / "math_problems.jsonl"), output=str(output), hint_field="solution", id_field="id",
-        n=2, max_tokens=96, temperature=0.8, max_num_seqs=8, max_model_len=512, resume=output.exists(),
+        input=str(HERE / "math_problems.jsonl"),
+        output=str(output),
+        hint_field="solution",
+        id_field="id",
+        resume=output.exists(),
+        sampling=SamplingOptions(n=2, max_tokens=96, temperature=0.8),
+        engine=EngineOptions(max_num_seqs=8, max_model_len=512),
     )
     summary = run_generation(cfg)
     print(json.dumps(summary, indent=1))

@@ -11,5 +11,11 @@ from processors.scheduler import LockstepScheduler, TeacherLockstepScheduler, Th
 from processors.teacher import TeacherSyncLogitsProcessor
 from processors.theta import ThetaSyncLogitsProcessor
 
-__all__ = ["BaseSyncLogitsProcessor", "LockstepScheduler", "TeacherLockstepScheduler", "TeacherSyncLogitsProcessor",
-           "ThetaLockstepScheduler", "ThetaSyncLogitsProcessor"]
+__all__ = [
+    "BaseSyncLogitsProcessor",
+    "LockstepScheduler",
+    "TeacherLockstepScheduler",
+    "TeacherSyncLogitsProcessor",
+    "ThetaLockstepScheduler",
+    "ThetaSyncLogitsProcessor",
+]

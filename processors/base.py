@@ -35,7 +35,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 from dual_sampling.protocol import Bell, ErrorCode, Slot, SyncError, SyncSession, Writer
 from dual_sampling.sampling import RowSampling
 
-__all__ = ["BaseSyncLogitsProcessor", "TrackedRow", "CONFIG_KEY", "WAIT_CAP_S", "lockstep_config", "request_pairing"]
+__all__ = ["CONFIG_KEY", "WAIT_CAP_S", "BaseSyncLogitsProcessor", "TrackedRow", "lockstep_config", "request_pairing"]
 
 CONFIG_KEY = "dual_sampling"
 WAIT_CAP_S = 0.05
@@ -115,8 +115,9 @@ class BaseSyncLogitsProcessor(LogitsProcessor):
         for index, params, _prompt_ids, output_ids in batch_update.added:
             self._release(self.rows.pop(index, None))
             pairing = request_pairing(params, self.role)
-            self.rows[index] = TrackedRow(int(pairing["slot"]), int(pairing["key"]), output_ids,
-                                          RowSampling.from_dict(pairing["sampling"]))
+            self.rows[index] = TrackedRow(
+                int(pairing["slot"]), int(pairing["key"]), output_ids, RowSampling.from_dict(pairing["sampling"])
+            )
         for a, b, direction in batch_update.moved:
             row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)
             if direction == MoveDirectionality.SWAP:

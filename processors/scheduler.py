@@ -36,8 +36,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import ClassVar, Iterable, Iterator
+from typing import ClassVar
 
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -48,8 +49,14 @@ from vllm.v1.request import Request, RequestStatus
 from dual_sampling.protocol import Bell, ErrorCode, Finish, Header, Phase, Slot, Stat, SyncSession, Writer, pid_alive
 from processors.base import WAIT_CAP_S, lockstep_config, request_pairing
 
-__all__ = ["LockstepScheduler", "TeacherLockstepScheduler", "ThetaLockstepScheduler", "IDLE_WAIT_S",
-           "plan_entry", "split_plan_entry"]
+__all__ = [
+    "IDLE_WAIT_S",
+    "LockstepScheduler",
+    "TeacherLockstepScheduler",
+    "ThetaLockstepScheduler",
+    "plan_entry",
+    "split_plan_entry",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +72,12 @@ _STATUS_OF_FINISH = {
     Finish.ABORT: RequestStatus.FINISHED_ABORTED,
     Finish.ERROR: RequestStatus.FINISHED_ERROR,
 }
-_FINISH_OF_REASON = {FinishReason.STOP: Finish.STOP, FinishReason.LENGTH: Finish.LENGTH, FinishReason.ABORT: Finish.ABORT,
-                     FinishReason.ERROR: Finish.ERROR}
+_FINISH_OF_REASON = {
+    FinishReason.STOP: Finish.STOP,
+    FinishReason.LENGTH: Finish.LENGTH,
+    FinishReason.ABORT: Finish.ABORT,
+    FinishReason.ERROR: Finish.ERROR,
+}
 
 
 def plan_entry(slot: int, key: int) -> int:
@@ -118,8 +129,12 @@ class LockstepScheduler(Scheduler):
 
     def add_request(self, request: Request) -> None:
         pairing = request_pairing(request.sampling_params, self.role)
-        ticket = _Ticket(int(pairing["slot"]), int(pairing["key"]), tuple(pairing.get("stop") or ()),
-                         int(pairing.get("sampling", {}).get("min_tokens", 0)))
+        ticket = _Ticket(
+            int(pairing["slot"]),
+            int(pairing["key"]),
+            tuple(pairing.get("stop") or ()),
+            int(pairing.get("sampling", {}).get("min_tokens", 0)),
+        )
         super().add_request(request)
         self.tickets[request.request_id] = ticket
         self.session.control[ticket.slot, self.arrived_word] = ticket.key
@@ -138,8 +153,9 @@ class LockstepScheduler(Scheduler):
         others = [rid for rid in ids if rid not in self.tickets]
         return super().finish_requests(others, finished_status) if others else []
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         self.after_step(scheduler_output, outputs)
         for client, output in self._ending_outputs:
@@ -170,9 +186,17 @@ class LockstepScheduler(Scheduler):
         if ticket is not None and not ticket.scheduled:
             self.session.release(ticket.slot, ticket.key, self.released_word)  # no processor ever saw it
         if emit:
-            self._ending_outputs.append((request.client_index, EngineCoreOutput(
-                request_id=request.request_id, new_token_ids=[], finish_reason=RequestStatus.get_finished_reason(status),
-                stop_reason=stop_reason)))
+            self._ending_outputs.append(
+                (
+                    request.client_index,
+                    EngineCoreOutput(
+                        request_id=request.request_id,
+                        new_token_ids=[],
+                        finish_reason=RequestStatus.get_finished_reason(status),
+                        stop_reason=stop_reason,
+                    ),
+                )
+            )
 
     def fail(self, request: Request, code: ErrorCode) -> None:
         """Record ``code`` in the request's slot (the processors abandon its rows) and end it here."""
@@ -183,8 +207,11 @@ class LockstepScheduler(Scheduler):
 
     def live_requests(self) -> list[tuple[Request, _Ticket]]:
         """Every lockstep request this engine holds and has not ended, running or waiting."""
-        return [(self.requests[rid], t) for rid, t in self.tickets.items()
-                if rid in self.requests and not self.requests[rid].is_finished()]
+        return [
+            (self.requests[rid], t)
+            for rid, t in self.tickets.items()
+            if rid in self.requests and not self.requests[rid].is_finished()
+        ]
 
     @contextlib.contextmanager
     def queue_only(self, admit: list[Request]) -> Iterator[None]:
@@ -335,8 +362,14 @@ class TeacherLockstepScheduler(LockstepScheduler):
                 self.session.add_stat(Stat.PREEMPTIONS_REFUSED, 1)
                 self._fail_here(request, ErrorCode.PREEMPTED)
 
-    def _end_here(self, request: Request, ticket: _Ticket, finish: Finish, output: EngineCoreOutput | None = None,
-                  stop_index: int = -1) -> None:
+    def _end_here(
+        self,
+        request: Request,
+        ticket: _Ticket,
+        finish: Finish,
+        output: EngineCoreOutput | None = None,
+        stop_index: int = -1,
+    ) -> None:
         """End ``request`` on both engines: here now, on theta before the next plan."""
         stop_reason = ticket.stops[stop_index] if stop_index >= 0 else None
         self._record_end(ticket, finish, stop_index)
@@ -422,8 +455,12 @@ class ThetaLockstepScheduler(LockstepScheduler):
                     s.wait_bell(Bell.PLAN, seen, IDLE_WAIT_S - (now - start))
                     continue
                 if now >= deadline:
-                    logger.error("no plan %d from the teacher engine within %.0f s; failing %d running requests",
-                                 number, self.sync_timeout, len(self.running))
+                    logger.error(
+                        "no plan %d from the teacher engine within %.0f s; failing %d running requests",
+                        number,
+                        self.sync_timeout,
+                        len(self.running),
+                    )
                     for request in list(self.running):
                         self.fail(request, ErrorCode.SYNC_TIMEOUT)
                     return None

@@ -40,8 +40,12 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         helper_cpus = self.config.get("mix_helper_cpus")
         self._helper = None
         if helper_cpus and device.type == "cpu":
-            self._helper = ThreadPoolExecutor(1, thread_name_prefix="dual-sampling-mix",
-                                              initializer=os.sched_setaffinity, initargs=(0, set(helper_cpus)))
+            self._helper = ThreadPoolExecutor(
+                1,
+                thread_name_prefix="dual-sampling-mix",
+                initializer=os.sched_setaffinity,
+                initargs=(0, set(helper_cpus)),
+            )
 
     def _decide_rows(self, teacher: torch.Tensor, theta: torch.Tensor, ready: list[tuple[int, TrackedRow]]) -> Decision:
         """decide() for these rows; with a helper thread, its first half runs there, at the same time."""
@@ -49,8 +53,15 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         def run(lo: int, hi: int) -> Decision:
             part = ready[lo:hi]
             warm = torch.tensor([row.alpha for _, row in part], dtype=torch.float32, device=teacher.device)
-            return decide(teacher[lo:hi], theta[lo:hi], [row.step for _, row in part], [row.sampling for _, row in part],
-                          self.alpha_computer, warm, theta_normalized=True)
+            return decide(
+                teacher[lo:hi],
+                theta[lo:hi],
+                [row.step for _, row in part],
+                [row.sampling for _, row in part],
+                self.alpha_computer,
+                warm,
+                theta_normalized=True,
+            )
 
         n = len(ready)
         if self._helper is None or n < _MIN_ROWS_TO_SPLIT:
@@ -118,7 +129,9 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
             ready = [ready[k] for k in good]
             teacher, theta = teacher[good], theta[good]
         d = self._decide_rows(teacher, theta, ready)
-        rows_out = zip(ready, *(t.cpu().tolist() for t in (d.tokens, d.alpha, d.logp_teacher, d.logp_theta, d.logq, d.ok)))
+        rows_out = zip(
+            ready, *(t.cpu().tolist() for t in (d.tokens, d.alpha, d.logp_teacher, d.logp_theta, d.logq, d.ok))
+        )
         control = s.control
         for (i, row), tok, a, lt, lth, lq, row_ok in rows_out:
             if not row_ok or row.step >= s.layout.max_steps:

@@ -51,5 +51,7 @@ def hf_models(tiny_same):
     from transformers import AutoModelForCausalLM
 
     teacher, theta = tiny_same
-    return (AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval(),
-            AutoModelForCausalLM.from_pretrained(theta, dtype=torch.float32).eval())
+    return (
+        AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval(),
+        AutoModelForCausalLM.from_pretrained(theta, dtype=torch.float32).eval(),
+    )

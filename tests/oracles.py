@@ -32,10 +32,23 @@ def _keep_top(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return keep
 
 
-def reference_logq(lth: torch.Tensor, lt: torch.Tensor, alpha: torch.Tensor, step0: int = 0, *, temperature: float = 1.0,
-                   top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0, min_tokens: int = 0,
-                   stop_ids: tuple = (), logit_bias: dict | None = None, teacher_support_top_k: int = -1,
-                   teacher_support_top_p: float = 1.0, force_first_token: bool = False) -> torch.Tensor:
+def reference_logq(
+    lth: torch.Tensor,
+    lt: torch.Tensor,
+    alpha: torch.Tensor,
+    step0: int = 0,
+    *,
+    temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    min_tokens: int = 0,
+    stop_ids: tuple = (),
+    logit_bias: dict | None = None,
+    teacher_support_top_k: int = -1,
+    teacher_support_top_p: float = 1.0,
+    force_first_token: bool = False,
+) -> torch.Tensor:
     """log q [T, V] in float64, stage by stage, written independently of dual_sampling.sampling."""
     out = []
     for t in range(lth.shape[0]):
@@ -64,8 +77,9 @@ def oracle_rows(sample, request, hf_teacher, hf_theta, vocab: int, alpha_method:
     return lt, lth, get_alpha_computer(alpha_method)(lth, lt)
 
 
-def assert_records_match_rescoring(request, hf_teacher, hf_theta, vocab: int, alpha_method: str, atol: float = 1e-4,
-                                   **sampling) -> int:
+def assert_records_match_rescoring(
+    request, hf_teacher, hf_theta, vocab: int, alpha_method: str, atol: float = 1e-4, **sampling
+) -> int:
     """Check every sample of ``request`` against the oracle (``sampling``: the options used); return tokens checked."""
     checked = 0
     for sample in request.samples:
@@ -78,10 +92,12 @@ def assert_records_match_rescoring(request, hf_teacher, hf_theta, vocab: int, al
         logq = reference_logq(lth, lt, alpha, **sampling).gather(-1, tok).squeeze(-1)
         assert torch.isfinite(logq).all(), "a sampled token lies outside the support the options allow"
         torch.testing.assert_close(torch.tensor(sample.alpha, dtype=torch.float64), alpha, atol=atol, rtol=0)
-        torch.testing.assert_close(torch.tensor(sample.logp_teacher, dtype=torch.float64), lt.gather(-1, tok).squeeze(-1),
-                                   atol=atol, rtol=0)
-        torch.testing.assert_close(torch.tensor(sample.logp_theta, dtype=torch.float64), lth.gather(-1, tok).squeeze(-1),
-                                   atol=atol, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(sample.logp_teacher, dtype=torch.float64), lt.gather(-1, tok).squeeze(-1), atol=atol, rtol=0
+        )
+        torch.testing.assert_close(
+            torch.tensor(sample.logp_theta, dtype=torch.float64), lth.gather(-1, tok).squeeze(-1), atol=atol, rtol=0
+        )
         torch.testing.assert_close(torch.tensor(sample.logq, dtype=torch.float64), logq, atol=atol * 2, rtol=0)
         checked += len(sample.token_ids)
     return checked

@@ -43,7 +43,12 @@ from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 from vllm.v1.structured_output import StructuredOutputManager
 
 from alpha import geometric_mix, get_alpha_computer
-from processors import TeacherLockstepScheduler, TeacherSyncLogitsProcessor, ThetaLockstepScheduler, ThetaSyncLogitsProcessor
+from processors import (
+    TeacherLockstepScheduler,
+    TeacherSyncLogitsProcessor,
+    ThetaLockstepScheduler,
+    ThetaSyncLogitsProcessor,
+)
 
 VOCAB = 64
 """Sim vocabulary: SmolLM2's first 64 ids (17 onwards decode to single ASCII characters)."""
@@ -77,18 +82,21 @@ class Adversity:
 class SimEngineCore(threading.Thread):
     """One engine: vLLM's scheduler (our plugin) and our processor, with a simulated loop and model."""
 
-    def __init__(self, side: str, vllm_config: Any, num_blocks: int, rng: random.Random, adversity: Adversity,
-                 deliver) -> None:
+    def __init__(
+        self, side: str, vllm_config: Any, num_blocks: int, rng: random.Random, adversity: Adversity, deliver
+    ) -> None:
         super().__init__(name=f"sim-{side}", daemon=True)
         self.side, self.rng, self.adversity, self.deliver = side, rng, adversity, deliver
         vllm_config.cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float32)
-        kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                           kv_cache_groups=[KVCacheGroupSpec(["layers.0"], spec)])
+        kv = KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layers.0"], spec)]
+        )
         scheduler_cls = TeacherLockstepScheduler if side == "teacher" else ThetaLockstepScheduler
         processor_cls = TeacherSyncLogitsProcessor if side == "teacher" else ThetaSyncLogitsProcessor
-        self.scheduler = scheduler_cls(vllm_config, kv, StructuredOutputManager(vllm_config), block_size=BLOCK,
-                                       hash_block_size=BLOCK)
+        self.scheduler = scheduler_cls(
+            vllm_config, kv, StructuredOutputManager(vllm_config), block_size=BLOCK, hash_block_size=BLOCK
+        )
         self.processor = processor_cls(vllm_config, torch.device("cpu"), False)
         self._inbox: list = []
         self._inbox_lock = threading.Condition()
@@ -131,7 +139,11 @@ class SimEngineCore(threading.Thread):
             while not self.stop_flag.is_set():
                 self._read_inputs(block=not self.scheduler.has_requests())
                 stall = self.adversity.stall
-                if stall and stall[0] == self.side and stall[1] <= time.monotonic() - self.started_at < stall[1] + stall[2]:
+                if (
+                    stall
+                    and stall[0] == self.side
+                    and stall[1] <= time.monotonic() - self.started_at < stall[1] + stall[2]
+                ):
                     time.sleep(0.01)
                     continue
                 if self.scheduler.has_requests():
@@ -185,11 +197,15 @@ class SimEngineCore(threading.Thread):
             a, b = self.rng.sample(range(len(self.batch)), 2)
             self.batch[a], self.batch[b] = self.batch[b], self.batch[a]
             moved.append((a, b, MoveDirectionality.SWAP))
-        self.processor.update_state(BatchUpdate(len(self.batch), removed, added, moved) if removed or added or moved else None)
+        self.processor.update_state(
+            BatchUpdate(len(self.batch), removed, added, moved) if removed or added or moved else None
+        )
         if not self.batch:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={})
         seeds = [self.params_of[rid].extra_args["dual_sampling"]["sampling"]["seed"] for rid in self.batch]
-        logits = torch.stack([sim_logits(self.side, seed, len(self.outputs_of[rid])) for seed, rid in zip(seeds, self.batch)])
+        logits = torch.stack(
+            [sim_logits(self.side, seed, len(self.outputs_of[rid])) for seed, rid in zip(seeds, self.batch)]
+        )
         if self.side == "theta":
             for i, (seed, rid) in enumerate(zip(seeds, self.batch)):
                 if seed in self.adversity.nan_seeds and len(self.outputs_of[rid]) == NAN_STEP:
@@ -200,14 +216,19 @@ class SimEngineCore(threading.Thread):
             assert int(torch.isfinite(logits[i]).sum()) == 1, "every row must allow exactly one token"
             tokens.append(int(logits[i].argmax()))
             self.outputs_of[rid].append(tokens[-1])
-        return ModelRunnerOutput(req_ids=list(self.batch), req_id_to_index={rid: i for i, rid in enumerate(self.batch)},
-                                 sampled_token_ids=[[t] for t in tokens])
+        return ModelRunnerOutput(
+            req_ids=list(self.batch),
+            req_id_to_index={rid: i for i, rid in enumerate(self.batch)},
+            sampled_token_ids=[[t] for t in tokens],
+        )
 
 
 class SimAsyncEngine:
     """The frontend of one simulated engine, with ``AsyncLLM.generate``'s behaviour."""
 
-    def __init__(self, core: SimEngineCore, rng: random.Random, adversity: Adversity, partner: "SimAsyncEngine | None" = None):
+    def __init__(
+        self, core: SimEngineCore, rng: random.Random, adversity: Adversity, partner: SimAsyncEngine | None = None
+    ):
         self.core, self.rng, self.adversity = core, rng, adversity
         self.partner = partner
         self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -238,9 +259,14 @@ class SimAsyncEngine:
                     continue
                 shown = tokens if params.output_kind == RequestOutputKind.FINAL_ONLY else list(out.new_token_ids)
                 reason = str(out.finish_reason) if finished else None
-                yield RequestOutput(request_id, None, request.prompt_token_ids, None,
-                                    [CompletionOutput(0, "", shown, None, None, finish_reason=reason,
-                                                      stop_reason=out.stop_reason)], finished)
+                yield RequestOutput(
+                    request_id,
+                    None,
+                    request.prompt_token_ids,
+                    None,
+                    [CompletionOutput(0, "", shown, None, None, finish_reason=reason, stop_reason=out.stop_reason)],
+                    finished,
+                )
                 if finished:
                     return
         except (asyncio.CancelledError, GeneratorExit):
@@ -253,16 +279,24 @@ class SimAsyncEngine:
 class SimEnginePair:
     """Two simulated engines with :class:`dual_sampling.engines.EnginePair`'s interface."""
 
-    def __init__(self, session_name: str, configs: dict, rng: random.Random, adversity: Adversity, max_num_seqs: int,
-                 max_model_len: int) -> None:
+    def __init__(
+        self,
+        session_name: str,
+        configs: dict,
+        rng: random.Random,
+        adversity: Adversity,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
         full = max_num_seqs * -(-max_model_len // BLOCK) + 1
         self.cores, self.engines = {}, {}
         for side in ("teacher", "theta"):
             cfg = configs[side]
             cfg.additional_config["dual_sampling"]["session"] = session_name
             engine = SimAsyncEngine(None, random.Random(rng.random()), adversity)
-            core = SimEngineCore(side, cfg, adversity.kv_blocks.get(side, full), random.Random(rng.random()), adversity,
-                                 engine.deliver)
+            core = SimEngineCore(
+                side, cfg, adversity.kv_blocks.get(side, full), random.Random(rng.random()), adversity, engine.deliver
+            )
             engine.core = core
             self.cores[side], self.engines[side] = core, engine
         for core in self.cores.values():
@@ -303,11 +337,28 @@ def sim_configs(max_num_seqs: int, max_model_len: int, budget: int, sync_timeout
     teacher, theta = models.tiny_pair("same")
     out = {}
     for side, path in (("teacher", teacher), ("theta", theta)):
-        args = EngineArgs(model=str(path), tokenizer=str(teacher), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=budget, enable_chunked_prefill=False, async_scheduling=False,
-                          enforce_eager=True, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False,
-                          additional_config={"dual_sampling": {"role": side, "session": "", "sync_timeout": sync_timeout,
-                                                               "alpha_method": "kl_symmetry", "alpha_config": {}}})
+        args = EngineArgs(
+            model=str(path),
+            tokenizer=str(teacher),
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            enable_chunked_prefill=False,
+            async_scheduling=False,
+            enforce_eager=True,
+            dtype="float32",
+            skip_tokenizer_init=True,
+            enable_prefix_caching=False,
+            additional_config={
+                "dual_sampling": {
+                    "role": side,
+                    "session": "",
+                    "sync_timeout": sync_timeout,
+                    "alpha_method": "kl_symmetry",
+                    "alpha_config": {},
+                }
+            },
+        )
         out[side] = args.create_engine_config()
     return out
 
@@ -327,7 +378,9 @@ def check_records(sample, request=None) -> None:
             logq[[t for t in request.sampling.stop_token_ids if t < VOCAB]] = -math.inf
             logq = torch.log_softmax(logq, -1)
         assert math.isclose(sample.alpha[step], float(a), abs_tol=1e-5), f"seed {sample.seed} step {step}: alpha"
-        assert math.isclose(sample.logp_theta[step], float(lth[tok]), abs_tol=1e-5), f"seed {sample.seed} step {step}: stale theta row"
+        assert math.isclose(sample.logp_theta[step], float(lth[tok]), abs_tol=1e-5), (
+            f"seed {sample.seed} step {step}: stale theta row"
+        )
         assert math.isclose(sample.logp_teacher[step], float(lt[tok]), abs_tol=1e-5)
         assert math.isclose(sample.logq[step], float(logq[tok]), abs_tol=1e-5), f"seed {sample.seed} step {step}: log q"
 
@@ -363,28 +416,49 @@ def sim_tokenizer():
     return _TOKENIZER
 
 
-def make_requests(rng: random.Random, count: int, max_model_len: int, stops: tuple[str, ...] = (),
-                  min_tokens: int = 0) -> list:
+def make_requests(
+    rng: random.Random, count: int, max_model_len: int, stops: tuple[str, ...] = (), min_tokens: int = 0
+) -> list:
     """Long teacher prompts and short theta ones (a hint on one side only), uneven lengths, random stop ids."""
     from dual_sampling.sampling import RowSampling
     from dual_sampling.scheduler import DualRequest
 
     out = []
-    for k in range(count):
+    for _k in range(count):
         teacher_len, theta_len = rng.randint(max_model_len // 4, max_model_len // 2), rng.randint(1, 12)
         max_tokens = rng.randint(max(1, min_tokens), 24)
-        out.append(DualRequest([rng.randrange(17, VOCAB) for _ in range(teacher_len)],
-                               [rng.randrange(17, VOCAB) for _ in range(theta_len)],
-                               RowSampling(seed=rng.randrange(1 << 40), min_tokens=min(min_tokens, max_tokens),
-                                           stop_token_ids=(EOS, rng.randrange(17, VOCAB))),
-                               max_tokens, stop=stops))
+        out.append(
+            DualRequest(
+                [rng.randrange(17, VOCAB) for _ in range(teacher_len)],
+                [rng.randrange(17, VOCAB) for _ in range(theta_len)],
+                RowSampling(
+                    seed=rng.randrange(1 << 40),
+                    min_tokens=min(min_tokens, max_tokens),
+                    stop_token_ids=(EOS, rng.randrange(17, VOCAB)),
+                ),
+                max_tokens,
+                stop=stops,
+            )
+        )
     return out
 
 
-def run_simulation(seed: int, count: int, max_num_seqs: int, adversity: Adversity | None = None, *,
-                   max_model_len: int = 96, budget: int | None = None, abort_rate: float = 0.0,
-                   cancel_rate: float = 0.0, act_within_s: float = 0.3, stops: tuple[str, ...] = (), min_tokens: int = 0,
-                   sync_timeout: float = 10.0, slots: int | None = None) -> SimRun:
+def run_simulation(
+    seed: int,
+    count: int,
+    max_num_seqs: int,
+    adversity: Adversity | None = None,
+    *,
+    max_model_len: int = 96,
+    budget: int | None = None,
+    abort_rate: float = 0.0,
+    cancel_rate: float = 0.0,
+    act_within_s: float = 0.3,
+    stops: tuple[str, ...] = (),
+    min_tokens: int = 0,
+    sync_timeout: float = 10.0,
+    slots: int | None = None,
+) -> SimRun:
     """Run ``count`` requests through the real plugins and driver on two simulated engines.
 
     ``budget`` (tokens per step, default max_model_len) is small enough that one engine alone
@@ -399,24 +473,27 @@ def run_simulation(seed: int, count: int, max_num_seqs: int, adversity: Adversit
     adversity = adversity or Adversity()
     configs = sim_configs(max_num_seqs, max_model_len, budget or max_model_len, sync_timeout)
     requests = make_requests(rng, count, max_model_len, stops, min_tokens)
-    scheduler = DualScheduler(lambda name: SimEnginePair(name, configs, rng, adversity, max_num_seqs, max_model_len),
-                              sim_tokenizer(), vocab=VOCAB, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                              sync_timeout=sync_timeout, slots=slots)
+    scheduler = DualScheduler(
+        lambda name: SimEnginePair(name, configs, rng, adversity, max_num_seqs, max_model_len),
+        sim_tokenizer(),
+        vocab=VOCAB,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        sync_timeout=sync_timeout,
+        slots=slots,
+    )
     aborted: set = set()
     plan = [(rng.random() < abort_rate, rng.random() < cancel_rate, rng.random() * act_within_s) for _ in requests]
 
     async def one(index: int, request) -> Any:
         abort, cancel, after = plan[index]
-        stream = scheduler.stream(request)
-        task = asyncio.ensure_future(_drain(stream))
+        request.request_id = f"r{index}"
+        task = asyncio.ensure_future(_drain(scheduler.stream(request)))
         if abort or cancel:
             await asyncio.sleep(after)
-            while abort and not task.done() and not any(f.request is request for f in scheduler._flights.values()):
-                await asyncio.sleep(0.001)  # still waiting for a slot: the driver aborts requests it has submitted
             if not task.done():
                 if abort:
-                    ids = [rid for rid, f in scheduler._flights.items() if f.request is request]
-                    if ids and scheduler.abort(ids[0]):
+                    if scheduler.abort(request.request_id):
                         aborted.add(index)
                 else:
                     task.cancel()
@@ -446,6 +523,6 @@ async def _drain(stream) -> Any:
     async for delta in stream:
         streamed += delta.token_ids
         if delta.sample is not None:
-            assert streamed == delta.sample.token_ids, "the streamed tokens differ from the sample's"
+            assert streamed == delta.sample.teacher_token_ids, "the streamed tokens differ from the teacher engine's"
             return delta.sample
     raise AssertionError("stream ended without a sample")

@@ -135,7 +135,9 @@ def test_identical_inputs_give_one_half_clamped():
     th, _ = random_pair(3, 100, seed=7)
     for method in ("kl_symmetry", "ess_balance", "entropy"):
         assert torch.allclose(get_alpha_computer(method)(th, th), torch.full((3,), 0.5, dtype=torch.float64))
-        assert torch.allclose(get_alpha_computer(method, alpha_max=0.2)(th, th), torch.full((3,), 0.2, dtype=torch.float64))
+        assert torch.allclose(
+            get_alpha_computer(method, alpha_max=0.2)(th, th), torch.full((3,), 0.2, dtype=torch.float64)
+        )
 
 
 def test_entropy_formula_direction():
@@ -149,7 +151,9 @@ def test_entropy_formula_direction():
 def test_fixed_alpha():
     th, t = random_pair(4, 10, seed=1)
     assert torch.equal(get_alpha_computer("fixed", alpha=0.3)(th, t), torch.full((4,), 0.3, dtype=torch.float64))
-    assert torch.equal(get_alpha_computer("fixed", alpha=0.9, alpha_max=0.6)(th, t), torch.full((4,), 0.6, dtype=torch.float64))
+    assert torch.equal(
+        get_alpha_computer("fixed", alpha=0.9, alpha_max=0.6)(th, t), torch.full((4,), 0.6, dtype=torch.float64)
+    )
 
 
 def test_clamps_equal_clamped_unconstrained_root():
@@ -334,7 +338,9 @@ def log_prob_pairs(draw):
     mask_th = torch.rand(vocab, generator=g) < masked
     mask_t = torch.rand(vocab, generator=g) < masked
     mask_th[0] = mask_t[0] = False  # keep the joint support non-empty
-    return torch.log_softmax(th.masked_fill(mask_th, -math.inf), -1), torch.log_softmax(t.masked_fill(mask_t, -math.inf), -1)
+    return torch.log_softmax(th.masked_fill(mask_th, -math.inf), -1), torch.log_softmax(
+        t.masked_fill(mask_t, -math.inf), -1
+    )
 
 
 def assert_is_clamped_root(residual, a: float, tol: float) -> None:

@@ -24,7 +24,10 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "math_problems.
 
 
 def problems(path: Path, count: int, extra: dict | None = None) -> Path:
-    rows = [{"id": f"p{i}", "problem": f"What is {i} plus {2 * i}?", "solution": f"{i} + {2 * i} = {3 * i}."} for i in range(count)]
+    rows = [
+        {"id": f"p{i}", "problem": f"What is {i} plus {2 * i}?", "solution": f"{i} + {2 * i} = {3 * i}."}
+        for i in range(count)
+    ]
     for row in rows[:1]:
         row.update(extra or {})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -35,9 +38,21 @@ def tiny_config(tiny_same, tmp_path: Path, **overrides) -> RunConfig:
     teacher, theta = tiny_same
     if "input" not in overrides:
         overrides["input"] = str(problems(tmp_path / "in.jsonl", 6))
-    settings = dict(teacher=str(teacher), theta=str(theta),
-                    output=str(tmp_path / "out.jsonl"), hint_field="solution", id_field="id", n=2, max_tokens=12,
-                    max_num_seqs=4, max_model_len=256, sync_timeout=30, use_tqdm=False, batch_size=4, seed=7)
+    settings = dict(
+        teacher=str(teacher),
+        theta=str(theta),
+        output=str(tmp_path / "out.jsonl"),
+        hint_field="solution",
+        id_field="id",
+        n=2,
+        max_tokens=12,
+        max_num_seqs=4,
+        max_model_len=256,
+        sync_timeout=30,
+        use_tqdm=False,
+        batch_size=4,
+        seed=7,
+    )
     settings.update(overrides)
     return RunConfig.from_settings(settings)
 
@@ -102,9 +117,27 @@ def test_config_file_and_flags_merge_and_flags_win(tiny_same, tmp_path):
     teacher, theta = tiny_same
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"max-tokens: 99\ntemperature: 0.5\nstop: ['END']\nalpha_method: ess_balance\nteacher: {teacher}\n")
-    args = build_parser().parse_args(["generate", "--config", str(cfg), "--temperature", "0.7", "--no-chat-template",
-                                      "--input", "in.jsonl", "--output", "o.jsonl", "--theta", str(theta),
-                                      "--stop-token-ids", "5", "7", "--logit-bias", '{"11": -5}'])
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "--config",
+            str(cfg),
+            "--temperature",
+            "0.7",
+            "--no-chat-template",
+            "--input",
+            "in.jsonl",
+            "--output",
+            "o.jsonl",
+            "--theta",
+            str(theta),
+            "--stop-token-ids",
+            "5",
+            "7",
+            "--logit-bias",
+            '{"11": -5}',
+        ]
+    )
     settings = _load_config_file(args.config)
     settings.update({k: v for k, v in vars(args).items() if k not in ("config", "run", "command")})
     run = RunConfig.from_settings(settings)
@@ -138,7 +171,9 @@ def test_records_are_complete_and_consistent(dual_engine, tiny_same, tmp_path):
     cfg = tiny_config(tiny_same, tmp_path, input=str(src))
     summary = run_generation(cfg, sampler=dual_engine)
     records = read_journal(Path(cfg.output))
-    assert Counter((r["id"], r["sample_index"]) for r in records) == Counter((f"p{i}", j) for i in range(6) for j in range(2))
+    assert Counter((r["id"], r["sample_index"]) for r in records) == Counter(
+        (f"p{i}", j) for i in range(6) for j in range(2)
+    )
     rejects = [json.loads(line) for line in (tmp_path / "out.rejects.jsonl").read_text().splitlines()]
     assert {r["id"]: r["reason"] for r in rejects}.keys() == {"empty", "long"}
     assert "max_model_len" in next(r["reason"] for r in rejects if r["id"] == "long")
@@ -163,8 +198,13 @@ def test_parquet_and_messages_outputs_load(dual_engine, tiny_same, tmp_path):
     table = pq.read_table(tmp_path / "out.parquet")
     assert table.num_rows == 12 and {"alpha", "logq", "log_w_theta", "response"} <= set(table.column_names)
     assert len(pandas.read_parquet(tmp_path / "out.parquet")) == 12
-    msg = tiny_config(tiny_same, tmp_path, output=str(tmp_path / "msg.jsonl"), format="messages",
-                      system_prompt_theta="You are a careful student.")
+    msg = tiny_config(
+        tiny_same,
+        tmp_path,
+        output=str(tmp_path / "msg.jsonl"),
+        format="messages",
+        system_prompt_theta="You are a careful student.",
+    )
     run_generation(msg, sampler=dual_engine)
     rows = [json.loads(line) for line in (tmp_path / "msg.jsonl").read_text().splitlines()]
     assert len(rows) == 12
@@ -180,9 +220,11 @@ def test_missing_field_and_duplicate_ids_are_named(dual_engine, tiny_same, tmp_p
     src.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match="row 2 has no field 'problem'"):
         run_generation(tiny_config(tiny_same, tmp_path, input=str(src)), sampler=dual_engine)
-    src.write_text("\n".join(lines[:2] + [lines[0]]) + "\n")
+    src.write_text("\n".join([*lines[:2], lines[0]]) + "\n")
     with pytest.raises(ValueError, match="rows 0 and 2 share the id 'p0'"):
-        run_generation(tiny_config(tiny_same, tmp_path, input=str(src), output=str(tmp_path / "o2.jsonl")), sampler=dual_engine)
+        run_generation(
+            tiny_config(tiny_same, tmp_path, input=str(src), output=str(tmp_path / "o2.jsonl")), sampler=dual_engine
+        )
 
 
 def test_resume_refuses_a_different_configuration(dual_engine, tiny_same, tmp_path):
@@ -191,8 +233,9 @@ def test_resume_refuses_a_different_configuration(dual_engine, tiny_same, tmp_pa
         run_generation(tiny_config(tiny_same, tmp_path), sampler=dual_engine)
     with pytest.raises(ValueError, match="temperature: 1.0 -> 0.5"):
         run_generation(tiny_config(tiny_same, tmp_path, temperature=0.5, resume=True), sampler=dual_engine)
-    summary = run_generation(tiny_config(tiny_same, tmp_path, resume=True, batch_size=2, max_num_seqs=2),
-                             sampler=dual_engine)
+    summary = run_generation(
+        tiny_config(tiny_same, tmp_path, resume=True, batch_size=2, max_num_seqs=2), sampler=dual_engine
+    )
     assert summary["samples_written"] == 0 and summary["samples_already_done"] == 12
 
 
@@ -200,8 +243,9 @@ def test_failed_samples_are_never_training_data_and_resume_draws_them_again(dual
     pairs = Counter((f"p{i}", j) for i in range(6) for j in range(2))
     for fmt in ("records", "messages"):
         out = tmp_path / f"{fmt}.jsonl"
-        first = run_generation(tiny_config(tiny_same, tmp_path, output=str(out), format=fmt),
-                               sampler=FailingSampler(dual_engine))
+        first = run_generation(
+            tiny_config(tiny_same, tmp_path, output=str(out), format=fmt), sampler=FailingSampler(dual_engine)
+        )
         written = read_journal(out)
         failed = [json.loads(line) for line in (tmp_path / f"{fmt}.failed.jsonl").read_text().splitlines()]
         assert failed and first["failed_samples"] == len(failed) and first["failures"] == {"sync_timeout": len(failed)}
@@ -209,8 +253,9 @@ def test_failed_samples_are_never_training_data_and_resume_draws_them_again(dual
         assert not {(f["id"], f["sample_index"]) for f in failed} & {(r["id"], r["sample_index"]) for r in written}
         assert all(f["error"] == "sync_timeout at step 1" for f in failed)
         assert main_exit_code(first) == 3
-        resumed = run_generation(tiny_config(tiny_same, tmp_path, output=str(out), format=fmt, resume=True),
-                                 sampler=dual_engine)
+        resumed = run_generation(
+            tiny_config(tiny_same, tmp_path, output=str(out), format=fmt, resume=True), sampler=dual_engine
+        )
         assert resumed["samples_written"] == len(failed) and resumed["failed_samples"] == 0
         assert Counter((r["id"], r["sample_index"]) for r in read_journal(out)) == pairs
 
@@ -226,9 +271,11 @@ def test_a_resumed_sample_gets_the_seed_and_tokens_of_an_uninterrupted_run(dual_
     run_generation(part, sampler=dual_engine)
     kept = read_journal(tmp_path / "part.jsonl")[:5]  # as if killed after five records
     (tmp_path / "part.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
-    run_generation(tiny_config(tiny_same, tmp_path, output=str(tmp_path / "part.jsonl"), temperature=0.8, resume=True),
-                   sampler=dual_engine)
-    by_key = lambda path: {(r["id"], r["sample_index"]): r for r in read_journal(path)}  # noqa: E731
+    run_generation(
+        tiny_config(tiny_same, tmp_path, output=str(tmp_path / "part.jsonl"), temperature=0.8, resume=True),
+        sampler=dual_engine,
+    )
+    by_key = lambda path: {(r["id"], r["sample_index"]): r for r in read_journal(path)}
     a, b = by_key(tmp_path / "whole.jsonl"), by_key(tmp_path / "part.jsonl")
     assert a.keys() == b.keys()
     for key in a:
@@ -243,11 +290,41 @@ def test_cli_killed_partway_then_resumed_has_every_pair_once(dual_engine, tiny_s
     teacher, theta = tiny_same
     src = problems(tmp_path / "in.jsonl", 24)
     out = tmp_path / "run.jsonl"
-    flags = ["--teacher", str(teacher), "--theta", str(theta), "--input", str(src), "--output", str(out),
-             "--hint-field", "solution", "--id-field", "id", "--n", "2", "--max-tokens", "24", "--max-num-seqs", "4",
-             "--max-model-len", "256", "--sync-timeout", "30", "--batch-size", "2", "--seed", "7", "--no-use-tqdm"]
-    proc = subprocess.Popen([sys.executable, "-m", "dual_sampling.cli", "generate", *flags], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    flags = [
+        "--teacher",
+        str(teacher),
+        "--theta",
+        str(theta),
+        "--input",
+        str(src),
+        "--output",
+        str(out),
+        "--hint-field",
+        "solution",
+        "--id-field",
+        "id",
+        "--n",
+        "2",
+        "--max-tokens",
+        "24",
+        "--max-num-seqs",
+        "4",
+        "--max-model-len",
+        "256",
+        "--sync-timeout",
+        "30",
+        "--batch-size",
+        "2",
+        "--seed",
+        "7",
+        "--no-use-tqdm",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dual_sampling.cli", "generate", *flags],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         if out.exists() and out.read_text().count("\n") >= 6:
@@ -266,15 +343,34 @@ def test_cli_killed_partway_then_resumed_has_every_pair_once(dual_engine, tiny_s
     assert 6 <= before < 48
     with out.open("a") as f:  # the kill may or may not tear a line: make sure one is torn
         f.write('{"id": "p9", "sample_index": 1, "respo')
-    cfg = RunConfig.from_settings(dict(teacher=str(teacher), theta=str(theta), input=str(src), output=str(out),
-                                       hint_field="solution", id_field="id", n=2, max_tokens=24, max_num_seqs=4,
-                                       max_model_len=256, sync_timeout=30, batch_size=8, seed=7, use_tqdm=False,
-                                       resume=True))
+    cfg = RunConfig.from_settings(
+        dict(
+            teacher=str(teacher),
+            theta=str(theta),
+            input=str(src),
+            output=str(out),
+            hint_field="solution",
+            id_field="id",
+            n=2,
+            max_tokens=24,
+            max_num_seqs=4,
+            max_model_len=256,
+            sync_timeout=30,
+            batch_size=8,
+            seed=7,
+            use_tqdm=False,
+            resume=True,
+        )
+    )
     summary = run_generation(cfg, sampler=dual_engine)
     records = read_journal(out, repair=False)
-    assert Counter((r["id"], r["sample_index"]) for r in records) == Counter((f"p{i}", j) for i in range(24) for j in range(2))
+    assert Counter((r["id"], r["sample_index"]) for r in records) == Counter(
+        (f"p{i}", j) for i in range(24) for j in range(2)
+    )
     assert summary["samples_already_done"] == before and summary["samples_written"] == 48 - before
-    report = subprocess.run([sys.executable, "-m", "dual_sampling.cli", "report", str(out)], capture_output=True, text=True)
+    report = subprocess.run(
+        [sys.executable, "-m", "dual_sampling.cli", "report", str(out)], capture_output=True, text=True
+    )
     assert report.returncode == 0, report.stderr[-2000:]
     folder = Path(str(out) + ".report")
     for name in ("alpha_hist.png", "alpha_by_position.png", "log_weights.png", "lengths.png", "summary.md"):
@@ -284,17 +380,61 @@ def test_cli_killed_partway_then_resumed_has_every_pair_once(dual_engine, tiny_s
 
 def test_cli_shard_run_end_to_end(dual_engine, tiny_same, tmp_path):
     teacher, theta = tiny_same
-    common = ["--teacher", str(teacher), "--theta", str(theta), "--input", str(EXAMPLES), "--hint-field", "solution",
-              "--id-field", "id", "--max-tokens", "8", "--max-num-seqs", "4", "--max-model-len", "256",
-              "--sync-timeout", "30", "--no-use-tqdm"]
-    done = subprocess.run([sys.executable, "-m", "dual_sampling.cli", "generate", *common, "--shard", "0/2",
-                           "--output", str(tmp_path / "s0.jsonl")], capture_output=True, text=True, timeout=600)
+    common = [
+        "--teacher",
+        str(teacher),
+        "--theta",
+        str(theta),
+        "--input",
+        str(EXAMPLES),
+        "--hint-field",
+        "solution",
+        "--id-field",
+        "id",
+        "--max-tokens",
+        "8",
+        "--max-num-seqs",
+        "4",
+        "--max-model-len",
+        "256",
+        "--sync-timeout",
+        "30",
+        "--no-use-tqdm",
+    ]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dual_sampling.cli",
+            "generate",
+            *common,
+            "--shard",
+            "0/2",
+            "--output",
+            str(tmp_path / "s0.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "s0.jsonl.summary.json").read_text())["failed_samples"] == 0
-    cfg = RunConfig.from_settings(dict(teacher=str(teacher), theta=str(theta), input=str(EXAMPLES),
-                                       output=str(tmp_path / "s1.jsonl"), hint_field="solution", id_field="id",
-                                       max_tokens=8, max_num_seqs=4, max_model_len=256, sync_timeout=30, use_tqdm=False,
-                                       shard="1/2"))
+    cfg = RunConfig.from_settings(
+        dict(
+            teacher=str(teacher),
+            theta=str(theta),
+            input=str(EXAMPLES),
+            output=str(tmp_path / "s1.jsonl"),
+            hint_field="solution",
+            id_field="id",
+            max_tokens=8,
+            max_num_seqs=4,
+            max_model_len=256,
+            sync_timeout=30,
+            use_tqdm=False,
+            shard="1/2",
+        )
+    )
     run_generation(cfg, sampler=dual_engine)
     ids = [{r["id"] for r in read_journal(tmp_path / f"s{k}.jsonl")} for k in range(2)]
     all_ids = {r["id"] for r in load_rows(str(EXAMPLES))}

@@ -8,6 +8,7 @@ SIGKILL of the driver, and SIGKILL of each engine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -41,19 +42,21 @@ def settled(before: tuple[set[int], set[str]], timeout: float = SETTLE_S) -> tup
         procs, files = snapshot()
         new = set()
         for pid in procs - before[0] - {os.getpid()}:
-            try:
+            with contextlib.suppress(psutil.Error):  # gone meanwhile
                 new.add(f"{pid} {' '.join(psutil.Process(pid).cmdline())[:80]}")
-            except psutil.Error:
-                pass  # gone meanwhile
-        if not new and not files - before[1] or time.monotonic() > deadline:
+        if (not new and not files - before[1]) or time.monotonic() > deadline:
             return new, files - before[1]
         time.sleep(0.2)
 
 
 def start_driver(mode: str, tiny_same) -> tuple[subprocess.Popen, dict]:
     teacher, theta = tiny_same
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fault_driver", mode, str(teacher), str(theta)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.fault_driver", mode, str(teacher), str(theta)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in proc.stdout:
         if line.startswith("READY "):
             return proc, json.loads(line[6:])

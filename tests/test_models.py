@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -48,8 +49,10 @@ def test_provisioning_is_idempotent(tmp_path, monkeypatch):
 def test_parallel_builders_do_not_race(tmp_path):
     code = "from dual_sampling import models; print(models.tiny_pair('same')[0])"
     env = {"DUAL_SAMPLING_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-             for _ in range(3)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        for _ in range(3)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1].decode()[-2000:] for o in outs]
     assert len({o[0] for o in outs}) == 1
@@ -65,7 +68,7 @@ def test_smollm2_is_dequantised_and_answers():
     assert getattr(model.config, "quantization_config", None) is None
     ids = tok("The capital of France is", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=3, do_sample=False)
-    assert tok.decode(out[0, ids.shape[1]:]).startswith(" Paris")
+    assert tok.decode(out[0, ids.shape[1] :]).startswith(" Paris")
 
 
 @pytest.mark.models
@@ -74,8 +77,10 @@ def test_pruned_theta_keeps_evenly_spaced_layers_and_tokenizer():
     info = json.loads((path / "pruning.json").read_text())
     kept = info["kept_layers"]
     assert len(kept) == 24 and kept[0] == 0 and kept[-1] == 29
-    assert max(b - a for a, b in zip(kept, kept[1:])) <= 2
+    assert max(b - a for a, b in itertools.pairwise(kept)) <= 2
     assert AutoConfig.from_pretrained(path).num_hidden_layers == 24
-    assert AutoTokenizer.from_pretrained(path).get_vocab() == AutoTokenizer.from_pretrained(models.smollm2()).get_vocab()
+    assert (
+        AutoTokenizer.from_pretrained(path).get_vocab() == AutoTokenizer.from_pretrained(models.smollm2()).get_vocab()
+    )
     with pytest.raises(ValueError, match="keep_layers"):
         models.smollm2_pruned(31)

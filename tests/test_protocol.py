@@ -11,7 +11,17 @@ import pytest
 from dual_sampling.config import DualEngineConfig
 from dual_sampling.engines import EnginePair, engine_cpus, split_cpu_binding
 from dual_sampling.protocol import (
-    WRITERS, Bell, ErrorCode, Header, Phase, SessionLayout, Slot, Stat, SyncSession, Writer, cleanup_stale_sessions,
+    WRITERS,
+    Bell,
+    ErrorCode,
+    Header,
+    Phase,
+    SessionLayout,
+    Slot,
+    Stat,
+    SyncSession,
+    Writer,
+    cleanup_stale_sessions,
     segments_listing,
 )
 
@@ -39,8 +49,10 @@ def test_a_bell_rung_by_many_writers_at_once_never_loses_a_wake(session):
 
     t = threading.Thread(target=waiter)
     t.start()
-    writers = [threading.Thread(target=lambda w=w: [session.ring(Bell.TO_LEADER, w) for _ in range(200)])
-               for w in (Writer.DRIVER, Writer.THETA_SCHEDULER)]
+    writers = [
+        threading.Thread(target=lambda w=w: [session.ring(Bell.TO_LEADER, w) for _ in range(200)])
+        for w in (Writer.DRIVER, Writer.THETA_SCHEDULER)
+    ]
     for w in writers:
         w.start()
     for w in writers:
@@ -151,8 +163,11 @@ def _verify(tiny_same, change) -> str:
 
     configs = sim_configs(4, 96, 96, 10.0)
     for role, cfg in configs.items():
-        cfg.scheduler_config.scheduler_cls = ("processors.scheduler.TeacherLockstepScheduler" if role == "teacher"
-                                              else "processors.scheduler.ThetaLockstepScheduler")
+        cfg.scheduler_config.scheduler_cls = (
+            "processors.scheduler.TeacherLockstepScheduler"
+            if role == "teacher"
+            else "processors.scheduler.ThetaLockstepScheduler"
+        )
         cfg.cache_config.block_size = 16
         cfg.cache_config.num_gpu_blocks = 4 * 6 + 1  # 4 seats of 96 tokens in blocks of 16, and the null block
         change(role, cfg)
@@ -166,21 +181,34 @@ def _verify(tiny_same, change) -> str:
     return ""
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda r, c: None, ""),
-    (lambda r, c: setattr(c.scheduler_config, "max_num_seqs", 8) if r == "theta" else None, "max_num_seqs differs"),
-    (lambda r, c: setattr(c.scheduler_config, "async_scheduling", True) if r == "teacher" else None,
-     "teacher: async_scheduling is on"),
-    (lambda r, c: setattr(c.scheduler_config, "enable_chunked_prefill", True) if r == "theta" else None,
-     "theta: chunked prefill is on"),
-    (lambda r, c: setattr(c.scheduler_config, "max_num_batched_tokens", 64), "max_num_batched_tokens=64 is below"),
-    (lambda r, c: setattr(c.parallel_config, "tensor_parallel_size", 2) if r == "teacher" else None,
-     "teacher: tensor_parallel_size=2"),
-    (lambda r, c: setattr(c.cache_config, "num_gpu_blocks", 24) if r == "theta" else None,
-     "theta: the KV cache has 24 blocks of 16 tokens, fewer than the 25"),
-    (lambda r, c: setattr(c.scheduler_config, "scheduler_cls", None) if r == "theta" else None,
-     "theta: scheduler_cls is Scheduler, not ThetaLockstepScheduler"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda r, c: None, ""),
+        (lambda r, c: setattr(c.scheduler_config, "max_num_seqs", 8) if r == "theta" else None, "max_num_seqs differs"),
+        (
+            lambda r, c: setattr(c.scheduler_config, "async_scheduling", True) if r == "teacher" else None,
+            "teacher: async_scheduling is on",
+        ),
+        (
+            lambda r, c: setattr(c.scheduler_config, "enable_chunked_prefill", True) if r == "theta" else None,
+            "theta: chunked prefill is on",
+        ),
+        (lambda r, c: setattr(c.scheduler_config, "max_num_batched_tokens", 64), "max_num_batched_tokens=64 is below"),
+        (
+            lambda r, c: setattr(c.parallel_config, "tensor_parallel_size", 2) if r == "teacher" else None,
+            "teacher: tensor_parallel_size=2",
+        ),
+        (
+            lambda r, c: setattr(c.cache_config, "num_gpu_blocks", 24) if r == "theta" else None,
+            "theta: the KV cache has 24 blocks of 16 tokens, fewer than the 25",
+        ),
+        (
+            lambda r, c: setattr(c.scheduler_config, "scheduler_cls", None) if r == "theta" else None,
+            "theta: scheduler_cls is Scheduler, not ThetaLockstepScheduler",
+        ),
+    ],
+)
 def test_settings_that_break_lockstep_are_refused_by_name(tiny_same, change, message):
     got = _verify(tiny_same, change)
     assert (message in got) if message else got == "", got

@@ -46,8 +46,9 @@ def test_long_teacher_prompts_and_short_theta_prompts_stay_in_lockstep(seed):
 
 
 def test_theta_deliveries_late_and_many_seats():
-    run = run_simulation(7, count=30, max_num_seqs=8, adversity=Adversity(delay_s={"teacher": 0.0, "theta": 0.05}),
-                         budget=200)
+    run = run_simulation(
+        7, count=30, max_num_seqs=8, adversity=Adversity(delay_s={"teacher": 0.0, "theta": 0.05}), budget=200
+    )
     assert_clean(run)
     assert run.stats["split_steps"] == 0
 
@@ -55,21 +56,32 @@ def test_theta_deliveries_late_and_many_seats():
 def test_stop_strings_end_both_engines_at_the_same_token_after_min_tokens():
     tokenizer = sim_tokenizer()
     stops = ("5", "AB", "%")
-    run = run_simulation(3, count=30, max_num_seqs=4, stops=stops, min_tokens=3,
-                         adversity=Adversity(delay_s={"teacher": 0.01, "theta": 0.02}))
+    run = run_simulation(
+        3,
+        count=30,
+        max_num_seqs=4,
+        stops=stops,
+        min_tokens=3,
+        adversity=Adversity(delay_s={"teacher": 0.01, "theta": 0.02}),
+    )
     assert_clean(run)
     by_string = [s for s in run.samples if isinstance(s.stop_reason, str)]
     assert len(by_string) >= 5, "the stop strings should end several samples"
     for s in run.samples:
         ids = s.token_ids
         # Independent oracle: the first prefix (of at least min_tokens) whose last token completes a stop string.
-        ends = [n for n in range(3, len(ids) + 1) for x in stops
-                if decode(tokenizer, ids[:n]).rfind(x) + len(x) > len(decode(tokenizer, ids[: n - 1])) and x in decode(tokenizer, ids[:n])]
+        ends = [
+            n
+            for n in range(3, len(ids) + 1)
+            for x in stops
+            if decode(tokenizer, ids[:n]).rfind(x) + len(x) > len(decode(tokenizer, ids[: n - 1]))
+            and x in decode(tokenizer, ids[:n])
+        ]
         if isinstance(s.stop_reason, str):
             assert len(ids) == min(ends), (ids, ends)
             # The text stops right before an occurrence of that stop string which the last token completes.
             full, before = decode(tokenizer, ids), decode(tokenizer, ids[:-1])
-            assert full.startswith(s.text) and full[len(s.text):].startswith(s.stop_reason)
+            assert full.startswith(s.text) and full[len(s.text) :].startswith(s.stop_reason)
             assert len(s.text) + len(s.stop_reason) > len(before)
         else:
             # No stop string completed within the sample, unless at its last token, where the stop token
@@ -80,8 +92,14 @@ def test_stop_strings_end_both_engines_at_the_same_token_after_min_tokens():
 
 
 def test_aborts_while_queued_in_prefill_and_in_decode_end_only_their_request():
-    run = run_simulation(11, count=40, max_num_seqs=4, abort_rate=0.5, act_within_s=0.05,
-                         adversity=Adversity(delay_s={"teacher": 0.02, "theta": 0.02}))
+    run = run_simulation(
+        11,
+        count=40,
+        max_num_seqs=4,
+        abort_rate=0.5,
+        act_within_s=0.05,
+        adversity=Adversity(delay_s={"teacher": 0.02, "theta": 0.02}),
+    )
     assert_clean(run)
     aborted = [i for i, s in enumerate(run.samples) if s.finish_reason == "abort"]
     assert len(aborted) >= 5 and set(aborted) <= run.aborted
@@ -99,8 +117,12 @@ def test_callers_walking_away_free_their_slots():
 
 
 def test_vllm_aborts_reaching_one_engine_become_lockstep_aborts():
-    run = run_simulation(13, count=40, max_num_seqs=4, adversity=Adversity(one_sided_abort_rate=0.4,
-                                                                         delay_s={"teacher": 0.01, "theta": 0.03}))
+    run = run_simulation(
+        13,
+        count=40,
+        max_num_seqs=4,
+        adversity=Adversity(one_sided_abort_rate=0.4, delay_s={"teacher": 0.01, "theta": 0.03}),
+    )
     assert_clean(run, engine_aborts=True)
     ended = [s for s in run.samples if s.finish_reason == "abort"]
     assert len(ended) >= 3 and all(s.teacher_token_ids == s.theta_token_ids for s in ended)
@@ -128,8 +150,7 @@ def test_nan_logits_fail_only_their_request_with_a_named_error():
 
 def test_a_stalled_engine_fails_its_requests_and_later_ones_complete():
     # Theta stops stepping for 2.5 s (from 20 ms in, with requests running); sync_timeout is 1 s.
-    run = run_simulation(6, count=24, max_num_seqs=4, sync_timeout=1.0,
-                         adversity=Adversity(stall=("theta", 0.02, 2.5)))
+    run = run_simulation(6, count=24, max_num_seqs=4, sync_timeout=1.0, adversity=Adversity(stall=("theta", 0.02, 2.5)))
     assert run.leaked_slots == []
     errors = [s.error for s in run.samples if s.error]
     assert errors and all(e.split(" at ")[0] in ("sync_timeout", "diverged") for e in errors)
@@ -141,14 +162,26 @@ def test_a_stalled_engine_fails_its_requests_and_later_ones_complete():
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-@given(seed=st.integers(0, 10_000), max_num_seqs=st.integers(1, 6), count=st.integers(1, 20),
-       abort_rate=st.sampled_from([0.0, 0.3]), teacher_delay=st.sampled_from([0.0, 0.02]),
-       theta_delay=st.sampled_from([0.0, 0.02]), one_sided=st.sampled_from([0.0, 0.2]))
-def test_property_every_request_completes_or_is_aborted(seed, max_num_seqs, count, abort_rate, teacher_delay,
-                                                         theta_delay, one_sided):
-    run = run_simulation(seed, count=count, max_num_seqs=max_num_seqs, abort_rate=abort_rate, stops=("7",),
-                         adversity=Adversity(delay_s={"teacher": teacher_delay, "theta": theta_delay},
-                                             one_sided_abort_rate=one_sided))
+@given(
+    seed=st.integers(0, 10_000),
+    max_num_seqs=st.integers(1, 6),
+    count=st.integers(1, 20),
+    abort_rate=st.sampled_from([0.0, 0.3]),
+    teacher_delay=st.sampled_from([0.0, 0.02]),
+    theta_delay=st.sampled_from([0.0, 0.02]),
+    one_sided=st.sampled_from([0.0, 0.2]),
+)
+def test_property_every_request_completes_or_is_aborted(
+    seed, max_num_seqs, count, abort_rate, teacher_delay, theta_delay, one_sided
+):
+    run = run_simulation(
+        seed,
+        count=count,
+        max_num_seqs=max_num_seqs,
+        abort_rate=abort_rate,
+        stops=("7",),
+        adversity=Adversity(delay_s={"teacher": teacher_delay, "theta": theta_delay}, one_sided_abort_rate=one_sided),
+    )
     assert_clean(run, engine_aborts=one_sided > 0)
     assert all(s.finish_reason in ("stop", "length", "abort") for s in run.samples)
     assert run.stats["follower_diverged"] == 0

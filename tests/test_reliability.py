@@ -27,14 +27,15 @@ def session_files() -> set[str]:
 @pytest.fixture(scope="module")
 def load_engine(tiny_same):
     teacher, theta = tiny_same
-    with OptimalSamplingDual(teacher, theta, alpha_method="ess_balance", max_num_seqs=8, max_model_len=512,
-                             sync_timeout=30, use_tqdm=False) as s:
+    with OptimalSamplingDual(
+        teacher, theta, alpha_method="ess_balance", max_num_seqs=8, max_model_len=512, sync_timeout=30, use_tqdm=False
+    ) as s:
         yield s
 
 
 def test_load_300_requests_no_timeouts_flat_memory(load_engine):
     rng = random.Random(0)
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
     stats0 = load_engine.get_sync_statistics()
     procs = [psutil.Process()] + [psutil.Process(p) for pids in load_engine.engine_pids().values() for p in pids]
     procs += [c for p in procs[1:] for c in p.children(recursive=True)]
@@ -55,9 +56,16 @@ def test_load_300_requests_no_timeouts_flat_memory(load_engine):
             prompts.append(theta_p)
             teacher_prompts.append(teacher_p)
         max_tokens = rng.randint(5, 60)
-        out = load_engine.generate(prompts, teacher_prompts=teacher_prompts, n=3, seed=call, max_tokens=max_tokens,
-                                   min_tokens=rng.randint(0, min(4, max_tokens)),
-                                   stop=[rng.choice(["th", "an", "er", "on"])], stop_token_ids=[rng.randrange(49152)])
+        out = load_engine.generate(
+            prompts,
+            teacher_prompts=teacher_prompts,
+            n=3,
+            seed=call,
+            max_tokens=max_tokens,
+            min_tokens=rng.randint(0, min(4, max_tokens)),
+            stop=[rng.choice(["th", "an", "er", "on"])],
+            stop_token_ids=[rng.randrange(49152)],
+        )
         for req in out.requests:
             for sample in req.samples:
                 assert sample.error is None and sample.teacher_token_ids == sample.theta_token_ids == sample.token_ids
@@ -67,7 +75,10 @@ def test_load_300_requests_no_timeouts_flat_memory(load_engine):
     stats1 = load_engine.get_sync_statistics()
     print(f"load: {total} requests, RSS start {rss_start / 2**20:.0f} MiB, end {rss_end / 2**20:.0f} MiB")
     assert total == 300
-    assert stats1["teacher_timeouts"] == stats0["teacher_timeouts"] and stats1["theta_timeouts"] == stats0["theta_timeouts"]
+    assert (
+        stats1["teacher_timeouts"] == stats0["teacher_timeouts"]
+        and stats1["theta_timeouts"] == stats0["theta_timeouts"]
+    )
     assert stats1["split_steps"] == stats0["split_steps"] and stats1["follower_diverged"] == stats0["follower_diverged"]
     assert session_files() == files0
     assert rss_end <= rss_start * 1.10 + 64 * 2**20
@@ -117,5 +128,3 @@ def test_two_processes_do_not_cross_talk(dual_engine, tiny_same):
     for out in ours:
         for req in out.requests:
             assert all(s.error is None and s.teacher_token_ids == s.theta_token_ids == s.token_ids for s in req.samples)
-
-

@@ -64,7 +64,7 @@ def test_draw_frequencies_follow_q():
 
 def test_counter_uniform_is_uniform_and_reproducible():
     u = np.array([counter_uniform(7, s) for s in range(20000)])
-    assert 0.0 <= u.min() and u.max() < 1.0
+    assert u.min() >= 0.0 and u.max() < 1.0
     assert abs(u.mean() - 0.5) < 0.01 and abs(u.var() - 1 / 12) < 0.005
     assert counter_uniform(7, 3) == counter_uniform(7, 3) != counter_uniform(8, 3)
 

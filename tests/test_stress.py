@@ -1,0 +1,129 @@
+"""Stress on the real SmolLM2 pair: the workload that broke the timed admission gate.
+
+32 word problems. The teacher sees each with its reference solution and other worked
+examples (600-900 tokens, a different set per problem); theta sees the question alone
+(about 70 tokens). max_num_seqs 8, n 2. One run without stop strings; one with the stop
+string "\\n\\n" and a quarter of the requests aborted at random moments. Expected: no
+failed sample, no timeout, every aborted request reported as aborted, both engines' batches
+equal at every step. The figures are printed (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import pytest
+
+from dual_sampling import OptimalSamplingDual, SamplingOptions, models
+from tests.oracles import assert_records_match_rescoring
+from tests.word_problems import long_teacher_prompts, theta_prompts, word_problems
+
+pytestmark = [pytest.mark.engine, pytest.mark.models]
+
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def smollm2_dual():
+    with OptimalSamplingDual(
+        models.smollm2(), models.smollm2_pruned(), max_num_seqs=8, max_model_len=1024, sync_timeout=60, use_tqdm=False
+    ) as dual:
+        yield dual
+
+
+@pytest.fixture(scope="module")
+def workload(smollm2_dual):
+    tok = smollm2_dual.tokenizer
+    problems = word_problems(32, seed=0)
+    return (
+        problems,
+        long_teacher_prompts(tok, problems, word_problems(200, seed=99), 600, 900),
+        theta_prompts(tok, problems),
+    )
+
+
+def figures(dual, before: dict, samples: list, wall: float) -> dict:
+    after = dual.get_sync_statistics()
+    return {
+        "samples": len(samples),
+        "tokens": sum(len(s.token_ids) for s in samples),
+        "failed": sum(s.error is not None for s in samples),
+        "timeouts": (after["teacher_timeouts"] - before["teacher_timeouts"])
+        + (after["theta_timeouts"] - before["theta_timeouts"]),
+        "split_steps": after["split_steps"] - before["split_steps"],
+        "diverged": after["follower_diverged"] - before["follower_diverged"],
+        "steps": after["teacher_steps"] - before["teacher_steps"],
+        "wall_s": round(wall, 1),
+    }
+
+
+def test_long_teacher_hints_without_stop_strings(smollm2_dual, workload):
+    _problems, teacher, theta = workload
+    before = smollm2_dual.get_sync_statistics()
+    start = time.monotonic()
+    out = smollm2_dual.generate(theta, teacher_prompts=teacher, n=2, max_tokens=MAX_TOKENS, temperature=1.0, seed=1)
+    samples = [s for r in out.requests for s in r.samples]
+    result = figures(smollm2_dual, before, samples, time.monotonic() - start)
+    print("stress, no stop strings:", json.dumps(result))
+    assert result["samples"] == 64 and result["failed"] == 0 and result["timeouts"] == 0
+    assert result["split_steps"] == 0 and result["diverged"] == 0
+    assert all(
+        s.finish_reason in ("stop", "length") and s.teacher_token_ids == s.theta_token_ids == s.token_ids
+        for s in samples
+    )
+    # An independent check of the records on real weights: teacher-forced re-scoring in plain transformers.
+    from transformers import AutoModelForCausalLM
+
+    hf = tuple(AutoModelForCausalLM.from_pretrained(p).eval() for p in (models.smollm2(), models.smollm2_pruned()))
+    checked = sum(
+        assert_records_match_rescoring(req, *hf, smollm2_dual.vocab, "kl_symmetry", atol=2e-4)
+        for req in out.requests[:3]
+    )
+    assert checked > 100
+
+
+def test_long_teacher_hints_with_stop_string_and_random_aborts(smollm2_dual, workload):
+    problems, teacher, theta = workload
+    rng = random.Random(5)
+    sampling = SamplingOptions(max_tokens=MAX_TOKENS, temperature=1.0, stop=["\n\n"], seed=2)
+    jobs = [(i, j) for i in range(len(problems)) for j in range(2)]
+    doomed = {job for job in jobs if rng.random() < 0.25}
+    before = smollm2_dual.get_sync_statistics()
+
+    async def run() -> dict:
+        async def one(i: int, j: int):
+            return await smollm2_dual.complete(
+                theta[i],
+                teacher[i],
+                sampling=sampling,
+                sample_key=problems[i].id,
+                sample_index=j,
+                request_id=f"{i}/{j}",
+            )
+
+        tasks = {job: asyncio.ensure_future(one(*job)) for job in jobs}
+        for job in sorted(doomed, key=lambda _: rng.random()):
+            await asyncio.sleep(rng.random() * 1.5)
+            smollm2_dual.abort(f"{job[0]}/{job[1]}")
+        return {job: await task for job, task in tasks.items()}
+
+    start = time.monotonic()
+    results = asyncio.run(run())
+    samples = list(results.values())
+    result = figures(smollm2_dual, before, samples, time.monotonic() - start)
+    aborted = {job for job, s in results.items() if s.finish_reason == "abort"}
+    result.update(
+        aborts_sent=len(doomed), aborted=len(aborted), stopped_by_string=sum(s.stop_reason == "\n\n" for s in samples)
+    )
+    print("stress, stop string and aborts:", json.dumps(result))
+    assert result["failed"] == 0 and result["timeouts"] == 0 and result["split_steps"] == 0 and result["diverged"] == 0
+    assert aborted <= doomed and len(aborted) >= len(doomed) // 2  # the others had finished before their abort
+    for job, s in results.items():
+        assert s.teacher_token_ids == s.theta_token_ids == s.token_ids
+        if job not in doomed:
+            assert s.finish_reason in ("stop", "length")
+        if s.stop_reason == "\n\n":
+            assert "\n\n" not in s.text
