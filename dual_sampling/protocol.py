@@ -237,8 +237,6 @@ class ErrorCode(IntEnum):
     """The two engines' batches differed for this request; it could not be kept in lockstep."""
     SHUTDOWN = 5
     """The session shut down while the request ran."""
-    ENGINE_DEAD = 6
-    """An engine process exited while the request ran."""
 
     @property
     def label(self) -> str:

@@ -55,7 +55,7 @@ VOCAB = 64
 EOS = 0
 BLOCK = 16
 NAN_STEP = 2
-"""Step at which a sample whose seed is in ``Adversity.nan_seeds`` gets NaN logits on theta's side."""
+"""Step at which a sample whose seed is in ``Adversity.nan_seeds`` gets NaN logits."""
 
 
 def sim_logits(side: str, seed: int, step: int) -> torch.Tensor:
@@ -75,6 +75,10 @@ class Adversity:
     one_sided_abort_rate: float = 0.0
     """Chance that a request also gets a vLLM-level abort sent to one engine only."""
     nan_seeds: frozenset = frozenset()
+    nan_side: str = "theta"
+    """The side whose logits get NaN at NAN_STEP for the samples in ``nan_seeds``."""
+    wrong_token_seeds: frozenset = frozenset()
+    """Samples for which theta's engine emits a token other than the one forced, at step 1 (a broken engine)."""
     stall: tuple[str, float, float] | None = None
     """(side, at_s, for_s): that engine stops stepping at at_s for for_s seconds."""
 
@@ -206,15 +210,17 @@ class SimEngineCore(threading.Thread):
         logits = torch.stack(
             [sim_logits(self.side, seed, len(self.outputs_of[rid])) for seed, rid in zip(seeds, self.batch)]
         )
-        if self.side == "theta":
+        if self.side == self.adversity.nan_side:
             for i, (seed, rid) in enumerate(zip(seeds, self.batch)):
                 if seed in self.adversity.nan_seeds and len(self.outputs_of[rid]) == NAN_STEP:
                     logits[i, VOCAB // 2] = math.nan
         logits = self.processor.apply(logits)
         tokens = []
-        for i, rid in enumerate(self.batch):
+        for i, (seed, rid) in enumerate(zip(seeds, self.batch)):
             assert int(torch.isfinite(logits[i]).sum()) == 1, "every row must allow exactly one token"
             tokens.append(int(logits[i].argmax()))
+            if self.side == "theta" and seed in self.adversity.wrong_token_seeds and len(self.outputs_of[rid]) == 1:
+                tokens[-1] = 17 + (tokens[-1] - 16) % (VOCAB - 17)  # a different, ordinary token
             self.outputs_of[rid].append(tokens[-1])
         return ModelRunnerOutput(
             req_ids=list(self.batch),

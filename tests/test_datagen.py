@@ -57,6 +57,22 @@ def tiny_config(tiny_same, tmp_path: Path, **overrides) -> RunConfig:
     return RunConfig.from_settings(settings)
 
 
+def cli_flags(tiny_same, **settings) -> list[str]:
+    """``dual-sampling generate`` flags for the tiny pair and ``settings`` (the same keys as RunConfig's)."""
+    teacher, theta = tiny_same
+    base = dict(
+        teacher=teacher,
+        theta=theta,
+        hint_field="solution",
+        id_field="id",
+        max_num_seqs=4,
+        max_model_len=256,
+        sync_timeout=30,
+    )
+    flags = [part for key, value in {**base, **settings}.items() for part in (f"--{key.replace('_', '-')}", str(value))]
+    return [*flags, "--no-use-tqdm"]
+
+
 class FailingSampler:
     """The shared engine, but every sample whose seed is divisible by 3 comes back failed (fault injection)."""
 
@@ -287,38 +303,9 @@ def test_a_resumed_sample_gets_the_seed_and_tokens_of_an_uninterrupted_run(dual_
 
 
 def test_cli_killed_partway_then_resumed_has_every_pair_once(dual_engine, tiny_same, tmp_path):
-    teacher, theta = tiny_same
     src = problems(tmp_path / "in.jsonl", 24)
     out = tmp_path / "run.jsonl"
-    flags = [
-        "--teacher",
-        str(teacher),
-        "--theta",
-        str(theta),
-        "--input",
-        str(src),
-        "--output",
-        str(out),
-        "--hint-field",
-        "solution",
-        "--id-field",
-        "id",
-        "--n",
-        "2",
-        "--max-tokens",
-        "24",
-        "--max-num-seqs",
-        "4",
-        "--max-model-len",
-        "256",
-        "--sync-timeout",
-        "30",
-        "--batch-size",
-        "2",
-        "--seed",
-        "7",
-        "--no-use-tqdm",
-    ]
+    flags = cli_flags(tiny_same, input=src, output=out, n=2, max_tokens=24, batch_size=2, seed=7)
     proc = subprocess.Popen(
         [sys.executable, "-m", "dual_sampling.cli", "generate", *flags],
         start_new_session=True,
@@ -343,25 +330,7 @@ def test_cli_killed_partway_then_resumed_has_every_pair_once(dual_engine, tiny_s
     assert 6 <= before < 48
     with out.open("a") as f:  # the kill may or may not tear a line: make sure one is torn
         f.write('{"id": "p9", "sample_index": 1, "respo')
-    cfg = RunConfig.from_settings(
-        dict(
-            teacher=str(teacher),
-            theta=str(theta),
-            input=str(src),
-            output=str(out),
-            hint_field="solution",
-            id_field="id",
-            n=2,
-            max_tokens=24,
-            max_num_seqs=4,
-            max_model_len=256,
-            sync_timeout=30,
-            batch_size=8,
-            seed=7,
-            use_tqdm=False,
-            resume=True,
-        )
-    )
+    cfg = tiny_config(tiny_same, tmp_path, input=str(src), output=str(out), max_tokens=24, batch_size=8, resume=True)
     summary = run_generation(cfg, sampler=dual_engine)
     records = read_journal(out, repair=False)
     assert Counter((r["id"], r["sample_index"]) for r in records) == Counter(
@@ -379,28 +348,7 @@ def test_cli_killed_partway_then_resumed_has_every_pair_once(dual_engine, tiny_s
 
 
 def test_cli_shard_run_end_to_end(dual_engine, tiny_same, tmp_path):
-    teacher, theta = tiny_same
-    common = [
-        "--teacher",
-        str(teacher),
-        "--theta",
-        str(theta),
-        "--input",
-        str(EXAMPLES),
-        "--hint-field",
-        "solution",
-        "--id-field",
-        "id",
-        "--max-tokens",
-        "8",
-        "--max-num-seqs",
-        "4",
-        "--max-model-len",
-        "256",
-        "--sync-timeout",
-        "30",
-        "--no-use-tqdm",
-    ]
+    common = cli_flags(tiny_same, input=EXAMPLES, max_tokens=8)
     done = subprocess.run(
         [
             sys.executable,
@@ -419,21 +367,15 @@ def test_cli_shard_run_end_to_end(dual_engine, tiny_same, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "s0.jsonl.summary.json").read_text())["failed_samples"] == 0
-    cfg = RunConfig.from_settings(
-        dict(
-            teacher=str(teacher),
-            theta=str(theta),
-            input=str(EXAMPLES),
-            output=str(tmp_path / "s1.jsonl"),
-            hint_field="solution",
-            id_field="id",
-            max_tokens=8,
-            max_num_seqs=4,
-            max_model_len=256,
-            sync_timeout=30,
-            use_tqdm=False,
-            shard="1/2",
-        )
+    cfg = tiny_config(
+        tiny_same,
+        tmp_path,
+        input=str(EXAMPLES),
+        output=str(tmp_path / "s1.jsonl"),
+        max_tokens=8,
+        n=1,
+        seed=0,
+        shard="1/2",
     )
     run_generation(cfg, sampler=dual_engine)
     ids = [{r["id"] for r in read_journal(tmp_path / f"s{k}.jsonl")} for k in range(2)]

@@ -27,10 +27,14 @@ SETTLE_S = 30.0
 
 
 def snapshot() -> tuple[set[int], set[str]]:
-    """User processes that are alive (kernel threads, children of kthreadd, are not ours to count) and /dev/shm."""
+    """Live processes that could be ours (a Python interpreter or a vLLM process), and the /dev/shm listing.
+
+    Kernel threads, shells and other programs on the machine come and go on their own.
+    """
     procs = set()
-    for p in psutil.process_iter(["ppid", "status"]):
-        if p.info["status"] != psutil.STATUS_ZOMBIE and p.info["ppid"] != 2 and p.pid != 2:
+    for p in psutil.process_iter(["status", "name", "cmdline"]):
+        text = " ".join([p.info["name"] or "", *(p.info["cmdline"] or [])])
+        if p.info["status"] != psutil.STATUS_ZOMBIE and ("python" in text or "VLLM" in text):
             procs.add(p.pid)
     return procs, set(os.listdir("/dev/shm"))
 

@@ -212,3 +212,11 @@ def _verify(tiny_same, change) -> str:
 def test_settings_that_break_lockstep_are_refused_by_name(tiny_same, change, message):
     got = _verify(tiny_same, change)
     assert (message in got) if message else got == "", got
+
+
+def test_hosts_without_x86_store_ordering_are_refused(monkeypatch):
+    from dual_sampling.protocol import SyncError
+
+    monkeypatch.setattr("platform.machine", lambda: "aarch64")
+    with pytest.raises(SyncError, match="Linux x86-64 only .*aarch64"):
+        SyncSession.create(SessionLayout(vocab=8, slots=1, max_steps=2, plan_width=1))

@@ -139,13 +139,29 @@ def test_a_preemption_attempt_fails_its_request_alone():
     assert sum(s.error is None for s in run.samples) >= 4
 
 
-def test_nan_logits_fail_only_their_request_with_a_named_error():
+@pytest.mark.parametrize("side", ["theta", "teacher"])
+def test_nan_logits_fail_only_their_request_with_a_named_error(side):
     run0 = run_simulation(5, count=16, max_num_seqs=4)
     nan = frozenset(s.seed for s in run0.samples[:8] if len(s.token_ids) > 2)
-    run = run_simulation(5, count=16, max_num_seqs=4, adversity=Adversity(nan_seeds=nan))
+    run = run_simulation(5, count=16, max_num_seqs=4, adversity=Adversity(nan_seeds=nan, nan_side=side))
     assert_clean(run, allow_errors=frozenset({"bad_logits"}))
     failed = {s.seed for s in run.samples if s.error}
     assert failed == nan and all(s.error == "bad_logits at step 2" for s in run.samples if s.error)
+    assert all(s.finish_reason == "error" and s.alpha == [] for s in run.samples if s.error)  # no records to train on
+
+
+def test_an_engine_emitting_another_token_fails_that_sample_as_diverged():
+    # A broken engine (it ignores the forced logits once): the driver's three-stream check catches it.
+    run0 = run_simulation(8, count=12, max_num_seqs=4)
+    wrong = frozenset(s.seed for s in run0.samples[:6] if len(s.token_ids) > 2)
+    run = run_simulation(8, count=12, max_num_seqs=4, adversity=Adversity(wrong_token_seeds=wrong))
+    failed = {s.seed: s for s in run.samples if s.error}
+    assert set(failed) == wrong and run.leaked_slots == []
+    for s in failed.values():
+        assert s.error == "diverged at step 1" and s.finish_reason == "error" and s.theta_token_ids != s.token_ids
+    for s, request in zip(run.samples, run.requests):
+        if s.error is None:
+            check_records(s, request)
 
 
 def test_a_stalled_engine_fails_its_requests_and_later_ones_complete():
