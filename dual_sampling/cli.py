@@ -1,4 +1,4 @@
-"""The ``dual-sampling`` command line: ``generate``, ``report`` and ``models``.
+"""The ``dual-sampling`` command line: ``generate``, ``serve``, ``report`` and ``models``.
 
 ``generate`` takes every setting of a run (:class:`dual_sampling.datagen.RunConfig`, its
 :class:`SamplingOptions` and its :class:`EngineOptions`) as a flag (``--max-tokens 128``)
@@ -107,6 +107,23 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from dual_sampling import models
+    from dual_sampling.config import EngineOptions
+    from dual_sampling.engine import OptimalSamplingDual
+    from dual_sampling.serve import ServeOptions, serve
+
+    settings = {k: v for k, v in vars(args).items() if k not in ("run", "command")}
+    teacher = settings.pop("teacher", None) or str(models.smollm2())
+    theta = settings.pop("theta", None) or str(models.smollm2_pruned())
+    serve_keys = {f.name for f in dataclasses.fields(ServeOptions)}
+    options = ServeOptions(**{k: v for k, v in settings.items() if k in serve_keys})
+    engine = EngineOptions(**{k: v for k, v in settings.items() if k not in serve_keys})
+    with OptimalSamplingDual(teacher, theta, **{**dataclasses.asdict(engine), "use_tqdm": False}) as dual:
+        serve(dual, options)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dual-sampling", description="Sample from the geometric mixture of two models."
@@ -127,6 +144,21 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("records", help="a .jsonl or .parquet records file written by generate")
     r.add_argument("--out-dir", help="where to write (default: RECORDS.report/)")
     r.set_defaults(run=_report)
+
+    s = sub.add_parser(
+        "serve",
+        help="serve the mixture behind an OpenAI-compatible HTTP API",
+        description="Serve the teacher/theta mixture: /v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics.",
+    )
+    s.add_argument("--teacher", help="teacher model folder (default: the local SmolLM2-135M-Instruct)")
+    s.add_argument("--theta", help="theta model folder (default: the 24-layer pruned SmolLM2)")
+    from dual_sampling.config import EngineOptions
+    from dual_sampling.serve import ServeOptions
+
+    for cls in (ServeOptions, EngineOptions):
+        _add_config_flags(s, cls)
+    s.set_defaults(run=_serve)
 
     m = sub.add_parser("models", help="build the default SmolLM2 teacher and pruned theta folders (no download)")
     m.add_argument("--keep-layers", type=int, default=24, help="decoder layers the theta model keeps (of 30)")

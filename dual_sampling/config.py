@@ -81,6 +81,8 @@ class SamplingOptions:
     """Restrict q to the teacher's top-p set, in (0, 1]; 1 is off."""
     seed: int = 0
     """Seed of the call; sample j of prompt i is drawn with a seed derived from (seed, prompt key, j)."""
+    top_logprobs: int = 0
+    """Also record, per token, this many of q's most likely tokens with their log-probabilities (0-20)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -146,6 +148,10 @@ class SamplingOptions:
             f"teacher_support_top_p must lie in (0, 1], got {self.teacher_support_top_p!r}",
         )
         _need(_is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        _need(
+            _is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 20,
+            f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}",
+        )
 
     @property
     def draws(self) -> int:

@@ -48,6 +48,7 @@ __all__ = [
     "read_journal",
     "run_generation",
     "shard_of",
+    "user_template",
 ]
 
 DEFAULT_TEACHER_TEMPLATE = (
@@ -280,13 +281,18 @@ class _Journal:
 # ---------------------------------------------------------------------- prompts
 
 
+def user_template(text: str | None, default: str):
+    """A compiled Jinja template of a user message (``text``: a template string, a file, or None for ``default``)."""
+    import jinja2
+
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    return env.from_string(_template_text(text) or default)
+
+
 class _Renderer:
     def __init__(self, cfg: RunConfig, tokenizer) -> None:
-        import jinja2
-
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-        self.teacher = env.from_string(_template_text(cfg.teacher_template) or DEFAULT_TEACHER_TEMPLATE)
-        self.theta = env.from_string(_template_text(cfg.theta_template) or DEFAULT_THETA_TEMPLATE)
+        self.teacher = user_template(cfg.teacher_template, DEFAULT_TEACHER_TEMPLATE)
+        self.theta = user_template(cfg.theta_template, DEFAULT_THETA_TEMPLATE)
         self.cfg, self.tokenizer = cfg, tokenizer
 
     def user_messages(self, problem: str, hint: str | None, row: dict) -> tuple[str, str]:

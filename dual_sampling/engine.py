@@ -226,6 +226,7 @@ class OptimalSamplingDual:
             force_first_token=bool(opts.force_first_token),
             support_top_k=int(opts.teacher_support_top_k),
             support_top_p=float(opts.teacher_support_top_p),
+            top_logprobs=int(opts.top_logprobs),
         )
         room = self.max_model_len - max(len(teacher_ids), len(theta_ids))
         return DualRequest(list(teacher_ids), list(theta_ids), row, min(opts.max_tokens, room), tuple(opts.stop))

@@ -9,7 +9,8 @@ worker process). It holds:
 - doorbells: 32-bit futex words, one per direction of waiting;
 - the plan ring: the teacher scheduler's list of request keys for each engine step;
 - per request *slot*: control words (:class:`Slot`), theta's log-probability row for the
-  current step, and the per-token records the teacher processor writes.
+  current step, the per-token records the teacher processor writes, and (for requests that
+  ask) q's most likely tokens at each step.
 
 Roles and the words they write (:data:`WRITERS` is the table; ``docs/architecture.md`` has
 the argument for why lockstep holds):
@@ -52,6 +53,7 @@ __all__ = [
     "RECORD_FIELDS",
     "SESSION_PREFIX",
     "SHM_DIR",
+    "TOP_LOGPROBS_MAX",
     "WRITERS",
     "Bell",
     "ErrorCode",
@@ -78,6 +80,8 @@ PLAN_RING = 4
 """Plans kept at once. The leader is at most one plan ahead of the follower (its step needs theta's rows)."""
 RECORD_FIELDS = ("alpha", "logp_teacher", "logp_theta", "logq")
 """Columns of the per-token records (float32), in order."""
+TOP_LOGPROBS_MAX = 20
+"""Most likely tokens of q recorded per token at most, for requests that ask (OpenAI's limit)."""
 
 
 class SyncError(RuntimeError):
@@ -307,6 +311,8 @@ class SessionLayout:
             ("theta_logprobs", 4 * self.vocab * self.slots),
             ("tokens", 4 * self.max_steps * self.slots),
             ("records", 4 * len(RECORD_FIELDS) * self.max_steps * self.slots),
+            ("top_ids", 4 * TOP_LOGPROBS_MAX * self.max_steps * self.slots),
+            ("top_logq", 4 * TOP_LOGPROBS_MAX * self.max_steps * self.slots),
         ]
         out, pos = {}, 0
         for name, size in sizes:
@@ -434,6 +440,9 @@ class SyncSession:
         self.theta_logprobs = np.frombuffer(buf, np.float32, v * s, off["theta_logprobs"]).reshape(s, v)
         self.tokens = np.frombuffer(buf, np.int32, t * s, off["tokens"]).reshape(s, t)
         self.records = np.frombuffer(buf, np.float32, len(RECORD_FIELDS) * t * s, off["records"]).reshape(s, t, -1)
+        k = TOP_LOGPROBS_MAX
+        self.top_ids = np.frombuffer(buf, np.int32, k * t * s, off["top_ids"]).reshape(s, t, k)
+        self.top_logq = np.frombuffer(buf, np.float32, k * t * s, off["top_logq"]).reshape(s, t, k)
         self._bell_anchor = ctypes.c_char.from_buffer(mm, off["bells"])
         self._bell_base = ctypes.addressof(self._bell_anchor)
         self._ring_lock = threading.Lock()
@@ -501,6 +510,7 @@ class SyncSession:
             self.shutdown()
         self._closed = True
         del self.header, self.bells, self.plans, self.control, self.theta_logprobs, self.tokens, self.records
+        del self.top_ids, self.top_logq
         del self._bell_anchor
         with contextlib.suppress(BufferError):  # a view is still alive somewhere; the mapping goes with the process
             self._mm.close()

@@ -26,6 +26,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -62,6 +63,8 @@ class RowSampling:
     force_first_token: bool = False
     support_top_k: int = -1
     support_top_p: float = 1.0
+    top_logprobs: int = 0
+    """How many of q's most likely tokens to record with their log-probabilities (0: none)."""
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -134,9 +137,28 @@ def inverse_cdf(weights: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     return (block * _CDF_BLOCK + pos).clamp_max(vocab - 1), total
 
 
+class Draw(NamedTuple):
+    """What :func:`draw_tokens` returns; every tensor has ``b`` rows."""
+
+    tokens: Tensor
+    """The drawn token of each row (int64)."""
+    logq: Tensor
+    """log-probability of the drawn token under the final distribution (0 for greedy rows)."""
+    ok: Tensor
+    """False where every token was removed (the row's token is 0 and must not be used)."""
+    top: tuple[Tensor, Tensor] | None
+    """(token ids ``[b, k]``, log-probabilities ``[b, k]``) of the final distribution's k most likely tokens,
+    k = ``top_logprobs``; None when it is 0."""
+
+
 def draw_tokens(
-    logq: Tensor, logp_teacher: Tensor, steps: Sequence[int], rows: Sequence[RowSampling], overwrite: bool = False
-) -> tuple[Tensor, Tensor, Tensor]:
+    logq: Tensor,
+    logp_teacher: Tensor,
+    steps: Sequence[int],
+    rows: Sequence[RowSampling],
+    overwrite: bool = False,
+    top_logprobs: int = 0,
+) -> Draw:
     """Apply steps 4–9 above to ``logq`` ``[b, V]`` and draw one token per row.
 
     ``logq`` is log q up to a per-row constant (it need not be normalised). With
@@ -189,9 +211,13 @@ def draw_tokens(
         sampled = torch.where(dead, x.argmax(-1), sampled)
     tokens = torch.where(greedy, x.argmax(dim=-1), sampled) if bool(greedy.any()) else sampled
     tokens = torch.where(ok, tokens, torch.zeros_like(tokens))
-    log_total = torch.log(torch.where(ok, total, torch.ones_like(total))).to(x.dtype)
-    logq_token = x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - shift - log_total
-    return tokens, torch.where(greedy | ~ok, torch.zeros_like(logq_token), logq_token), ok
+    log_norm = shift + torch.log(torch.where(ok, total, torch.ones_like(total))).to(x.dtype)
+    logq_token = x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_norm
+    top = None
+    if top_logprobs > 0:
+        values, ids = x.topk(min(top_logprobs, vocab), dim=-1)
+        top = (ids, values - log_norm.unsqueeze(-1))
+    return Draw(tokens, torch.where(greedy | ~ok, torch.zeros_like(logq_token), logq_token), ok, top)
 
 
 @dataclass
@@ -209,11 +235,20 @@ class Decision:
     """log-probability of the token under the distribution it was drawn from."""
     ok: Tensor
     """False where every token was removed (the row's token must not be used)."""
+    top_ids: Tensor | None = None
+    """``[b, k]``: the k most likely tokens of the final distribution (when asked for)."""
+    top_logq: Tensor | None = None
+    """``[b, k]``: their log-probabilities."""
 
     @classmethod
     def concatenate(cls, parts: Sequence[Decision]) -> Decision:
-        """The decisions of consecutive row ranges, as one."""
-        return cls(*(torch.cat([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(cls)))
+        """The decisions of consecutive row ranges (decided with the same ``top_logprobs``), as one."""
+        return cls(
+            *(
+                None if getattr(parts[0], f.name) is None else torch.cat([getattr(p, f.name) for p in parts])
+                for f in dataclasses.fields(cls)
+            )
+        )
 
 
 def decide(
@@ -224,13 +259,15 @@ def decide(
     alpha_computer: AlphaComputer,
     alpha_init: Tensor | None = None,
     theta_normalized: bool = False,
+    top_logprobs: int = 0,
 ) -> Decision:
     """Steps 1–9 of the module docstring for a batch of rows: the whole per-token decision.
 
     ``teacher_logits`` and ``theta_logits`` are ``[b, V]`` over the shared vocabulary (padding
     rows already cut off), free of NaN. ``theta_normalized=True`` says theta's rows are
     log-softmax outputs already (the theta engine normalises them on its own cores).
-    ``alpha_init`` ``[b]`` warm-starts the α solve.
+    ``alpha_init`` ``[b]`` warm-starts the α solve. ``top_logprobs`` > 0 also returns that many
+    of the final distribution's most likely tokens for every row.
     """
     logp_teacher = torch.log_softmax(teacher_logits.float(), dim=-1)
     logp_theta = theta_logits.float() if theta_normalized else torch.log_softmax(theta_logits.float(), dim=-1)
@@ -239,13 +276,14 @@ def decide(
     alpha = torch.where(first, torch.ones_like(alpha), alpha)
     # Unnormalised: the draw normalises with the sums it computes anyway.
     log_weights = geometric_log_weights(logp_theta, logp_teacher, alpha)
-    tokens, logq_token, ok = draw_tokens(log_weights, logp_teacher, steps, rows, overwrite=True)
-    pick = tokens.unsqueeze(-1)
+    drawn = draw_tokens(log_weights, logp_teacher, steps, rows, overwrite=True, top_logprobs=top_logprobs)
+    pick = drawn.tokens.unsqueeze(-1)
     return Decision(
-        tokens,
+        drawn.tokens,
         alpha,
         logp_teacher.gather(-1, pick).squeeze(-1),
         logp_theta.gather(-1, pick).squeeze(-1),
-        logq_token,
-        ok,
+        drawn.logq,
+        drawn.ok,
+        *(drawn.top or (None, None)),
     )

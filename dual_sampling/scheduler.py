@@ -98,6 +98,8 @@ class SampleDelta:
     """``[len(token_ids), 4]`` float32: α, log π_t, log π_θ, log q of each token (provisional until ``sample``)."""
     sample: SampleRecord | None = None
     """Set on the last delta only: the whole sample, checked against both engines."""
+    top: tuple[np.ndarray, np.ndarray] | None = None
+    """For requests with top_logprobs k: (token ids, log q) ``[len(token_ids), k]`` of q's k most likely tokens."""
 
     @property
     def finished(self) -> bool:
@@ -296,14 +298,16 @@ class DualScheduler:
                     new = list(completion.token_ids)
                     start = len(flight.tokens)
                     flight.tokens += new
-                    records = s.records[slot, start : len(flight.tokens)].copy()
+                    end, k = len(flight.tokens), request.sampling.top_logprobs
+                    records = s.records[slot, start:end].copy()
+                    top = (s.top_ids[slot, start:end, :k].copy(), s.top_logq[slot, start:end, :k].copy()) if k else None
                     if out.finished:
                         theta_out = await theta_task
                         sample = self._collect(flight, list(theta_out.outputs[0].token_ids), completion.finish_reason)
-                        flight.outbox.put_nowait(SampleDelta(new, records, sample))
+                        flight.outbox.put_nowait(SampleDelta(new, records, sample, top))
                         return
                     if new:
-                        flight.outbox.put_nowait(SampleDelta(new, records))
+                        flight.outbox.put_nowait(SampleDelta(new, records, top=top))
                 raise SyncError("the teacher engine ended a request without a final output")
             finally:
                 if not theta_task.done():

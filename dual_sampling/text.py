@@ -65,3 +65,48 @@ def sample_text(
         return text
     position = _new_occurrence(decode(tokenizer, token_ids[:-1]), text, stop_string)
     return text[:position] if position >= 0 else text
+
+
+class TextStream:
+    """A sample's text as its tokens arrive: each :meth:`push` returns only text that the end cannot take back.
+
+    Held back until more tokens come: a character still being built from byte tokens, the
+    text of a token that would end the sample as a stop token, and the last characters
+    that could begin a stop string. :meth:`finish` returns the rest of the final text, so
+    the pieces always join into :func:`sample_text`. Each push decodes a few tokens before
+    the new ones too, so tokenizers that treat a leading space specially still join right.
+    """
+
+    _CONTEXT = 6
+    """Tokens decoded before the new ones, so a decoder's leading-space handling falls on text already sent."""
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str] = (), stop_token_ids: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.ids: list[int] = []
+        self.text = ""
+        """Text of ``ids[:self._read]``, decoded incrementally."""
+        self.sent = 0
+        """Characters of ``self.text`` already returned."""
+        self._read = 0
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add tokens; return the text that can be shown now."""
+        self.ids += token_ids
+        end = len(self.ids) - (1 if self.ids and self.ids[-1] in self.stop_token_ids else 0)
+        if end > self._read:
+            start = max(0, self._read - self._CONTEXT)
+            before = decode(self.tokenizer, self.ids[start : self._read])
+            now = decode(self.tokenizer, self.ids[start:end])
+            if not now.endswith("\ufffd") and now.startswith(before):
+                self.text += now[len(before) :]
+                self._read = end
+        visible = max(self.sent, len(self.text) - self.hold)
+        piece, self.sent = self.text[self.sent : visible], visible
+        return piece
+
+    def finish(self, final_text: str) -> str:
+        """The rest of the sample's final text, after everything :meth:`push` returned."""
+        shown = self.text[: self.sent]
+        return final_text[len(shown) :] if final_text.startswith(shown) else final_text

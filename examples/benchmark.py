@@ -33,6 +33,8 @@ Derived (the names are fixed; other tools read them):
   dual_vs_recompute_at_1024 time per token (e) / (c) at the longest length
   per_token_growth          time per token of (c) at the longest length / at the shortest
   growth_vs_teacher         per_token_growth of (c) / the same growth of (a): what the dual engine adds
+  serve_vs_offline          tok/s of the realistic workload through ``dual-sampling serve`` (streaming,
+                            32 at a time) / tok/s of generate() on the same prompts
 
     python examples/benchmark.py                      # SmolLM2 pair, batch 32
     python examples/benchmark.py --quick              # tiny models, seconds per design
@@ -84,6 +86,8 @@ class Settings:
     realistic_max_tokens: int = 256
     prompt_tokens: int = 32
     """Prompt length of the fixed workloads."""
+    serve_concurrency: int = 32
+    """Streaming requests in flight at once through the server."""
     alpha_method: str = "kl_symmetry"
 
 
@@ -326,6 +330,71 @@ def dual_probe_step(dual: OptimalSamplingDual, prompts: list[list[int]], steps: 
     return (t2 - t1) / steps
 
 
+def serve_run(dual: OptimalSamplingDual, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
+    """tok/s, time to first token and inter-token latency of streaming requests through ``dual-sampling serve``."""
+    import asyncio
+    import socket
+
+    import httpx
+    import uvicorn
+
+    from dual_sampling.serve import ServeOptions, build_app
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(dual, ServeOptions(port=port)), port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    ttft, itl, tokens = [], [], 0
+
+    async def one(client: httpx.AsyncClient, gate: asyncio.Semaphore, i: int) -> None:
+        nonlocal tokens
+        body = {"prompt": prompts[i], "max_tokens": max_tokens, "seed": 3 + i, "stream": True}
+        async with gate:
+            start = last = time.perf_counter()
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    n = len(json.loads(line[6:])["choices"][0].get("dual_sampling", {}).get("token_ids", []))
+                    if not n:
+                        continue
+                    now = time.perf_counter()
+                    if not tokens or last == start:
+                        ttft.append(now - start)
+                    else:
+                        itl.extend([(now - last) / n] * n)
+                    last, tokens = now, tokens + n
+
+    async def run() -> float:
+        gate = asyncio.Semaphore(concurrency)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+            start = time.perf_counter()
+            await asyncio.gather(*(one(client, gate, i) for i in range(len(prompts))))
+            return time.perf_counter() - start
+
+    try:
+        wall = asyncio.run(run())
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+    def pct(values: list[float], q: float) -> float:
+        return 1e3 * statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else 1e3 * (values or [0.0])[0]
+
+    return {
+        "tok_s": tokens / wall,
+        "ttft_ms_p50": pct(ttft, 50),
+        "ttft_ms_p99": pct(ttft, 99),
+        "itl_ms_p50": pct(itl, 50),
+        "itl_ms_p99": pct(itl, 99),
+        "concurrency": concurrency,
+    }
+
+
 # ---------------------------------------------------------------------- driver
 
 
@@ -393,6 +462,8 @@ def run(s: Settings) -> dict:
         realistic = chat_prompts(tok, s.realistic_prompts)
         r_wall, r_tokens, _ = dual_run(dual, realistic, s.realistic_max_tokens, seed=3)
         results["dual"]["realistic_tok_s"] = r_tokens / r_wall
+        # The same prompts through the OpenAI-compatible server, 32 streams at a time, beside generate().
+        results["serve"] = serve_run(dual, realistic, s.realistic_max_tokens, s.serve_concurrency)
     results["dual"]["peak_rss_mib"] = rss.peak / 2**20
     print(f"{'dual':12s} {results['dual']['tok_s']:8.1f} tok/s", flush=True)
 
@@ -433,6 +504,7 @@ def run(s: Settings) -> dict:
         "per_token_growth": tpt["dual"][long_] / tpt["dual"][short],
         "growth_vs_teacher": (tpt["dual"][long_] / tpt["dual"][short])
         / (tpt["teacher"][long_] / tpt["teacher"][short]),
+        "serve_vs_offline": results["serve"]["tok_s"] / results["dual"]["realistic_tok_s"],
     }
     return {
         "settings": s.__dict__,
@@ -462,6 +534,12 @@ def markdown_table(report: dict) -> str:
     split = report["results"]["dual"]["step_split_ms"]
     lines.append("- dual step split (ms per step): " + ", ".join(f"{k} {v:.1f}" for k, v in split.items()))
     lines.append(f"- dual steps with the engines out of phase: {report['results']['dual']['split_steps']}")
+    sv = report["results"]["serve"]
+    lines.append(
+        f"- server, {sv['concurrency']} streams: {sv['tok_s']:.1f} tok/s; time to first token p50 "
+        f"{sv['ttft_ms_p50']:.0f} ms, p99 {sv['ttft_ms_p99']:.0f} ms; inter-token latency p50 "
+        f"{sv['itl_ms_p50']:.1f} ms, p99 {sv['itl_ms_p99']:.1f} ms"
+    )
     return "\n".join(lines)
 
 

@@ -50,6 +50,9 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
     def _decide_rows(self, teacher: torch.Tensor, theta: torch.Tensor, ready: list[tuple[int, TrackedRow]]) -> Decision:
         """decide() for these rows; with a helper thread, its first half runs there, at the same time."""
 
+        # Every part uses the same k, so the parts' top-k tensors join.
+        top_logprobs = max(row.sampling.top_logprobs for _, row in ready)
+
         def run(lo: int, hi: int) -> Decision:
             part = ready[lo:hi]
             warm = torch.tensor([row.alpha for _, row in part], dtype=torch.float32, device=teacher.device)
@@ -61,6 +64,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
                 self.alpha_computer,
                 warm,
                 theta_normalized=True,
+                top_logprobs=top_logprobs,
             )
 
         n = len(ready)
@@ -133,12 +137,16 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
             ready, *(t.cpu().tolist() for t in (d.tokens, d.alpha, d.logp_teacher, d.logp_theta, d.logq, d.ok))
         )
         control = s.control
-        for (i, row), tok, a, lt, lth, lq, row_ok in rows_out:
+        top = None if d.top_ids is None else (d.top_ids.cpu().numpy(), d.top_logq.cpu().numpy())
+        for k, ((i, row), tok, a, lt, lth, lq, row_ok) in enumerate(rows_out):
             if not row_ok or row.step >= s.layout.max_steps:
                 s.fail_slot(row.slot, row.key, ErrorCode.BAD_LOGITS, row.step, self.writer)
                 decided[i] = row.filler
                 continue
             s.records[row.slot, row.step] = (a, lt, lth, lq)
+            if top is not None and row.sampling.top_logprobs:
+                n = row.sampling.top_logprobs
+                s.top_ids[row.slot, row.step, :n], s.top_logq[row.slot, row.step, :n] = top[0][k, :n], top[1][k, :n]
             s.tokens[row.slot, row.step] = tok
             control[row.slot, Slot.NUM_RECORDS] = row.step + 1
             control[row.slot, Slot.TOKEN] = tok

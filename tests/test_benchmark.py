@@ -29,8 +29,11 @@ def test_quick_benchmark_writes_json_table_and_plot(tmp_path):
         "dual_vs_recompute_at_1024",
         "per_token_growth",
         "growth_vs_teacher",
+        "serve_vs_offline",
     }
     assert all(math.isfinite(v) and v > 0 for v in report["derived"].values())
+    serve = report["results"]["serve"]
+    assert serve["tok_s"] > 0 and 0 < serve["ttft_ms_p50"] <= serve["ttft_ms_p99"] and serve["itl_ms_p50"] > 0
     for design in ("teacher", "theta", "dual", "transformers", "recompute"):
         r = report["results"][design]
         assert r["tok_s"] > 0 and r["peak_rss_mib"] > 0

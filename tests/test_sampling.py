@@ -33,8 +33,8 @@ def test_draw_accepts_unnormalised_log_q_and_leaves_it_alone():
     shifted = logq + torch.randn(6, 1, generator=g) * 20  # a per-row constant changes nothing
     before = shifted.clone()
     rows = [RowSampling(seed=i, temperature=0.7, top_p=0.9, min_tokens=3, stop_token_ids=(1,)) for i in range(6)]
-    t1, lq1, _ = draw_tokens(logq, logq, [0] * 6, rows)
-    t2, lq2, _ = draw_tokens(shifted, logq, [0] * 6, rows)
+    t1, lq1, _, _ = draw_tokens(logq, logq, [0] * 6, rows)
+    t2, lq2, _, _ = draw_tokens(shifted, logq, [0] * 6, rows)
     assert torch.equal(shifted, before)
     assert torch.equal(t1, t2)
     torch.testing.assert_close(lq1, lq2, rtol=0, atol=2e-5)
@@ -54,7 +54,7 @@ def test_draw_frequencies_follow_q():
     draws = 20000
     logq = q.log().expand(draws, -1).contiguous()
     rows = [RowSampling(seed=s) for s in range(draws)]
-    tokens, logq_token, ok = draw_tokens(logq, logq, [0] * draws, rows)
+    tokens, logq_token, ok, _ = draw_tokens(logq, logq, [0] * draws, rows)
     assert ok.all()
     freq = torch.bincount(tokens, minlength=6).double() / draws
     sigma = torch.sqrt(q.double() * (1 - q.double()) / draws)
@@ -88,25 +88,25 @@ def test_top_k_top_p_min_p_masks_match_reference():
 
 def test_temperature_min_tokens_bias_and_greedy():
     logq = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.5, 0.0]]), -1)
-    t, lq, _ = draw_tokens(logq, logq, [0], [RowSampling(temperature=0.0)])
+    t, lq, _, _ = draw_tokens(logq, logq, [0], [RowSampling(temperature=0.0)])
     assert t.item() == 0 and lq.item() == 0.0
-    t, lq, _ = draw_tokens(logq, logq, [0], [RowSampling(temperature=0.0, min_tokens=2, stop_token_ids=(0,))])
+    t, lq, _, _ = draw_tokens(logq, logq, [0], [RowSampling(temperature=0.0, min_tokens=2, stop_token_ids=(0,))])
     assert t.item() == 1
-    t, _, _ = draw_tokens(logq, logq, [5], [RowSampling(temperature=0.0, min_tokens=2, stop_token_ids=(0,))])
+    t, _, _, _ = draw_tokens(logq, logq, [5], [RowSampling(temperature=0.0, min_tokens=2, stop_token_ids=(0,))])
     assert t.item() == 0  # min_tokens reached: stop tokens allowed again
-    t, _, _ = draw_tokens(logq, logq, [0], [RowSampling(temperature=0.0, logit_bias={3: 10.0})])
+    t, _, _, _ = draw_tokens(logq, logq, [0], [RowSampling(temperature=0.0, logit_bias={3: 10.0})])
     assert t.item() == 3
     tempered = torch.log_softmax(logq / 0.5, -1)
-    t, lq, _ = draw_tokens(logq, logq, [0], [RowSampling(seed=1, temperature=0.5)])
+    t, lq, _, _ = draw_tokens(logq, logq, [0], [RowSampling(seed=1, temperature=0.5)])
     assert lq.item() == pytest.approx(tempered[0, t.item()].item(), abs=1e-6)
 
 
 def test_support_constraint_and_empty_rows():
     lt = torch.log_softmax(torch.tensor([[5.0, 4.0, -5.0, -6.0]]), -1)
     logq = torch.log_softmax(torch.tensor([[-5.0, -5.0, 5.0, 5.0]]), -1)
-    t, _, ok = draw_tokens(logq, lt, [0], [RowSampling(seed=3, support_top_k=2)])
+    t, _, ok, _ = draw_tokens(logq, lt, [0], [RowSampling(seed=3, support_top_k=2)])
     assert ok.item() and t.item() in (0, 1)
-    t, _, ok = draw_tokens(logq, lt, [0], [RowSampling(seed=3, support_top_k=1, min_tokens=1, stop_token_ids=(0,))])
+    t, _, ok, _ = draw_tokens(logq, lt, [0], [RowSampling(seed=3, support_top_k=1, min_tokens=1, stop_token_ids=(0,))])
     assert not ok.item()
 
 
@@ -124,3 +124,21 @@ def test_decide_records_match_its_parts():
     torch.testing.assert_close(d.logp_teacher, lt.gather(-1, idx).squeeze(-1))
     torch.testing.assert_close(d.logp_theta, lth.gather(-1, idx).squeeze(-1))
     torch.testing.assert_close(d.logq, geometric_mix(lth, lt, alpha).gather(-1, idx).squeeze(-1))
+
+
+def test_top_logprobs_are_the_final_distributions_most_likely_tokens():
+    g = torch.Generator().manual_seed(9)
+    logq = torch.log_softmax(torch.randn(3, 500, generator=g) * 2, -1)
+    rows = [RowSampling(seed=i, temperature=0.8, top_k=40, top_logprobs=5) for i in range(3)]
+    drawn = draw_tokens(logq.clone(), logq, [0] * 3, rows, top_logprobs=5)
+    ids, top = drawn.top
+    # Reference: temperature, then top-k, then normalise, in float64.
+    x = logq.double() / 0.8
+    kth = x.topk(40, -1).values[:, -1:]
+    ref = torch.log_softmax(x.masked_fill(x < kth, -math.inf), -1)
+    ref_vals, ref_ids = ref.topk(5, -1)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(top.double(), ref_vals, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        drawn.logq.double(), ref.gather(-1, drawn.tokens.unsqueeze(-1)).squeeze(-1), atol=1e-5, rtol=0
+    )

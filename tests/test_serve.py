@@ -1,0 +1,486 @@
+"""The OpenAI-compatible server, driven by the official ``openai`` client, on the shared tiny engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from dual_sampling.serve import ServeOptions, build_app
+
+pytestmark = pytest.mark.engine
+
+KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A uvicorn server for an app, in a thread of this process."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(dual_engine):
+    s = Server(build_app(dual_engine, ServeOptions(api_key=KEY, max_n=4, max_queue=256)))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def chat_text(dual, messages) -> str:
+    return dual.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+QUESTION = [{"role": "user", "content": "What is 12 + 30?"}]
+TEACHER = [{"role": "user", "content": "What is 12 + 30? A reference solution: 12 + 30 = 42."}]
+
+
+def assert_records_agree(extra: dict, token_ids: list[int], sample) -> None:
+    """A choice's dual_sampling records against the offline sample of the same seed."""
+    assert extra["token_ids"] == token_ids == sample.token_ids
+    for name in ("alpha", "logp_teacher", "logp_theta", "logq"):
+        assert extra[name] == pytest.approx(getattr(sample, name), abs=1e-6)
+
+
+# ---------------------------------------------------------------- round trips, same seed, same sample
+
+
+def test_chat_round_trip_matches_offline_generate(client, dual_engine):
+    r = client.chat.completions.create(
+        model="dual", messages=QUESTION, max_tokens=12, seed=5, n=2, extra_body={"teacher_messages": TEACHER}
+    )
+    offline = dual_engine.generate(
+        [chat_text(dual_engine, QUESTION)],
+        teacher_prompts=[chat_text(dual_engine, TEACHER)],
+        max_tokens=12,
+        seed=5,
+        n=2,
+    )
+    assert len(r.choices) == 2 and r.usage.completion_tokens == sum(offline.num_tokens)
+    for choice, sample in zip(r.choices, offline.requests[0].samples):
+        extra = choice.model_extra["dual_sampling"]
+        assert_records_agree(extra, sample.token_ids, sample)
+        assert choice.message.content == sample.text and choice.finish_reason == sample.finish_reason
+        assert extra["log_w_theta"] == pytest.approx(sample.log_w_theta, abs=1e-5) and extra["error"] is None
+
+
+def test_chat_stream_with_hint_matches_offline_and_chunks_hold_their_records(client, dual_engine):
+    stream = client.chat.completions.create(
+        model="dual",
+        messages=QUESTION,
+        max_tokens=16,
+        seed=6,
+        stream=True,
+        extra_body={"hint": "12 + 30 = 42."},
+        stream_options={"include_usage": True},
+    )
+    text, tokens, records, finish, usage = "", [], {"alpha": [], "logq": []}, None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            extra = (choice.model_extra or {}).get("dual_sampling")
+            if extra:
+                assert len(extra["token_ids"]) == len(extra["alpha"]) == len(extra["logq"])  # exactly this chunk's
+                tokens += extra["token_ids"]
+                records["alpha"] += extra["alpha"]
+                records["logq"] += extra["logq"]
+            finish = choice.finish_reason or finish
+    from dual_sampling.datagen import DEFAULT_TEACHER_TEMPLATE, user_template
+
+    hinted = user_template(None, DEFAULT_TEACHER_TEMPLATE).render(
+        problem=QUESTION[0]["content"], hint="12 + 30 = 42.", row={}
+    )
+    offline = (
+        dual_engine.generate(
+            [chat_text(dual_engine, QUESTION)],
+            teacher_prompts=[chat_text(dual_engine, [{"role": "user", "content": hinted}])],
+            max_tokens=16,
+            seed=6,
+        )
+        .requests[0]
+        .samples[0]
+    )
+    assert tokens == offline.token_ids and text == offline.text and finish == offline.finish_reason
+    assert records["alpha"] == pytest.approx(offline.alpha, abs=1e-6) and records["logq"] == pytest.approx(
+        offline.logq, abs=1e-6
+    )
+    assert usage.completion_tokens == len(tokens)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_with_teacher_prompt_match_offline(client, dual_engine, stream):
+    kwargs = dict(
+        model="dual",
+        prompt="The sea is",
+        max_tokens=10,
+        seed=7,
+        n=2,
+        extra_body={"teacher_prompt": "Waves and tides. The sea is"},
+    )
+    offline = (
+        dual_engine.generate(
+            ["The sea is"], teacher_prompts=["Waves and tides. The sea is"], max_tokens=10, seed=7, n=2
+        )
+        .requests[0]
+        .samples
+    )
+    if not stream:
+        r = client.completions.create(**kwargs)
+        for choice, sample in zip(sorted(r.choices, key=lambda c: c.index), offline):
+            assert choice.text == sample.text
+            assert_records_agree(choice.model_extra["dual_sampling"], sample.token_ids, sample)
+        return
+    texts, tokens = {0: "", 1: ""}, {0: [], 1: []}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            tokens[choice.index] += (choice.model_extra or {}).get("dual_sampling", {}).get("token_ids", [])
+    for i, sample in enumerate(offline):
+        assert tokens[i] == sample.token_ids and texts[i] == sample.text
+
+
+def test_logprobs_report_log_q_and_its_alternatives(client):
+    r = client.chat.completions.create(
+        model="dual", messages=QUESTION, max_tokens=6, seed=3, logprobs=True, top_logprobs=3
+    )
+    choice = r.choices[0]
+    extra = choice.model_extra["dual_sampling"]
+    content = choice.logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(extra["logq"], abs=1e-6)
+    for c in content:
+        values = [t.logprob for t in c.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True) and c.logprob <= values[0] + 1e-6
+    legacy = client.completions.create(model="dual", prompt="one two", max_tokens=5, seed=3, logprobs=2)
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert lp.token_logprobs == pytest.approx(legacy.choices[0].model_extra["dual_sampling"]["logq"], abs=1e-6)
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["dual"]
+    assert httpx.get(server.url + "/health").status_code == 200
+    metrics = httpx.get(server.url + "/metrics").text
+    for name in (
+        "dual_sampling_requests_total",
+        "dual_sampling_generated_tokens_total",
+        "dual_sampling_alpha_bucket",
+        "dual_sampling_requests_running",
+        "dual_sampling_requests_queued",
+        "dual_sampling_sync_wait_seconds",
+        "dual_sampling_sync_timeouts",
+        "dual_sampling_engine_deaths",
+    ):
+        assert name in metrics, name
+
+
+# ---------------------------------------------------------------- bad input
+
+
+BAD = [
+    ({"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool"),
+    ({"messages": QUESTION, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"messages": QUESTION, "n": 9}, 400, "n"),
+    ({"messages": QUESTION, "max_tokens": 10_000}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "word " * 400}]}, 400, "messages"),
+    ({"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": ""}]}, 400, "messages[0].content"),
+    ({"messages": QUESTION, "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"messages": QUESTION, "temperature": -1}, 400, "temperature"),
+    ({"messages": QUESTION, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"messages": QUESTION, "model": "gpt-4"}, 404, "model"),
+    ({"messages": QUESTION, "teacher_messages": "not a list"}, 400, "teacher_messages"),
+    ({"messages": "hello"}, 400, "messages"),
+]
+
+
+@pytest.mark.parametrize("body, status, param", BAD, ids=[p for _, _, p in BAD])
+def test_bad_chat_requests_name_the_field(server, body, status, param):
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == status and (error["param"] or "").startswith(param.split(".")[0]) and error["message"]
+
+
+def test_bad_bodies_and_credentials(server, client):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    cases = [
+        (
+            httpx.post(server.url + "/v1/chat/completions", content=b'{"messages": [', headers=auth),
+            400,
+            "not valid JSON",
+        ),
+        (httpx.post(server.url + "/v1/completions", content=b'{"prompt": "\xff\xfe"}', headers=auth), 400, "UTF-8"),
+        (httpx.post(server.url + "/v1/completions", json={"prompt": ""}, headers=auth), 400, "empty"),
+        (httpx.post(server.url + "/v1/completions", json={"prompt": ["a", "b"]}, headers=auth), 400, "one prompt"),
+        (httpx.post(server.url + "/v1/completions", content=b"x" * (2 << 20), headers=auth), 413, "exceeds"),
+        (httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}), 401, "API key"),
+        (
+            httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer no"}),
+            401,
+            "API key",
+        ),
+    ]
+    for response, status, words in cases:
+        assert response.status_code == status, response.text
+        assert words in response.json()["error"]["message"]
+    r = client.completions.create(model="dual", prompt="still fine", max_tokens=3)  # nothing above hurt the server
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_past_the_queue_bound_requests_get_429_at_once(dual_engine):
+    s = Server(build_app(dual_engine, ServeOptions(max_queue=2)))
+    try:
+
+        async def run() -> list[int]:
+            async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
+                slow = {"prompt": "long story", "max_tokens": 120, "min_tokens": 120}
+                first = [asyncio.ensure_future(c.post("/v1/completions", json=slow)) for _ in range(2)]
+                await asyncio.sleep(0.5)
+                started = time.monotonic()
+                third = await c.post("/v1/completions", json=slow)
+                assert time.monotonic() - started < 2, "a request past the bound must not wait"
+                assert third.json()["error"]["type"] == "rate_limit_error"
+                return [third.status_code] + [(await f).status_code for f in first]
+
+        assert asyncio.run(run()) == [429, 200, 200]
+    finally:
+        s.stop()
+
+
+# ---------------------------------------------------------------- load, with clients walking away
+
+
+def test_load_200_streams_with_disconnects(server, dual_engine):
+    from openai import AsyncOpenAI
+
+    rng = random.Random(0)
+    plan = [(rng.random() < 0.2, rng.randint(1, 6)) for _ in range(200)]
+    me = psutil.Process()
+    rss_before = me.memory_info().rss
+    before = dual_engine.get_sync_statistics()
+
+    async def one(i: int, client: AsyncOpenAI) -> str:
+        leave, after = plan[i]
+        stream = await client.completions.create(
+            model="dual", prompt=f"story number {i}", max_tokens=24, seed=i, stream=True
+        )
+        chunks, tokens, finish = 0, [], None
+        async for chunk in stream:
+            chunks += 1
+            for choice in chunk.choices:
+                extra = (choice.model_extra or {}).get("dual_sampling") or {}
+                assert len(extra.get("token_ids", [])) == len(extra.get("logq", []))
+                tokens += extra.get("token_ids", [])
+                finish = choice.finish_reason or finish
+            if leave and chunks >= after:
+                await stream.close()
+                return "left"
+        assert finish in ("stop", "length") and 1 <= len(tokens) <= 24, (finish, len(tokens))
+        return "done"
+
+    async def run() -> list[str]:
+        async with AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300) as client:
+            return await asyncio.gather(*(one(i, client) for i in range(200)))
+
+    started = time.monotonic()
+    outcomes = asyncio.run(run())
+    wall = time.monotonic() - started
+    deadline = time.monotonic() + 10
+    session = dual_engine.session
+    while time.monotonic() < deadline and (
+        dual_engine.scheduler.in_flight() or not all(session.slot_free(s) for s in range(session.layout.slots))
+    ):
+        time.sleep(0.05)
+    after = dual_engine.get_sync_statistics()
+    rss_after = me.memory_info().rss
+    print(
+        f"load: 200 streams, {outcomes.count('left')} left early, {wall:.1f} s, "
+        f"server RSS {rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB"
+    )
+    assert outcomes.count("done") == sum(not leave for leave, _ in plan)
+    assert dual_engine.scheduler.in_flight() == [] and all(session.slot_free(s) for s in range(session.layout.slots))
+    assert (
+        after["teacher_timeouts"] == before["teacher_timeouts"]
+        and after["follower_diverged"] == before["follower_diverged"]
+    )
+    assert after["failed_diverged"] == before["failed_diverged"]
+    assert after["requests"] - before["requests"] == 200
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "dual_sampling_samples_held 0.0" in metrics
+    disconnects = float(
+        next(
+            line.split()[-1]
+            for line in metrics.splitlines()
+            if line.startswith("dual_sampling_client_disconnects_total")
+        )
+    )
+    assert disconnects >= outcomes.count("left")
+    assert rss_after < rss_before * 1.10 + 64 * 2**20
+    assert wall < 300
+
+
+# ---------------------------------------------------------------- a dead engine, a real server process
+
+
+def test_engine_death_turns_health_red_and_ends_open_streams(tiny_same):
+    teacher, theta = tiny_same
+    port = free_port()
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dual_sampling.cli",
+            "serve",
+            "--teacher",
+            str(teacher),
+            "--theta",
+            str(theta),
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            "2",
+            "--max-model-len",
+            "256",
+            "--sync-timeout",
+            "10",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while not _healthy(url):
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.5)
+
+        async def stream_until_error() -> str:
+            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+                body = {"prompt": "a long story", "max_tokens": 200, "min_tokens": 200, "stream": True}
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: ") and '"error"' in line:
+                            return json.loads(line[6:])["error"]["message"]
+                        if line == "data: [DONE]":
+                            return "done"
+            return "closed"
+
+        async def run() -> list[str]:
+            tasks = [asyncio.ensure_future(stream_until_error()) for _ in range(3)]
+            await asyncio.sleep(2)
+            engines = [p for p in psutil.Process(proc.pid).children() if p.children()]  # EngineCores have workers
+            engines[0].kill()
+            return await asyncio.gather(*tasks)
+
+        messages = asyncio.run(run())
+        assert all("engine failed" in m for m in messages), messages
+        assert httpx.get(url + "/health", timeout=5).status_code == 503
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (set(os.listdir("/dev/shm")) - before):
+        time.sleep(0.2)
+    assert set(os.listdir("/dev/shm")) - before == set()
+    assert not [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "VLLM" in " ".join(p.info["cmdline"] or []) and p.ppid() in (proc.pid, 1)
+    ]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_a_disconnect_ends_the_request_within_one_engine_step(server, dual_engine):
+    stats = dual_engine.get_sync_statistics
+
+    async def run() -> tuple[int, float]:
+        async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+            body = {"prompt": "tell me everything", "max_tokens": 200, "min_tokens": 200, "stream": True}
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                chunks = 0
+                async for line in r.aiter_lines():
+                    chunks += line.startswith("data: {")
+                    if chunks >= 3:
+                        break
+            steps_at_close, closed = stats()["teacher_steps"], time.monotonic()
+        while dual_engine.scheduler.in_flight():
+            await asyncio.sleep(0.005)
+        return stats()["teacher_steps"] - steps_at_close, time.monotonic() - closed
+
+    aborts = stats()["finished_abort"]
+    steps, seconds = asyncio.run(run())
+    # The step running when the client left, and the one at whose boundary the leader ends it.
+    assert steps <= 2, steps
+    assert stats()["finished_abort"] == aborts + 1
+    print(f"disconnect to abort: {steps} engine steps, {seconds * 1e3:.0f} ms")
+
+
+def test_cancelling_an_asyncio_task_aborts_its_request(dual_engine):
+    async def run() -> None:
+        task = asyncio.ensure_future(
+            dual_engine.complete("a long answer", max_tokens=200, min_tokens=200, request_id="to-cancel")
+        )
+        while "to-cancel" not in dual_engine.scheduler.in_flight():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        deadline = time.monotonic() + 5
+        while dual_engine.scheduler.in_flight():
+            assert time.monotonic() < deadline, "the cancelled request is still in the engines"
+            await asyncio.sleep(0.01)
+
+    aborts = dual_engine.get_sync_statistics()["finished_abort"]
+    asyncio.run(run())
+    assert dual_engine.get_sync_statistics()["finished_abort"] == aborts + 1
