@@ -104,6 +104,8 @@ class Header(IntEnum):
     """Teacher scheduler: plans published so far (the next plan's number)."""
     PLANS_CONSUMED = 8
     """Theta scheduler: plans it has run so far."""
+    THETA_PUBLICATIONS = 9
+    """Theta processor: a sequence word, odd while it stores one step's rows and step words, even otherwise."""
 
 
 _STATS_BASE = 16

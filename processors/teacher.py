@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from alpha import get_alpha_computer
-from dual_sampling.protocol import Bell, ErrorCode, Slot, Stat, Writer
+from dual_sampling.protocol import Bell, ErrorCode, Header, Slot, Stat, Writer
 from dual_sampling.sampling import Decision, decide
 from processors.base import BaseSyncLogitsProcessor, TrackedRow
 
@@ -85,15 +85,22 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         mixing_s, rounds = 0.0, 0
         while pending:
             seen = s.bell_value(Bell.THETA_ROWS)
+            publications = int(s.header[Header.THETA_PUBLICATIONS])
             ready = []
             for i, row in list(pending.items()):
                 if self.abandoned(row):
                     decided[i] = row.filler
+                    del pending[i]
                     s.add_stat(Stat.TEACHER_ABANDONED, 1)
                 elif control[row.slot, Slot.THETA_STEP] == row.step:
                     ready.append((i, row))
-                else:
+            if ready and len(ready) < len(pending) and self._publication_overlapped(publications):
+                # The scan raced theta's stores: the rest of this step's rows are on their way. Deciding now
+                # would still be correct, but in two rounds; wait for theta's bell and scan again.
+                self.wait(Bell.THETA_ROWS, seen, deadline)
+                if time.monotonic() < deadline:
                     continue
+            for i, _ in ready:
                 del pending[i]
             if ready:
                 rounds += 1
@@ -113,6 +120,10 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         s.add_stat(Stat.MIX_NS, int(mixing_s * 1e9))
         s.add_stat(Stat.TEACHER_WAIT_NS, int((time.monotonic() - start - mixing_s) * 1e9))
         return decided
+
+    def _publication_overlapped(self, before: int) -> bool:
+        """Whether theta was storing a step's rows at some point of a scan that began with ``before`` read."""
+        return before % 2 == 1 or int(self.session.header[Header.THETA_PUBLICATIONS]) != before
 
     def _decide(self, logits: torch.Tensor, ready: list[tuple[int, TrackedRow]]) -> dict[int, int]:
         s = self.session

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from dual_sampling.protocol import Bell, ErrorCode, Slot, Stat, Writer
+from dual_sampling.protocol import Bell, ErrorCode, Header, Slot, Stat, Writer
 from processors.base import BaseSyncLogitsProcessor, TrackedRow
 
 __all__ = ["ThetaSyncLogitsProcessor"]
@@ -59,10 +59,14 @@ class ThetaSyncLogitsProcessor(BaseSyncLogitsProcessor):
         logp = torch.log_softmax(logits[index, : self.vocab].float(), dim=-1).cpu()
         # NaN or +inf anywhere in a row makes its whole log-softmax NaN; so does a row with nothing finite.
         nan_rows = torch.isnan(logp[:, 0]).tolist()
-        s.theta_logprobs[[row.slot for _, row in rows]] = logp.numpy()
+        slots = [row.slot for _, row in rows]
+        # Odd while this step's rows are stored, so the teacher can tell a scan that saw only part of them.
+        s.header[Header.THETA_PUBLICATIONS] += 1
+        s.theta_logprobs[slots] = logp.numpy()
         for (_, row), has_nan in zip(rows, nan_rows):
             if has_nan:
                 s.fail_slot(row.slot, row.key, ErrorCode.BAD_LOGITS, row.step, self.writer)
-            s.control[row.slot, Slot.THETA_STEP] = row.step  # after the row it announces
+        s.control[slots, Slot.THETA_STEP] = [row.step for _, row in rows]  # after the rows they announce
+        s.header[Header.THETA_PUBLICATIONS] += 1
         s.ring(Bell.THETA_ROWS, self.writer)
         s.add_stat(Stat.THETA_ROWS, len(rows))

@@ -8,14 +8,21 @@ fixed logits, no timeouts, and no slot left held once the engines are idle.
 from __future__ import annotations
 
 import os
+import threading
+import time
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dual_sampling.protocol import SESSION_PREFIX
+from dual_sampling.protocol import SESSION_PREFIX, Bell, Header, SessionLayout, Slot, SyncSession, Writer
+from dual_sampling.sampling import RowSampling
 from dual_sampling.text import decode
-from tests.sim_engines import Adversity, check_records, run_simulation, sim_tokenizer
+from processors import TeacherSyncLogitsProcessor
+from processors.base import TrackedRow
+from tests.sim_engines import VOCAB, Adversity, check_records, run_simulation, sim_configs, sim_tokenizer
 
 
 def assert_clean(run, *, allow_errors: frozenset = frozenset(), engine_aborts: bool = False) -> None:
@@ -207,3 +214,54 @@ def test_no_session_file_left_behind():
     before = {f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX)}
     run_simulation(0, count=3, max_num_seqs=2)
     assert {f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX)} <= before
+
+
+def test_teacher_waits_out_a_theta_publication_it_saw_half_of():
+    """A scan that overlaps theta's stores sees part of a step; the teacher must not decide that part alone."""
+    session = SyncSession.create(SessionLayout(vocab=VOCAB, slots=2, max_steps=8, plan_width=2))
+    try:
+        config = sim_configs(2, 96, 96, sync_timeout=10.0)["teacher"]
+        config.additional_config["dual_sampling"]["session"] = session.name
+        teacher = TeacherSyncLogitsProcessor(config, torch.device("cpu"), False)
+        batch = []
+        for slot in (0, 1):
+            session.open_slot(slot, key=slot + 1, teacher_prompt_len=3, theta_prompt_len=3)
+            session.theta_logprobs[slot] = np.log(np.full(VOCAB, 1.0 / VOCAB, dtype=np.float32))
+            batch.append((slot, TrackedRow(slot, slot + 1, [], RowSampling(seed=slot))))
+        logits = torch.zeros(2, VOCAB)
+        decided: dict = {}
+
+        # Theta is mid-publication: one step word stored, the sequence word odd.
+        session.header[Header.THETA_PUBLICATIONS] = 1
+        session.control[0, Slot.THETA_STEP] = 0
+        worker = threading.Thread(target=lambda: decided.update(teacher.synchronise(logits, batch)))
+        worker.start()
+        worker.join(timeout=0.5)
+        assert worker.is_alive() and int(session.control[0, Slot.TEACHER_STEP]) == -1, "decided half a step"
+
+        # Theta finishes: the teacher decides both rows in one round.
+        session.control[1, Slot.THETA_STEP] = 0
+        session.header[Header.THETA_PUBLICATIONS] = 2
+        session.ring(Bell.THETA_ROWS, Writer.THETA_PROCESSOR)
+        worker.join(timeout=10)
+        assert not worker.is_alive() and set(decided) == {0, 1}
+        assert session.statistics()["split_steps"] == 0
+        assert [int(session.control[s, Slot.TEACHER_STEP]) for s in (0, 1)] == [0, 0]
+
+        # Control: a genuinely partial step (no publication in progress) is decided at once, row by row.
+        for row in (r for _, r in batch):
+            row.output_token_ids.append(int(session.control[row.slot, Slot.TOKEN]))
+        session.control[0, Slot.THETA_STEP] = 1
+        session.header[Header.THETA_PUBLICATIONS] = 4
+        worker = threading.Thread(target=lambda: decided.update(teacher.synchronise(logits, batch)))
+        worker.start()
+        deadline = time.monotonic() + 5
+        while int(session.control[0, Slot.TEACHER_STEP]) != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert int(session.control[0, Slot.TEACHER_STEP]) == 1 and worker.is_alive()
+        session.control[1, Slot.THETA_STEP] = 1
+        session.ring(Bell.THETA_ROWS, Writer.THETA_PROCESSOR)
+        worker.join(timeout=10)
+        assert not worker.is_alive() and session.statistics()["split_steps"] == 1
+    finally:
+        session.close()
