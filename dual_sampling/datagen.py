@@ -29,7 +29,6 @@ import hashlib
 import json
 import math
 import os
-import statistics
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -59,6 +58,10 @@ DEFAULT_THETA_TEMPLATE = "{{ problem }}"
 
 # Settings that do not change what a record contains (so --resume may change them).
 _NOT_IDENTITY = {
+    "ray",
+    "replicas",
+    "cpus_per_replica",
+    "gpus_per_replica",
     "resume",
     "batch_size",
     "use_tqdm",
@@ -86,7 +89,7 @@ class RunConfig:
     input: str
     """Problems: a .jsonl or .parquet file, or a local Hugging Face datasets folder."""
     output: str
-    """Records: a .jsonl or .parquet file."""
+    """Records: a .jsonl or .parquet file, or a directory (Parquet parts, for runs of any size)."""
     teacher: str | None = None
     """Teacher model folder; None: the local SmolLM2-135M-Instruct."""
     theta: str | None = None
@@ -114,7 +117,15 @@ class RunConfig:
     resume: bool = False
     """Continue an interrupted run in place (failed samples are drawn again)."""
     batch_size: int = 32
-    """Problems per generate() call; records are fsync'd after each."""
+    """Problems per generate() call (with --ray: per replica batch); records are fsync'd after each."""
+    ray: bool = False
+    """Draw the samples on a Ray cluster (RAY_ADDRESS, or a local one started for the run) with Ray Data."""
+    replicas: int = 1
+    """With --ray: dual engines running at once, one per Ray actor."""
+    cpus_per_replica: float = 2.0
+    """With --ray: CPUs each replica reserves (its two engines' model threads share them)."""
+    gpus_per_replica: float = 0.0
+    """With --ray: GPUs each replica reserves (2 puts each engine on its own GPU)."""
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     """How to sample; its fields are flat keys of the run (n, max_tokens, temperature, seed, ...)."""
     engine: EngineOptions = field(default_factory=EngineOptions)
@@ -128,11 +139,18 @@ class RunConfig:
             self.theta = self.theta or str(models.smollm2_pruned())
         if self.format not in ("records", "messages"):
             raise ValueError(f"format must be 'records' or 'messages', got {self.format!r}")
-        if Path(self.output).suffix not in (".jsonl", ".parquet"):
-            raise ValueError(f"output must end in .jsonl or .parquet, got {self.output!r}")
+        if Path(self.output).suffix not in (".jsonl", ".parquet", ""):
+            raise ValueError(f"output must be a .jsonl or .parquet file, or a directory, got {self.output!r}")
         self.shard_index, self.shard_count = _parse_shard(self.shard)
-        if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
-            raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
+        for name in ("batch_size", "replicas"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("cpus_per_replica", "gpus_per_replica"):
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(self, name, float(value))
+            if not (isinstance(getattr(self, name), float) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any]) -> RunConfig:
@@ -321,7 +339,9 @@ def _template_text(value: str | None) -> str | None:
 
 
 @dataclass
-class _Item:
+class WorkItem:
+    """One problem to sample: both rendered prompts, and the sample indices still missing."""
+
     id: str
     teacher_user: str
     theta_user: str
@@ -330,7 +350,19 @@ class _Item:
     missing: list[int]
 
 
-def _prepare(cfg: RunConfig, rows: list[dict], renderer: _Renderer) -> tuple[list[tuple[int, dict, str]], list[dict]]:
+@dataclass
+class Outcome:
+    """What one drawn sample leaves: a record (training data) or a failure, and its numbers for the summary."""
+
+    id: str
+    sample_index: int
+    record: dict[str, Any] | None
+    failure: dict[str, Any] | None
+    stats: dict[str, float]
+    """tokens, alpha_sum, alpha_sq, log_w_theta: what the run summary needs, whatever the format."""
+
+
+def _prepare(cfg: RunConfig, rows: list[dict]) -> tuple[list[tuple[int, dict, str]], list[dict]]:
     """(row number, row, id) of this shard's rows, and the rows rejected before generation."""
     selected, seen, rejects = [], {}, []
     for number, row in enumerate(rows):
@@ -351,8 +383,75 @@ def _prepare(cfg: RunConfig, rows: list[dict], renderer: _Renderer) -> tuple[lis
     return selected, rejects
 
 
+def plan_items(
+    cfg: RunConfig, selected: list[tuple[int, dict, str]], done: set, tokenizer: Any, max_model_len: int
+) -> tuple[list[WorkItem], list[dict]]:
+    """Render the prompts of every problem with samples still missing; reject those too long for the context."""
+    renderer = _Renderer(cfg, tokenizer)
+    items, rejects = [], []
+    for number, row, row_id in selected:
+        missing = [j for j in range(cfg.sampling.n) if (row_id, j) not in done]
+        if not missing:
+            continue
+        hint = None if cfg.hint_field is None else row[cfg.hint_field]
+        t_user, th_user = renderer.user_messages(row[cfg.prompt_field], hint, row)
+        item = WorkItem(
+            row_id,
+            t_user,
+            th_user,
+            renderer.prompt(t_user, cfg.system_prompt_teacher),
+            renderer.prompt(th_user, cfg.system_prompt_theta),
+            missing,
+        )
+        longest = max(
+            len(tokenizer(p, add_special_tokens=True)["input_ids"]) for p in (item.teacher_prompt, item.theta_prompt)
+        )
+        if longest + 1 > max_model_len:
+            reason = f"prompt has {longest} tokens; max_model_len is {max_model_len}"
+            rejects.append({"id": row_id, "row": number, "reason": reason})
+            continue
+        items.append(item)
+    return items, rejects
+
+
+def sample_items(sampler: Any, cfg: RunConfig, items: list[WorkItem], models: dict) -> list[Outcome]:
+    """Draw the missing samples of ``items`` (seeds from (seed, id, sample_index)); one outcome per sample."""
+    out = sampler.generate(
+        [i.theta_prompt for i in items],
+        teacher_prompts=[i.teacher_prompt for i in items],
+        prompt_keys=[i.id for i in items],
+        sampling=cfg.sampling,
+        use_tqdm=False,
+    )
+    outcomes = []
+    for item, request in zip(items, out.requests):
+        for j in item.missing:
+            sample = request.samples[j]
+            stats = {
+                "tokens": len(sample.token_ids),
+                "alpha_sum": math.fsum(sample.alpha),
+                "alpha_sq": math.fsum(a * a for a in sample.alpha),
+                "log_w_theta": sample.log_w_theta,
+            }
+            # Only complete, verified samples are training data; a failed one is logged and drawn again on --resume.
+            if sample.ok:
+                outcomes.append(Outcome(item.id, j, _record(cfg, item, j, sample, models), None, stats))
+            else:
+                outcomes.append(Outcome(item.id, j, None, _failure(item, j, sample), stats))
+    return outcomes
+
+
 def _paths(cfg: RunConfig) -> dict[str, Path]:
     out = Path(cfg.output)
+    if out.suffix not in (".jsonl", ".parquet"):  # a directory of Parquet parts
+        return {
+            "output": out,
+            "parts": out,
+            "manifest": out / "manifest.json",
+            "rejects": out / "rejects.jsonl",
+            "failed": out / "failed.jsonl",
+            "summary": out / "summary.json",
+        }
     journal = out if out.suffix == ".jsonl" else out.with_name(out.name + ".journal.jsonl")
     return {
         "output": out,
@@ -376,7 +475,8 @@ def _check_manifest(cfg: RunConfig, paths: dict[str, Path], models: dict) -> Non
             details = "; ".join(f"{k}: {old['config'].get(k)!r} -> {identity.get(k)!r}" for k in changed)
             raise ValueError(f"refusing to resume {cfg.output}: the configuration differs ({details})")
         return
-    if not cfg.resume and any(paths[k].exists() for k in ("output", "journal", "manifest")):
+    existing = [paths[k] for k in ("output", "journal", "manifest") if k in paths and paths[k].exists()]
+    if not cfg.resume and existing and not (paths.get("parts") and not any(paths["parts"].iterdir())):
         raise FileExistsError(
             f"{cfg.output} (or its journal or manifest) already exists; pass --resume to continue it, "
             "or remove it to start over"
@@ -390,7 +490,7 @@ def _check_manifest(cfg: RunConfig, paths: dict[str, Path], models: dict) -> Non
     os.replace(tmp, manifest)
 
 
-def _record(cfg: RunConfig, item: _Item, j: int, sample, models: dict) -> dict[str, Any]:
+def _record(cfg: RunConfig, item: WorkItem, j: int, sample, models: dict) -> dict[str, Any]:
     if cfg.format == "messages":
         messages = [{"role": "system", "content": cfg.system_prompt_theta}] if cfg.system_prompt_theta else []
         messages += [{"role": "user", "content": item.theta_user}, {"role": "assistant", "content": sample.text}]
@@ -433,7 +533,7 @@ def _record(cfg: RunConfig, item: _Item, j: int, sample, models: dict) -> dict[s
     }
 
 
-def _failure(item: _Item, j: int, sample) -> dict[str, Any]:
+def _failure(item: WorkItem, j: int, sample) -> dict[str, Any]:
     """What a failed sample leaves behind: enough to see why, nothing to train on."""
     return {
         "id": item.id,
@@ -445,116 +545,256 @@ def _failure(item: _Item, j: int, sample) -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------------- where records go
+
+
+class _JournalSink:
+    """Records as whole JSONL lines, fsync'd per batch; a .parquet output is written from the journal at the end."""
+
+    def __init__(self, paths: dict[str, Path], resume: bool) -> None:
+        self.path, self.output = paths["journal"], paths["output"]
+        self.done = {(r["id"], r["sample_index"]) for r in read_journal(self.path)} if resume else set()
+        self.file = self.path.open("a", encoding="utf-8")
+
+    def write(self, records: list[dict[str, Any]]) -> int:
+        """Append the records not written yet (a retried batch may repeat some); return how many were new."""
+        fresh = _fresh(records, self.done)
+        if fresh:
+            self.file.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in fresh))
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        return len(fresh)
+
+    def finish(self) -> None:
+        self.close()
+        if self.output.suffix == ".parquet":
+            _write_parquet(self.path, self.output)
+
+    def close(self) -> None:
+        if not self.file.closed:
+            self.file.close()
+
+
+class _PartsSink:
+    """Records as Parquet part files in a directory, for runs of any size.
+
+    Each batch becomes one part, written under a temporary name, fsync'd, then renamed into
+    place; a part left half-written by a crash keeps its temporary name and is never read.
+    """
+
+    def __init__(self, paths: dict[str, Path], resume: bool) -> None:
+        import pyarrow.parquet as pq
+
+        self.folder = paths["parts"]
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for tmp in self.folder.glob("part-*.tmp"):
+            tmp.unlink()
+        parts = sorted(self.folder.glob("part-*.parquet"))
+        self.done = set()
+        if resume:
+            for part in parts:
+                table = pq.read_table(part, columns=["id", "sample_index"])
+                self.done |= set(zip(table.column("id").to_pylist(), table.column("sample_index").to_pylist()))
+        self.next = 1 + max((int(p.stem.split("-")[1]) for p in parts), default=-1)
+
+    def write(self, records: list[dict[str, Any]]) -> int:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        fresh = _fresh(records, self.done)
+        if fresh:
+            final = self.folder / f"part-{self.next:06d}.parquet"
+            tmp = final.with_name(final.name + ".tmp")
+            pq.write_table(pa.Table.from_pylist(fresh), tmp)
+            with tmp.open("rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            dir_fd = os.open(self.folder, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)  # the rename itself survives a crash
+            finally:
+                os.close(dir_fd)
+            self.next += 1
+        return len(fresh)
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _fresh(records: list[dict[str, Any]], done: set) -> list[dict[str, Any]]:
+    """The records whose (id, sample_index) is not written yet; marks them written."""
+    fresh = []
+    for r in records:
+        key = (r["id"], r["sample_index"])
+        if key not in done:
+            done.add(key)
+            fresh.append(r)
+    return fresh
+
+
+def _open_sink(paths: dict[str, Path], resume: bool) -> _JournalSink | _PartsSink:
+    return _PartsSink(paths, resume) if "parts" in paths else _JournalSink(paths, resume)
+
+
+def read_records(output: str) -> list[dict[str, Any]]:
+    """Every record of a run's output: a .jsonl or .parquet file, or a directory of parts."""
+    path = Path(output)
+    if path.suffix == ".jsonl":
+        return read_journal(path, repair=False)
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    import pyarrow.parquet as pq
+
+    return [r for part in sorted(path.glob("part-*.parquet")) for r in pq.read_table(part).to_pylist()]
+
+
+class _Tally:
+    """The run summary's numbers, kept as running sums (one float per sample for the ESS)."""
+
+    def __init__(self) -> None:
+        self.written = self.tokens = self.alpha_n = 0
+        self.alpha_sum = self.alpha_sq = 0.0
+        self.log_w: list[float] = []
+        self.failures: collections.Counter = collections.Counter()
+
+    def add(self, outcome: Outcome, new: bool = True) -> None:
+        if outcome.failure is not None:
+            self.failures[
+                (outcome.failure.get("error") or outcome.failure.get("finish_reason") or "unknown").split(" at ")[0]
+            ] += 1
+            return
+        if not new:
+            return  # a retried batch repeated a sample already counted
+        s = outcome.stats
+        self.written += 1
+        self.tokens += int(s["tokens"])
+        self.alpha_n += int(s["tokens"])
+        self.alpha_sum += s["alpha_sum"]
+        self.alpha_sq += s["alpha_sq"]
+        self.log_w.append(s["log_w_theta"])
+
+    @property
+    def alpha_mean(self) -> float | None:
+        return self.alpha_sum / self.alpha_n if self.alpha_n else None
+
+    def summary(self, cfg: RunConfig, already: int, rejects: list[dict], sync: dict, wall: float) -> dict[str, Any]:
+        """Counts, α statistics, the ESS of the θ-weights, failures by error code, sync statistics, wall time."""
+        mean = self.alpha_mean
+        ess = effective_sample_size(self.log_w) if self.log_w else None
+        return {
+            "output": cfg.output,
+            "samples_written": self.written,
+            "samples_already_done": already,
+            "failed_samples": sum(self.failures.values()),
+            "failures": dict(sorted(self.failures.items())),
+            "rejected_prompts": len(rejects),
+            "generated_tokens": self.tokens,
+            "alpha_mean": mean,
+            "alpha_std": math.sqrt(max(self.alpha_sq / self.alpha_n - mean * mean, 0.0)) if self.alpha_n else None,
+            "ess_theta_weights": ess,
+            "ess_fraction": ess / len(self.log_w) if ess else None,
+            "sync": sync,
+            "wall_seconds": wall,
+        }
+
+
+# ---------------------------------------------------------------------- the run
+
+
 def run_generation(cfg: RunConfig, sampler=None) -> dict[str, Any]:
-    """Run (or resume) a data-generation run; return its summary (also written to OUT.summary.json).
+    """Run (or resume) a data-generation run; return its summary (also written to the summary file).
 
     ``sampler`` is an open :class:`OptimalSamplingDual` on the same models to reuse; by default
-    one is started and closed here.
+    one is started and closed here. With ``cfg.ray`` the samples are drawn by Ray Data
+    replicas (``dual_sampling.ray``) and this process only plans, writes and counts.
     """
-    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
 
-    from dual_sampling.engine import OptimalSamplingDual
+    from dual_sampling.engine import context_length
 
     started = time.monotonic()
     paths = _paths(cfg)
     rows = load_rows(cfg.input)
+    selected, rejects = _prepare(cfg, rows)
     models = {"teacher": model_fingerprint(cfg.teacher), "theta": model_fingerprint(cfg.theta)}
     _check_manifest(cfg, paths, models)
-    done_records = read_journal(paths["journal"]) if cfg.resume else []
-    done = {(r["id"], r["sample_index"]) for r in done_records}
-
-    own = sampler is None
-    if not own:
+    if sampler is not None:
         for role, wanted, running in (
             ("teacher", cfg.teacher, sampler.config.model_teacher),
             ("theta", cfg.theta, sampler.config.model_theta),
         ):
             if Path(wanted).resolve() != Path(running).resolve():
                 raise ValueError(f"the sampler runs {role} {running!r} but the run configures {wanted!r}")
-    if own:
-        sampler = OptimalSamplingDual(cfg.teacher, cfg.theta, **{**dataclasses.asdict(cfg.engine), "use_tqdm": False})
-    journal = failed_log = None
+    sink = _open_sink(paths, cfg.resume)
+    failed_log = tally = None
     try:
-        renderer = _Renderer(cfg, sampler.tokenizer)
-        selected, rejects = _prepare(cfg, rows, renderer)
-        items = []
-        for number, row, row_id in selected:
-            missing = [j for j in range(cfg.sampling.n) if (row_id, j) not in done]
-            if not missing:
-                continue
-            hint = None if cfg.hint_field is None else row[cfg.hint_field]
-            t_user, th_user = renderer.user_messages(row[cfg.prompt_field], hint, row)
-            item = _Item(
-                row_id,
-                t_user,
-                th_user,
-                renderer.prompt(t_user, cfg.system_prompt_teacher),
-                renderer.prompt(th_user, cfg.system_prompt_theta),
-                missing,
-            )
-            longest = max(
-                len(sampler.tokenizer(p, add_special_tokens=True)["input_ids"])
-                for p in (item.teacher_prompt, item.theta_prompt)
-            )
-            if longest + 1 > sampler.max_model_len:
-                rejects.append(
-                    {
-                        "id": row_id,
-                        "row": number,
-                        "reason": f"prompt has {longest} tokens; max_model_len is {sampler.max_model_len}",
-                    }
-                )
-                continue
-            items.append(item)
+        already = len(sink.done)
+        tokenizer = sampler.tokenizer if sampler is not None else AutoTokenizer.from_pretrained(cfg.teacher)
+        max_model_len = context_length(cfg.teacher, cfg.theta, cfg.engine.max_model_len)
+        items, too_long = plan_items(cfg, selected, sink.done, tokenizer, max_model_len)
+        rejects += too_long
         _write_rejects(paths["rejects"], rejects)
+        failed_log, tally = _Journal(paths["failed"]), _Tally()
+        if cfg.ray:
+            from dual_sampling.ray import sample_on_ray
 
-        journal, failed_log = _Journal(paths["journal"]), _Journal(paths["failed"])
-        written, failed = [], []  # SampleRecords of this invocation, for the summary
-        tokens = 0
-        bar = tqdm(
-            total=sum(len(i.missing) for i in items), desc="samples", unit="sample", disable=not cfg.engine.use_tqdm
-        )
-        generating = time.monotonic()
-        for start in range(0, len(items), cfg.batch_size):
-            batch = items[start : start + cfg.batch_size]
-            out = sampler.generate(
-                [i.theta_prompt for i in batch],
-                teacher_prompts=[i.teacher_prompt for i in batch],
-                prompt_keys=[i.id for i in batch],
-                sampling=cfg.sampling,
-                use_tqdm=False,
+            sync = sample_on_ray(cfg, items, models, lambda outcomes: _commit(outcomes, sink, failed_log, tally))
+        else:
+            sync = _sample_here(
+                cfg, items, models, sampler, lambda outcomes: _commit(outcomes, sink, failed_log, tally)
             )
-            pairs = [(item, j, req.samples[j]) for item, req in zip(batch, out.requests) for j in item.missing]
-            # Only complete, verified samples are training data; a failed one is logged and drawn again on --resume.
-            journal.write(_record(cfg, item, j, sample, models) for item, j, sample in pairs if sample.ok)
-            failed_log.write(_failure(item, j, sample) for item, j, sample in pairs if not sample.ok)
-            written += [sample for _, _, sample in pairs if sample.ok]
-            failed += [sample for _, _, sample in pairs if not sample.ok]
-            tokens += sum(len(sample.token_ids) for _, _, sample in pairs)
-            alphas = [a for s in written for a in s.alpha]
-            bar.set_postfix(
-                tok_s=f"{tokens / max(time.monotonic() - generating, 1e-9):.1f}",
-                mean_alpha=f"{statistics.fmean(alphas):.3f}" if alphas else "-",
-                failed=len(failed),
-            )
-            bar.update(len(pairs))
-        bar.close()
-        journal.close()
+        sink.finish()
         failed_log.close()
-        journal = failed_log = None
         if not paths["failed"].stat().st_size:
             paths["failed"].unlink()
-        if paths["output"].suffix == ".parquet":
-            _write_parquet(paths["journal"], paths["output"])
-        summary = _summary(
-            cfg, written, failed, len(done), rejects, sampler.get_sync_statistics(), time.monotonic() - started
-        )
+        summary = tally.summary(cfg, already, rejects, sync, time.monotonic() - started)
         paths["summary"].write_text(json.dumps(summary, indent=1) + "\n")
         return summary
     finally:
-        for log in (journal, failed_log):
-            if log is not None:
-                log.close()
+        sink.close()
+        if failed_log is not None:
+            failed_log.close()
+
+
+def _commit(outcomes: list[Outcome], sink: Any, failed_log: _Journal, tally: _Tally) -> None:
+    """Write a batch of outcomes: records once each (fsync'd), failures to the log, numbers to the tally."""
+    records = [o.record for o in outcomes if o.record is not None]
+    fresh_keys = {(r["id"], r["sample_index"]) for r in records} - set(sink.done)
+    sink.write(records)
+    failed_log.write(o.failure for o in outcomes if o.failure is not None)
+    for o in outcomes:
+        tally.add(o, new=(o.id, o.sample_index) in fresh_keys)
+
+
+def _sample_here(cfg: RunConfig, items: list[WorkItem], models: dict, sampler: Any, commit) -> dict:
+    """Draw every sample on this machine, ``batch_size`` problems per generate() call; return the sync statistics."""
+    from tqdm.auto import tqdm
+
+    from dual_sampling.engine import OptimalSamplingDual
+
+    own = sampler is None
+    if own:
+        sampler = OptimalSamplingDual(cfg.teacher, cfg.theta, **{**dataclasses.asdict(cfg.engine), "use_tqdm": False})
+    try:
+        bar = tqdm(
+            total=sum(len(i.missing) for i in items), desc="samples", unit="sample", disable=not cfg.engine.use_tqdm
+        )
+        generating, tokens, failed = time.monotonic(), 0, 0
+        for start in range(0, len(items), cfg.batch_size):
+            outcomes = sample_items(sampler, cfg, items[start : start + cfg.batch_size], models)
+            commit(outcomes)
+            tokens += sum(int(o.stats["tokens"]) for o in outcomes)
+            failed += sum(o.failure is not None for o in outcomes)
+            bar.set_postfix(tok_s=f"{tokens / max(time.monotonic() - generating, 1e-9):.1f}", failed=failed)
+            bar.update(len(outcomes))
+        bar.close()
+        return sampler.get_sync_statistics()
+    finally:
         if own:
             sampler.close()
 
@@ -577,28 +817,3 @@ def _write_parquet(journal: Path, output: Path) -> None:
     tmp = output.with_name(output.name + ".tmp")
     pq.write_table(table, tmp)
     os.replace(tmp, output)
-
-
-def _summary(
-    cfg: RunConfig, samples: list, failed: list, already: int, rejects: list[dict], sync: dict, wall: float
-) -> dict:
-    """Counts, α statistics, the ESS of the θ-weights, failures by error code, sync statistics, wall time."""
-    alphas = [a for s in samples for a in s.alpha]
-    log_w = [s.log_w_theta for s in samples]
-    ess = effective_sample_size(log_w) if log_w else None
-    failures = collections.Counter((s.error or s.finish_reason or "unknown").split(" at ")[0] for s in failed)
-    return {
-        "output": cfg.output,
-        "samples_written": len(samples),
-        "samples_already_done": already,
-        "failed_samples": len(failed),
-        "failures": dict(sorted(failures.items())),
-        "rejected_prompts": len(rejects),
-        "generated_tokens": sum(len(s.token_ids) for s in samples),
-        "alpha_mean": statistics.fmean(alphas) if alphas else None,
-        "alpha_std": statistics.pstdev(alphas) if alphas else None,
-        "ess_theta_weights": ess,
-        "ess_fraction": ess / len(log_w) if ess else None,
-        "sync": sync,
-        "wall_seconds": wall,
-    }

@@ -23,13 +23,22 @@ from dual_sampling.sampling import RowSampling
 from dual_sampling.scheduler import DualRequest, DualScheduler, SampleDelta
 from dual_sampling.vocab import check_tokenizers_match
 
-__all__ = ["OptimalSamplingDual", "derive_seed"]
+__all__ = ["OptimalSamplingDual", "context_length", "derive_seed"]
 
 
 def derive_seed(seed: int, prompt_key: int | str, sample_index: int) -> int:
     """A distinct, reproducible 63-bit seed per sample of a prompt."""
     digest = hashlib.blake2b(f"{seed}/{prompt_key}/{sample_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def context_length(model_teacher: str, model_theta: str, max_model_len: int | None) -> int:
+    """Tokens per request (prompt and generation): ``max_model_len``, or min(both models' limit, 2048)."""
+    limit = min(model_config(m).get("max_position_embeddings", 2048) for m in (model_teacher, model_theta))
+    chosen = max_model_len or min(limit, 2048)
+    if chosen > limit:
+        raise ValueError(f"max_model_len={chosen} exceeds the models' limit of {limit} positions")
+    return chosen
 
 
 def _as_list(value: Any) -> list[int]:
@@ -61,10 +70,7 @@ class OptimalSamplingDual:
                     f"the {role} model has {mc['vocab_size']} embedding rows, "
                     f"fewer than the tokenizer's {self.vocab} tokens"
                 )
-        limit = min(t_cfg.get("max_position_embeddings", 2048), th_cfg.get("max_position_embeddings", 2048))
-        self.max_model_len = cfg.max_model_len or min(limit, 2048)
-        if self.max_model_len > limit:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the models' limit of {limit} positions")
+        self.max_model_len = context_length(cfg.model_teacher, cfg.model_theta, cfg.max_model_len)
         self.eos_token_ids = sorted(
             {i for mc in (t_cfg, th_cfg) for i in _as_list(mc.get("eos_token_id"))}
             | set(_as_list(self.tokenizer.eos_token_id))

@@ -19,16 +19,10 @@ __all__ = ["load_records", "write_report"]
 
 
 def load_records(path: str | Path) -> list[dict]:
-    """Records of a .jsonl or .parquet file written by ``dual-sampling generate`` (records format)."""
-    p = Path(path)
-    if p.suffix == ".parquet":
-        import pyarrow.parquet as pq
+    """Records written by ``dual-sampling generate`` (records format): a .jsonl or .parquet file, or a directory."""
+    from dual_sampling.datagen import read_records
 
-        records = pq.read_table(p).to_pylist()
-    else:
-        from dual_sampling.datagen import read_journal
-
-        records = read_journal(p, repair=False)
+    records = read_records(str(path))
     if records and "alpha" not in records[0]:
         raise ValueError(f"{path} has no per-token alpha: report needs the 'records' format, not 'messages'")
     return records

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dual_sampling.cli import _load_config_file, build_parser, main
-from dual_sampling.datagen import RunConfig, load_rows, read_journal, run_generation, shard_of
+from dual_sampling.datagen import RunConfig, load_rows, read_journal, read_records, run_generation, shard_of
 from dual_sampling.engine import derive_seed
 from dual_sampling.protocol import SESSION_PREFIX, SessionLayout, SyncSession
 
@@ -169,10 +169,12 @@ def test_config_file_and_flags_merge_and_flags_win(tiny_same, tmp_path):
 def test_bad_config_values_are_named(tiny_same, tmp_path):
     with pytest.raises(ValueError, match="shard must satisfy"):
         tiny_config(tiny_same, tmp_path, shard="2/2")
-    with pytest.raises(ValueError, match="output must end in .jsonl or .parquet"):
+    with pytest.raises(ValueError, match="output must be a .jsonl or .parquet file, or a directory"):
         tiny_config(tiny_same, tmp_path, output=str(tmp_path / "out.csv"))
     with pytest.raises(ValueError, match="format must be"):
         tiny_config(tiny_same, tmp_path, format="chat")
+    with pytest.raises(ValueError, match="replicas must be an integer >= 1"):
+        tiny_config(tiny_same, tmp_path, replicas=0)
 
 
 # ---------------------------------------------------------------- with the shared engine
@@ -253,6 +255,25 @@ def test_resume_refuses_a_different_configuration(dual_engine, tiny_same, tmp_pa
         tiny_config(tiny_same, tmp_path, resume=True, batch_size=2, max_num_seqs=2), sampler=dual_engine
     )
     assert summary["samples_written"] == 0 and summary["samples_already_done"] == 12
+
+
+def test_directory_output_commits_parts_atomically_and_resumes_exactly_once(dual_engine, tiny_same, tmp_path):
+    out = tmp_path / "parts"
+    first = run_generation(tiny_config(tiny_same, tmp_path, output=str(out), batch_size=2), sampler=dual_engine)
+    parts = sorted(out.glob("part-*.parquet"))
+    assert len(parts) == 3 and first["samples_written"] == 12  # 6 problems, 2 per batch, one part per batch
+    assert (out / "manifest.json").exists() and (out / "summary.json").exists()
+    parts[-1].unlink()  # as if the run died before its last batch was committed ...
+    (out / "part-000002.parquet.tmp").write_bytes(b"half a parquet file")  # ... while writing it
+    resumed = run_generation(
+        tiny_config(tiny_same, tmp_path, output=str(out), batch_size=2, resume=True), sampler=dual_engine
+    )
+    assert resumed["samples_already_done"] == 8 and resumed["samples_written"] == 4
+    assert not list(out.glob("*.tmp"))
+    records = read_records(str(out))
+    assert Counter((r["id"], r["sample_index"]) for r in records) == Counter(
+        (f"p{i}", j) for i in range(6) for j in range(2)
+    )
 
 
 def test_failed_samples_are_never_training_data_and_resume_draws_them_again(dual_engine, tiny_same, tmp_path):

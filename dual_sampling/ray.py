@@ -1,0 +1,219 @@
+"""Data-generation runs on a Ray cluster, with Ray Data: one dual engine per actor.
+
+From Python, as a stage of your own pipeline::
+
+    import ray
+    from dual_sampling.ray import DualSamplingStage
+
+    ds = ray.data.read_parquet("problems.parquet")
+    out = ds.map_batches(DualSamplingStage, fn_constructor_kwargs={"settings": {"hint_field": "solution", "n": 4}},
+                         concurrency=8, batch_size=64, num_cpus=2)      # on GPUs: num_gpus=2
+    out.write_parquet("runs/math/")
+
+From the command line, with the crash safety of a single-machine run::
+
+    dual-sampling generate --input problems.parquet --output runs/math/ --hint-field solution --n 4 \\
+        --ray --replicas 8 [--gpus-per-replica 2]
+
+One replica is one :class:`OptimalSamplingDual` (a teacher and a theta engine on one node;
+the shared memory stays on that node). Ray Data schedules the batches, retries a batch whose
+actor died (the actor is restarted), and applies backpressure. On the command line this
+process plans the work (the same prompt rendering, seeds and rejects as a local run),
+receives every replica's outcomes in a stream, and writes each (id, sample_index) exactly
+once through the same journal or Parquet parts as a local run: a batch that Ray retries can
+only repeat samples already written, which are skipped. See ``docs/scale-out.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from dual_sampling.datagen import Outcome, RunConfig, WorkItem, model_fingerprint, plan_items, sample_items
+
+__all__ = ["DualSamplingStage", "ray_resources", "sample_on_ray"]
+
+_OBJECT_STORE_BYTES = 256 << 20
+"""Object store of a cluster a run starts itself: records are small, and this machine's memory goes to the models."""
+
+
+def _run_config(settings: dict[str, Any]) -> RunConfig:
+    """A run configuration from a stage's settings (input and output are the pipeline's business)."""
+    return RunConfig.from_settings({"input": "-", "output": "-", **settings})
+
+
+class DualSamplingStage:
+    """A Ray Data ``map_batches`` stage: draws the samples of a batch of problems with one dual engine.
+
+    ``settings`` are the flat keys of a data-generation run (``teacher``, ``theta``,
+    ``prompt_field``, ``hint_field``, ``id_field``, ``n``, ``max_tokens``, ``alpha_method``,
+    ...). A batch holds either raw problem rows (the fields the settings name) or work items
+    planned by ``dual-sampling generate --ray``.
+
+    ``emit="records"`` (the default) gives one row per complete, verified sample, in the
+    record schema of a local run, with ``models``, ``sampling`` and ``alpha_config`` as JSON
+    strings (Parquet cannot hold every shape of them); failed samples are left out.
+    ``emit="outcomes"`` gives one row per drawn sample, failed ones included, with the
+    replica's sync statistics (what the command line writes and counts).
+    """
+
+    def __init__(self, settings: dict[str, Any] | None = None, emit: str = "records") -> None:
+        from dual_sampling.engine import OptimalSamplingDual
+
+        if emit not in ("records", "outcomes"):
+            raise ValueError(f"emit must be 'records' or 'outcomes', got {emit!r}")
+        self.cfg = _run_config(settings or {})
+        self.emit = emit
+        self.replica = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.models = {"teacher": model_fingerprint(self.cfg.teacher), "theta": model_fingerprint(self.cfg.theta)}
+        engine = {**dataclasses.asdict(self.cfg.engine), "use_tqdm": False}
+        self.sampler = OptimalSamplingDual(self.cfg.teacher, self.cfg.theta, **engine)
+
+    def __call__(self, batch: dict[str, Any]) -> Any:
+        import pyarrow as pa
+
+        items = self._items(batch)
+        outcomes = sample_items(self.sampler, self.cfg, items, self.models) if items else []
+        if self.emit == "records":
+            rows = [_flat_record(o.record) for o in outcomes if o.record is not None]
+            return pa.Table.from_pylist(rows) if rows else pa.table({"id": pa.array([], pa.string())})
+        sync = json.dumps(self.sampler.get_sync_statistics())
+        return pa.table(
+            {
+                "id": [o.id for o in outcomes],
+                "sample_index": [o.sample_index for o in outcomes],
+                "outcome": [json.dumps(dataclasses.asdict(o)) for o in outcomes],
+                "replica": [self.replica] * len(outcomes),
+                "sync": [sync] * len(outcomes),
+            }
+        )
+
+    def _items(self, batch: dict[str, Any]) -> list[WorkItem]:
+        rows = _rows(batch)
+        if rows and "theta_prompt" in rows[0]:  # planned by the command line
+            return [WorkItem(**{f.name: _plain(r[f.name]) for f in dataclasses.fields(WorkItem)}) for r in rows]
+        from dual_sampling.datagen import _prepare
+
+        selected, _ = _prepare(self.cfg, rows)
+        items, _ = plan_items(self.cfg, selected, set(), self.sampler.tokenizer, self.sampler.max_model_len)
+        return items
+
+    def __del__(self) -> None:
+        sampler = getattr(self, "sampler", None)
+        if sampler is not None:
+            sampler.close()
+
+
+def _rows(batch: Any) -> list[dict[str, Any]]:
+    """A batch (dict of columns, pandas or pyarrow) as a list of plain row dicts."""
+    if hasattr(batch, "to_pylist"):
+        return batch.to_pylist()
+    if hasattr(batch, "to_dict"):
+        return batch.to_dict(orient="records")
+    names = list(batch)
+    return [{n: _plain(batch[n][i]) for n in names} for i in range(len(batch[names[0]]))] if names else []
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars and arrays as Python values."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return value
+
+
+def _flat_record(record: dict[str, Any]) -> dict[str, Any]:
+    out = dict(record)
+    for key in ("models", "sampling", "alpha_config"):
+        if key in out:
+            out[key] = json.dumps(out[key])
+    if "stop_reason" in out:
+        out["stop_reason"] = None if out["stop_reason"] is None else str(out["stop_reason"])
+    return out
+
+
+def ray_resources(cpus_per_replica: float, gpus_per_replica: float) -> dict[str, Any]:
+    """The ``map_batches`` resource arguments of one replica."""
+    return {"num_cpus": cpus_per_replica, **({"num_gpus": gpus_per_replica} if gpus_per_replica else {})}
+
+
+def sample_on_ray(cfg: RunConfig, items: list[WorkItem], models: dict, commit: Callable[[list[Outcome]], None]) -> dict:
+    """Draw ``items`` on Ray Data replicas, committing each output batch as it arrives; return summed sync statistics.
+
+    Uses the cluster RAY_ADDRESS names, or starts a local one (this machine's CPUs, a small
+    object store, no dashboard) and stops it afterwards.
+    """
+    import ray
+
+    from dual_sampling.protocol import cleanup_stale_sessions
+
+    started_here = False
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        try:
+            if address:
+                _probe(address)
+                ray.init(address=address, log_to_driver=False)
+            else:
+                ray.init(
+                    num_cpus=os.cpu_count(),
+                    include_dashboard=False,
+                    object_store_memory=_OBJECT_STORE_BYTES,
+                    log_to_driver=False,
+                )
+                started_here = True
+        except Exception as exc:
+            raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS={address!r}: {exc}") from None
+    latest: dict[str, dict] = {}
+    try:
+        if items:
+            settings = {k: v for k, v in cfg.flat().items() if k not in ("input", "output", "resume", "ray")}
+            dataset = ray.data.from_items([dataclasses.asdict(item) for item in items])
+            out = dataset.map_batches(
+                DualSamplingStage,
+                fn_constructor_kwargs={"settings": settings, "emit": "outcomes"},
+                concurrency=cfg.replicas,
+                batch_size=cfg.batch_size,
+                batch_format="pyarrow",
+                # A replica that dies is restarted and its batch retried, as often as it takes.
+                max_restarts=-1,
+                max_task_retries=-1,
+                **ray_resources(cfg.cpus_per_replica, cfg.gpus_per_replica),
+            )
+            for batch in out.iter_batches(batch_size=None, batch_format="pyarrow"):
+                rows = batch.to_pylist()
+                commit([Outcome(**json.loads(r["outcome"])) for r in rows])
+                for r in rows:
+                    latest[r["replica"]] = json.loads(r["sync"])
+    finally:
+        if started_here:
+            ray.shutdown()
+        cleanup_stale_sessions()  # replicas killed at the end leave their session files to the next session
+    return _sum_statistics(latest.values())
+
+
+def _probe(address: str, timeout_s: float = 10.0) -> None:
+    """Fail fast on a ``host:port`` (or ``ray://host:port``) nobody listens on: ``ray.init`` retries for minutes."""
+    host_port = address.removeprefix("ray://")
+    host, _, port = host_port.rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto" and other forms are left to ray.init
+    with socket.create_connection((host, int(port)), timeout=timeout_s):
+        pass
+
+
+def _sum_statistics(replicas: Any) -> dict[str, Any]:
+    """Every replica's statistics added up, and how many replicas reported."""
+    total: dict[str, Any] = {}
+    count = 0
+    for stats in replicas:
+        count += 1
+        for key, value in stats.items():
+            if isinstance(value, (int, float)):
+                total[key] = total.get(key, 0) + value
+    total["replicas"] = count
+    return total

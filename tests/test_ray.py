@@ -1,0 +1,213 @@
+"""Data-generation runs on a local Ray cluster (started inside the test, sized to this machine).
+
+The command line with ``--ray`` must give the records of a single-machine run for the same
+seed, keep every (id, sample_index) exactly once when a replica is SIGKILLed or the driver
+is killed and resumed, and leave no process or /dev/shm file behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dual_sampling.datagen import read_records, run_generation
+from tests.test_datagen import cli_flags, problems, tiny_config
+
+pytestmark = pytest.mark.engine
+ray = pytest.importorskip("ray")
+
+
+def ray_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_DEDUP_LOGS"] = "0"
+    return env
+
+
+def our_processes() -> set[int]:
+    """Python, vLLM and Ray processes alive now."""
+    out = set()
+    for p in psutil.process_iter(["status", "name", "cmdline"]):
+        text = " ".join([p.info["name"] or "", *(p.info["cmdline"] or [])])
+        if p.info["status"] != psutil.STATUS_ZOMBIE and any(
+            w in text for w in ("python", "VLLM", "ray", "raylet", "gcs")
+        ):
+            out.add(p.pid)
+    return out
+
+
+def settle(before_procs: set[int], before_shm: set[str], timeout: float = 60) -> tuple[set[int], set[str]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        procs = {p for p in our_processes() - before_procs - {os.getpid()} if psutil.pid_exists(p)}
+        shm = set(os.listdir("/dev/shm")) - before_shm
+        if (not procs and not shm) or time.monotonic() > deadline:
+            return procs, shm
+        time.sleep(0.5)
+
+
+def records_by_key(path: Path) -> dict:
+    rows = read_records(str(path))
+    counts = Counter((r["id"], r["sample_index"]) for r in rows)
+    assert max(counts.values()) == 1, "a sample was written twice"
+    return {(r["id"], r["sample_index"]): r for r in rows}
+
+
+def assert_same_records(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key]["seed"] == b[key]["seed"] and a[key]["token_ids"] == b[key]["token_ids"], key
+        for name in ("alpha", "logp_teacher", "logp_theta", "logq"):
+            assert a[key][name] == pytest.approx(b[key][name], abs=1e-5), (key, name)
+        assert a[key]["teacher_prompt"] == b[key]["teacher_prompt"] and a[key]["response"] == b[key]["response"]
+
+
+def find_replicas(driver: int) -> list[psutil.Process]:
+    """Ray worker processes that hold a dual engine (their children include vLLM EngineCores)."""
+    out = []
+    for p in psutil.Process(driver).children(recursive=True):
+        try:
+            children = [" ".join(c.cmdline()) for c in p.children()]
+            engines = any("VLLM" in c or "spawn_main" in c for c in children)
+            if engines and ("ray::" in " ".join(p.cmdline()) or "default_worker" in " ".join(p.cmdline())):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def test_two_replicas_with_one_killed_give_the_local_records_exactly_once(dual_engine, tiny_same, tmp_path):
+    src = problems(tmp_path / "in.jsonl", 16)
+    local = tmp_path / "local.jsonl"
+    run_generation(
+        tiny_config(tiny_same, tmp_path, input=str(src), output=str(local), max_tokens=16), sampler=dual_engine
+    )
+    before = (our_processes(), set(os.listdir("/dev/shm")))
+    out = tmp_path / "ray-run"  # a directory of Parquet parts
+    flags = cli_flags(tiny_same, input=src, output=out, n=2, max_tokens=16, seed=7, batch_size=2)
+    cmd = [
+        sys.executable,
+        "-m",
+        "dual_sampling.cli",
+        "generate",
+        *flags,
+        "--ray",
+        "--replicas",
+        "2",
+        "--cpus-per-replica",
+        "1",
+    ]
+    proc = subprocess.Popen(
+        cmd, env=ray_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    killed = None
+    deadline = time.monotonic() + 400
+    while proc.poll() is None and time.monotonic() < deadline:
+        replicas = find_replicas(proc.pid)
+        if killed is None and len(replicas) == 2 and out.exists() and list(out.glob("part-*.parquet")):
+            killed = replicas[0].pid
+            os.kill(killed, signal.SIGKILL)  # mid-run: some parts are written, others not yet
+        time.sleep(0.5)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-4000:]
+    assert killed is not None, "the run ended before a replica could be killed"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["samples_written"] == 32 and summary["failed_samples"] == 0
+    assert summary["sync"]["replicas"] >= 2
+    assert_same_records(records_by_key(local), records_by_key(out))
+    assert settle(*before) == (set(), set())
+
+
+def test_driver_killed_then_resumed_is_exactly_once(dual_engine, tiny_same, tmp_path):
+    src = problems(tmp_path / "in.jsonl", 12)
+    out = tmp_path / "run.jsonl"
+    flags = cli_flags(tiny_same, input=src, output=out, n=2, max_tokens=16, seed=7, batch_size=2)
+    cmd = [sys.executable, "-m", "dual_sampling.cli", "generate", *flags, "--ray", "--replicas", "1"]
+    before = (our_processes(), set(os.listdir("/dev/shm")))
+    proc = subprocess.Popen(
+        cmd, env=ray_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    deadline = time.monotonic() + 400
+    while proc.poll() is None and time.monotonic() < deadline:
+        if out.exists() and out.read_text().count("\n") >= 4:
+            break
+        time.sleep(0.3)
+    assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and the cluster it started
+    proc.wait()
+    written = out.read_text().count("\n")
+    assert 4 <= written < 24
+    done = subprocess.run([*cmd, "--resume"], env=ray_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    keys = records_by_key(out)
+    assert keys.keys() == {(f"p{i}", j) for i in range(12) for j in range(2)}
+    summary = json.loads((tmp_path / "run.jsonl.summary.json").read_text())
+    assert summary["samples_already_done"] == written and summary["samples_written"] == 24 - written
+    # The killed cluster's raylet and workers were in the killed group; the resumed run cleaned its sessions.
+    assert settle(*before)[1] == set()
+
+
+def test_bad_input_and_an_unreachable_cluster_are_named(tiny_same, tmp_path):
+    src = problems(tmp_path / "in.jsonl", 3)
+    lines = src.read_text().splitlines()
+    base = [sys.executable, "-m", "dual_sampling.cli", "generate", "--ray"]
+    (tmp_path / "missing.jsonl").write_text(lines[0] + "\n" + json.dumps({"id": "x", "question": "?"}) + "\n")
+    (tmp_path / "dup.jsonl").write_text(lines[0] + "\n" + lines[0] + "\n")
+    before = (our_processes(), set(os.listdir("/dev/shm")))
+    cases = [
+        ("missing.jsonl", ray_env(), "row 1 has no field 'problem'"),
+        ("dup.jsonl", ray_env(), "share the id 'p0'"),
+        (
+            "in.jsonl",
+            {**ray_env(), "RAY_ADDRESS": "127.0.0.1:1"},
+            "cannot reach the Ray cluster at RAY_ADDRESS='127.0.0.1:1'",
+        ),
+    ]
+    for name, env, message in cases:
+        flags = cli_flags(tiny_same, input=tmp_path / name, output=tmp_path / f"out-{name}", n=1, max_tokens=4)
+        done = subprocess.run([*base, *flags], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+    assert settle(*before, timeout=30) == (set(), set())
+
+
+def test_the_stage_in_a_users_own_pipeline(tiny_same, tmp_path):
+    """``map_batches(DualSamplingStage, ...)`` on raw rows, written by Ray: one record per sample, seeds as locally."""
+    from dual_sampling.engine import derive_seed
+    from dual_sampling.ray import DualSamplingStage
+
+    teacher, theta = tiny_same
+    rows = [{"id": f"q{i}", "problem": f"What is {i} times 3?", "solution": f"{3 * i}"} for i in range(6)]
+    settings = {
+        "teacher": str(teacher),
+        "theta": str(theta),
+        "hint_field": "solution",
+        "id_field": "id",
+        "n": 2,
+        "max_tokens": 8,
+        "max_num_seqs": 2,
+        "max_model_len": 256,
+        "sync_timeout": 30,
+        "seed": 3,
+    }
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
+    try:
+        out = ray.data.from_items(rows).map_batches(
+            DualSamplingStage, fn_constructor_kwargs={"settings": settings}, concurrency=1, batch_size=3, num_cpus=1
+        )
+        out.write_parquet(str(tmp_path / "runs"))
+    finally:
+        ray.shutdown()
+    import pyarrow.parquet as pq
+
+    written = pq.read_table(tmp_path / "runs").to_pylist()
+    assert sorted((r["id"], r["sample_index"]) for r in written) == [(f"q{i}", j) for i in range(6) for j in range(2)]
+    assert all(r["seed"] == derive_seed(3, r["id"], r["sample_index"]) for r in written)
+    assert all(json.loads(r["sampling"])["n"] == 2 and len(r["alpha"]) == r["num_tokens"] for r in written)
