@@ -78,6 +78,7 @@ class EnginePair:
         self.binding = split_cpu_binding() if config.cpu_binding == "split" else {}
         self.engines: dict[str, Any] = {}
         self._segments: set[str] = set()
+        self._semaphores_before = _semaphore_files()
         try:
             self._start_both()
             self.verify()
@@ -277,15 +278,24 @@ class EnginePair:
         return None
 
     def _record_segments(self) -> None:
-        """Note the /dev/shm files the engines map, so a crash of this driver cannot leak them."""
+        """Note the /dev/shm files the engines created, so a crash of this driver cannot leak them.
+
+        Those the engines map, and (in the listing only) the multiprocessing semaphores that
+        appeared while they started. Those are mapped by nobody once the workers are up; their
+        creators unlink them on a clean exit and Python's resource tracker after a crash, but a
+        cluster manager may kill the tracker along with a dead driver (Ray does). A listed name
+        is removed only once this driver is dead and no live process maps it; removing a
+        semaphore's name never affects handles already open.
+        """
         self._segments |= {
             name
             for name in mapped_shm_files([pid for pids in self.pids().values() for pid in pids])
             if not name.startswith(SESSION_PREFIX)
         }
+        listed = self._segments | (_semaphore_files() - self._semaphores_before)
         listing = segments_listing(self.session_name)
         tmp = listing.with_name(listing.name + ".tmp")
-        tmp.write_text(json.dumps(sorted(self._segments)))
+        tmp.write_text(json.dumps(sorted(listed)))
         os.replace(tmp, listing)
 
     def close(self) -> None:
@@ -309,6 +319,11 @@ class EnginePair:
         for name in self._segments:
             (SHM_DIR / name).unlink(missing_ok=True)
         segments_listing(self.session_name).unlink(missing_ok=True)
+
+
+def _semaphore_files() -> set[str]:
+    """Names of the multiprocessing semaphores in /dev/shm now."""
+    return {path.name for path in SHM_DIR.glob("sem.mp-*")}
 
 
 def _shutdown(role: str, engine: Any) -> None:

@@ -121,8 +121,11 @@ def test_two_replicas_with_one_killed_give_the_local_records_exactly_once(dual_e
     assert killed is not None, "the run ended before a replica could be killed"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["samples_written"] == 32 and summary["failed_samples"] == 0
-    assert summary["sync"]["replicas"] >= 2
-    assert_same_records(records_by_key(local), records_by_key(out))
+    # Which replicas report depends on when the kill lands; the killed batch was retried, or samples would be missing.
+    assert summary["sync"]["replicas"] >= 1 and summary["sync"]["follower_diverged"] == 0
+    written = records_by_key(out)
+    assert summary["generated_tokens"] == sum(r["num_tokens"] for r in written.values())
+    assert_same_records(records_by_key(local), written)
     assert settle(*before) == (set(), set())
 
 
