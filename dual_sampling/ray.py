@@ -179,9 +179,8 @@ def sample_on_ray(cfg: RunConfig, items: list[WorkItem], models: dict, commit: C
                 concurrency=cfg.replicas,
                 batch_size=cfg.batch_size,
                 batch_format="pyarrow",
-                # A replica that dies is restarted and its batch retried, as often as it takes.
-                max_restarts=-1,
-                max_task_retries=-1,
+                # Ray Data's actor pools restart a dead replica and retry its batch without limit by default
+                # (max_restarts=-1, max_task_retries=-1); the fault test relies on it.
                 **ray_resources(cfg.cpus_per_replica, cfg.gpus_per_replica),
             )
             for batch in out.iter_batches(batch_size=None, batch_format="pyarrow"):
