@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint install models bench bench-alpha clean
+.PHONY: demo test test-fast lint install models bench bench-alpha bench-ray clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ bench: models
 
 bench-alpha: $(STAMP)
 	$(PY) examples/bench_alpha.py --output docs/alpha_benchmark.json
+
+# Ray's overhead on this machine: the same run without Ray and on one replica (ray_vs_local).
+bench-ray: models
+	$(PY) examples/bench_ray.py --output bench-out/ray.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
