@@ -71,6 +71,7 @@ __all__ = [
     "mapped_shm_files",
     "pid_alive",
     "segments_listing",
+    "session_owners",
 ]
 
 SHM_DIR = Path("/dev/shm")
@@ -383,6 +384,12 @@ def cleanup_stale_sessions(shm_dir: Path = SHM_DIR) -> list[str]:
     return removed
 
 
+def session_owners(shm_dir: Path = SHM_DIR) -> set[int]:
+    """Pids named by the session files in ``shm_dir`` (their drivers, alive or not)."""
+    pattern = re.compile(re.escape(SESSION_PREFIX) + r"(\d+)-[0-9a-f]+$")
+    return {int(m.group(1)) for path in shm_dir.glob(SESSION_PREFIX + "*") if (m := pattern.match(path.name))}
+
+
 def _remove_listed(listing: Path, shm_dir: Path) -> list[str]:
     """Remove the files a listing names (those no live process maps), then the listing."""
     import json
@@ -392,12 +399,21 @@ def _remove_listed(listing: Path, shm_dir: Path) -> list[str]:
     except (FileNotFoundError, ValueError):
         names = []
     mapped = mapped_shm_files() if names else set()
-    removed = []
+    removed, kept = [], []
     for name in names:
         path = shm_dir / name
-        if name not in mapped and path.exists():
-            path.unlink(missing_ok=True)
-            removed.append(name)
+        if not path.exists():
+            continue
+        if name in mapped:
+            kept.append(name)  # an engine of the dead driver may still be exiting: a later cleanup removes it
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(name)
+    if kept:
+        tmp = listing.with_name(listing.name + ".tmp")
+        tmp.write_text(json.dumps(kept))
+        os.replace(tmp, listing)
+        return removed
     listing.unlink(missing_ok=True)
     return [*removed, listing.name]
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -121,6 +123,26 @@ def test_stale_sessions_and_their_engine_files_are_removed(tmp_path):
     removed = cleanup_stale_sessions(tmp_path)
     assert sorted(os.listdir(tmp_path)) == sorted([live.name, "psm_someone_elses"])
     assert "psm_left_by_engine" in removed
+
+
+def test_a_listed_file_still_mapped_stays_listed_until_it_is_free(tmp_path):
+    """An engine of a dead driver may still be exiting: its files survive one cleanup and go with the next."""
+    import mmap
+
+    dead, name = 999_999_98, f"psm_dstest_{os.getpid()}"
+    shm = Path("/dev/shm") / name  # mapped_shm_files reads /proc/<pid>/maps, so the mapping must be real
+    shm.write_bytes(b"\0" * 4096)
+    (tmp_path / name).write_bytes(b"x")
+    listing = segments_listing(f"dual-sampling-{dead}-abc123", tmp_path)
+    listing.write_text(json.dumps([name, "psm_gone_already"]))
+    try:
+        with shm.open("r+b") as f, mmap.mmap(f.fileno(), 4096):
+            assert cleanup_stale_sessions(tmp_path) == []
+            assert (tmp_path / name).exists() and json.loads(listing.read_text()) == [name]
+        assert cleanup_stale_sessions(tmp_path) == [name, listing.name]
+        assert not (tmp_path / name).exists() and not listing.exists()
+    finally:
+        shm.unlink(missing_ok=True)
 
 
 def test_split_binding_halves_the_cpus(monkeypatch):
