@@ -26,6 +26,7 @@ only repeat samples already written, which are skipped. See ``docs/scale-out.md`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -38,6 +39,8 @@ from dual_sampling.datagen import Outcome, RunConfig, WorkItem, model_fingerprin
 
 __all__ = ["DualSamplingStage", "ray_resources", "sample_on_ray"]
 
+_REPLICA_EXIT_S = 60.0
+"""How long the driver of a cluster it started waits for its replicas and their engines to exit after stopping it."""
 _OBJECT_STORE_BYTES = 256 << 20
 """Object store of a cluster a run starts itself: records are small, and this machine's memory goes to the models."""
 
@@ -190,9 +193,34 @@ def sample_on_ray(cfg: RunConfig, items: list[WorkItem], models: dict, commit: C
                     latest[r["replica"]] = json.loads(r["sync"])
     finally:
         if started_here:
+            # Stopping the cluster kills replicas that are still closing their engines; once they and their
+            # engines are gone, their session files and listed segments can be removed.
+            replicas = _local_replicas()
             ray.shutdown()
-        cleanup_stale_sessions()  # replicas killed at the end leave their session files to the next session
+            _wait_for_exit(replicas, _REPLICA_EXIT_S)
+        cleanup_stale_sessions()
     return _sum_statistics(latest.values())
+
+
+def _local_replicas() -> list[Any]:
+    """The replicas of a cluster started here (descendants owning a session), with their engine processes."""
+    import psutil
+
+    from dual_sampling.protocol import session_owners
+
+    owners = session_owners()
+    replicas = [p for p in psutil.Process().children(recursive=True) if p.pid in owners]
+    out = list(replicas)
+    for replica in replicas:
+        with contextlib.suppress(psutil.Error):
+            out += replica.children(recursive=True)
+    return out
+
+
+def _wait_for_exit(processes: list[Any], timeout_s: float) -> None:
+    import psutil
+
+    psutil.wait_procs(processes, timeout=timeout_s)
 
 
 def _probe(address: str, timeout_s: float = 10.0) -> None:
