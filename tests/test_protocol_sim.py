@@ -234,9 +234,17 @@ def test_teacher_waits_out_a_theta_publication_it_saw_half_of():
         # Theta is mid-publication: one step word stored, the sequence word odd.
         session.header[Header.THETA_PUBLICATIONS] = 1
         session.control[0, Slot.THETA_STEP] = 0
+        waiting, wait = threading.Event(), teacher.wait
+
+        def noted_wait(*args):
+            waiting.set()
+            return wait(*args)
+
+        teacher.wait = noted_wait
         worker = threading.Thread(target=lambda: decided.update(teacher.synchronise(logits, batch)))
         worker.start()
-        worker.join(timeout=0.5)
+        assert waiting.wait(timeout=10), "the teacher never scanned"
+        worker.join(timeout=0.3)
         assert worker.is_alive() and int(session.control[0, Slot.TEACHER_STEP]) == -1, "decided half a step"
 
         # Theta finishes: the teacher decides both rows in one round.
