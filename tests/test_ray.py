@@ -113,9 +113,11 @@ def test_two_replicas_with_one_killed_give_the_local_records_exactly_once(dual_e
     while proc.poll() is None and time.monotonic() < deadline:
         replicas = find_replicas(proc.pid)
         # Mid-run: some parts are written, others not yet. Replicas come up at different times (one may do
-        # several batches alone), so the first one seen with engines is the one killed.
-        if killed is None and replicas and out.exists() and list(out.glob("part-*.parquet")):
-            killed = replicas[0].pid
+        # several batches alone), so the one killed is the first seen whose engines are up (it has listed
+        # their segments). A replica killed while its engines start is not covered: see docs/scale-out.md.
+        running = [p for p in replicas if list(Path("/dev/shm").glob(f"dual-sampling-{p.pid}-*.segments"))]
+        if killed is None and running and out.exists() and list(out.glob("part-*.parquet")):
+            killed = running[0].pid
             os.kill(killed, signal.SIGKILL)
         time.sleep(0.5)
     _, stderr = proc.communicate(timeout=60)
