@@ -10,7 +10,6 @@ leaves no process and no shared-memory file of theirs behind.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -21,7 +20,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from dual_sampling.config import DualEngineConfig, default_kv_cache_bytes, kv_cache_bytes_needed
-from dual_sampling.protocol import SESSION_PREFIX, SHM_DIR, mapped_shm_files, pid_alive, segments_listing
+from dual_sampling.protocol import (
+    SESSION_PREFIX,
+    SHM_DIR,
+    mapped_shm_files,
+    pid_alive,
+    segments_listing,
+    write_listing,
+)
 
 __all__ = ["LOCKSTEP_SETTINGS", "ROLES", "EnginePair", "engine_cpus", "split_cpu_binding"]
 
@@ -292,11 +298,9 @@ class EnginePair:
             for name in mapped_shm_files([pid for pids in self.pids().values() for pid in pids])
             if not name.startswith(SESSION_PREFIX)
         }
-        listed = self._segments | (_semaphore_files() - self._semaphores_before)
-        listing = segments_listing(self.session_name)
-        tmp = listing.with_name(listing.name + ".tmp")
-        tmp.write_text(json.dumps(sorted(listed)))
-        os.replace(tmp, listing)
+        write_listing(
+            segments_listing(self.session_name), self._segments | (_semaphore_files() - self._semaphores_before)
+        )
 
     def close(self) -> None:
         """Stop both engines; afterwards none of their processes and none of their /dev/shm files remain."""

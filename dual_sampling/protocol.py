@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
+import json
 import mmap
 import os
 import platform
@@ -42,6 +43,7 @@ import re
 import secrets
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -72,6 +74,7 @@ __all__ = [
     "pid_alive",
     "segments_listing",
     "session_owners",
+    "write_listing",
 ]
 
 SHM_DIR = Path("/dev/shm")
@@ -392,8 +395,6 @@ def session_owners(shm_dir: Path = SHM_DIR) -> set[int]:
 
 def _remove_listed(listing: Path, shm_dir: Path) -> list[str]:
     """Remove the files a listing names (those no live process maps), then the listing."""
-    import json
-
     try:
         names = json.loads(listing.read_text())
     except (FileNotFoundError, ValueError):
@@ -410,9 +411,7 @@ def _remove_listed(listing: Path, shm_dir: Path) -> list[str]:
         path.unlink(missing_ok=True)
         removed.append(name)
     if kept:
-        tmp = listing.with_name(listing.name + ".tmp")
-        tmp.write_text(json.dumps(kept))
-        os.replace(tmp, listing)
+        write_listing(listing, kept)
         return removed
     listing.unlink(missing_ok=True)
     return [*removed, listing.name]
@@ -433,6 +432,13 @@ def mapped_shm_files(pids: list[int] | None = None) -> set[str]:
             if len(parts) == 6 and parts[5].startswith(str(SHM_DIR) + "/"):
                 names.add(Path(parts[5].removesuffix(" (deleted)")).name)
     return names
+
+
+def write_listing(listing: Path, names: Iterable[str]) -> None:
+    """Replace ``listing`` with these /dev/shm names in one rename (a reader never sees half a list)."""
+    tmp = listing.with_name(listing.name + ".tmp")
+    tmp.write_text(json.dumps(sorted(names)))
+    os.replace(tmp, listing)
 
 
 def segments_listing(session_name: str, shm_dir: Path = SHM_DIR) -> Path:
