@@ -350,7 +350,9 @@ def test_load_200_streams_with_disconnects(server, dual_engine):
         f"load: 200 streams, {outcomes.count('left')} left early, {wall:.1f} s, "
         f"server RSS {rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB"
     )
-    assert outcomes.count("done") == sum(not leave for leave, _ in plan)
+    # A planned leaver whose stream ends before its chunk count finishes normally: it is "done" too.
+    assert all(outcome == "done" for outcome, (leave, _) in zip(outcomes, plan) if not leave)
+    assert outcomes.count("left") > 0
     assert dual_engine.scheduler.in_flight() == [] and all(session.slot_free(s) for s in range(session.layout.slots))
     assert (
         after["teacher_timeouts"] == before["teacher_timeouts"]
