@@ -54,6 +54,7 @@ LOCKSTEP_SETTINGS = (
 """Engine arguments the dual engine sets itself; per-engine overrides of them are refused."""
 _MiB = 1 << 20
 _EXIT_WAIT_S = 10.0
+_LISTING_INTERVAL_S = 0.2
 """How long close() waits for an engine's processes to exit after vLLM's shutdown before killing them."""
 
 
@@ -84,11 +85,12 @@ class EnginePair:
         self.binding = split_cpu_binding() if config.cpu_binding == "split" else {}
         self.engines: dict[str, Any] = {}
         self._segments: set[str] = set()
+        self._listed: set[str] = set()
         self._semaphores_before = _semaphore_files()
         try:
             self._start_both()
             self.verify()
-            self._record_segments()
+            self._record_segments(self.pids())
         except BaseException:
             self.close()
             raise
@@ -162,6 +164,21 @@ class EnginePair:
         with, so the variable is switched to theta's binding only once the teacher's EngineCore
         exists.
         """
+        # Engines create /dev/shm files while they start; listing them as they appear lets a later
+        # session reclaim them if this driver is killed before both engines are up.
+        children_before = _children()
+        started = threading.Event()
+        lister = threading.Thread(
+            target=self._list_while_starting, args=(children_before, started), name="dual-sampling-lister", daemon=True
+        )
+        lister.start()
+        try:
+            self._start_engines()
+        finally:
+            started.set()
+            lister.join()
+
+    def _start_engines(self) -> None:
         # The V1 logits-processor interface: GPUs default to Model Runner V2, which has another one.
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         from concurrent.futures import ThreadPoolExecutor
@@ -283,33 +300,38 @@ class EnginePair:
                 return role
         return None
 
-    def _record_segments(self) -> None:
-        """Note the /dev/shm files the engines created, so a crash of this driver cannot leak them.
+    def _list_while_starting(self, children_before: set[int], started: threading.Event) -> None:
+        """Until ``started`` is set, keep the listing up to date with the files of the processes being started."""
+        while not started.wait(_LISTING_INTERVAL_S):
+            try:
+                self._record_segments({"starting": _descendants(_children() - children_before)})
+            except Exception:  # a process that exits mid-read; the next round or the final record covers it
+                logger.debug("listing the starting engines' files failed", exc_info=True)
+
+    def _record_segments(self, pids: dict[str, list[int]]) -> None:
+        """Note the /dev/shm files mapped by ``pids`` ({role: pids}), so a crash of this driver cannot leak them.
 
         Those the engines map, and (in the listing only) the multiprocessing semaphores that
-        appeared while they started. Those are mapped by nobody once the workers are up; their
-        creators unlink them on a clean exit and Python's resource tracker after a crash, but a
-        cluster manager may kill the tracker along with a dead driver (Ray does). A listed name
-        is removed only once this driver is dead and no live process maps it; removing a
-        semaphore's name never affects handles already open.
+        appeared while they started. A semaphore's creator unlinks it on a clean exit and
+        Python's resource tracker after a crash, but a cluster manager may kill the tracker along
+        with a dead driver (Ray does). A listed name is removed only once this driver is dead and
+        no live process maps it; removing a semaphore's name never affects handles already open.
         """
-        self._segments |= {
-            name
-            for name in mapped_shm_files([pid for pids in self.pids().values() for pid in pids])
-            if not name.startswith(SESSION_PREFIX)
-        }
-        write_listing(
-            segments_listing(self.session_name), self._segments | (_semaphore_files() - self._semaphores_before)
-        )
+        self._segments |= _engine_files([pid for role_pids in pids.values() for pid in role_pids])
+        names = self._segments | (_semaphore_files() - self._semaphores_before)
+        if names != self._listed:
+            write_listing(segments_listing(self.session_name), names)
+            self._listed = names
 
     def close(self) -> None:
-        """Stop both engines; afterwards none of their processes and none of their /dev/shm files remain."""
-        if not self.engines:
-            return
+        """Stop both engines; afterwards none of their processes and none of their /dev/shm files remain.
+
+        Also after a failed start: what the engines listed while starting is removed.
+        """
         pids = []
         with contextlib.suppress(Exception):
             pids = [pid for role_pids in self.pids().values() for pid in role_pids]
-            self._segments |= {n for n in mapped_shm_files(pids) if not n.startswith(SESSION_PREFIX)}
+            self._segments |= _engine_files(pids)
         engines = list(self.engines.items())
         self.engines.clear()
         # vLLM stops an engine in up to 5 s (SIGTERM, then SIGKILL); both at once halves the wait.
@@ -323,6 +345,15 @@ class EnginePair:
         for name in self._segments:
             (SHM_DIR / name).unlink(missing_ok=True)
         segments_listing(self.session_name).unlink(missing_ok=True)
+
+
+def _engine_files(pids: list[int]) -> set[str]:
+    """The /dev/shm files ``pids`` map that close() removes: not the session's, and not semaphores.
+
+    A semaphore may be shared with this process, whose own exit unlinks it (and complains if
+    the name has gone).
+    """
+    return {name for name in mapped_shm_files(pids) if not name.startswith((SESSION_PREFIX, "sem."))}
 
 
 def _semaphore_files() -> set[str]:
@@ -370,6 +401,24 @@ def _spawned_children() -> set[int]:
         with contextlib.suppress(psutil.Error):
             if "spawn_main" in " ".join(child.cmdline()):
                 out.add(child.pid)
+    return out
+
+
+def _children() -> set[int]:
+    """Pids of this process's children (an EngineCore renames itself, so its command line can't tell it)."""
+    import psutil
+
+    return {child.pid for child in psutil.Process().children()}
+
+
+def _descendants(pids: set[int]) -> list[int]:
+    """``pids`` and all their descendants that are alive now."""
+    import psutil
+
+    out = list(pids)
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            out += [c.pid for c in psutil.Process(pid).children(recursive=True)]
     return out
 
 

@@ -418,10 +418,14 @@ def _remove_listed(listing: Path, shm_dir: Path) -> list[str]:
 
 
 def mapped_shm_files(pids: list[int] | None = None) -> set[str]:
-    """Names of /dev/shm files mapped by the given processes (every readable one when None)."""
+    """Names in /dev/shm of the files mapped by the given processes (every readable one when None).
+
+    Matched by inode, not by the path a mapping shows: a POSIX semaphore is mapped under the
+    temporary name it was created with and reached through a link (``sem.mp-*``) made after.
+    """
     if pids is None:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    names = set()
+    inodes = set()
     for pid in pids:
         try:
             maps = Path(f"/proc/{pid}/maps").read_text()
@@ -430,7 +434,13 @@ def mapped_shm_files(pids: list[int] | None = None) -> set[str]:
         for line in maps.splitlines():
             parts = line.split(maxsplit=5)
             if len(parts) == 6 and parts[5].startswith(str(SHM_DIR) + "/"):
-                names.add(Path(parts[5].removesuffix(" (deleted)")).name)
+                inodes.add(int(parts[4]))
+    names = set()
+    with os.scandir(SHM_DIR) as entries:
+        for entry in entries:
+            with contextlib.suppress(FileNotFoundError):
+                if entry.inode() in inodes:
+                    names.add(entry.name)
     return names
 
 

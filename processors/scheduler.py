@@ -46,7 +46,21 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
-from dual_sampling.protocol import Bell, ErrorCode, Finish, Header, Phase, Slot, Stat, SyncSession, Writer, pid_alive
+from dual_sampling.protocol import (
+    SESSION_PREFIX,
+    SHM_DIR,
+    Bell,
+    ErrorCode,
+    Finish,
+    Header,
+    Phase,
+    Slot,
+    Stat,
+    SyncSession,
+    Writer,
+    mapped_shm_files,
+    pid_alive,
+)
 from processors.base import WAIT_CAP_S, lockstep_config, request_pairing
 
 __all__ = [
@@ -528,17 +542,26 @@ def _watch_parent(session: SyncSession) -> None:
             time.sleep(PARENT_POLL_S)
             if not session.closed and not pid_alive(owner):
                 logger.error("the dual-sampling driver (pid %d) is gone; stopping this engine", owner)
-                _kill_process_tree()
+                _exit_orphaned()
 
     threading.Thread(target=run, name="dual-sampling-parent-watch", daemon=True).start()
 
 
-def _kill_process_tree() -> None:
-    """SIGKILL this process's children, then exit at once (nothing left to shut down cleanly for)."""
+def _exit_orphaned() -> None:
+    """Remove the /dev/shm files this engine's processes map, SIGKILL its children, then exit at once.
+
+    The driver is gone, so nothing else uses those files, and files made after its death
+    (an engine still starting keeps making them) are in no listing a later session could read.
+    The session file itself is left to the next session's cleanup, which knows its owner is dead.
+    """
     try:
         import psutil
 
-        for child in psutil.Process().children(recursive=True):
+        children = psutil.Process().children(recursive=True)
+        for name in mapped_shm_files([os.getpid(), *(c.pid for c in children)]):
+            if not name.startswith(SESSION_PREFIX):
+                (SHM_DIR / name).unlink(missing_ok=True)
+        for child in children:
             with contextlib.suppress(psutil.Error):
                 child.kill()
     finally:

@@ -15,11 +15,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
-from dual_sampling.protocol import SESSION_PREFIX, SessionLayout, SyncSession
+from dual_sampling.protocol import SESSION_PREFIX, SessionLayout, SyncSession, mapped_shm_files
 
 pytestmark = pytest.mark.engine
 
@@ -117,3 +118,44 @@ def test_engine_killed_fails_fast_names_it_and_leaves_nothing(tiny_same, victim)
     assert time.monotonic() - killed_at < 10 + 20  # sync_timeout plus shutdown
     assert settled(before) == (set(), set())
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX) and info["session"] in f]
+
+
+
+def test_driver_killed_while_engines_start_leaves_nothing_after_the_next_session(tiny_same, tmp_path):
+    """A cluster manager kills the driver and its resource trackers before both engines are up (Ray does).
+
+    The kill lands once both EngineCores map shared-memory files the driver has listed, so
+    both are past vLLM's start-up handshake: an engine still waiting in it when its driver
+    dies waits out vLLM's own handshake timeout (minutes) before exiting, having made nothing.
+    What the engines made before the kill only the driver's start-up listing names; what
+    they make after it, each engine removes itself when it sees its driver gone.
+    """
+    teacher, theta = tiny_same
+    before = snapshot()
+    out = tmp_path / "driver.out"
+    with out.open("w") as stdout:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.fault_driver", "hold", str(teacher), str(theta)],
+            stdout=stdout,
+            stderr=subprocess.DEVNULL,
+        )
+    listing_glob = f"{SESSION_PREFIX}{proc.pid}-*.segments"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "the engines' files were not listed while starting"
+        with contextlib.suppress(psutil.Error, FileNotFoundError, ValueError):
+            cores = [p for p in psutil.Process(proc.pid).children() if p.name().startswith("VLLM::EngineCore")]
+            core_files = [{n for n in mapped_shm_files([p.pid]) if n.startswith("psm_")} for p in cores]
+            listed = {n for path in Path("/dev/shm").glob(listing_glob) for n in json.loads(path.read_text())}
+            if len(cores) == 2 and all(core_files) and set().union(*core_files) <= listed:
+                break
+        time.sleep(0.05)
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    for p in [psutil.Process(proc.pid), *(p for p in tree if "resource_tracker" in " ".join(p.cmdline()))]:
+        p.kill()
+    proc.wait()
+    assert "READY" not in out.read_text(), "the engines were up before the kill: nothing was tested"
+    _, alive = psutil.wait_procs(tree, timeout=60)
+    assert not alive, f"engine processes outlived their driver: {alive}"
+    SyncSession.create(SessionLayout(8, 2, 4, 1)).close()  # a new session removes what dead drivers left
+    assert settled(before) == (set(), set())
