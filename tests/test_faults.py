@@ -120,7 +120,6 @@ def test_engine_killed_fails_fast_names_it_and_leaves_nothing(tiny_same, victim)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX) and info["session"] in f]
 
 
-
 def test_driver_killed_while_engines_start_leaves_nothing_after_the_next_session(tiny_same, tmp_path):
     """A cluster manager kills the driver and its resource trackers before both engines are up (Ray does).
 
