@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from dual_sampling.config import DualEngineConfig, default_kv_cache_bytes, kv_cache_bytes_needed
@@ -54,8 +54,9 @@ LOCKSTEP_SETTINGS = (
 """Engine arguments the dual engine sets itself; per-engine overrides of them are refused."""
 _MiB = 1 << 20
 _EXIT_WAIT_S = 10.0
-_LISTING_INTERVAL_S = 0.2
 """How long close() waits for an engine's processes to exit after vLLM's shutdown before killing them."""
+_LISTING_INTERVAL_S = 0.2
+"""How often the listing of /dev/shm files is refreshed while the engines start."""
 
 
 class EnginePair:
@@ -90,7 +91,7 @@ class EnginePair:
         try:
             self._start_both()
             self.verify()
-            self._record_segments(self.pids())
+            self._record_segments(self._all_pids())
         except BaseException:
             self.close()
             raise
@@ -282,16 +283,10 @@ class EnginePair:
 
     def pids(self) -> dict[str, list[int]]:
         """Process ids of each engine: its EngineCore first, then the workers it started."""
-        import psutil
+        return {role: _descendants([p.pid for p in procs]) for role, procs in self._core_processes().items()}
 
-        out = {}
-        for role, procs in self._core_processes().items():
-            pids = [p.pid for p in procs]
-            for p in procs:
-                with contextlib.suppress(psutil.Error):
-                    pids += [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
-            out[role] = pids
-        return out
+    def _all_pids(self) -> list[int]:
+        return [pid for role_pids in self.pids().values() for pid in role_pids]
 
     def dead(self) -> str | None:
         """The role of an engine whose EngineCore process has exited, if any."""
@@ -304,12 +299,12 @@ class EnginePair:
         """Until ``started`` is set, keep the listing up to date with the files of the processes being started."""
         while not started.wait(_LISTING_INTERVAL_S):
             try:
-                self._record_segments({"starting": _descendants(_children() - children_before)})
+                self._record_segments(_descendants(_children() - children_before))
             except Exception:  # a process that exits mid-read; the next round or the final record covers it
                 logger.debug("listing the starting engines' files failed", exc_info=True)
 
-    def _record_segments(self, pids: dict[str, list[int]]) -> None:
-        """Note the /dev/shm files mapped by ``pids`` ({role: pids}), so a crash of this driver cannot leak them.
+    def _record_segments(self, pids: list[int]) -> None:
+        """Note the /dev/shm files mapped by the engine processes ``pids``, so a crash of this driver cannot leak them.
 
         Those the engines map, and (in the listing only) the multiprocessing semaphores that
         appeared while they started. A semaphore's creator unlinks it on a clean exit and
@@ -317,7 +312,7 @@ class EnginePair:
         with a dead driver (Ray does). A listed name is removed only once this driver is dead and
         no live process maps it; removing a semaphore's name never affects handles already open.
         """
-        self._segments |= _engine_files([pid for role_pids in pids.values() for pid in role_pids])
+        self._segments |= _engine_files(pids)
         names = self._segments | (_semaphore_files() - self._semaphores_before)
         if names != self._listed:
             write_listing(segments_listing(self.session_name), names)
@@ -330,7 +325,7 @@ class EnginePair:
         """
         pids = []
         with contextlib.suppress(Exception):
-            pids = [pid for role_pids in self.pids().values() for pid in role_pids]
+            pids = self._all_pids()
             self._segments |= _engine_files(pids)
         engines = list(self.engines.items())
         self.engines.clear()
@@ -411,12 +406,13 @@ def _children() -> set[int]:
     return {child.pid for child in psutil.Process().children()}
 
 
-def _descendants(pids: set[int]) -> list[int]:
+def _descendants(pids: Iterable[int]) -> list[int]:
     """``pids`` and all their descendants that are alive now."""
     import psutil
 
-    out = list(pids)
-    for pid in pids:
+    roots = list(pids)
+    out = list(roots)
+    for pid in roots:
         with contextlib.suppress(psutil.Error):
             out += [c.pid for c in psutil.Process(pid).children(recursive=True)]
     return out
