@@ -58,7 +58,7 @@ class _MonotoneRootAlpha(AlphaComputer):
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number or None, got {value!r}")
 
-    def _tolerances(self, dtype: torch.dtype) -> tuple[float, float]:
+    def tolerances(self, dtype: torch.dtype) -> tuple[float, float]:
         f64 = dtype == torch.float64
         tol = self.tol if self.tol is not None else (1e-10 if f64 else 1e-6)
         xtol = self.xtol if self.xtol is not None else (1e-12 if f64 else 1e-7)
@@ -89,7 +89,7 @@ class _MonotoneRootAlpha(AlphaComputer):
                 return self.residual(base, diff, a)
             return self.residual(base[rows], diff[rows], a)
 
-        tol, xtol = self._tolerances(logp_theta.dtype)
+        tol, xtol = self.tolerances(logp_theta.dtype)
         start = alpha if keep is None else alpha[keep]
         solved, passes = solve_monotone_root(evaluate, start, self.alpha_min, self.alpha_max, tol, xtol)
         if keep is None:

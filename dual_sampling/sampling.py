@@ -18,6 +18,10 @@ Order of operations (per row; α is the teacher weight):
 
 vLLM's own stages (min_tokens, logit_bias, penalties, bad words) are never handed to the
 engines: a token forced after them could be masked to -inf. The supported ones run here.
+
+On the CPU, :func:`decide` hands the rows that skip steps 4–8 to the compiled kernel of
+``dual_sampling.fused`` (one pass per α evaluation, no V-sized temporaries); the torch code
+below stays the reference for every other row, for other devices, and in the tests.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 from torch import Tensor
 
 from alpha import AlphaComputer, geometric_log_weights
+from alpha.base import check_log_prob_pair
 
 __all__ = ["Decision", "RowSampling", "counter_uniform", "decide", "draw_tokens", "inverse_cdf", "keep_top_k_top_p"]
 
@@ -260,15 +265,85 @@ def decide(
     alpha_init: Tensor | None = None,
     theta_normalized: bool = False,
     top_logprobs: int = 0,
+    fused: bool = True,
 ) -> Decision:
     """Steps 1–9 of the module docstring for a batch of rows: the whole per-token decision.
 
     ``teacher_logits`` and ``theta_logits`` are ``[b, V]`` over the shared vocabulary (padding
-    rows already cut off), free of NaN. ``theta_normalized=True`` says theta's rows are
-    log-softmax outputs already (the theta engine normalises them on its own cores).
-    ``alpha_init`` ``[b]`` warm-starts the α solve. ``top_logprobs`` > 0 also returns that many
-    of the final distribution's most likely tokens for every row.
+    rows already cut off). ``theta_normalized=True`` says theta's rows are log-softmax
+    outputs already (the theta engine normalises them on its own cores). ``alpha_init``
+    ``[b]`` warm-starts the α solve. ``top_logprobs`` > 0 also returns that many of the final
+    distribution's most likely tokens for every row.
+
+    On the CPU, rows that need no filter are decided by the compiled kernel
+    (:mod:`dual_sampling.fused`), the rest by the torch reference; ``fused=False`` sends
+    every row to the reference.
     """
+    # Imported here, not at module level: a vLLM CPU worker imports this module (through the
+    # processors) before it scans every loaded module for Triton kernels, and that scan fails
+    # on an object of numba's LLVM binding.
+    from dual_sampling.fused import decide_fused, fused_rows
+
+    eligible = [False] * len(rows)
+    if fused and top_logprobs == 0:
+        eligible = fused_rows(rows, steps, alpha_computer, teacher_logits.device)
+    if not any(eligible):
+        return _decide_reference(
+            teacher_logits, theta_logits, steps, rows, alpha_computer, alpha_init, theta_normalized, top_logprobs
+        )
+    fast = [i for i, e in enumerate(eligible) if e]
+    index = torch.tensor(fast)
+    every = len(fast) == len(rows)  # then no V-sized copy of the inputs is made
+    out, _ = decide_fused(
+        teacher_logits if every else teacher_logits[index],
+        theta_logits if every else theta_logits[index],
+        [counter_uniform(rows[i].seed, steps[i]) for i in fast],
+        [rows[i].force_first_token and steps[i] == 0 for i in fast],
+        alpha_computer,
+        None if alpha_init is None else alpha_init[index],
+        theta_normalized,
+    )
+    decided = torch.from_numpy(out)
+    handed_back = [fast[k] for k in (decided[:, 5] != 0).nonzero().flatten()]
+    if handed_back:
+        check_log_prob_pair(theta_logits, teacher_logits)  # a bad row is named by its index in this batch
+    slow = [i for i, e in enumerate(eligible) if not e] + handed_back
+    b = len(rows)
+    result = Decision(
+        torch.zeros(b, dtype=torch.int64),
+        *(torch.zeros(b) for _ in range(4)),
+        torch.ones(b, dtype=torch.bool),
+    )
+    for column, name in enumerate(("tokens", "alpha", "logp_teacher", "logp_theta", "logq")):
+        getattr(result, name)[index] = decided[:, column].to(getattr(result, name).dtype)
+    if slow:
+        slow = sorted(slow)
+        part = torch.tensor(slow)
+        reference = _decide_reference(
+            teacher_logits[part],
+            theta_logits[part],
+            [steps[i] for i in slow],
+            [rows[i] for i in slow],
+            alpha_computer,
+            None if alpha_init is None else alpha_init[part],
+            theta_normalized,
+        )
+        for name in ("tokens", "alpha", "logp_teacher", "logp_theta", "logq", "ok"):
+            getattr(result, name)[part] = getattr(reference, name).to(getattr(result, name).dtype)
+    return result
+
+
+def _decide_reference(
+    teacher_logits: Tensor,
+    theta_logits: Tensor,
+    steps: Sequence[int],
+    rows: Sequence[RowSampling],
+    alpha_computer: AlphaComputer,
+    alpha_init: Tensor | None = None,
+    theta_normalized: bool = False,
+    top_logprobs: int = 0,
+) -> Decision:
+    """:func:`decide` in torch operations, for any row and on any device: the reference."""
     logp_teacher = torch.log_softmax(teacher_logits.float(), dim=-1)
     logp_theta = theta_logits.float() if theta_normalized else torch.log_softmax(theta_logits.float(), dim=-1)
     alpha = alpha_computer(logp_theta, logp_teacher, alpha_init=alpha_init, normalized=True)

@@ -9,6 +9,8 @@ at the previous solution moved by 0.02, as between decoding steps).
 The decision's cost is also given per row (µs/row, warm, theta already normalised as the
 theta engine delivers it) against its physical floor measured in the same run: one pass
 reading both rows (a sum over 2·V float32 values). ``decide_vs_floor`` is their ratio.
+The decision runs through the compiled kernel (``dual_sampling.fused``); the same call
+through the torch reference (``fused=False``) is timed beside it.
 
     python examples/bench_alpha.py [--repeats 7] [--output docs/alpha_benchmark.json]
 """
@@ -88,6 +90,12 @@ def main() -> None:
             ),
             args.repeats,
         )
+        reference_s, _ = timed(
+            lambda t=teacher, th=theta, r=rows_cfg, a=ac, w=warm_alpha: decide(
+                t, th, [1] * args.batch, r, a, alpha_init=w, theta_normalized=True, fused=False
+            ),
+            args.repeats,
+        )
         # The floor: every row of both sides read once, nothing written.
         floor_s, _ = timed(lambda t=teacher, th=theta: t.sum(-1) + th.sum(-1), max(args.repeats, 21))
         per_row_us, floor_us = 1e6 * engine_s / args.batch, 1e6 * floor_s / args.batch
@@ -98,11 +106,14 @@ def main() -> None:
                 "us_per_row": per_row_us,
                 "floor_us_per_row": floor_us,
                 "decide_vs_floor": per_row_us / floor_us,
+                "reference_us_per_row": 1e6 * reference_s / args.batch,
+                "kernel_speedup": reference_s / engine_s,
             }
         )
         print(
             f"V={vocab:6d} decide/row   {per_row_us:7.1f} us  floor (one read of both rows) {floor_us:6.1f} us"
             f"  ratio {per_row_us / floor_us:5.1f} (target <= 2)"
+            f"  torch reference {1e6 * reference_s / args.batch:7.1f} us ({reference_s / engine_s:.1f}x slower)"
         )
     if args.output:
         info = {

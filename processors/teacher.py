@@ -36,6 +36,12 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         super().__init__(vllm_config, device, is_pin_memory)
         self.alpha_computer = get_alpha_computer(self.config["alpha_method"], **self.config.get("alpha_config", {}))
+        if device.type == "cpu":
+            # Compiled (or loaded from numba's cache) now, not in the first decoding step. Imported only
+            # now: the worker's start-up scan of loaded modules for Triton kernels fails on numba's objects.
+            from dual_sampling import fused
+
+            fused.warm_up()
         # While the teacher decides, theta only waits for the tokens: its CPUs can take half the rows.
         helper_cpus = self.config.get("mix_helper_cpus")
         self._helper = None

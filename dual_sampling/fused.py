@@ -1,0 +1,362 @@
+"""The per-token decision as one compiled kernel (CPU), for the rows that need no filter.
+
+:func:`dual_sampling.sampling.decide` is the reference: a sequence of torch operations,
+each a pass over ``[b, V]`` that writes a new ``[b, V]`` tensor. For the common row
+(temperature 1, no top-k/top-p/min-p, no support constraint, no logit bias, no stop-token
+mask, no top log-probabilities) and the ``fixed`` and ``kl_symmetry`` alpha computers, this
+module does the same decision with numba, row by row, writing nothing V-sized:
+
+1. one pass for the row maxima of both sides, one for the teacher's log-normaliser
+   (and theta's, unless its rows are log-softmax outputs already);
+2. each α evaluation is one pass: it exponentiates the mixture's log-weights once and
+   sums the weights, weight·d and weight·d² (d = log π_t − log π_θ), keeping the weight
+   sum of every 256-token block;
+3. the draw reuses the last evaluation's block sums: it finds the block by a cumulative
+   sum over blocks, then recomputes that one block's weights.
+
+Differences from the reference, all within its own tolerances: the α solve stops at the last
+α it evaluated (the reference steps once more, by less than ``xtol``, so the draw can reuse
+that pass); sums run in float32 within a block and float64 across blocks; ``exp`` is a
+polynomial with a relative error below 1e-7 (libm's is not vectorised by numba). A row the
+kernel cannot handle (a non-finite entry, or mixture weights that all underflow) is
+reported back and decided by the reference.
+
+GPUs keep the torch reference on the device: this path is CPU-only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from alpha import AlphaComputer, FixedAlpha, KLSymmetryAlpha
+
+__all__ = ["FUSED_ALPHA_METHODS", "decide_fused", "fused_rows", "warm_up"]
+
+FUSED_ALPHA_METHODS = {FixedAlpha: 0, KLSymmetryAlpha: 1}
+"""Alpha computer classes the kernel implements (exactly these classes, not subclasses), with their kernel code."""
+_BLOCK = 256
+_ROW_OK, _ROW_FALLBACK = 0, 1
+_MAX_PASSES = 200
+_TINY = 1e-30
+# Reassociation lets sums and extremes vectorise; no "nnan"/"ninf", so the finiteness checks stay.
+_FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
+_jit = numba.njit(fastmath=_FAST, cache=True, nogil=True)
+_jit_inline = numba.njit(fastmath=_FAST, cache=True, nogil=True, inline="always")
+
+
+@intrinsic
+def _float32_from_bits(typingctx, bits):
+    """Reinterpret an int32 as the float32 with the same bits (vectorises, unlike 2.0**n)."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@_jit_inline
+def _exp32(x):
+    """exp(x) in float32 for x ≤ 0 (2^n times a degree-7 polynomial on [−ln2/2, ln2/2]); 0 below −87."""
+    x = max(x, np.float32(-87.0))
+    n = math.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
+    r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    scale = _float32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+    return np.float32(0.0) if x <= np.float32(-87.0) else p * scale
+
+
+@_jit
+def _extremes(row):
+    """(min, max) of a float32 row."""
+    low = np.float32(np.inf)
+    high = np.float32(-np.inf)
+    for i in range(row.size):
+        low = min(low, row[i])
+        high = max(high, row[i])
+    return low, high
+
+
+@_jit
+def _log_normaliser(row, top):
+    """log Σ exp(row) in float64, given the row's max."""
+    n = row.size
+    full = n - n % _BLOCK
+    total = 0.0
+    for start in range(0, full, _BLOCK):
+        part = np.float32(0.0)
+        for j in range(_BLOCK):
+            part += _exp32(row[start + j] - top)
+        total += part
+    for i in range(full, n):
+        total += _exp32(row[i] - top)
+    return top + math.log(total)
+
+
+@_jit
+def _tilted_pass(theta, teacher, alpha, offset, c, blocks):
+    """One evaluation at α: weights w = exp(θ + α(t − θ) − offset), d = t − θ − c.
+
+    Returns (Σw, Σw·d, Σw·d²) in float64 and stores each block's Σw in ``blocks``.
+    """
+    n = theta.size
+    full = n - n % _BLOCK
+    a = np.float32(alpha)
+    off = np.float32(offset)
+    cc = np.float32(c)
+    s0 = 0.0
+    s1 = 0.0
+    s2 = 0.0
+    k = 0
+    for start in range(0, full, _BLOCK):
+        z0 = np.float32(0.0)
+        z1 = np.float32(0.0)
+        z2 = np.float32(0.0)
+        for j in range(_BLOCK):
+            h = theta[start + j]
+            diff = teacher[start + j] - h
+            w = _exp32(h + a * diff - off)
+            wd = w * (diff - cc)
+            z0 += w
+            z1 += wd
+            z2 += wd * (diff - cc)
+        blocks[k] = z0
+        k += 1
+        s0 += z0
+        s1 += z1
+        s2 += z2
+    if full < n:
+        z0 = np.float32(0.0)
+        for i in range(full, n):
+            h = theta[i]
+            diff = teacher[i] - h
+            w = _exp32(h + a * diff - off)
+            z0 += w
+            s1 += w * (diff - cc)
+            s2 += w * (diff - cc) * (diff - cc)
+        blocks[k] = z0
+        s0 += z0
+    return s0, s1, s2
+
+
+@_jit
+def _draw(theta, teacher, alpha, offset, blocks, total, u):
+    """Inverse-CDF draw from the weights of the last :func:`_tilted_pass` (block sums ``blocks``, sum ``total``)."""
+    n = theta.size
+    a = np.float32(alpha)
+    off = np.float32(offset)
+    target = u * total
+    before = 0.0
+    k = -1
+    last_positive = -1
+    for i in range(blocks.size):
+        if blocks[i] > 0.0:
+            last_positive = i
+            if before + blocks[i] >= target:
+                k = i
+                break
+        before += blocks[i]
+    if k < 0:  # rounding put the target past the end
+        k = last_positive
+        before = total - blocks[k]
+    start = k * _BLOCK
+    stop = min(start + _BLOCK, n)
+    cum = before
+    token = -1
+    for i in range(start, stop):
+        w = _exp32(theta[i] + a * (teacher[i] - theta[i]) - off)
+        if w > 0.0:
+            token = i
+            cum += w
+            if cum >= target:
+                break
+    return token
+
+
+@_jit
+def _solve_and_draw(
+    theta, teacher, theta_normalized, method, fixed_alpha, lo, hi, tol, xtol, alpha0, force_one, u, blocks, out
+):
+    """Decide one row; ``out`` receives (token, α, log π_t, log π_θ, log q, status). Returns the passes made."""
+    t_min, t_max = _extremes(teacher)
+    h_min, h_max = _extremes(theta)
+    if not (math.isfinite(t_min) and math.isfinite(t_max) and math.isfinite(h_min) and math.isfinite(h_max)):
+        out[5] = _ROW_FALLBACK
+        return 0
+    lse_t = _log_normaliser(teacher, t_max)
+    lse_h = 0.0 if theta_normalized else _log_normaliser(theta, h_max)
+    c = lse_t - lse_h  # d = (t − lse_t) − (h − lse_h) = t − h − c
+
+    if force_one:
+        alpha = 1.0
+    elif method == 0:
+        alpha = min(max(fixed_alpha, lo), hi)
+    else:
+        alpha = min(max(alpha0, lo), hi)
+    passes = 0
+    # The mixture's log-weights h + α(t − h) never exceed (1 − α)·max h + α·max t: no overflow.
+    offset = (1.0 - alpha) * h_max + alpha * t_max
+    s0, s1, s2 = _tilted_pass(theta, teacher, alpha, offset, c, blocks)
+    passes += 1
+    if method == 1 and not force_one and lo < hi:
+        low, high = lo, hi
+        prev_abs_g = np.inf
+        lo_tried = False
+        hi_tried = False
+        while passes < _MAX_PASSES:
+            if s0 < _TINY:
+                break
+            g = s1 / s0
+            slope = max(s2 / s0 - g * g, 0.0)
+            at_lo = alpha <= lo
+            at_hi = alpha >= hi
+            lo_tried = lo_tried or at_lo
+            hi_tried = hi_tried or at_hi
+            lo_b = low if g > 0 else alpha
+            hi_b = alpha if g > 0 else high
+            if abs(g) <= tol or (at_lo and g >= 0) or (at_hi and g <= 0):
+                break
+            usable = slope > 0 and math.isfinite(slope)
+            if usable:
+                target = alpha - g / slope
+            else:
+                target = -np.inf if g > 0 else np.inf
+            newton_ok = usable and lo_b < target < hi_b and abs(g) <= 0.5 * prev_abs_g
+            if newton_ok and abs(target - alpha) <= xtol:
+                break  # the reference would step to target; the draw reuses this pass instead
+            if hi_b - lo_b <= xtol:
+                break
+            nxt = target if newton_ok else 0.5 * (lo_b + hi_b)
+            if target <= lo_b and lo_b <= lo and not (lo_tried or at_lo):
+                nxt = lo
+            elif target >= hi_b and hi_b >= hi and not (hi_tried or at_hi):
+                nxt = hi
+            low, high, prev_abs_g = lo_b, hi_b, abs(g)
+            alpha = nxt
+            offset = (1.0 - alpha) * h_max + alpha * t_max
+            s0, s1, s2 = _tilted_pass(theta, teacher, alpha, offset, c, blocks)
+            passes += 1
+    if not s0 >= _TINY:
+        out[5] = _ROW_FALLBACK
+        return passes
+    token = _draw(theta, teacher, alpha, offset, blocks, s0, u)
+    if token < 0:
+        out[5] = _ROW_FALLBACK
+        return passes
+    h = theta[token]
+    t = teacher[token]
+    log_weight = np.float32(h + np.float32(alpha) * (t - h) - np.float32(offset))
+    out[0] = token
+    out[1] = alpha
+    out[2] = t - lse_t
+    out[3] = h - lse_h
+    out[4] = log_weight - math.log(s0)
+    out[5] = _ROW_OK
+    return passes
+
+
+@_jit
+def _decide_batch(theta, teacher, theta_normalized, method, fixed_alpha, lo, hi, tol, xtol, alpha0, force_one, u, out):
+    blocks = np.empty((theta.shape[1] + _BLOCK - 1) // _BLOCK, dtype=np.float64)
+    passes = 0
+    for r in range(theta.shape[0]):
+        passes += _solve_and_draw(
+            theta[r],
+            teacher[r],
+            theta_normalized,
+            method,
+            fixed_alpha,
+            lo,
+            hi,
+            tol,
+            xtol,
+            alpha0[r],
+            force_one[r],
+            u[r],
+            blocks,
+            out[r],
+        )
+    return passes
+
+
+def fused_rows(rows: Sequence, steps: Sequence[int], alpha_computer: AlphaComputer, device: torch.device) -> list[bool]:
+    """Which rows the kernel decides (the rest go to the torch reference)."""
+    if device.type != "cpu" or type(alpha_computer) not in FUSED_ALPHA_METHODS:
+        return [False] * len(rows)
+    return [
+        r.temperature == 1.0
+        and r.top_k <= 0
+        and r.top_p >= 1.0
+        and r.min_p <= 0.0
+        and r.support_top_k <= 0
+        and r.support_top_p >= 1.0
+        and not r.logit_bias
+        and r.top_logprobs == 0
+        and not (s < r.min_tokens and r.stop_token_ids)
+        for r, s in zip(rows, steps)
+    ]
+
+
+def decide_fused(
+    teacher_logits: torch.Tensor,
+    theta_logits: torch.Tensor,
+    uniforms: Sequence[float],
+    force_teacher: Sequence[bool],
+    alpha_computer: AlphaComputer,
+    alpha_init: torch.Tensor | None,
+    theta_normalized: bool = False,
+) -> tuple[np.ndarray, int]:
+    """Decide ``[b, V]`` rows with the kernel; returns (``[b, 6]`` float64, passes).
+
+    Columns: token, α, log π_t, log π_θ, log q, status (0 decided; 1 to be decided by the
+    reference). ``theta_normalized=True`` says theta's rows are log-softmax outputs already.
+    """
+    teacher = np.ascontiguousarray(teacher_logits.detach().float().numpy())
+    theta = np.ascontiguousarray(theta_logits.detach().float().numpy())
+    b = teacher.shape[0]
+    method = FUSED_ALPHA_METHODS[type(alpha_computer)]
+    fixed = float(alpha_computer.alpha) if method == 0 else 0.5
+    tol, xtol = (1e-6, 1e-7) if method == 0 else alpha_computer.tolerances(torch.float32)
+    if alpha_init is None:
+        alpha0 = np.full(b, 0.5)
+    else:
+        alpha0 = np.nan_to_num(alpha_init.detach().double().numpy().reshape(-1), nan=0.5)
+    out = np.zeros((b, 6), dtype=np.float64)
+    passes = _decide_batch(
+        theta,
+        teacher,
+        theta_normalized,
+        method,
+        fixed,
+        float(alpha_computer.alpha_min),
+        float(alpha_computer.alpha_max),
+        float(tol),
+        float(xtol),
+        np.ascontiguousarray(alpha0, dtype=np.float64),
+        np.asarray(force_teacher, dtype=np.bool_),
+        np.asarray(uniforms, dtype=np.float64),
+        out,
+    )
+    return out, int(passes)
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the kernel now, so no decoding step pays for it."""
+    g = torch.Generator().manual_seed(0)
+    teacher, theta = torch.randn(2, 3 * _BLOCK + 5, generator=g), torch.randn(2, 3 * _BLOCK + 5, generator=g)
+    for computer in (FixedAlpha(), KLSymmetryAlpha()):
+        decide_fused(teacher, theta, [0.5, 0.25], [False, True], computer, None)

@@ -1,0 +1,148 @@
+"""The compiled decision kernel (dual_sampling.fused) against the torch reference and float64 oracles."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from alpha import get_alpha_computer
+from dual_sampling.fused import decide_fused, fused_rows
+from dual_sampling.sampling import RowSampling, counter_uniform, decide
+
+
+def pair(batch: int, vocab: int, seed: int, agreement: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher logits and theta log-probabilities that partly agree, as models' rows do."""
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(batch, vocab, generator=g) * 3
+    theta = torch.log_softmax(torch.randn(batch, vocab, generator=g) * 3 + agreement * teacher, -1)
+    return teacher, theta
+
+
+def float64_root(lth: torch.Tensor, lt: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """kl_symmetry's α by 200 bisections in float64 (E_q[d] is non-decreasing in α)."""
+    d = lt - lth
+    low, high = torch.full((lt.shape[0],), lo, dtype=torch.float64), torch.full((lt.shape[0],), hi, dtype=torch.float64)
+    for _ in range(200):
+        mid = 0.5 * (low + high)
+        q = torch.softmax(lth + mid.unsqueeze(-1) * d, -1)
+        up = (q * d).sum(-1) > 0
+        high, low = torch.where(up, mid, high), torch.where(up, low, mid)
+    return 0.5 * (low + high)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 255, 256, 257, 1000, 49152])
+@pytest.mark.parametrize("method", ["fixed", "kl_symmetry"])
+def test_kernel_matches_float64_and_the_reference(vocab, method):
+    batch = 12
+    teacher, theta = pair(batch, vocab, seed=vocab)
+    computer = (
+        get_alpha_computer(method, alpha_min=0.1, alpha_max=0.9)
+        if method == "kl_symmetry"
+        else (get_alpha_computer("fixed", alpha=0.3))
+    )
+    rows = [RowSampling(seed=i, force_first_token=(i % 5 == 0)) for i in range(batch)]
+    steps = [i % 3 for i in range(batch)]
+    warm = torch.linspace(0.0, 1.0, batch)
+    out, passes = decide_fused(
+        teacher,
+        theta,
+        [counter_uniform(r.seed, s) for r, s in zip(rows, steps)],
+        [r.force_first_token and s == 0 for r, s in zip(rows, steps)],
+        computer,
+        warm,
+        theta_normalized=True,
+    )
+    assert (out[:, 5] == 0).all(), "every row here is the kernel's to decide"
+    assert passes >= batch
+    lt, lth = torch.log_softmax(teacher.double(), -1), theta.double()
+    forced = torch.tensor([r.force_first_token and s == 0 for r, s in zip(rows, steps)])
+    if method == "fixed":
+        expected_alpha = torch.full((batch,), 0.3, dtype=torch.float64)
+    else:
+        expected_alpha = float64_root(lth, lt, 0.1, 0.9) if vocab > 1 else torch.full((batch,), 0.5).double()
+    expected_alpha = torch.where(forced, torch.ones_like(expected_alpha), expected_alpha)
+    alpha = torch.from_numpy(out[:, 1])
+    if vocab > 1:
+        torch.testing.assert_close(alpha, expected_alpha, rtol=0, atol=5e-6)
+    tokens = torch.from_numpy(out[:, 0]).long().unsqueeze(-1)
+    logq = torch.log_softmax((1 - alpha.unsqueeze(-1)) * lth + alpha.unsqueeze(-1) * lt, -1)
+    for column, full in ((2, lt), (3, lth), (4, logq)):
+        torch.testing.assert_close(
+            torch.from_numpy(out[:, column]), full.gather(-1, tokens).squeeze(-1), rtol=0, atol=2e-5
+        )
+    reference = decide(teacher, theta, steps, rows, computer, warm, theta_normalized=True, fused=False)
+    assert torch.equal(reference.tokens, tokens.squeeze(-1)), "the same uniform must pick the same token"
+
+
+def test_draws_follow_q():
+    q = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05] + [0.0] * 300)
+    draws = 20000
+    logq = torch.log(q).clamp_min(-60.0).expand(draws, -1).contiguous()  # finite: the kernel's domain
+    out, _ = decide_fused(
+        logq, logq, [counter_uniform(s, 0) for s in range(draws)], [False] * draws, get_alpha_computer("fixed"), None
+    )
+    assert (out[:, 5] == 0).all()
+    freq = torch.bincount(torch.from_numpy(out[:, 0]).long(), minlength=305)[:5].double() / draws
+    p = q[:5].double()
+    assert ((freq - p).abs() <= 4 * torch.sqrt(p * (1 - p) / draws)).all(), freq
+
+
+def test_rows_with_filters_go_to_the_reference_and_the_batch_stays_in_order():
+    teacher, theta = pair(6, 3000, seed=3)
+    computer = get_alpha_computer("kl_symmetry")
+    rows = [
+        RowSampling(seed=0),
+        RowSampling(seed=1, temperature=0.7),
+        RowSampling(seed=2),
+        RowSampling(seed=3, top_p=0.9),
+        RowSampling(seed=4, min_tokens=5, stop_token_ids=(2,)),
+        RowSampling(seed=5, logit_bias={7: 2.0}),
+    ]
+    steps = [1, 1, 1, 1, 1, 1]
+    assert fused_rows(rows, steps, computer, torch.device("cpu")) == [True, False, True, False, False, False]
+    assert not any(fused_rows(rows, steps, get_alpha_computer("ess_balance"), torch.device("cpu")))
+    assert not any(fused_rows(rows, steps, computer, torch.device("meta")))
+    mixed = decide(teacher, theta, steps, rows, computer, theta_normalized=True)
+    reference = decide(teacher, theta, steps, rows, computer, theta_normalized=True, fused=False)
+    assert torch.equal(mixed.tokens, reference.tokens)
+    assert mixed.ok.all()
+    for name in ("alpha", "logp_teacher", "logp_theta", "logq"):
+        torch.testing.assert_close(getattr(mixed, name), getattr(reference, name), rtol=0, atol=1e-5)
+    # The filtered rows are the reference's own, bit for bit.
+    for i in (1, 3, 4, 5):
+        assert mixed.logq[i] == reference.logq[i]
+
+
+def test_rows_outside_the_kernels_domain_are_handed_back():
+    teacher, theta = pair(3, 600, seed=4)
+    teacher[0, 5] = -math.inf  # a masked token: the reference handles the joint support
+    teacher[1] = torch.arange(600.0) * 2.0  # the two models disagree by hundreds of nats
+    theta[1] = torch.log_softmax(-torch.arange(600.0) * 2.0, -1)
+    computer = get_alpha_computer("fixed", alpha=0.5)
+    out, _ = decide_fused(teacher, theta, [0.3, 0.6, 0.9], [False] * 3, computer, None, theta_normalized=True)
+    assert out[:, 5].tolist() == [1, 0, 0] or out[:, 5].tolist() == [1, 1, 0]
+    rows = [RowSampling(seed=i) for i in range(3)]
+    via_kernel = decide(teacher, theta, [1] * 3, rows, computer, theta_normalized=True)
+    reference = decide(teacher, theta, [1] * 3, rows, computer, theta_normalized=True, fused=False)
+    assert torch.equal(via_kernel.tokens, reference.tokens)
+    torch.testing.assert_close(via_kernel.logq, reference.logq, rtol=0, atol=1e-5)
+
+
+def test_bad_rows_still_raise_a_named_error():
+    teacher, theta = pair(2, 300, seed=5)
+    teacher[1, 3] = math.nan
+    with pytest.raises(ValueError, match="NaN in rows 1"):
+        decide(teacher, theta, [1, 1], [RowSampling(), RowSampling()], get_alpha_computer("kl_symmetry"))
+
+
+def test_exp_polynomial_is_within_float32_resolution():
+    from dual_sampling import fused
+
+    x = np.linspace(-86.0, 0.0, 200001, dtype=np.float32)
+    values = np.array([fused._exp32(v) for v in x[::97]], dtype=np.float64)
+    relative = np.abs(values / np.exp(x[::97].astype(np.float64)) - 1)
+    assert relative.max() < 2e-7
+    assert fused._exp32(np.float32(-200.0)) == 0.0
