@@ -77,6 +77,29 @@ def oracle_rows(sample, request, hf_teacher, hf_theta, vocab: int, alpha_method:
     return lt, lth, get_alpha_computer(alpha_method)(lth, lt)
 
 
+def assert_kl_symmetry_alpha(recorded: torch.Tensor, root: torch.Tensor, lth: torch.Tensor, lt: torch.Tensor, atol):
+    """kl_symmetry's α [T] against the oracle's root, allowing for the engines' own logits.
+
+    The engines' logits differ from plain transformers' by float32 rounding (about 1e-5). That
+    moves the root of E_q[d] = 0 by about the difference / Var_q(d), which exceeds ``atol``
+    where the two models nearly agree (small Var_q(d)). So an α off by more than ``atol`` passes
+    only if it still solves the oracle's equation: |E_q[d]| at the recorded α is within
+    ``atol`` / 10 nats, the size of those logit differences. A wrong α (another method, a
+    missed Newton step) leaves a residual far above that.
+    """
+    far = (recorded - root).abs() > atol
+    if not far.any():
+        return
+    d = (lt - lth)[far]
+    q = torch.softmax(lth[far] + recorded[far].unsqueeze(-1) * d, -1)
+    residual = (q * d).sum(-1)
+    variance = (q * d * d).sum(-1) - residual**2
+    assert (residual.abs() <= atol / 10).all(), (
+        f"alpha off the oracle's root by {(recorded - root)[far].tolist()} at steps {far.nonzero().flatten().tolist()}"
+        f"; residual E_q[d] {residual.tolist()} (allowed {atol / 10}), Var_q(d) {variance.tolist()}"
+    )
+
+
 def assert_records_match_rescoring(
     request, hf_teacher, hf_theta, vocab: int, alpha_method: str, atol: float = 1e-4, **sampling
 ) -> int:
@@ -89,9 +112,14 @@ def assert_records_match_rescoring(
             alpha = alpha.clone()
             alpha[0] = 1.0
         tok = torch.tensor(sample.token_ids).unsqueeze(-1)
-        logq = reference_logq(lth, lt, alpha, **sampling).gather(-1, tok).squeeze(-1)
+        recorded_alpha = torch.tensor(sample.alpha, dtype=torch.float64)
+        if alpha_method == "kl_symmetry":
+            assert_kl_symmetry_alpha(recorded_alpha, alpha, lth, lt, atol)
+        else:
+            torch.testing.assert_close(recorded_alpha, alpha, atol=atol, rtol=0)
+        # q at the recorded α: the α check above is separate, so an α inside its tolerance is not counted twice.
+        logq = reference_logq(lth, lt, recorded_alpha, **sampling).gather(-1, tok).squeeze(-1)
         assert torch.isfinite(logq).all(), "a sampled token lies outside the support the options allow"
-        torch.testing.assert_close(torch.tensor(sample.alpha, dtype=torch.float64), alpha, atol=atol, rtol=0)
         torch.testing.assert_close(
             torch.tensor(sample.logp_teacher, dtype=torch.float64), lt.gather(-1, tok).squeeze(-1), atol=atol, rtol=0
         )
