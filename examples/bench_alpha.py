@@ -38,6 +38,42 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), result
 
 
+def synthetic_pair(batch: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(teacher, theta) ``[batch, vocab]`` float32 log-probabilities with entropies of a few nats, as models give."""
+    g = torch.Generator().manual_seed(0)
+    theta = torch.log_softmax(torch.randn(batch, vocab, generator=g) * 2.5, -1)
+    teacher = torch.log_softmax(torch.randn(batch, vocab, generator=g) * 2.5, -1)
+    return teacher, theta
+
+
+def decision_cost(teacher: torch.Tensor, theta: torch.Tensor, repeats: int) -> dict[str, float]:
+    """µs per row of ``decide()`` as the teacher processor calls it, against one read of both rows.
+
+    ``teacher`` ``[B, V]`` holds logits (or log-probabilities), ``theta`` ``[B, V]``
+    log-probabilities (the theta engine normalises them). α is warm: the solution moved by
+    0.02, as between decoding steps. The same call through the torch reference is timed beside it.
+    """
+    batch = teacher.shape[0]
+    rows = [RowSampling(seed=i) for i in range(batch)]
+    computer = get_alpha_computer("kl_symmetry")
+    warm = (computer.compute(theta, teacher).alpha + 0.02).clamp(0, 1)
+
+    def run(fused: bool):
+        return decide(teacher, theta, [1] * batch, rows, computer, warm, theta_normalized=True, fused=fused)
+
+    kernel_s, _ = timed(lambda: run(True), repeats)
+    reference_s, _ = timed(lambda: run(False), repeats)
+    # The floor: every row of both sides read once, nothing written.
+    floor_s, _ = timed(lambda: teacher.sum(-1) + theta.sum(-1), max(repeats, 21))
+    return {
+        "us_per_row": 1e6 * kernel_s / batch,
+        "floor_us_per_row": 1e6 * floor_s / batch,
+        "decide_vs_floor": kernel_s / floor_s,
+        "reference_us_per_row": 1e6 * reference_s / batch,
+        "kernel_speedup": reference_s / kernel_s,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32)
@@ -50,9 +86,7 @@ def main() -> None:
 
     rows = []
     for vocab in args.vocab:
-        g = torch.Generator().manual_seed(0)
-        theta = torch.log_softmax(torch.randn(args.batch, vocab, generator=g) * 2.5, -1)
-        teacher = torch.log_softmax(torch.randn(args.batch, vocab, generator=g) * 2.5, -1)
+        teacher, theta = synthetic_pair(args.batch, vocab)
         for method in ("kl_symmetry", "ess_balance", "entropy"):
             ac = get_alpha_computer(method)
             cold_s, cold = timed(lambda ac=ac, th=theta, t=teacher: ac.compute(th, t), args.repeats)
@@ -82,38 +116,12 @@ def main() -> None:
         )
         rows.append({"vocab": vocab, "method": "decide(kl_symmetry)", "cold_ms": 1e3 * decide_s})
         print(f"V={vocab:6d} decide       {1e3 * decide_s:7.1f} ms (log-softmax, kl_symmetry, mix, draw)")
-        # As the teacher processor calls it: warm α, theta normalised by the theta engine.
-        warm_alpha = (ac.compute(theta, teacher).alpha + 0.02).clamp(0, 1)
-        engine_s, _ = timed(
-            lambda t=teacher, th=theta, r=rows_cfg, a=ac, w=warm_alpha: decide(
-                t, th, [1] * args.batch, r, a, alpha_init=w, theta_normalized=True
-            ),
-            args.repeats,
-        )
-        reference_s, _ = timed(
-            lambda t=teacher, th=theta, r=rows_cfg, a=ac, w=warm_alpha: decide(
-                t, th, [1] * args.batch, r, a, alpha_init=w, theta_normalized=True, fused=False
-            ),
-            args.repeats,
-        )
-        # The floor: every row of both sides read once, nothing written.
-        floor_s, _ = timed(lambda t=teacher, th=theta: t.sum(-1) + th.sum(-1), max(args.repeats, 21))
-        per_row_us, floor_us = 1e6 * engine_s / args.batch, 1e6 * floor_s / args.batch
-        rows.append(
-            {
-                "vocab": vocab,
-                "method": "decide per row (warm, theta normalised)",
-                "us_per_row": per_row_us,
-                "floor_us_per_row": floor_us,
-                "decide_vs_floor": per_row_us / floor_us,
-                "reference_us_per_row": 1e6 * reference_s / args.batch,
-                "kernel_speedup": reference_s / engine_s,
-            }
-        )
+        figures = decision_cost(teacher, theta, args.repeats)
+        rows.append({"vocab": vocab, "method": "decide per row (warm, theta normalised)", **figures})
         print(
-            f"V={vocab:6d} decide/row   {per_row_us:7.1f} us  floor (one read of both rows) {floor_us:6.1f} us"
-            f"  ratio {per_row_us / floor_us:5.1f} (target <= 2)"
-            f"  torch reference {1e6 * reference_s / args.batch:7.1f} us ({reference_s / engine_s:.1f}x slower)"
+            f"V={vocab:6d} decide/row   {figures['us_per_row']:7.1f} us  floor (one read of both rows)"
+            f" {figures['floor_us_per_row']:6.1f} us  ratio {figures['decide_vs_floor']:5.1f} (target <= 2)"
+            f"  torch reference {figures['reference_us_per_row']:7.1f} us ({figures['kernel_speedup']:.1f}x slower)"
         )
     if args.output:
         info = {

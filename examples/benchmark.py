@@ -36,8 +36,15 @@ Derived (the names are fixed; other tools read them):
   serve_vs_offline          tok/s of the realistic workload through ``dual-sampling serve`` (streaming,
                             32 at a time) / tok/s of generate() on the same prompts
 
+Also recorded: the per-token decision's cost in µs per row at the pair's vocabulary size,
+against one read of both rows (``decision``; the same measurement as ``make bench-alpha``).
+
     python examples/benchmark.py                      # SmolLM2 pair, batch 32
+    python examples/benchmark.py --pair gemma3        # Gemma 3 270M pair (V = 262,144)
+    python examples/benchmark.py --designs teacher theta dual   # only the vLLM designs
     python examples/benchmark.py --quick              # tiny models, seconds per design
+
+A derived figure is reported only when every design it needs was run.
 """
 
 from __future__ import annotations
@@ -89,6 +96,20 @@ class Settings:
     serve_concurrency: int = 32
     """Streaming requests in flight at once through the server."""
     alpha_method: str = "kl_symmetry"
+    designs: tuple[str, ...] = DESIGNS
+    """Designs to run, a subset of DESIGNS (the transformers ones take most of a full run's time)."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.designs) - set(DESIGNS)
+        if unknown:
+            raise ValueError(f"designs: unknown {sorted(unknown)}; choose from {list(DESIGNS)}")
+
+
+PAIRS = {
+    "smollm2": (models.smollm2, models.smollm2_pruned),
+    "gemma3": (models.gemma3_270m, models.gemma3_270m_pruned),
+}
+"""Model pairs by name: (teacher, theta) builders from dual_sampling.models."""
 
 
 class PeakRSS:
@@ -119,17 +140,22 @@ class PeakRSS:
 
 
 def fixed_prompts(tokenizer, count: int, length: int, offset: int = 0) -> list[list[int]]:
-    """``count`` distinct prompts of exactly ``length`` tokens (no prefix sharing between them)."""
+    """``count`` distinct prompts of exactly ``length`` tokens, sharing no prefix beyond a BOS."""
     words = "the a of to and in is it that for on with as was at by an be this from".split()  # noqa: SIM905
+    bos = tokenizer("")["input_ids"]  # Gemma's output degenerates without its BOS; SmolLM2 uses none
     out = []
     for i in range(count):
         text = " ".join(words[(i * 7 + j * 3 + offset) % len(words)] + str((i * 31 + j) % 97) for j in range(length))
-        out.append(tokenizer(text, add_special_tokens=False)["input_ids"][:length])
+        out.append((bos + tokenizer(text, add_special_tokens=False)["input_ids"])[:length])
     return out
 
 
 def chat_prompts(tokenizer, count: int) -> list[list[int]]:
-    """``count`` distinct chat-formatted questions (the realistic workload: answers end at EOS)."""
+    """``count`` distinct questions (the realistic workload: answers end at EOS).
+
+    Chat-formatted when the tokenizer has a chat template; a base model without one (Gemma 3
+    270M) gets "Question: …\\nAnswer:" with its special tokens (Gemma needs its BOS).
+    """
     asks = [
         "What is {a} + {b}?",
         "Explain in two sentences what makes {thing} interesting.",
@@ -154,6 +180,9 @@ def chat_prompts(tokenizer, count: int) -> list[list[int]]:
     out = []
     for i in range(count):
         text = asks[i % len(asks)].format(a=12 + 7 * i, b=5 + 3 * i, thing=things[i % len(things)])
+        if tokenizer.chat_template is None:
+            out.append(tokenizer(f"Question: {text}\nAnswer:")["input_ids"])
+            continue
         chat = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
         )
@@ -407,13 +436,15 @@ def run(s: Settings) -> dict:
     # A probe's whole batch may be prefilled in one engine step, so the steps timed after it are pure decoding.
     prefill_budget = max(s.batch * max_len, 2048)
     work = fixed_prompts(tok, s.batch, s.prompt_tokens)
-    results: dict[str, dict] = {d: {"time_per_token_ms": {}} for d in DESIGNS}
+    results: dict[str, dict] = {d: {"time_per_token_ms": {}} for d in s.designs}
 
     def probe_prompts(length: int, offset: int) -> list[list[int]]:
         return fixed_prompts(tok, s.batch, s.prompt_tokens + length, offset)
 
     # (a), (b): one engine at a time, so each has the machine to itself.
     for design, path in (("teacher", s.teacher), ("theta", s.theta)):
+        if design not in s.designs:
+            continue
         with PeakRSS() as rss:
             llm = vllm_engine(path, s, max_len, design, prefill_budget)
             vllm_run(llm, work[:2], 4)  # warm-up
@@ -427,7 +458,28 @@ def run(s: Settings) -> dict:
         results[design]["peak_rss_mib"] = rss.peak / 2**20
         print(f"{design:12s} {results[design]['tok_s']:8.1f} tok/s", flush=True)
 
-    # (c)
+    if "dual" in s.designs:
+        run_dual(s, tok, work, probe_prompts, max_len, prefill_budget, results)
+    for design, recompute in (("transformers", False), ("recompute", True)):
+        if design in s.designs:
+            run_transformers(s, tok, work, probe_prompts, recompute, results[design])
+    return {
+        "settings": s.__dict__,
+        "results": results,
+        "derived": derived_figures(s, results),
+        "decision": decision_figures(s.batch, len(tok)),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+        },
+    }
+
+
+def run_dual(s: Settings, tok, work, probe_prompts, max_len: int, prefill_budget: int, results: dict) -> None:
+    """Design (c): throughput with its step split, the probes, the realistic workload and the server."""
     with (
         PeakRSS() as rss,
         OptimalSamplingDual(
@@ -467,70 +519,91 @@ def run(s: Settings) -> dict:
     results["dual"]["peak_rss_mib"] = rss.peak / 2**20
     print(f"{'dual':12s} {results['dual']['tok_s']:8.1f} tok/s", flush=True)
 
-    # (d), (e)
-    for design, recompute in (("transformers", False), ("recompute", True)):
-        with PeakRSS() as rss:
-            hf = HFMixture(s.teacher, s.theta, s.alpha_method, recompute)
-            hf.run(work[:2], 2, stop_at_eos=False)
-            wall, generated, _ = hf.run(work, s.tokens, stop_at_eos=False)
-            results[design]["tok_s"] = generated / wall
-            for i, length in enumerate(s.lengths):
-                timed = s.recompute_probe_steps if recompute else s.probe_steps
-                _, _, steps = hf.run(probe_prompts(length, i + 1), timed + 1, stop_at_eos=False, timed_steps=timed + 1)
-                results[design]["time_per_token_ms"][length] = 1e3 * statistics.median(steps[1:]) / s.batch
-            if not recompute:
-                realistic = chat_prompts(tok, s.realistic_prompts)
-                r_wall, r_tokens = 0.0, 0
-                for start in range(0, len(realistic), s.batch):
-                    w, g, _ = hf.run(
-                        realistic[start : start + s.batch], s.realistic_max_tokens, stop_at_eos=True, seed=3
-                    )
-                    r_wall, r_tokens = r_wall + w, r_tokens + g
-                results[design]["realistic_tok_s"] = r_tokens / r_wall
-            del hf
-        results[design]["peak_rss_mib"] = rss.peak / 2**20
-        print(f"{design:12s} {results[design]['tok_s']:8.1f} tok/s", flush=True)
 
+def run_transformers(s: Settings, tok, work, probe_prompts, recompute: bool, result: dict) -> None:
+    """Designs (d) and (e): the plain-transformers mixture, theta cached or recomputed."""
+    with PeakRSS() as rss:
+        hf = HFMixture(s.teacher, s.theta, s.alpha_method, recompute)
+        hf.run(work[:2], 2, stop_at_eos=False)
+        wall, generated, _ = hf.run(work, s.tokens, stop_at_eos=False)
+        result["tok_s"] = generated / wall
+        for i, length in enumerate(s.lengths):
+            timed = s.recompute_probe_steps if recompute else s.probe_steps
+            _, _, steps = hf.run(probe_prompts(length, i + 1), timed + 1, stop_at_eos=False, timed_steps=timed + 1)
+            result["time_per_token_ms"][length] = 1e3 * statistics.median(steps[1:]) / s.batch
+        if not recompute:
+            realistic = chat_prompts(tok, s.realistic_prompts)
+            r_wall, r_tokens = 0.0, 0
+            for start in range(0, len(realistic), s.batch):
+                w, g, _ = hf.run(realistic[start : start + s.batch], s.realistic_max_tokens, stop_at_eos=True, seed=3)
+                r_wall, r_tokens = r_wall + w, r_tokens + g
+            result["realistic_tok_s"] = r_tokens / r_wall
+        del hf
+    result["peak_rss_mib"] = rss.peak / 2**20
+    print(f"{'recompute' if recompute else 'transformers':12s} {result['tok_s']:8.1f} tok/s", flush=True)
+
+
+def derived_figures(s: Settings, results: dict) -> dict[str, float]:
+    """The derived ratios whose designs all ran (names fixed: other tools read them)."""
     short, long_ = min(s.lengths), max(s.lengths)
-    bound = 1.0 / (1.0 / results["teacher"]["tok_s"] + 1.0 / results["theta"]["tok_s"])
-    tpt = {d: results[d]["time_per_token_ms"] for d in DESIGNS}
-    derived = {
-        "dual_vs_bound": results["dual"]["tok_s"] / bound,
+    tok_s = {d: r["tok_s"] for d, r in results.items() if "tok_s" in r}
+    tpt = {d: results[d]["time_per_token_ms"] for d in s.designs}
+    formulas = {
+        "dual_vs_bound": (
+            ("dual", "teacher", "theta"),
+            lambda: tok_s["dual"] * (1.0 / tok_s["teacher"] + 1.0 / tok_s["theta"]),
+        ),
         # With each engine's model on its own cores the two run at once: the ceiling is the slower one alone.
-        "dual_vs_parallel_bound": results["dual"]["tok_s"]
-        / min(results["teacher"]["tok_s"], results["theta"]["tok_s"]),
-        "dual_vs_transformers": results["dual"]["realistic_tok_s"] / results["transformers"]["realistic_tok_s"],
-        "dual_vs_recompute_at_1024": tpt["recompute"][long_] / tpt["dual"][long_],
-        "per_token_growth": tpt["dual"][long_] / tpt["dual"][short],
-        "growth_vs_teacher": (tpt["dual"][long_] / tpt["dual"][short])
-        / (tpt["teacher"][long_] / tpt["teacher"][short]),
-        "serve_vs_offline": results["serve"]["tok_s"] / results["dual"]["realistic_tok_s"],
+        "dual_vs_parallel_bound": (
+            ("dual", "teacher", "theta"),
+            lambda: tok_s["dual"] / min(tok_s["teacher"], tok_s["theta"]),
+        ),
+        "dual_vs_transformers": (
+            ("dual", "transformers"),
+            lambda: results["dual"]["realistic_tok_s"] / results["transformers"]["realistic_tok_s"],
+        ),
+        "dual_vs_recompute_at_1024": (("dual", "recompute"), lambda: tpt["recompute"][long_] / tpt["dual"][long_]),
+        "per_token_growth": (("dual",), lambda: tpt["dual"][long_] / tpt["dual"][short]),
+        "growth_vs_teacher": (
+            ("dual", "teacher"),
+            lambda: (tpt["dual"][long_] / tpt["dual"][short]) / (tpt["teacher"][long_] / tpt["teacher"][short]),
+        ),
+        "serve_vs_offline": (("dual",), lambda: results["serve"]["tok_s"] / results["dual"]["realistic_tok_s"]),
     }
-    return {
-        "settings": s.__dict__,
-        "results": results,
-        "derived": derived,
-        "bound_tok_s": bound,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "machine": platform.machine(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M"),
-        },
-    }
+    return {name: f() for name, (needs, f) in formulas.items() if set(needs) <= set(s.designs)}
+
+
+def decision_figures(batch: int, vocab: int) -> dict[str, float]:
+    """decide() in µs per row at this batch and vocabulary, on one thread as an engine runs it."""
+    from bench_alpha import decision_cost, synthetic_pair
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {"batch": batch, "vocab": vocab, **decision_cost(*synthetic_pair(batch, vocab), repeats=7)}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def markdown_table(report: dict) -> str:
     lengths = report["settings"]["lengths"]
     head = "| design | tok/s | " + " | ".join(f"ms/token @{n}" for n in lengths) + " | peak RSS MiB |"
     lines = [head, "|" + "---|" * (3 + len(lengths))]
-    for d in DESIGNS:
+    designs = report["settings"]["designs"]
+    for d in designs:
         r = report["results"][d]
         cells = " | ".join(f"{r['time_per_token_ms'][n]:.2f}" for n in lengths)
         lines.append(f"| {d} | {r['tok_s']:.1f} | {cells} | {r['peak_rss_mib']:.0f} |")
     lines.append("")
     lines += [f"- `{k}` = {v:.3f}" for k, v in report["derived"].items()]
+    dc = report["decision"]
+    lines.append(
+        f"- decide() at B = {dc['batch']}, V = {dc['vocab']}: {dc['us_per_row']:.0f} µs/row, one read of both rows "
+        f"{dc['floor_us_per_row']:.1f} µs/row ({dc['decide_vs_floor']:.1f}×); torch reference "
+        f"{dc['reference_us_per_row']:.0f} µs/row"
+    )
+    if "dual" not in designs:
+        return "\n".join(lines)
     split = report["results"]["dual"]["step_split_ms"]
     lines.append("- dual step split (ms per step): " + ", ".join(f"{k} {v:.1f}" for k, v in split.items()))
     lines.append(f"- dual steps with the engines out of phase: {report['results']['dual']['split_steps']}")
@@ -551,7 +624,7 @@ def plot(report: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     lengths = report["settings"]["lengths"]
-    for d in DESIGNS:
+    for d in report["settings"]["designs"]:
         ax.plot(lengths, [report["results"][d]["time_per_token_ms"][n] for n in lengths], marker="o", label=d)
     ax.set(
         xscale="log",
@@ -570,6 +643,8 @@ def plot(report: dict, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", choices=sorted(PAIRS), default="smollm2", help="model pair (default smollm2)")
+    parser.add_argument("--designs", nargs="+", choices=DESIGNS, help="designs to run (default: all five)")
     parser.add_argument("--teacher")
     parser.add_argument("--theta")
     parser.add_argument("--batch", type=int)
@@ -597,8 +672,9 @@ def main() -> None:
             prompt_tokens=8,
         )
     else:
-        s = Settings(str(models.smollm2()), str(models.smollm2_pruned()))
-    for name in ("teacher", "theta", "batch", "tokens", "lengths"):
+        teacher, theta = PAIRS[args.pair]
+        s = Settings(str(teacher()), str(theta()))
+    for name in ("teacher", "theta", "batch", "tokens", "lengths", "designs"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
     report = run(s)
