@@ -42,5 +42,38 @@ def test_quick_benchmark_writes_json_table_and_plot(tmp_path):
     assert set(split) == {"total", "model", "barrier_wait", "mixing", "theta_waits_for_token", "theta_waits_for_plan"}
     assert split["total"] >= split["model"] > 0
     assert report["results"]["dual"]["split_steps"] == 0  # both engines hold the same batch at every step
+    decision = report["decision"]
+    assert decision["vocab"] == 49152 and decision["batch"] == 4
+    assert 0 < decision["floor_us_per_row"] < decision["us_per_row"] < decision["reference_us_per_row"]
     assert "dual_vs_bound" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").stat().st_size > 5000
+
+
+def test_a_subset_of_designs_reports_only_the_figures_it_can():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark_script", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    s = bench.Settings("t", "h", lengths=[128, 1024], designs=("teacher", "theta", "dual"))
+    results = {
+        "teacher": {"tok_s": 100.0, "time_per_token_ms": {128: 5.0, 1024: 10.0}},
+        "theta": {"tok_s": 200.0, "time_per_token_ms": {128: 4.0, 1024: 6.0}},
+        "dual": {"tok_s": 90.0, "realistic_tok_s": 80.0, "time_per_token_ms": {128: 6.0, 1024: 11.0}},
+        "serve": {"tok_s": 40.0},
+    }
+    derived = bench.derived_figures(s, results)
+    assert set(derived) == {
+        "dual_vs_bound",
+        "dual_vs_parallel_bound",
+        "per_token_growth",
+        "growth_vs_teacher",
+        "serve_vs_offline",
+    }
+    assert derived["dual_vs_parallel_bound"] == 0.9
+    assert math.isclose(derived["dual_vs_bound"], 90.0 * (1 / 100 + 1 / 200))
+    assert math.isclose(derived["growth_vs_teacher"], (11 / 6) / 2)
+    assert derived["serve_vs_offline"] == 0.5
+    with pytest.raises(ValueError, match="designs: unknown"):
+        bench.Settings("t", "h", designs=("teacher", "vllm"))
