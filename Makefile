@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint install models bench bench-alpha bench-ray clean
+.PHONY: demo test test-fast lint install models bench bench-gemma bench-alpha bench-ray clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ test-fast: lint
 
 bench: models
 	$(PY) examples/benchmark.py --output bench-out/smollm2.json
+
+# The V = 262,144 pair (built on first use from the `gemma` extra); the vLLM designs only.
+bench-gemma: $(STAMP)
+	$(PY) examples/benchmark.py --pair gemma3 --designs teacher theta dual --lengths 128 1024 --output bench-out/gemma3.json
 
 bench-alpha: $(STAMP)
 	$(PY) examples/bench_alpha.py --output docs/alpha_benchmark.json
