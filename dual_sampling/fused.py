@@ -2,16 +2,19 @@
 
 :func:`dual_sampling.sampling.decide` is the reference: a sequence of torch operations,
 each a pass over ``[b, V]`` that writes a new ``[b, V]`` tensor. For the common row
-(temperature 1, no top-k/top-p/min-p, no support constraint, no logit bias, no stop-token
-mask, no top log-probabilities) and the ``fixed`` and ``kl_symmetry`` alpha computers, this
-module does the same decision with numba, row by row, writing nothing V-sized:
+(temperature 1, no top-k/top-p/min-p, no support constraint, no logit bias, no top
+log-probabilities; the stop-token mask before ``min_tokens`` is allowed) and the ``fixed``
+and ``kl_symmetry`` alpha computers, this module does the same decision with numba, row by
+row, writing nothing V-sized:
 
 1. one pass for the row maxima of both sides, one for the teacher's log-normaliser
    (and theta's, unless its rows are log-softmax outputs already);
 2. each α evaluation is one pass: it exponentiates the mixture's log-weights once and
    sums the weights, weight·d and weight·d² (d = log π_t − log π_θ), keeping the weight
    sum of every 256-token block;
-3. the draw reuses the last evaluation's block sums: it finds the block by a cumulative
+3. the masked stop tokens' weights are taken out of the sum and their blocks' sums (α is
+   solved before the mask, as in the reference);
+4. the draw reuses the last evaluation's block sums: it finds the block by a cumulative
    sum over blocks, then recomputes that one block's weights.
 
 Differences from the reference:
@@ -178,8 +181,12 @@ def _tilted_pass(theta, teacher, alpha, h_max, t_max, c, blocks):
 
 
 @_jit
-def _draw(theta, teacher, alpha, h_max, t_max, blocks, total, u):
-    """Inverse-CDF draw from the weights of the last :func:`_tilted_pass` (block sums ``blocks``, sum ``total``)."""
+def _draw(theta, teacher, alpha, h_max, t_max, blocks, total, u, masked):
+    """Inverse-CDF draw from the weights of the last :func:`_tilted_pass` (block sums ``blocks``, sum ``total``).
+
+    ``masked`` holds token ids whose weight is already taken out of ``blocks`` and ``total``;
+    they are skipped.
+    """
     n = theta.size
     a = np.float32(alpha)
     hm = np.float32(h_max)
@@ -203,6 +210,11 @@ def _draw(theta, teacher, alpha, h_max, t_max, blocks, total, u):
     cum = before
     token = -1
     for i in range(start, stop):
+        skip = False
+        for m in masked:
+            skip = skip or m == i
+        if skip:
+            continue
         w = _exp32(_log_weight(theta[i], teacher[i], hm, tm, a))
         if w > 0.0:
             token = i
@@ -214,9 +226,13 @@ def _draw(theta, teacher, alpha, h_max, t_max, blocks, total, u):
 
 @_jit
 def _solve_and_draw(
-    theta, teacher, theta_normalized, method, fixed_alpha, lo, hi, tol, xtol, alpha0, force_one, u, blocks, out
+    theta, teacher, theta_normalized, method, fixed_alpha, lo, hi, tol, xtol, alpha0, force_one, u, masked, blocks, out
 ):
-    """Decide one row; ``out`` receives (token, α, log π_t, log π_θ, log q, status). Returns the passes made."""
+    """Decide one row; ``out`` receives (token, α, log π_t, log π_θ, log q, status). Returns the passes made.
+
+    ``masked`` (distinct token ids, −1 as padding) are removed from q after α is solved, as the
+    reference removes the stop tokens before ``min_tokens``.
+    """
     t_min, t_max = _extremes(teacher)
     h_min, h_max = _extremes(theta)
     if not (math.isfinite(t_min) and math.isfinite(t_max) and math.isfinite(h_min) and math.isfinite(h_max)):
@@ -275,24 +291,37 @@ def _solve_and_draw(
     if not s0 >= _TINY:
         out[5] = _ROW_FALLBACK
         return passes
-    token = _draw(theta, teacher, alpha, h_max, t_max, blocks, s0, u)
+    a32 = np.float32(alpha)
+    total = s0
+    for m in masked:
+        if m >= 0:
+            w = np.float64(_exp32(_log_weight(theta[m], teacher[m], h_max, t_max, a32)))
+            total -= w
+            blocks[m // _BLOCK] = max(blocks[m // _BLOCK] - w, 0.0)
+    # Removing more than half of the mass would cost the normaliser more than a bit of float32 precision.
+    if not total >= 0.5 * s0:
+        out[5] = _ROW_FALLBACK
+        return passes
+    token = _draw(theta, teacher, alpha, h_max, t_max, blocks, total, u, masked)
     if token < 0:
         out[5] = _ROW_FALLBACK
         return passes
     h = theta[token]
     t = teacher[token]
-    log_weight = _log_weight(h, t, h_max, t_max, np.float32(alpha))
+    log_weight = _log_weight(h, t, h_max, t_max, a32)
     out[0] = token
     out[1] = alpha
     out[2] = t - lse_t
     out[3] = h - lse_h
-    out[4] = log_weight - math.log(s0)
+    out[4] = log_weight - math.log(total)
     out[5] = _ROW_OK
     return passes
 
 
 @_jit
-def _decide_batch(theta, teacher, theta_normalized, method, fixed_alpha, lo, hi, tol, xtol, alpha0, force_one, u, out):
+def _decide_batch(
+    theta, teacher, theta_normalized, method, fixed_alpha, lo, hi, tol, xtol, alpha0, force_one, u, masked, out
+):
     blocks = np.empty((theta.shape[1] + _BLOCK - 1) // _BLOCK, dtype=np.float64)
     passes = 0
     for r in range(theta.shape[0]):
@@ -309,6 +338,7 @@ def _decide_batch(theta, teacher, theta_normalized, method, fixed_alpha, lo, hi,
             alpha0[r],
             force_one[r],
             u[r],
+            masked[r],
             blocks,
             out[r],
         )
@@ -328,8 +358,7 @@ def fused_rows(rows: Sequence, steps: Sequence[int], alpha_computer: AlphaComput
         and r.support_top_p >= 1.0
         and not r.logit_bias
         and r.top_logprobs == 0
-        and not (s < r.min_tokens and r.stop_token_ids)
-        for r, s in zip(rows, steps)
+        for r in rows
     ]
 
 
@@ -341,11 +370,15 @@ def decide_fused(
     alpha_computer: AlphaComputer,
     alpha_init: torch.Tensor | None,
     theta_normalized: bool = False,
+    masked_tokens: Sequence[Sequence[int]] | None = None,
 ) -> tuple[np.ndarray, int]:
     """Decide ``[b, V]`` rows with the kernel; returns (``[b, 6]`` float64, passes).
 
     Columns: token, α, log π_t, log π_θ, log q, status (0 decided; 1 to be decided by the
     reference). ``theta_normalized=True`` says theta's rows are log-softmax outputs already.
+    ``masked_tokens[r]`` are token ids q must not draw in row r (the stop tokens before
+    ``min_tokens``); ids outside the vocabulary are ignored. A row whose masked tokens carry
+    more than half of q's mass is handed back to the reference.
     """
     teacher = np.ascontiguousarray(teacher_logits.detach().float().numpy())
     theta = np.ascontiguousarray(theta_logits.detach().float().numpy())
@@ -358,6 +391,7 @@ def decide_fused(
     else:
         alpha0 = np.nan_to_num(alpha_init.detach().double().numpy().reshape(-1), nan=0.5)
     out = np.zeros((b, 6), dtype=np.float64)
+    masked = _masked_array(masked_tokens, b, teacher.shape[1])
     passes = _decide_batch(
         theta,
         teacher,
@@ -371,9 +405,19 @@ def decide_fused(
         np.ascontiguousarray(alpha0, dtype=np.float64),
         np.asarray(force_teacher, dtype=np.bool_),
         np.asarray(uniforms, dtype=np.float64),
+        masked,
         out,
     )
     return out, int(passes)
+
+
+def _masked_array(masked_tokens: Sequence[Sequence[int]] | None, rows: int, vocab: int) -> np.ndarray:
+    """``[rows, m]`` int64 of distinct in-vocabulary ids per row, padded with −1 (m ≥ 1 so every row has a view)."""
+    per_row = [sorted({int(t) for t in ids if 0 <= int(t) < vocab}) for ids in (masked_tokens or [()] * rows)]
+    out = np.full((rows, max([1, *(len(ids) for ids in per_row)])), -1, dtype=np.int64)
+    for r, ids in enumerate(per_row):
+        out[r, : len(ids)] = ids
+    return out
 
 
 def warm_up() -> None:

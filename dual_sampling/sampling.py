@@ -19,7 +19,7 @@ Order of operations (per row; α is the teacher weight):
 vLLM's own stages (min_tokens, logit_bias, penalties, bad words) are never handed to the
 engines: a token forced after them could be masked to -inf. The supported ones run here.
 
-On the CPU, :func:`decide` hands the rows that skip steps 4–8 to the compiled kernel of
+On the CPU, :func:`decide` hands the rows that skip steps 4 and 6–8 to the compiled kernel of
 ``dual_sampling.fused`` (one pass per α evaluation, no V-sized temporaries); the torch code
 below stays the reference for every other row, for other devices, and in the tests.
 """
@@ -302,6 +302,7 @@ def decide(
         alpha_computer,
         None if alpha_init is None else alpha_init[index],
         theta_normalized,
+        [rows[i].stop_token_ids if steps[i] < rows[i].min_tokens else () for i in fast],
     )
     decided = torch.from_numpy(out)
     handed_back = [fast[k] for k in (decided[:, 5] != 0).nonzero().flatten()]
