@@ -380,6 +380,12 @@ def decide_fused(
     ``min_tokens``); ids outside the vocabulary are ignored. A row whose masked tokens carry
     more than half of q's mass is handed back to the reference.
     """
+    if teacher_logits.shape != theta_logits.shape or teacher_logits.dim() != 2:
+        # The kernel reads both rows with the same index and checks no bounds.
+        raise ValueError(
+            f"teacher_logits {tuple(teacher_logits.shape)} and theta_logits {tuple(theta_logits.shape)}: "
+            "expected the same [b, V] shape"
+        )
     teacher = np.ascontiguousarray(teacher_logits.detach().float().numpy())
     theta = np.ascontiguousarray(theta_logits.detach().float().numpy())
     b = teacher.shape[0]

@@ -99,9 +99,13 @@ def test_stop_tokens_before_min_tokens_are_masked_after_alpha():
     """The stop-token mask before min_tokens runs in the kernel: α on the full rows, q without the stop tokens."""
     batch, vocab = 8, 3000
     teacher, theta = pair(batch, vocab, seed=6)
-    teacher[:4, 7] += 6.0  # a stop token with a good share of the mass
+    for logits in (teacher, theta):
+        top = logits[:4].amax(-1)
+        logits[:4, 7] = top - 1.5  # a stop token with a good share of the mass on both sides
+        logits[:4, vocab - 1] = top - 2.0  # another, in the last (partial) block
+    theta = torch.log_softmax(theta, -1)
     teacher[4, 9] += 30.0  # ... and one with nearly all of it: more than half, so the reference decides
-    stops = (7, 9, 7, vocab + 5)  # repeated and out-of-vocabulary ids are harmless
+    stops = (7, 9, 7, vocab - 1, vocab + 5)  # repeated and out-of-vocabulary ids are harmless
     rows = [RowSampling(seed=i, min_tokens=3, stop_token_ids=stops) for i in range(batch)]
     steps = [1] * 6 + [3, 4]  # the last two rows are past min_tokens: nothing is masked
     computer = get_alpha_computer("kl_symmetry")
@@ -111,15 +115,18 @@ def test_stop_tokens_before_min_tokens_are_masked_after_alpha():
     assert out[:, 5].tolist() == [0, 0, 0, 0, 1, 0, 0, 0]
     lt, lth = torch.log_softmax(teacher.double(), -1), theta.double()
     alpha = float64_root(lth, lt, computer.alpha_min, computer.alpha_max)
+    q = torch.softmax((1 - alpha.unsqueeze(-1)) * lth + alpha.unsqueeze(-1) * lt, -1)
+    masked_mass = q[:, [7, vocab - 1]].sum(-1)
+    assert (masked_mass[:4] > 0.05).all() and (masked_mass[:4] < 0.5).all(), "the mask must matter, and stay below half"
     ok = torch.from_numpy(out[:, 5] == 0)
     torch.testing.assert_close(torch.from_numpy(out[:, 1])[ok], alpha[ok], rtol=0, atol=5e-6)
     tokens = torch.from_numpy(out[:, 0]).long()
     for r in ok.nonzero().flatten().tolist():
         x = (1 - alpha[r]) * lth[r] + alpha[r] * lt[r]
         if masked[r]:
-            x[[7, 9]] = -math.inf
+            x[[7, 9, vocab - 1]] = -math.inf
         logq = torch.log_softmax(x, -1)
-        assert tokens[r] not in ((7, 9) if masked[r] else ())
+        assert tokens[r] not in ((7, 9, vocab - 1) if masked[r] else ())
         assert abs(out[r, 4] - float(logq[tokens[r]])) < 2e-5
     # Through decide(): the kernel's rows and the handed-back row agree with the reference.
     via_kernel = decide(teacher, theta, steps, rows, computer, theta_normalized=True)
@@ -180,6 +187,12 @@ def test_rows_outside_the_kernels_domain_are_handed_back():
     reference = decide(teacher, theta, [1] * 3, rows, computer, theta_normalized=True, fused=False)
     assert torch.equal(via_kernel.tokens, reference.tokens)
     torch.testing.assert_close(via_kernel.logq, reference.logq, rtol=0, atol=1e-5)
+
+
+def test_rows_of_different_shapes_are_refused():
+    teacher, theta = pair(2, 300, seed=7)
+    with pytest.raises(ValueError, match="expected the same"):
+        decide_fused(teacher, theta[:, :299], [0.5, 0.5], [False, False], get_alpha_computer("fixed"), None)
 
 
 def test_bad_rows_still_raise_a_named_error():
