@@ -255,6 +255,9 @@ class DualScheduler:
             self.counters["finished_abort"] += 1
             yield SampleDelta([], np.zeros((0, len(RECORD_FIELDS)), np.float32), sample)
             return
+        if self.failure is not None:  # the engines failed after this request got its slot
+            self._held.discard(slot)
+            raise self.failure
         flight = self._launch(request, slot, request_id)
         try:
             while True:
@@ -480,6 +483,13 @@ class DualScheduler:
             self.failure = SyncError(message)
             logger.error("%s; closing the dual engine", message)
             self.session.shutdown()
+            # A closed engine's output streams never end: every request ends here, with the failure.
+            for flight in list(self._flights.values()):
+                if flight.task is not None and flight.task is not asyncio.current_task():
+                    flight.task.cancel()
+            for waiter in self._queued.values():
+                if not waiter.done():
+                    waiter.set_exception(self.failure)
             asyncio.get_running_loop().run_in_executor(None, self._close_engines)
         return self.failure
 

@@ -80,7 +80,7 @@ class Adversity:
     wrong_token_seeds: frozenset = frozenset()
     """Samples for which theta's engine emits a token other than the one forced, at step 1 (a broken engine)."""
     stall: tuple[str, float, float] | None = None
-    """(side, at_s, for_s): that engine stops stepping at at_s for for_s seconds."""
+    """(side, at_s, for_s): that engine ("teacher", "theta" or "both") stops stepping at at_s for for_s seconds."""
 
 
 class SimEngineCore(threading.Thread):
@@ -145,7 +145,7 @@ class SimEngineCore(threading.Thread):
                 stall = self.adversity.stall
                 if (
                     stall
-                    and stall[0] == self.side
+                    and stall[0] in (self.side, "both")
                     and stall[1] <= time.monotonic() - self.started_at < stall[1] + stall[2]
                 ):
                     time.sleep(0.01)

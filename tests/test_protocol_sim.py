@@ -7,7 +7,9 @@ fixed logits, no timeouts, and no slot left held once the engines are idle.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
 import threading
 import time
 
@@ -22,7 +24,16 @@ from dual_sampling.sampling import RowSampling
 from dual_sampling.text import decode
 from processors import TeacherSyncLogitsProcessor
 from processors.base import TrackedRow
-from tests.sim_engines import VOCAB, Adversity, check_records, run_simulation, sim_configs, sim_tokenizer
+from tests.sim_engines import (
+    VOCAB,
+    Adversity,
+    SimEnginePair,
+    check_records,
+    make_requests,
+    run_simulation,
+    sim_configs,
+    sim_tokenizer,
+)
 
 
 def assert_clean(run, *, allow_errors: frozenset = frozenset(), engine_aborts: bool = False) -> None:
@@ -182,6 +193,48 @@ def test_a_stalled_engine_fails_its_requests_and_later_ones_complete():
     for s, request in zip(run.samples, run.requests):
         if s.error is None:
             check_records(s, request)
+
+
+def test_engines_that_stop_answering_fail_every_request_running_or_queued(monkeypatch):
+    """Once both engines stop stepping, the watch closes them; no caller may wait on their streams forever."""
+    import dual_sampling.scheduler as driver
+    from dual_sampling.scheduler import DualScheduler, SyncError
+
+    monkeypatch.setattr(driver, "_STALL_GRACE_S", 0.5)
+    max_num_seqs, max_model_len = 2, 96
+    adversity = Adversity(stall=("both", 0.0, 1000.0))
+    configs = sim_configs(max_num_seqs, max_model_len, max_model_len, 0.5)
+    rng = random.Random(0)
+    scheduler = DualScheduler(
+        lambda name: SimEnginePair(name, configs, rng, adversity, max_num_seqs, max_model_len),
+        sim_tokenizer(),
+        vocab=VOCAB,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        sync_timeout=0.5,
+    )
+    requests = make_requests(rng, 5, max_model_len, (), 0)  # 2 hold the slots, 3 wait for one
+
+    async def one(request):
+        try:
+            async for _ in scheduler.stream(request):
+                pass
+        except SyncError as exc:
+            return str(exc)
+        return "no error"
+
+    async def main():
+        return await asyncio.gather(*(one(r) for r in requests))
+
+    try:
+        start = time.monotonic()
+        errors = scheduler.call(main(), timeout=30)
+        assert time.monotonic() - start < 10
+        assert all(e.startswith("neither engine served a row") for e in errors), errors
+        later = scheduler.call(main(), timeout=30)  # later requests are refused, with the same reason
+        assert all(e.startswith("neither engine served a row") for e in later), later
+    finally:
+        scheduler.close()
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
