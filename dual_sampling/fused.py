@@ -27,8 +27,10 @@ Differences from the reference:
   ``tol`` / Var_q(d), while this one keeps it within ``tol``;
 - d is formed from differences of nearby values (each side shifted by its own maximum),
   not from the raw logits, so its rounding stays small when the logits are large;
-- sums run in float32 within a block and float64 across blocks; ``exp`` is a polynomial with
-  a relative error below 2e-7 (libm's is not vectorised by numba).
+- ``exp`` is a polynomial with a relative error below 2e-7 (libm's is not vectorised by
+  numba). numba types ``math.floor`` of a float32 as int64, which promotes the polynomial,
+  the weights and the block sums to float64 (d stays float32). Evaluating it in float32
+  would double the vector width; that has not been tried against the accuracy tests.
 
 On rows where the models nearly agree this makes the kernel's α closer to a float64 solve
 than the reference's (``tests/test_fused.py``). A row the kernel cannot handle (a non-finite
@@ -78,7 +80,7 @@ def _float32_from_bits(typingctx, bits):
 
 @_jit_inline
 def _exp32(x):
-    """exp(x) in float32 for x ≤ 0 (2^n times a degree-7 polynomial on [−ln2/2, ln2/2]); 0 below −87."""
+    """exp(x) for a float32 x ≤ 0, as a float64 (2^n times a degree-7 polynomial on [−ln2/2, ln2/2]); 0 below −87."""
     x = max(x, np.float32(-87.0))
     n = math.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
     r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
