@@ -449,6 +449,30 @@ def make_requests(
     return out
 
 
+def sim_scheduler(
+    rng: random.Random,
+    adversity: Adversity,
+    max_num_seqs: int,
+    max_model_len: int,
+    budget: int | None = None,
+    sync_timeout: float = 10.0,
+    slots: int | None = None,
+):
+    """The real driver (``DualScheduler``) on two simulated engines; ``budget`` defaults to max_model_len."""
+    from dual_sampling.scheduler import DualScheduler
+
+    configs = sim_configs(max_num_seqs, max_model_len, budget or max_model_len, sync_timeout)
+    return DualScheduler(
+        lambda name: SimEnginePair(name, configs, rng, adversity, max_num_seqs, max_model_len),
+        sim_tokenizer(),
+        vocab=VOCAB,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        sync_timeout=sync_timeout,
+        slots=slots,
+    )
+
+
 def run_simulation(
     seed: int,
     count: int,
@@ -473,21 +497,10 @@ def run_simulation(
     prefill or in decode); ``cancel_rate`` has the caller walk away from the stream; either
     happens at a uniform moment within ``act_within_s`` of the request's start.
     """
-    from dual_sampling.scheduler import DualScheduler
-
     rng = random.Random(seed)
     adversity = adversity or Adversity()
-    configs = sim_configs(max_num_seqs, max_model_len, budget or max_model_len, sync_timeout)
     requests = make_requests(rng, count, max_model_len, stops, min_tokens)
-    scheduler = DualScheduler(
-        lambda name: SimEnginePair(name, configs, rng, adversity, max_num_seqs, max_model_len),
-        sim_tokenizer(),
-        vocab=VOCAB,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        sync_timeout=sync_timeout,
-        slots=slots,
-    )
+    scheduler = sim_scheduler(rng, adversity, max_num_seqs, max_model_len, budget, sync_timeout, slots)
     aborted: set = set()
     plan = [(rng.random() < abort_rate, rng.random() < cancel_rate, rng.random() * act_within_s) for _ in requests]
 

@@ -27,11 +27,11 @@ from processors.base import TrackedRow
 from tests.sim_engines import (
     VOCAB,
     Adversity,
-    SimEnginePair,
     check_records,
     make_requests,
     run_simulation,
     sim_configs,
+    sim_scheduler,
     sim_tokenizer,
 )
 
@@ -198,22 +198,12 @@ def test_a_stalled_engine_fails_its_requests_and_later_ones_complete():
 def test_engines_that_stop_answering_fail_every_request_running_or_queued(monkeypatch):
     """Once both engines stop stepping, the watch closes them; no caller may wait on their streams forever."""
     import dual_sampling.scheduler as driver
-    from dual_sampling.scheduler import DualScheduler, SyncError
+    from dual_sampling.scheduler import SyncError
 
     monkeypatch.setattr(driver, "_STALL_GRACE_S", 0.5)
-    max_num_seqs, max_model_len = 2, 96
-    adversity = Adversity(stall=("both", 0.0, 1000.0))
-    configs = sim_configs(max_num_seqs, max_model_len, max_model_len, 0.5)
     rng = random.Random(0)
-    scheduler = DualScheduler(
-        lambda name: SimEnginePair(name, configs, rng, adversity, max_num_seqs, max_model_len),
-        sim_tokenizer(),
-        vocab=VOCAB,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        sync_timeout=0.5,
-    )
-    requests = make_requests(rng, 5, max_model_len, (), 0)  # 2 hold the slots, 3 wait for one
+    requests = make_requests(rng, 5, 96, (), 0)  # 2 hold the slots, 3 wait for one
+    scheduler = sim_scheduler(rng, Adversity(stall=("both", 0.0, 1000.0)), 2, 96, sync_timeout=0.5)
 
     async def one(request):
         try:
