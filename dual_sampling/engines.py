@@ -288,6 +288,23 @@ class EnginePair:
     def _all_pids(self) -> list[int]:
         return [pid for role_pids in self.pids().values() for pid in role_pids]
 
+    def worker_cpu_seconds(self) -> float:
+        """CPU seconds (user + system) used so far by the engines' processes other than the EngineCores.
+
+        Those are the processes that run the models: their CPU time keeps growing through a
+        long step (a prefill of many long prompts can take minutes on a CPU) and stops when
+        an engine hangs or waits.
+        """
+        import psutil
+
+        total = 0.0
+        for role_pids in self.pids().values():
+            for pid in role_pids[1:]:
+                with contextlib.suppress(psutil.Error):
+                    times = psutil.Process(pid).cpu_times()
+                    total += times.user + times.system
+        return total
+
     def dead(self) -> str | None:
         """The role of an engine whose EngineCore process has exited, if any."""
         for role, procs in self._core_processes().items():

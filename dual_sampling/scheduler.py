@@ -69,7 +69,9 @@ _SLOT_POLL_S = 0.005
 _WATCH_S = 0.5
 """How often the engines' processes and progress are checked."""
 _STALL_GRACE_S = 30.0
-"""Beyond sync_timeout, how long no engine may serve a row while requests are in flight."""
+"""Beyond sync_timeout, how long no engine may serve a row nor compute while requests are in flight."""
+_COMPUTING_CPU_SHARE = 0.5
+"""The engines' model processes count as computing while they use at least this share of one core."""
 
 
 @dataclass
@@ -494,8 +496,12 @@ class DualScheduler:
         return self.failure
 
     async def _watch(self) -> None:
-        """Fail fast when an engine process dies, or when nothing moves while requests wait on the engines."""
-        last_rows, last_move = None, time.monotonic()
+        """Fail fast when an engine process dies, or when nothing moves while requests wait on the engines.
+
+        Moving is serving a row, or computing: a step that prefills many long prompts serves no
+        row for minutes on a CPU while its models keep the cores busy.
+        """
+        last_rows, last_move, last_cpu = None, time.monotonic(), 0.0
         while self.failure is None and not self._closing:
             await asyncio.sleep(_WATCH_S)
             dead = self.engines.dead() if self.engines is not None else None
@@ -504,11 +510,14 @@ class DualScheduler:
                 return
             stats = self.session.statistics()
             rows = (stats["teacher_rows"], stats["theta_rows"], stats["leader_ended"])
-            if rows != last_rows or not self._flights:
+            cpu = self.engines.worker_cpu_seconds() if self.engines is not None else 0.0
+            computing = cpu - last_cpu >= _COMPUTING_CPU_SHARE * _WATCH_S
+            last_cpu = cpu
+            if rows != last_rows or computing or not self._flights:
                 last_rows, last_move = rows, time.monotonic()
             elif time.monotonic() - last_move > self.sync_timeout + _STALL_GRACE_S:
                 self._fail(
-                    f"neither engine served a row for {self.sync_timeout + _STALL_GRACE_S:.0f} s "
+                    f"neither engine served a row or computed for {self.sync_timeout + _STALL_GRACE_S:.0f} s "
                     f"({len(self._flights)} requests in flight); an engine stopped responding"
                 )
                 return

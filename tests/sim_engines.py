@@ -316,6 +316,9 @@ class SimEnginePair:
     def theta(self) -> SimAsyncEngine:
         return self.engines["theta"]
 
+    def worker_cpu_seconds(self) -> float:
+        return 0.0  # the simulated engines are threads of this process: they never look busy
+
     def dead(self) -> str | None:
         for side, core in self.cores.items():
             if core.error is not None or not core.is_alive():

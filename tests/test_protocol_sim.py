@@ -27,6 +27,7 @@ from processors.base import TrackedRow
 from tests.sim_engines import (
     VOCAB,
     Adversity,
+    SimEnginePair,
     check_records,
     make_requests,
     run_simulation,
@@ -225,6 +226,19 @@ def test_engines_that_stop_answering_fail_every_request_running_or_queued(monkey
         assert all(e.startswith("neither engine served a row") for e in later), later
     finally:
         scheduler.close()
+
+
+def test_engines_that_compute_without_serving_rows_are_not_a_stall(monkeypatch):
+    """A long prefill serves no row for minutes; while the engines' processes compute, the watch must wait."""
+    import dual_sampling.scheduler as driver
+
+    monkeypatch.setattr(driver, "_STALL_GRACE_S", -9.0)  # with sync_timeout 10: a stall after 1 s without progress
+    monkeypatch.setattr(SimEnginePair, "worker_cpu_seconds", lambda self: time.monotonic())  # one core, busy
+    run = run_simulation(3, count=6, max_num_seqs=2, sync_timeout=10.0, adversity=Adversity(stall=("both", 0.05, 3.0)))
+    assert [s.error for s in run.samples] == [None] * 6
+    assert run.leaked_slots == []
+    for s, request in zip(run.samples, run.requests):
+        check_records(s, request)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
