@@ -123,10 +123,22 @@ def _log_normaliser(row, top):
 
 
 @_jit_inline
-def _log_weight(h, t, h_max, t_max, a):
-    """The mixture's log-weight (1 − α)(h − max h) + α(t − max t) in float32 (≤ 0 at the row maxima)."""
+def _log_weight_and_diff(h, t, h_max, t_max, a):
+    """(the mixture's log-weight (1 − α)(h − max h) + α(t − max t), (t − max t) − (h − max h)) in float32.
+
+    The log-weight is ≤ 0 at the row maxima. Every weight of the kernel (the α passes, the
+    masked tokens, the draw, the drawn token's log q) is made here, so block sums and the draw
+    agree to the bit.
+    """
     hs = h - h_max
-    return hs + a * ((t - t_max) - hs)
+    diff = (t - t_max) - hs
+    return hs + a * diff, diff
+
+
+@_jit_inline
+def _log_weight(h, t, h_max, t_max, a):
+    """The first half of :func:`_log_weight_and_diff`."""
+    return _log_weight_and_diff(h, t, h_max, t_max, a)[0]
 
 
 @_jit
@@ -153,9 +165,8 @@ def _tilted_pass(theta, teacher, alpha, h_max, t_max, c, blocks):
         z1 = np.float32(0.0)
         z2 = np.float32(0.0)
         for j in range(_BLOCK):
-            hs = theta[start + j] - hm
-            diff = (teacher[start + j] - tm) - hs
-            w = _exp32(hs + a * diff)
+            log_w, diff = _log_weight_and_diff(theta[start + j], teacher[start + j], hm, tm, a)
+            w = _exp32(log_w)
             dc = diff - cc
             wd = w * dc
             z0 += w
@@ -169,9 +180,8 @@ def _tilted_pass(theta, teacher, alpha, h_max, t_max, c, blocks):
     if full < n:
         z0 = np.float32(0.0)
         for i in range(full, n):
-            hs = theta[i] - hm
-            diff = (teacher[i] - tm) - hs
-            w = _exp32(hs + a * diff)
+            log_w, diff = _log_weight_and_diff(theta[i], teacher[i], hm, tm, a)
+            w = _exp32(log_w)
             dc = diff - cc
             z0 += w
             s1 += w * dc
@@ -347,7 +357,7 @@ def _decide_batch(
     return passes
 
 
-def fused_rows(rows: Sequence, steps: Sequence[int], alpha_computer: AlphaComputer, device: torch.device) -> list[bool]:
+def fused_rows(rows: Sequence, alpha_computer: AlphaComputer, device: torch.device) -> list[bool]:
     """Which rows the kernel decides (the rest go to the torch reference)."""
     if device.type != "cpu" or type(alpha_computer) not in FUSED_ALPHA_METHODS:
         return [False] * len(rows)

@@ -286,7 +286,7 @@ def decide(
 
     eligible = [False] * len(rows)
     if fused and top_logprobs == 0:
-        eligible = fused_rows(rows, steps, alpha_computer, teacher_logits.device)
+        eligible = fused_rows(rows, alpha_computer, teacher_logits.device)
     if not any(eligible):
         return _decide_reference(
             teacher_logits, theta_logits, steps, rows, alpha_computer, alpha_init, theta_normalized, top_logprobs

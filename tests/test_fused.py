@@ -160,9 +160,9 @@ def test_rows_with_filters_go_to_the_reference_and_the_batch_stays_in_order():
         RowSampling(seed=5, logit_bias={7: 2.0}),
     ]
     steps = [1, 1, 1, 1, 1, 1]
-    assert fused_rows(rows, steps, computer, torch.device("cpu")) == [True, False, True, False, True, False]
-    assert not any(fused_rows(rows, steps, get_alpha_computer("ess_balance"), torch.device("cpu")))
-    assert not any(fused_rows(rows, steps, computer, torch.device("meta")))
+    assert fused_rows(rows, computer, torch.device("cpu")) == [True, False, True, False, True, False]
+    assert not any(fused_rows(rows, get_alpha_computer("ess_balance"), torch.device("cpu")))
+    assert not any(fused_rows(rows, computer, torch.device("meta")))
     mixed = decide(teacher, theta, steps, rows, computer, theta_normalized=True)
     reference = decide(teacher, theta, steps, rows, computer, theta_normalized=True, fused=False)
     assert torch.equal(mixed.tokens, reference.tokens)
