@@ -7,8 +7,9 @@ log-probabilities; the stop-token mask before ``min_tokens`` is allowed) and the
 and ``kl_symmetry`` alpha computers, this module does the same decision with numba, row by
 row, writing nothing V-sized:
 
-1. one pass for the row maxima of both sides, one for the teacher's log-normaliser
-   (and theta's, unless its rows are log-softmax outputs already);
+1. one pass for the row maxima of both sides (on the float bits as integers, which
+   vectorises and finds NaN and ±inf in the same pass), one for the teacher's
+   log-normaliser (and theta's, unless its rows are log-softmax outputs already);
 2. each α evaluation is one pass: it exponentiates the mixture's log-weights once and
    sums the weights, weight·d and weight·d² (d = log π_t − log π_θ), keeping the weight
    sum of every 256-token block;
@@ -27,10 +28,9 @@ Differences from the reference:
   ``tol`` / Var_q(d), while this one keeps it within ``tol``;
 - d is formed from differences of nearby values (each side shifted by its own maximum),
   not from the raw logits, so its rounding stays small when the logits are large;
-- ``exp`` is a polynomial with a relative error below 2e-7 (libm's is not vectorised by
-  numba). numba types ``math.floor`` of a float32 as int64, which promotes the polynomial,
-  the weights and the block sums to float64 (d stays float32). Evaluating it in float32
-  would double the vector width; that has not been tried against the accuracy tests.
+- ``exp`` is a float32 polynomial with a relative error below 2e-7 (libm's is not
+  vectorised by numba); weights are summed in float32 within a 256-token block and in
+  float64 across blocks.
 
 On rows where the models nearly agree this makes the kernel's α closer to a float64 solve
 than the reference's (``tests/test_fused.py``). A row the kernel cannot handle (a non-finite
@@ -78,11 +78,22 @@ def _float32_from_bits(typingctx, bits):
     return sig, codegen
 
 
+@intrinsic
+def _floor32(typingctx, x):
+    """floor of a float32, as a float32 (``math.floor`` gives an int64, which would promote the exp to float64)."""
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.call(builder.module.declare_intrinsic("llvm.floor", [ir.FloatType()]), args)
+
+    return sig, codegen
+
+
 @_jit_inline
 def _exp32(x):
-    """exp(x) for a float32 x ≤ 0, as a float64 (2^n times a degree-7 polynomial on [−ln2/2, ln2/2]); 0 below −87."""
+    """exp(x) for a float32 x ≤ 0, in float32 (2^n times a degree-7 polynomial on [−ln2/2, ln2/2]); 0 below −87."""
     x = max(x, np.float32(-87.0))
-    n = math.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
+    n = _floor32(x * np.float32(1.4426950408889634) + np.float32(0.5))
     r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
     p = np.float32(1.9875691500e-4)
     p = p * r + np.float32(1.3981999507e-3)
@@ -96,30 +107,41 @@ def _exp32(x):
 
 
 @_jit
-def _extremes(row):
-    """(min, max) of a float32 row."""
-    low = np.float32(np.inf)
-    high = np.float32(-np.inf)
-    for i in range(row.size):
-        low = min(low, row[i])
-        high = max(high, row[i])
-    return low, high
+def _max_if_finite(row):
+    """(max, whether every entry is finite) of a float32 row.
+
+    Works on the bits as int32 so that both reductions vectorise (numba's float max does not):
+    flipping a negative float's magnitude bits makes signed-int order equal float order, and
+    an entry is NaN or ±inf exactly when its magnitude bits are those of inf or above.
+    """
+    bits = row.view(np.int32)
+    top = np.int32(-2147483648)
+    worst = np.int32(0)
+    for i in range(bits.size):
+        b = bits[i]
+        key = b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF))
+        top = key if key > top else top
+        magnitude = b & np.int32(0x7FFFFFFF)
+        worst = magnitude if magnitude > worst else worst
+    top = top ^ ((top >> np.int32(31)) & np.int32(0x7FFFFFFF))
+    return _float32_from_bits(top), worst < np.int32(0x7F800000)
 
 
 @_jit
 def _log_normaliser(row, top):
-    """log Σ exp(row) in float64, given the row's max."""
+    """log Σ exp(row) in float64, given the row's max (a float32, so the loop stays in float32)."""
     n = row.size
     full = n - n % _BLOCK
+    shift = np.float32(top)
     total = 0.0
     for start in range(0, full, _BLOCK):
         part = np.float32(0.0)
         for j in range(_BLOCK):
-            part += _exp32(row[start + j] - top)
+            part += _exp32(row[start + j] - shift)
         total += part
     for i in range(full, n):
-        total += _exp32(row[i] - top)
-    return top + math.log(total)
+        total += _exp32(row[i] - shift)
+    return float(shift) + math.log(total)
 
 
 @_jit_inline
@@ -245,9 +267,9 @@ def _solve_and_draw(
     ``masked`` (distinct token ids, −1 as padding) are removed from q after α is solved, as the
     reference removes the stop tokens before ``min_tokens``.
     """
-    t_min, t_max = _extremes(teacher)
-    h_min, h_max = _extremes(theta)
-    if not (math.isfinite(t_min) and math.isfinite(t_max) and math.isfinite(h_min) and math.isfinite(h_max)):
+    t_max, t_finite = _max_if_finite(teacher)
+    h_max, h_finite = _max_if_finite(theta)
+    if not (t_finite and h_finite):
         out[5] = _ROW_FALLBACK
         return 0
     lse_t = _log_normaliser(teacher, t_max)

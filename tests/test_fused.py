@@ -189,6 +189,28 @@ def test_rows_outside_the_kernels_domain_are_handed_back():
     torch.testing.assert_close(via_kernel.logq, reference.logq, rtol=0, atol=1e-5)
 
 
+def test_row_maximum_and_finiteness_from_the_bits():
+    """The kernel's max works on the float bits as integers; compare it with NumPy on the hard cases."""
+    from dual_sampling import fused
+
+    rng = np.random.default_rng(0)
+    cases = {
+        "mixed signs": rng.standard_normal(1003).astype(np.float32),
+        "all negative": -np.abs(rng.standard_normal(1003)).astype(np.float32) - 5,
+        "signed zeros": np.array([-0.0, -1.0, 0.0, -2.0], dtype=np.float32),
+        "near the float32 limit": np.array([-3.0e38, -2.9e38, -3.4e38], dtype=np.float32),
+        "one entry": np.array([-7.25], dtype=np.float32),
+    }
+    for name, row in cases.items():
+        top, finite = fused._max_if_finite(row)
+        assert finite and top == row.max(), name
+    for position in (0, 500, 1002):
+        for bad in (math.nan, -math.nan, math.inf, -math.inf):
+            row = cases["mixed signs"].copy()
+            row[position] = bad
+            assert not fused._max_if_finite(row)[1], (position, bad)
+
+
 def test_rows_of_different_shapes_are_refused():
     teacher, theta = pair(2, 300, seed=7)
     with pytest.raises(ValueError, match="expected the same"):
