@@ -46,6 +46,7 @@ from typing import Literal
 from filelock import FileLock
 
 __all__ = [
+    "REAL_PAIRS",
     "TINY_PADDED_EXTRA_ROWS",
     "cache_root",
     "gemma3_270m",
@@ -229,6 +230,13 @@ def gemma3_270m_pruned(keep_layers: int = 14) -> Path:
     picked = {others[round(k * (len(others) - 1) / max(wanted - 1, 1))] for k in range(wanted)} if wanted else set()
     keep = sorted(picked | set(GEMMA3_FULL_ATTENTION_LAYERS))
     return _prune(source, keep, f"gemma3-270m-pruned{keep_layers}")
+
+
+REAL_PAIRS: dict[str, tuple[Callable[[], Path], Callable[[], Path]]] = {
+    "smollm2": (smollm2, smollm2_pruned),
+    "gemma3": (gemma3_270m, gemma3_270m_pruned),
+}
+"""The real model pairs by name: (teacher, theta) folder builders, theta a layer-pruned copy of its teacher."""
 
 
 TinyKind = Literal["same", "padded", "foreign"]

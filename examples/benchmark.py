@@ -105,13 +105,6 @@ class Settings:
             raise ValueError(f"designs: unknown {sorted(unknown)}; choose from {list(DESIGNS)}")
 
 
-PAIRS = {
-    "smollm2": (models.smollm2, models.smollm2_pruned),
-    "gemma3": (models.gemma3_270m, models.gemma3_270m_pruned),
-}
-"""Model pairs by name: (teacher, theta) builders from dual_sampling.models."""
-
-
 class PeakRSS:
     """Samples the RSS of this process and its children every 50 ms."""
 
@@ -643,7 +636,9 @@ def plot(report: dict, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pair", choices=sorted(PAIRS), default="smollm2", help="model pair (default smollm2)")
+    parser.add_argument(
+        "--pair", choices=sorted(models.REAL_PAIRS), default="smollm2", help="model pair (default smollm2)"
+    )
     parser.add_argument("--designs", nargs="+", choices=DESIGNS, help="designs to run (default: all five)")
     parser.add_argument("--teacher")
     parser.add_argument("--theta")
@@ -672,7 +667,7 @@ def main() -> None:
             prompt_tokens=8,
         )
     else:
-        teacher, theta = PAIRS[args.pair]
+        teacher, theta = models.REAL_PAIRS[args.pair]
         s = Settings(str(teacher()), str(theta()))
     for name in ("teacher", "theta", "batch", "tokens", "lengths", "designs"):
         if getattr(args, name) is not None:
