@@ -46,6 +46,7 @@ __all__ = [
     "model_fingerprint",
     "read_journal",
     "run_generation",
+    "select_rows",
     "shard_of",
     "user_template",
 ]
@@ -362,7 +363,7 @@ class Outcome:
     """tokens, alpha_sum, alpha_sq, log_w_theta: what the run summary needs, whatever the format."""
 
 
-def _prepare(cfg: RunConfig, rows: list[dict]) -> tuple[list[tuple[int, dict, str]], list[dict]]:
+def select_rows(cfg: RunConfig, rows: list[dict]) -> tuple[list[tuple[int, dict, str]], list[dict]]:
     """(row number, row, id) of this shard's rows, and the rows rejected before generation."""
     selected, seen, rejects = [], {}, []
     for number, row in enumerate(rows):
@@ -720,7 +721,7 @@ def run_generation(cfg: RunConfig, sampler=None) -> dict[str, Any]:
     started = time.monotonic()
     paths = _paths(cfg)
     rows = load_rows(cfg.input)
-    selected, rejects = _prepare(cfg, rows)
+    selected, rejects = select_rows(cfg, rows)
     models = {"teacher": model_fingerprint(cfg.teacher), "theta": model_fingerprint(cfg.theta)}
     _check_manifest(cfg, paths, models)
     if sampler is not None:

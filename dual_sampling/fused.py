@@ -119,9 +119,10 @@ def _max_if_finite(row):
     worst = np.int32(0)
     for i in range(bits.size):
         b = bits[i]
-        key = b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF))
+        # numba widens int32 arithmetic to int64; narrowing keeps the vectors 16 wide.
+        key = np.int32(b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF)))
         top = key if key > top else top
-        magnitude = b & np.int32(0x7FFFFFFF)
+        magnitude = np.int32(b & np.int32(0x7FFFFFFF))
         worst = magnitude if magnitude > worst else worst
     top = top ^ ((top >> np.int32(31)) & np.int32(0x7FFFFFFF))
     return _float32_from_bits(top), worst < np.int32(0x7F800000)
@@ -214,6 +215,15 @@ def _tilted_pass(theta, teacher, alpha, h_max, t_max, c, blocks):
     return s0, s1 - rest * s0, s2 - 2.0 * rest * s1 + rest * rest * s0
 
 
+@_jit_inline
+def _is_masked(i, masked):
+    """Whether token ``i`` is among ``masked`` (a few ids, −1 as padding)."""
+    found = False
+    for m in masked:
+        found = found or m == i
+    return found
+
+
 @_jit
 def _draw(theta, teacher, alpha, h_max, t_max, blocks, total, u, masked):
     """Inverse-CDF draw from the weights of the last :func:`_tilted_pass` (block sums ``blocks``, sum ``total``).
@@ -241,19 +251,24 @@ def _draw(theta, teacher, alpha, h_max, t_max, blocks, total, u, masked):
         before = total - blocks[k]
     start = k * _BLOCK
     stop = min(start + _BLOCK, n)
-    cum = before
+    # blocks[k] is a vectorised float32 sum; re-summed in this loop's order it can differ in the
+    # last bits, and a target past the re-sum would fall through to the block's last token. So
+    # the target keeps its fraction of the block and is placed on the re-sum.
+    inside = 0.0
+    for i in range(start, stop):
+        if not _is_masked(i, masked):
+            inside += _exp32(_log_weight(theta[i], teacher[i], hm, tm, a))
+    goal = min(max((target - before) / blocks[k], 0.0), 1.0) * inside
+    cum = 0.0
     token = -1
     for i in range(start, stop):
-        skip = False
-        for m in masked:
-            skip = skip or m == i
-        if skip:
+        if _is_masked(i, masked):
             continue
         w = _exp32(_log_weight(theta[i], teacher[i], hm, tm, a))
         if w > 0.0:
             token = i
             cum += w
-            if cum >= target:
+            if cum >= goal:
                 break
     return token
 

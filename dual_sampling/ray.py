@@ -35,7 +35,15 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from dual_sampling.datagen import Outcome, RunConfig, WorkItem, model_fingerprint, plan_items, sample_items
+from dual_sampling.datagen import (
+    Outcome,
+    RunConfig,
+    WorkItem,
+    model_fingerprint,
+    plan_items,
+    sample_items,
+    select_rows,
+)
 
 __all__ = ["DualSamplingStage", "ray_resources", "sample_on_ray"]
 
@@ -100,9 +108,7 @@ class DualSamplingStage:
         rows = _rows(batch)
         if rows and "theta_prompt" in rows[0]:  # planned by the command line
             return [WorkItem(**{f.name: _plain(r[f.name]) for f in dataclasses.fields(WorkItem)}) for r in rows]
-        from dual_sampling.datagen import _prepare
-
-        selected, _ = _prepare(self.cfg, rows)
+        selected, _ = select_rows(self.cfg, rows)
         items, _ = plan_items(self.cfg, selected, set(), self.sampler.tokenizer, self.sampler.max_model_len)
         return items
 

@@ -148,6 +148,29 @@ def test_draws_follow_q():
     assert ((freq - p).abs() <= 4 * torch.sqrt(p * (1 - p) / draws)).all(), freq
 
 
+def test_a_block_sum_rounded_up_does_not_favour_the_blocks_last_token():
+    """The draw finds a block by its vectorised float32 sum, then re-sums the block in order.
+
+    The two sums can differ in the last bits. A target between them must not fall through to
+    the block's last token, whose own weight here is e^-50 of the others'.
+    """
+    from dual_sampling import fused
+
+    vocab = 2 * 256
+    theta = torch.randn(1, vocab, generator=torch.Generator().manual_seed(8)).numpy()
+    theta[0, 255] = theta[0].max() - 50.0
+    teacher = theta.copy()
+    top = float(theta.max())
+    weights = np.array([fused._exp32(np.float32(x - top)) for x in theta[0]], dtype=np.float64)
+    first, second = weights[:256].sum(), weights[256:].sum()
+    blocks = np.array([first * (1 + 1e-7), second])  # the first block's sum rounded up
+    total = blocks.sum()
+    u = (first * (1 + 0.5e-7)) / total  # the target lies between the two sums of the first block
+    no_mask = np.full(1, -1, dtype=np.int64)
+    token = fused._draw(theta[0], teacher[0], 0.0, top, top, blocks, total, u, no_mask)
+    assert token == int(np.flatnonzero(weights[:255] > 0)[-1]), "the last non-negligible token of the block"
+
+
 def test_rows_with_filters_go_to_the_reference_and_the_batch_stays_in_order():
     teacher, theta = pair(6, 3000, seed=3)
     computer = get_alpha_computer("kl_symmetry")
