@@ -330,3 +330,22 @@ def test_teacher_waits_out_a_theta_publication_it_saw_half_of():
         assert not worker.is_alive() and session.statistics()["split_steps"] == 1
     finally:
         session.close()
+
+
+def test_row_gatherer_returns_the_selected_rows_as_a_view_or_in_its_kept_buffer():
+    from processors.teacher import RowGatherer
+
+    vocab = 300
+    source = torch.randn(8, vocab)
+    gather = RowGatherer(vocab)
+    consecutive = gather(source, [2, 3, 4])
+    assert torch.equal(consecutive, source[2:5]) and consecutive.data_ptr() == source[2].data_ptr(), "a view"
+    permuted = gather(source, [5, 1, 6])
+    assert torch.equal(permuted, source[[5, 1, 6]])
+    buffer = permuted.data_ptr()
+    assert gather(source, [7, 0]).data_ptr() == buffer, "the buffer is kept, not reallocated"
+    padded = torch.randn(8, vocab + 64)  # logits wider than the shared vocabulary: never a view
+    assert torch.equal(gather(padded, [3, 4]), padded[3:5, :vocab])
+    assert torch.equal(gather(padded, [6, 2, 0]), padded[[6, 2, 0], :vocab])
+    half = source.to(torch.bfloat16)  # other dtypes: a plain gather, converted
+    assert torch.equal(gather(half, [1, 3]), half[[1, 3]].float())
