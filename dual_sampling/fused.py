@@ -8,11 +8,11 @@ and ``kl_symmetry`` alpha computers, this module does the same decision with num
 row, writing nothing V-sized:
 
 1. one pass for the row maxima of both sides (on the float bits as integers, which
-   vectorises and finds NaN and ±inf in the same pass), one for the teacher's
-   log-normaliser (and theta's, unless its rows are log-softmax outputs already);
+   vectorises and finds NaN and ±inf at the same time) and the teacher's log-normaliser
+   (and theta's, unless its rows are log-softmax outputs already), chunk by chunk;
 2. each α evaluation is one pass: it exponentiates the mixture's log-weights once and
-   sums the weights, weight·d and weight·d² (d = log π_t − log π_θ), keeping the weight
-   sum of every 256-token block;
+   sums the weights, weight·d and weight·d² (d = log π_t − log π_θ; the first evaluation
+   also weight·d³ and weight·d⁴), keeping the weight sum of every 256-token block;
 3. the masked stop tokens' weights are taken out of the sum and their blocks' sums (α is
    solved before the mask, as in the reference);
 4. the draw reuses the last evaluation's block sums: it finds the block by a cumulative
@@ -22,10 +22,13 @@ Differences from the reference:
 
 - the α solve stops at the last α it evaluated (the reference steps once more, by less than
   ``xtol``, so the draw can reuse that pass);
-- it stops on |E_q[d]| ≤ ``tol`` · min(1, Var_q(d)), where the reference stops on
-  |E_q[d]| ≤ ``tol``. The α error a residual implies is |E_q[d]| / Var_q(d); when the two
-  models nearly agree, Var_q(d) is small and the reference's rule leaves α off by up to
-  ``tol`` / Var_q(d), while this one keeps it within ``tol``;
+- it stops on |E_q[d]| ≤ ``tol`` · Var_q(d), where the reference stops on
+  |E_q[d]| ≤ ``tol``. The α error a residual implies is |E_q[d]| / Var_q(d), so this rule
+  keeps α within ``tol`` of the root. The reference's rule leaves α off by up to
+  ``tol`` / Var_q(d) when the two models nearly agree (small Var_q(d)), and asks for more
+  than ``tol`` when Var_q(d) > 1, which costs a pass on most warm-started rows;
+- the step from the warm start uses E_q[d]'s first four cumulants, not only the first two
+  (Newton's step), so a start 0.02 off the root settles on the second pass, not the third;
 - d is formed from differences of nearby values (each side shifted by its own maximum),
   not from the raw logits, so its rounding stays small when the logits are large;
 - ``exp`` is a float32 polynomial with a relative error below 2e-7 (libm's is not
@@ -58,6 +61,7 @@ __all__ = ["FUSED_ALPHA_METHODS", "decide_fused", "fused_rows", "warm_up"]
 FUSED_ALPHA_METHODS = {FixedAlpha: 0, KLSymmetryAlpha: 1}
 """Alpha computer classes the kernel implements (exactly these classes, not subclasses), with their kernel code."""
 _BLOCK = 256
+_CHUNK = 2048  # tokens per step of the maxima and log-normaliser pass: both rows' chunks stay in L1
 _ROW_OK, _ROW_FALLBACK = 0, 1
 _MAX_PASSES = 200
 _TINY = 1e-30
@@ -128,21 +132,43 @@ def _max_if_finite(row):
     return _float32_from_bits(top), worst < np.int32(0x7F800000)
 
 
-@_jit
-def _log_normaliser(row, top):
-    """log Σ exp(row) in float64, given the row's max (a float32, so the loop stays in float32)."""
-    n = row.size
-    full = n - n % _BLOCK
-    shift = np.float32(top)
-    total = 0.0
-    for start in range(0, full, _BLOCK):
-        part = np.float32(0.0)
-        for j in range(_BLOCK):
-            part += _exp32(row[start + j] - shift)
-        total += part
-    for i in range(full, n):
+@_jit_inline
+def _exp_sum(row, shift):
+    """Σ exp(row − shift) of a short float32 row (a block), summed in float32; entries ≤ shift."""
+    total = np.float32(0.0)
+    for i in range(row.size):
         total += _exp32(row[i] - shift)
-    return float(shift) + math.log(total)
+    return total
+
+
+@_jit
+def _maxima_and_log_normalisers(teacher, theta, theta_normalized):
+    """(max t, max h, log Σ exp(t), log Σ exp(h), every entry finite) of two rows, in one read of each.
+
+    Block by block (256 tokens, in cache while both are done): the block's maxima, then the
+    exponentials relative to the largest value seen so far; when a block raises it, the
+    sum so far is scaled down to the new one. log Σ exp(h) is 0 when ``theta_normalized``.
+    """
+    n = teacher.size
+    t_top = h_top = np.float32(-np.inf)
+    t_sum = h_sum = 0.0
+    for start in range(0, n, _CHUNK):
+        stop = min(start + _CHUNK, n)
+        t_block, t_finite = _max_if_finite(teacher[start:stop])
+        h_block, h_finite = _max_if_finite(theta[start:stop])
+        if not (t_finite and h_finite):
+            return t_top, h_top, 0.0, 0.0, False
+        if t_block > t_top:
+            t_sum = t_sum * math.exp(float(t_top) - float(t_block)) if t_sum > 0.0 else 0.0
+            t_top = t_block
+        t_sum += _exp_sum(teacher[start:stop], t_top)
+        if h_block > h_top:
+            h_sum = h_sum * math.exp(float(h_top) - float(h_block)) if h_sum > 0.0 else 0.0
+            h_top = h_block
+        if not theta_normalized:
+            h_sum += _exp_sum(theta[start:stop], h_top)
+    lse_h = 0.0 if theta_normalized else float(h_top) + math.log(h_sum)
+    return t_top, h_top, float(t_top) + math.log(t_sum), lse_h, n > 0
 
 
 @_jit_inline
@@ -164,55 +190,131 @@ def _log_weight(h, t, h_max, t_max, a):
     return _log_weight_and_diff(h, t, h_max, t_max, a)[0]
 
 
+@_jit_inline
+def _weight_and_d(h, t, hm, tm, a, cc):
+    """(w, d + ``c``'s float32 remainder) of one token, in float32; see :func:`_log_weight_and_diff`."""
+    log_w, diff = _log_weight_and_diff(h, t, hm, tm, a)
+    return _exp32(log_w), diff - cc
+
+
+@_jit_inline
+def _tail_sums(theta, teacher, start, hm, tm, a, cc):
+    """(Σw, Σw·dc, Σw·dc², Σw·dc³, Σw·dc⁴) over the tokens from ``start`` on (the last, partial block)."""
+    z0 = np.float32(0.0)
+    s1 = s2 = s3 = s4 = 0.0
+    for i in range(start, theta.size):
+        w, dc32 = _weight_and_d(theta[i], teacher[i], hm, tm, a, cc)
+        dc = np.float64(dc32)
+        z0 += w
+        s1 += w * dc
+        s2 += w * dc**2
+        s3 += w * dc**3
+        s4 += w * dc**4
+    return z0, s1, s2, s3, s4
+
+
+@_jit_inline
+def _cumulants(c, cc, s0, s1, s2, s3, s4):
+    """(Σw, E[d], κ2, κ3, κ4) from the sums Σw·dc^k, where d = dc − (c − cc); κ2–κ4 do not depend on that shift."""
+    if not s0 > 0.0:
+        return s0, 0.0, 0.0, 0.0, 0.0
+    m1, m2, m3, m4 = s1 / s0, s2 / s0, s3 / s0, s4 / s0
+    k2 = m2 - m1 * m1
+    k3 = m3 - 3.0 * m1 * m2 + 2.0 * m1**3
+    k4 = m4 - 4.0 * m1 * m3 - 3.0 * m2 * m2 + 12.0 * m1 * m1 * m2 - 6.0 * m1**4
+    return s0, m1 - (c - float(cc)), k2, k3, k4
+
+
 @_jit
 def _tilted_pass(theta, teacher, alpha, h_max, t_max, c, blocks):
     """One evaluation at α: weights w = exp(log-weight), d = log π_t − log π_θ.
 
-    Returns (Σw, Σw·d, Σw·d²) in float64 and stores each block's Σw in ``blocks``. ``c`` is
-    (lse_t − max t) − (lse_h − max h), so d = (t − max t) − (h − max h) − c: every term is a
-    difference of nearby values, which keeps d's rounding far below float32's resolution of
-    the raw logits. ``c`` enters the float32 loop rounded; its remainder is put back in float64.
+    Returns (Σw, E[d], Var_q(d), 0, 0) in float64, the residual and its slope in α (the zeros
+    stand for the cumulants :func:`_tilted_pass_with_series` adds), and stores each block's Σw
+    in ``blocks``. ``c`` is (lse_t − max t) − (lse_h − max h), so
+    d = (t − max t) − (h − max h) − c: every term is a difference of nearby values, which
+    keeps d's rounding far below float32's resolution of the raw logits. ``c`` enters the
+    float32 loop rounded; its remainder is taken off E[d] in float64.
     """
     n = theta.size
     full = n - n % _BLOCK
-    a = np.float32(alpha)
-    hm = np.float32(h_max)
-    tm = np.float32(t_max)
-    cc = np.float32(c)
-    s0 = 0.0
-    s1 = 0.0
-    s2 = 0.0
-    k = 0
-    for start in range(0, full, _BLOCK):
-        z0 = np.float32(0.0)
-        z1 = np.float32(0.0)
-        z2 = np.float32(0.0)
-        for j in range(_BLOCK):
-            log_w, diff = _log_weight_and_diff(theta[start + j], teacher[start + j], hm, tm, a)
-            w = _exp32(log_w)
-            dc = diff - cc
+    a, hm, tm, cc = np.float32(alpha), np.float32(h_max), np.float32(t_max), np.float32(c)
+    s0 = s1 = s2 = 0.0  # Σw·dc^k, with dc = d + the remainder of c
+    for k in range(full // _BLOCK):
+        z0 = z1 = z2 = np.float32(0.0)
+        for i in range(k * _BLOCK, (k + 1) * _BLOCK):
+            w, dc = _weight_and_d(theta[i], teacher[i], hm, tm, a, cc)
             wd = w * dc
             z0 += w
             z1 += wd
             z2 += wd * dc
         blocks[k] = z0
-        k += 1
         s0 += z0
         s1 += z1
         s2 += z2
     if full < n:
-        z0 = np.float32(0.0)
-        for i in range(full, n):
-            log_w, diff = _log_weight_and_diff(theta[i], teacher[i], hm, tm, a)
-            w = _exp32(log_w)
-            dc = diff - cc
+        z0, t1, t2, _, _ = _tail_sums(theta, teacher, full, hm, tm, a, cc)
+        blocks[full // _BLOCK] = z0
+        s0, s1, s2 = s0 + z0, s1 + t1, s2 + t2
+    total, g, k2, _, _ = _cumulants(c, cc, s0, s1, s2, 0.0, 0.0)
+    return total, g, k2, 0.0, 0.0
+
+
+@_jit
+def _tilted_pass_with_series(theta, teacher, alpha, h_max, t_max, c, blocks):
+    """:func:`_tilted_pass` that also sums w·d³ and w·d⁴, for κ3 and κ4 (returned last).
+
+    About 15% slower a pass; it pays on a step from a warm start, where those terms take
+    E[d]'s series to the root (:func:`_series_step`).
+    """
+    n = theta.size
+    full = n - n % _BLOCK
+    a, hm, tm, cc = np.float32(alpha), np.float32(h_max), np.float32(t_max), np.float32(c)
+    s0 = s1 = s2 = s3 = s4 = 0.0
+    for k in range(full // _BLOCK):
+        z0 = z1 = z2 = z3 = z4 = np.float32(0.0)
+        for i in range(k * _BLOCK, (k + 1) * _BLOCK):
+            w, dc = _weight_and_d(theta[i], teacher[i], hm, tm, a, cc)
+            wd = w * dc
+            wd2 = wd * dc
+            wd3 = wd2 * dc
             z0 += w
-            s1 += w * dc
-            s2 += w * dc * dc
+            z1 += wd
+            z2 += wd2
+            z3 += wd3
+            z4 += wd3 * dc
         blocks[k] = z0
         s0 += z0
-    rest = c - float(cc)  # d = dc − rest
-    return s0, s1 - rest * s0, s2 - 2.0 * rest * s1 + rest * rest * s0
+        s1 += z1
+        s2 += z2
+        s3 += z3
+        s4 += z4
+    if full < n:
+        z0, t1, t2, t3, t4 = _tail_sums(theta, teacher, full, hm, tm, a, cc)
+        blocks[full // _BLOCK] = z0
+        s0, s1, s2, s3, s4 = s0 + z0, s1 + t1, s2 + t2, s3 + t3, s4 + t4
+    return _cumulants(c, cc, s0, s1, s2, s3, s4)
+
+
+@_jit_inline
+def _series_step(g, k2, k3, k4):
+    """The α step δ that zeroes E[d]'s Taylor series at the evaluated α, g + κ2·δ + κ3·δ²/2 + κ4·δ³/6.
+
+    E[d] at α + δ is the derivative of log Σ exp(log π_θ + (α + δ)·d), whose higher
+    derivatives are the cumulants, so this is Newton's step with three more terms: its error
+    falls as δ⁴ rather than δ². Solved by Newton's method on the cubic from Newton's step;
+    returns Newton's step where the series is no help (the correction would exceed the step,
+    as far from α, beyond the series' radius of convergence).
+    """
+    newton = -g / k2
+    step = newton
+    for _ in range(8):
+        value = g + step * (k2 + step * (0.5 * k3 + step * k4 / 6.0))
+        slope = k2 + step * (k3 + 0.5 * step * k4)
+        if not slope > 0.0:
+            return newton
+        step -= value / slope
+    return step if abs(step - newton) <= 0.5 * abs(newton) and math.isfinite(step) else newton
 
 
 @_jit_inline
@@ -282,13 +384,10 @@ def _solve_and_draw(
     ``masked`` (distinct token ids, −1 as padding) are removed from q after α is solved, as the
     reference removes the stop tokens before ``min_tokens``.
     """
-    t_max, t_finite = _max_if_finite(teacher)
-    h_max, h_finite = _max_if_finite(theta)
-    if not (t_finite and h_finite):
+    t_max, h_max, lse_t, lse_h, finite = _maxima_and_log_normalisers(teacher, theta, theta_normalized)
+    if not finite:
         out[5] = _ROW_FALLBACK
         return 0
-    lse_t = _log_normaliser(teacher, t_max)
-    lse_h = 0.0 if theta_normalized else _log_normaliser(theta, h_max)
     c = (lse_t - t_max) - (lse_h - h_max)
 
     if force_one:
@@ -297,10 +396,14 @@ def _solve_and_draw(
         alpha = min(max(fixed_alpha, lo), hi)
     else:
         alpha = min(max(alpha0, lo), hi)
-    passes = 0
-    s0, s1, s2 = _tilted_pass(theta, teacher, alpha, h_max, t_max, c, blocks)
-    passes += 1
-    if method == 1 and not force_one and lo < hi:
+    solve = method == 1 and not force_one and lo < hi
+    # The first evaluation's step is the long one, from the warm start: only there do κ3 and κ4 pay.
+    if solve:
+        s0, g, k2, k3, k4 = _tilted_pass_with_series(theta, teacher, alpha, h_max, t_max, c, blocks)
+    else:
+        s0, g, k2, k3, k4 = _tilted_pass(theta, teacher, alpha, h_max, t_max, c, blocks)
+    passes = 1
+    if solve:
         low, high = lo, hi
         prev_abs_g = np.inf
         lo_tried = False
@@ -308,19 +411,18 @@ def _solve_and_draw(
         while passes < _MAX_PASSES:
             if s0 < _TINY:
                 break
-            g = s1 / s0
-            slope = max(s2 / s0 - g * g, 0.0)
+            slope = max(k2, 0.0)
             at_lo = alpha <= lo
             at_hi = alpha >= hi
             lo_tried = lo_tried or at_lo
             hi_tried = hi_tried or at_hi
             lo_b = low if g > 0 else alpha
             hi_b = alpha if g > 0 else high
-            if abs(g) <= tol * min(1.0, slope) or (at_lo and g >= 0) or (at_hi and g <= 0):
+            if abs(g) <= tol * slope or (at_lo and g >= 0) or (at_hi and g <= 0):
                 break
             usable = slope > 0 and math.isfinite(slope)
             if usable:
-                target = alpha - g / slope
+                target = alpha + _series_step(g, slope, k3, k4)
             else:
                 target = -np.inf if g > 0 else np.inf
             newton_ok = usable and lo_b < target < hi_b and abs(g) <= 0.5 * prev_abs_g
@@ -335,7 +437,7 @@ def _solve_and_draw(
                 nxt = hi
             low, high, prev_abs_g = lo_b, hi_b, abs(g)
             alpha = nxt
-            s0, s1, s2 = _tilted_pass(theta, teacher, alpha, h_max, t_max, c, blocks)
+            s0, g, k2, k3, k4 = _tilted_pass(theta, teacher, alpha, h_max, t_max, c, blocks)
             passes += 1
     if not s0 >= _TINY:
         out[5] = _ROW_FALLBACK

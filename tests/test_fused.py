@@ -255,3 +255,69 @@ def test_exp_polynomial_is_within_float32_resolution():
     relative = np.abs(values / np.exp(x[::97].astype(np.float64)) - 1)
     assert relative.max() < 2e-7
     assert fused._exp32(np.float32(-200.0)) == 0.0
+
+
+def test_the_series_step_lands_where_newtons_step_does_not():
+    """From α 0.03 off the root, the cumulant series puts α within 1e-6 of it, Newton's step only within ~1e-4.
+
+    The cumulants are computed here in float64 from the weights; the root is a float64 bisection.
+    Where the truncated series has no root near Newton's step, the step stays Newton's.
+    """
+    from dual_sampling import fused
+
+    teacher, theta = pair(1, 4096, seed=11)
+    lt, lth = torch.log_softmax(teacher.double(), -1), theta.double()
+    root = float(float64_root(lth, lt, 0.0, 1.0))
+    d = (lt - lth)[0]
+
+    def cumulants(alpha: float) -> tuple[float, float, float, float]:
+        q = torch.softmax(lth[0] + alpha * d, -1)
+        mean = float((q * d).sum())
+        centred = d - mean
+        k2, m3, m4 = (float((q * centred**k).sum()) for k in (2, 3, 4))
+        return mean, k2, m3, m4 - 3 * k2 * k2
+
+    start = root + 0.03
+    g, k2, k3, k4 = cumulants(start)
+    assert abs(start - g / k2 - root) > 1e-5, "the case must be one Newton's step does not settle"
+    assert abs(start + fused._series_step(g, k2, k3, k4) - root) < 1e-6
+    assert fused._series_step(1.0, 1.0, 0.0, -100.0) == -1.0  # 1 + δ − 100δ³/6 turns down before a root near −1
+    assert fused._series_step(1.0, 1.0, 1.5, 0.0) == -1.0  # 1 + δ + 0.75δ² has no real root
+
+
+def test_a_warm_start_settles_on_the_second_pass():
+    """α warm-started 0.02 off (as between decoding steps) needs one pass to step and one to confirm, in most rows."""
+    batch = 32
+    teacher, theta = pair(batch, 8192, seed=12)
+    lt, lth = torch.log_softmax(teacher.double(), -1), theta.double()
+    computer = get_alpha_computer("kl_symmetry")
+    root = float64_root(lth, lt, computer.alpha_min, computer.alpha_max)
+    warm = (root + 0.02).clamp(0, 1).float()
+    out, passes = decide_fused(teacher, theta, [0.5] * batch, [False] * batch, computer, warm, theta_normalized=True)
+    assert (out[:, 5] == 0).all()
+    torch.testing.assert_close(torch.from_numpy(out[:, 1]), root, rtol=0, atol=5e-6)
+    assert passes <= 2.25 * batch, f"{passes / batch:.2f} passes per row (Newton's steps alone take 3)"
+
+
+def test_log_normalisers_in_one_read_whatever_the_maximums_position():
+    """The log-normaliser is summed chunk by chunk against the largest value so far; compare with float64."""
+    from dual_sampling import fused
+
+    rng = np.random.default_rng(1)
+    noise = (rng.standard_normal(10_000) * 4).astype(np.float32)
+    rows = {
+        "rising (rescaled at every chunk)": np.sort(noise),
+        "falling": np.sort(noise)[::-1].copy(),
+        "spike in the last, partial chunk": np.concatenate([noise[:-1], np.float32([60.0])]),
+        "large logits": noise + np.float32(300.0),
+    }
+    for name, teacher in rows.items():
+        theta = rng.permutation(teacher)
+        t_max, h_max, lse_t, lse_h, finite = fused._maxima_and_log_normalisers(teacher, theta, False)
+        expected = float(torch.logsumexp(torch.from_numpy(teacher).double(), 0))
+        assert finite and t_max == teacher.max() and h_max == theta.max(), name
+        assert abs(lse_t - expected) < 2e-6 and abs(lse_h - expected) < 2e-6, (name, lse_t, lse_h, expected)
+        assert fused._maxima_and_log_normalisers(teacher, theta, True)[3] == 0.0
+    broken = rows["falling"].copy()
+    broken[-1] = math.nan
+    assert not fused._maxima_and_log_normalisers(rows["rising (rescaled at every chunk)"], broken, True)[4]
