@@ -4,7 +4,7 @@ Batch 32 of float32 log-probability pairs shaped like real next-token distributi
 (random logits at a scale that gives entropies of a few nats), at SmolLM2's V = 49,152,
 Qwen2.5's V = 152,064 and Gemma 3's V = 262,144, on one thread (an engine decides on its
 own core). Reports the median of several repeats, cold (α starts at 0.5) and warm (α starts
-at the previous solution moved by 0.02, as between decoding steps).
+at the solution moved by ``--warm-offset``, as it starts from the previous token's α).
 
 The decision's cost is also given per row (µs/row, warm, theta already normalised as the
 theta engine delivers it) against its physical floor measured in the same run: one pass
@@ -12,7 +12,7 @@ reading both rows (a sum over 2·V float32 values). ``decide_vs_floor`` is their
 The decision runs through the compiled kernel (``dual_sampling.fused``); the same call
 through the torch reference (``fused=False``) is timed beside it.
 
-    python examples/bench_alpha.py [--repeats 7] [--output docs/alpha_benchmark.json]
+    python examples/bench_alpha.py [--repeats 7] [--warm-offset 0.07] [--output docs/alpha_benchmark.json]
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ import torch
 
 from alpha import get_alpha_computer
 from dual_sampling.sampling import RowSampling, decide
+
+WARM_OFFSET = 0.07
+"""How far a warm start is from the root: the median change of α between consecutive tokens
+(0.066 on the SmolLM2 pair over 244 positions, 90th percentile 0.170; ``examples/logit_spread.py``
+prints it)."""
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:
@@ -46,17 +51,19 @@ def synthetic_pair(batch: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return teacher, theta
 
 
-def decision_cost(teacher: torch.Tensor, theta: torch.Tensor, repeats: int) -> dict[str, float]:
+def decision_cost(
+    teacher: torch.Tensor, theta: torch.Tensor, repeats: int, warm_offset: float = WARM_OFFSET
+) -> dict[str, float]:
     """µs per row of ``decide()`` as the teacher processor calls it, against one read of both rows.
 
     ``teacher`` ``[B, V]`` holds logits (or log-probabilities), ``theta`` ``[B, V]``
     log-probabilities (the theta engine normalises them). α is warm: the solution moved by
-    0.02, as between decoding steps. The same call through the torch reference is timed beside it.
+    ``warm_offset``. The same call through the torch reference is timed beside it.
     """
     batch = teacher.shape[0]
     rows = [RowSampling(seed=i) for i in range(batch)]
     computer = get_alpha_computer("kl_symmetry")
-    warm = (computer.compute(theta, teacher).alpha + 0.02).clamp(0, 1)
+    warm = (computer.compute(theta, teacher).alpha + warm_offset).clamp(0, 1)
 
     def run(fused: bool):
         return decide(teacher, theta, [1] * batch, rows, computer, warm, theta_normalized=True, fused=fused)
@@ -80,6 +87,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, nargs="+", default=[49152, 152064, 262144])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (an engine decides on one core)")
+    parser.add_argument("--warm-offset", type=float, default=WARM_OFFSET, help="distance of a warm start from α's root")
     parser.add_argument("--output", help="write the figures as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -90,7 +98,7 @@ def main() -> None:
         for method in ("kl_symmetry", "ess_balance", "entropy"):
             ac = get_alpha_computer(method)
             cold_s, cold = timed(lambda ac=ac, th=theta, t=teacher: ac.compute(th, t), args.repeats)
-            init = (cold.alpha + 0.02).clamp(0, 1)
+            init = (cold.alpha + args.warm_offset).clamp(0, 1)
             warm_s, warm = timed(
                 lambda ac=ac, th=theta, t=teacher, i=init: ac.compute(th, t, alpha_init=i), args.repeats
             )
@@ -116,7 +124,7 @@ def main() -> None:
         )
         rows.append({"vocab": vocab, "method": "decide(kl_symmetry)", "cold_ms": 1e3 * decide_s})
         print(f"V={vocab:6d} decide       {1e3 * decide_s:7.1f} ms (log-softmax, kl_symmetry, mix, draw)")
-        figures = decision_cost(teacher, theta, args.repeats)
+        figures = decision_cost(teacher, theta, args.repeats, args.warm_offset)
         rows.append({"vocab": vocab, "method": "decide per row (warm, theta normalised)", **figures})
         print(
             f"V={vocab:6d} decide/row   {figures['us_per_row']:7.1f} us  floor (one read of both rows)"
@@ -126,6 +134,7 @@ def main() -> None:
     if args.output:
         info = {
             "batch": args.batch,
+            "warm_offset": args.warm_offset,
             "dtype": "float32",
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),

@@ -13,8 +13,8 @@ Five designs, same models, prompts and settings:
 Measured:
   - tokens/s on a fixed workload: B prompts, exactly T generated tokens each (EOS masked);
   - time per token against generated length L: a probe prefills prompt + L tokens, then
-    times a few decoding steps, so the curve is exact at each L without generating
-    everything before it (an O(n²) design would otherwise take hours at L = 1024);
+    times decoding steps (the median of 24), so the curve is exact at each L without
+    generating everything before it (an O(n²) design would otherwise take hours at L = 1024);
   - peak RSS of the process tree during each design;
   - for (c), the split of the run into model time, barrier wait and mixing time, theta's
     wait for the plan, and how many steps found the two engines' batches out of phase
@@ -84,8 +84,9 @@ class Settings:
     """Generated tokens per sequence in the throughput workload."""
     lengths: list[int] = field(default_factory=lambda: [128, 256, 512, 1024])
     """Generated lengths at which time per token is probed."""
-    probe_steps: int = 6
-    """Decoding steps timed per probe."""
+    probe_steps: int = 24
+    """Decoding steps timed per probe (their median is the probe's figure). Six made growth_vs_teacher swing ±20%
+    between runs; more steps cost little beside the probe's prefill, which takes 60–90 s at L = 1024."""
     recompute_probe_steps: int = 2
     """Decoding steps timed per probe of (e), whose steps take up to a minute at L = 1024."""
     realistic_prompts: int = 64
@@ -322,11 +323,11 @@ def dual_run(dual: OptimalSamplingDual, prompts: list[list[int]], tokens: int, *
 
 
 def dual_probe_step(dual: OptimalSamplingDual, prompts: list[list[int]], steps: int) -> float:
-    """Seconds per decoding step of the whole batch after prefilling ``prompts``, timed from the teacher's step counter.
+    """Median seconds per decoding step of the whole batch after prefilling ``prompts``, from the teacher's step counter.
 
     The teacher scheduler admits requests as they reach both engines, so the batch may be
     prefilled over a few steps; timing starts at the first step after the last admission,
-    when every row decodes.
+    when every row decodes. The median over ``steps`` steps, as for the single engines.
     """
     stats = dual.session.statistics
     admitted0 = stats()["leader_admitted"]
@@ -347,9 +348,8 @@ def dual_probe_step(dual: OptimalSamplingDual, prompts: list[list[int]], steps: 
         stop.set()
         watcher.join()
     full = next(c for _, c, a in marks if a >= admitted0 + len(prompts))  # the step that admitted the last one
-    t1 = next(t for t, c, _ in marks if c >= full + 1)
-    t2 = next(t for t, c, _ in marks if c >= full + 1 + steps)
-    return (t2 - t1) / steps
+    ends = [next(t for t, c, _ in marks if c >= full + k) for k in range(1, steps + 2)]
+    return statistics.median(b - a for a, b in zip(ends, ends[1:]))
 
 
 def serve_run(dual: OptimalSamplingDual, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:

@@ -10,7 +10,8 @@ The bound, for a cut at log q > −T: the tail holds at most n·e^(−T) of q's 
 below the cut), and moving that mass moves E_q[d] (d = log π_t − log π_θ) by at most
 n·e^(−T)·max|d − E_q[d]|, hence α by that over Var_q(d). Keeping α within ``--alpha-error``
 needs T ≥ ln(V·max|d − E_q[d]| / (alpha_error·Var_q(d))). This is the optimistic case: the
-cut is placed knowing the solved α.
+cut is placed knowing the solved α. It also prints how much α changes between consecutive
+tokens: the distance of the decision's warm start (the previous token's α) from the root.
 
     python examples/logit_spread.py [--pair smollm2|gemma3] [--alpha-error 1e-6]
 """
@@ -57,7 +58,7 @@ def main() -> None:
     theta = AutoModelForCausalLM.from_pretrained(theta_dir, dtype=torch.float32).eval()
 
     shares: dict[int, list[float]] = {t: [] for t in CUTS}
-    needed_cut, needed_share = [], []
+    needed_cut, needed_share, alpha_changes = [], [], []
     prompts = chat_prompts(tokenizer, args.prompts)
     for prompt in prompts:
         ids = torch.tensor([prompt])
@@ -71,6 +72,7 @@ def main() -> None:
         for t in CUTS:
             shares[t] += (either > -t).double().mean(-1).tolist()
         alpha = kl_symmetry_alpha(logp_h, logp_t)
+        alpha_changes += (alpha[1:] - alpha[:-1]).abs().tolist()
         d = logp_t - logp_h
         logq = torch.log_softmax(logp_h + alpha[:, None] * d, -1)
         q = logq.exp()
@@ -92,6 +94,11 @@ def main() -> None:
         f" ({min(needed_cut):.1f}-{max(needed_cut):.1f}), i.e. q_i > {math.exp(-statistics.median(needed_cut)):.1e}"
     )
     print(f"  share of V above that cut (optimistic: α known): {summary(needed_share)}")
+    # How far the decision's warm start (the previous token's α) is from the root.
+    print(
+        f"  |α change| between consecutive tokens: {summary(alpha_changes)}"
+        f"  90th percentile {statistics.quantiles(alpha_changes, n=10)[-1]:.3f}"
+    )
 
 
 if __name__ == "__main__":
