@@ -23,6 +23,7 @@ import platform
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from alpha import get_alpha_computer
@@ -51,6 +52,45 @@ def synthetic_pair(batch: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return teacher, theta
 
 
+def kernel_parts(
+    teacher: torch.Tensor, theta: torch.Tensor, computer, warm: torch.Tensor, repeats: int
+) -> dict[str, float]:
+    """The compiled kernel's passes timed one by one, µs per row, and the passes a warm row makes.
+
+    An exact decision from a warm start makes at least three passes that exponentiate every
+    entry: the teacher's log-normaliser (in the read that also finds both maxima), the α
+    evaluation the step is taken from (a warm start is never within tolerance of the root),
+    and the evaluation at the accepted α, whose block sums the draw reuses. Their sum,
+    ``three_exp_passes_us_per_row``, is the least this design can cost. (The kernel's
+    functions are private; this is a profile of them.)
+    """
+    from dual_sampling import fused
+
+    t, h = teacher.numpy(), theta.numpy()
+    blocks = np.empty((t.shape[1] + 255) // 256)
+    maxima = [fused._maxima_and_log_normalisers(t[r], h[r], True) for r in range(len(t))]
+
+    def per_row(part) -> float:
+        seconds, _ = timed(lambda: [part(r) for r in range(len(t))], repeats)
+        return 1e6 * seconds / len(t)
+
+    def evaluate(pass_function, r: int):
+        t_max, h_max, lse_t, _, _ = maxima[r]
+        return pass_function(h[r], t[r], 0.5, h_max, t_max, lse_t - float(t_max) + float(h_max), blocks)
+
+    read = per_row(lambda r: fused._maxima_and_log_normalisers(t[r], h[r], True))
+    plain = per_row(lambda r: evaluate(fused._tilted_pass, r))
+    series = per_row(lambda r: evaluate(fused._tilted_pass_with_series, r))
+    _, passes = fused.decide_fused(teacher, theta, [0.5] * len(t), [False] * len(t), computer, warm, True)
+    return {
+        "read_pass_us_per_row": read,
+        "evaluation_us_per_row": plain,
+        "first_evaluation_us_per_row": series,
+        "evaluations_per_row": passes / len(t),
+        "three_exp_passes_us_per_row": read + series + plain,
+    }
+
+
 def decision_cost(
     teacher: torch.Tensor, theta: torch.Tensor, repeats: int, warm_offset: float = WARM_OFFSET
 ) -> dict[str, float]:
@@ -72,10 +112,13 @@ def decision_cost(
     reference_s, _ = timed(lambda: run(False), repeats)
     # The floor: every row of both sides read once, nothing written.
     floor_s, _ = timed(lambda: teacher.sum(-1) + theta.sum(-1), max(repeats, 21))
+    parts = kernel_parts(teacher, theta, computer, warm, repeats)
     return {
         "us_per_row": 1e6 * kernel_s / batch,
         "floor_us_per_row": 1e6 * floor_s / batch,
         "decide_vs_floor": kernel_s / floor_s,
+        "three_exp_passes_vs_floor": parts["three_exp_passes_us_per_row"] * batch / (1e6 * floor_s),
+        **parts,
         "reference_us_per_row": 1e6 * reference_s / batch,
         "kernel_speedup": reference_s / kernel_s,
     }
@@ -130,6 +173,12 @@ def main() -> None:
             f"V={vocab:6d} decide/row   {figures['us_per_row']:7.1f} us  floor (one read of both rows)"
             f" {figures['floor_us_per_row']:6.1f} us  ratio {figures['decide_vs_floor']:5.1f} (target <= 2)"
             f"  torch reference {figures['reference_us_per_row']:7.1f} us ({figures['kernel_speedup']:.1f}x slower)"
+        )
+        print(
+            f"V={vocab:6d} kernel parts: read pass {figures['read_pass_us_per_row']:.1f} us, first evaluation"
+            f" {figures['first_evaluation_us_per_row']:.1f} us, evaluation {figures['evaluation_us_per_row']:.1f} us,"
+            f" {figures['evaluations_per_row']:.2f} evaluations per row; the least three exp passes"
+            f" {figures['three_exp_passes_us_per_row']:.1f} us = {figures['three_exp_passes_vs_floor']:.1f}x floor"
         )
     if args.output:
         info = {

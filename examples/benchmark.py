@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -323,7 +324,7 @@ def dual_run(dual: OptimalSamplingDual, prompts: list[list[int]], tokens: int, *
 
 
 def dual_probe_step(dual: OptimalSamplingDual, prompts: list[list[int]], steps: int) -> float:
-    """Median seconds per decoding step of the whole batch after prefilling ``prompts``, from the teacher's step counter.
+    """Median seconds per decoding step of the batch after prefilling ``prompts``, from the teacher's step counter.
 
     The teacher scheduler admits requests as they reach both engines, so the batch may be
     prefilled over a few steps; timing starts at the first step after the last admission,
@@ -349,7 +350,7 @@ def dual_probe_step(dual: OptimalSamplingDual, prompts: list[list[int]], steps: 
         watcher.join()
     full = next(c for _, c, a in marks if a >= admitted0 + len(prompts))  # the step that admitted the last one
     ends = [next(t for t, c, _ in marks if c >= full + k) for k in range(1, steps + 2)]
-    return statistics.median(b - a for a, b in zip(ends, ends[1:]))
+    return statistics.median(b - a for a, b in itertools.pairwise(ends))
 
 
 def serve_run(dual: OptimalSamplingDual, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:

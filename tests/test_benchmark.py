@@ -45,6 +45,8 @@ def test_quick_benchmark_writes_json_table_and_plot(tmp_path):
     decision = report["decision"]
     assert decision["vocab"] == 49152 and decision["batch"] == 4
     assert 0 < decision["floor_us_per_row"] < decision["us_per_row"] < decision["reference_us_per_row"]
+    assert decision["evaluations_per_row"] >= 2  # a warm start 0.07 off the root is never accepted as it is
+    assert min(decision[f"{part}_us_per_row"] for part in ("read_pass", "evaluation", "first_evaluation")) > 0
     assert "dual_vs_bound" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").stat().st_size > 5000
 
