@@ -134,7 +134,7 @@ def _max_if_finite(row):
 
 @_jit_inline
 def _exp_sum(row, shift):
-    """Σ exp(row − shift) of a short float32 row (a block), summed in float32; entries ≤ shift."""
+    """Σ exp(row − shift) of a short float32 row (a chunk), summed in float32; entries ≤ shift."""
     total = np.float32(0.0)
     for i in range(row.size):
         total += _exp32(row[i] - shift)
@@ -145,8 +145,8 @@ def _exp_sum(row, shift):
 def _maxima_and_log_normalisers(teacher, theta, theta_normalized):
     """(max t, max h, log Σ exp(t), log Σ exp(h), every entry finite) of two rows, in one read of each.
 
-    Block by block (256 tokens, in cache while both are done): the block's maxima, then the
-    exponentials relative to the largest value seen so far; when a block raises it, the
+    Chunk by chunk (``_CHUNK`` tokens, in cache while both are done): the chunk's maxima, then
+    the exponentials relative to the largest value seen so far; when a chunk raises it, the
     sum so far is scaled down to the new one. log Σ exp(h) is 0 when ``theta_normalized``.
     """
     n = teacher.size
@@ -154,17 +154,17 @@ def _maxima_and_log_normalisers(teacher, theta, theta_normalized):
     t_sum = h_sum = 0.0
     for start in range(0, n, _CHUNK):
         stop = min(start + _CHUNK, n)
-        t_block, t_finite = _max_if_finite(teacher[start:stop])
-        h_block, h_finite = _max_if_finite(theta[start:stop])
+        t_chunk, t_finite = _max_if_finite(teacher[start:stop])
+        h_chunk, h_finite = _max_if_finite(theta[start:stop])
         if not (t_finite and h_finite):
             return t_top, h_top, 0.0, 0.0, False
-        if t_block > t_top:
-            t_sum = t_sum * math.exp(float(t_top) - float(t_block)) if t_sum > 0.0 else 0.0
-            t_top = t_block
+        if t_chunk > t_top:
+            t_sum = t_sum * math.exp(float(t_top) - float(t_chunk)) if t_sum > 0.0 else 0.0
+            t_top = t_chunk
         t_sum += _exp_sum(teacher[start:stop], t_top)
-        if h_block > h_top:
-            h_sum = h_sum * math.exp(float(h_top) - float(h_block)) if h_sum > 0.0 else 0.0
-            h_top = h_block
+        if h_chunk > h_top:
+            h_sum = h_sum * math.exp(float(h_top) - float(h_chunk)) if h_sum > 0.0 else 0.0
+            h_top = h_chunk
         if not theta_normalized:
             h_sum += _exp_sum(theta[start:stop], h_top)
     lse_h = 0.0 if theta_normalized else float(h_top) + math.log(h_sum)

@@ -107,12 +107,11 @@ def main() -> None:
     )
     teacher_rows, theta_rows, warm = (torch.cat(parts) for parts in zip(*kernel_rows))
     n = len(warm)
+    computer = get_alpha_computer("kl_symmetry")
     times, passes = [], 0
     for _ in range(7):
         start = time.perf_counter()
-        _, passes = decide_fused(
-            teacher_rows, theta_rows, [0.5] * n, [False] * n, get_alpha_computer("kl_symmetry"), warm, True
-        )
+        _, passes = decide_fused(teacher_rows, theta_rows, [0.5] * n, [False] * n, computer, warm, True)
         times.append(time.perf_counter() - start)
     print(
         f"  the compiled decision from that warm start: {passes / n:.2f} α evaluations per row,"
