@@ -18,6 +18,10 @@ from alpha import get_alpha_computer
 
 __all__ = [
     "BEST_OF_SCORES",
+    "LOGIT_BIAS_LIMIT",
+    "MAX_COUNT",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_CHARS",
     "UNSUPPORTED_SAMPLING",
     "DualEngineConfig",
     "EngineOptions",
@@ -28,6 +32,21 @@ __all__ = [
 ]
 
 BEST_OF_SCORES = ("logq", "logp_theta", "logp_teacher")
+MAX_COUNT = 2**31 - 1
+"""Largest token count, top-k or token id a request may give: the engines keep them in int32 and int64 tensors."""
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""Seeds are 64-bit signed integers, as in vLLM's request models."""
+MAX_STOP_STRINGS = 16
+"""Stop strings per request at most: the leader engine checks each on every step."""
+MAX_STOP_STRING_CHARS = 256
+"""Characters per stop string at most."""
+LOGIT_BIAS_LIMIT = 100.0
+"""logit_bias values are clamped to ±this, as vLLM does: a larger bias only forces or bans the token, and
+values past float32's range would become ±inf inside the decision."""
+MIN_TEMPERATURE = 1e-2
+"""The smallest non-zero temperature: below it the tempered log q overflows float32 (0 is greedy)."""
+MAX_TEMPERATURE = 100.0
+"""The largest temperature: past it q is uniform over the kept tokens to float32 precision."""
 UNSUPPORTED_SAMPLING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words")
 """vLLM options that would act after the token is forced; refused by name."""
 
@@ -45,6 +64,21 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _is_count(value: Any, low: int) -> bool:
+    return _is_int(value) and low <= value <= MAX_COUNT
+
+
+def _is_text(value: Any) -> bool:
+    """A str that UTF-8 can encode (JSON may carry lone surrogates, which no tokenizer takes)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclass
 class SamplingOptions:
     """How to sample from q ∝ π_θ^(1−α)·π_t^α. Every filter acts on q; α is the teacher weight."""
@@ -52,7 +86,7 @@ class SamplingOptions:
     max_tokens: int = 256
     """Generated tokens per sample at most (also capped by the room the longer prompt leaves in max_model_len)."""
     temperature: float = 1.0
-    """Divides log q before the draw; 0 is greedy (the mode of q)."""
+    """Divides log q before the draw; 0 is greedy (the mode of q), otherwise in [0.01, 100]."""
     top_p: float = 1.0
     """Nucleus filter on the tempered q, in (0, 1]; 1 is off."""
     top_k: int = -1
@@ -62,7 +96,8 @@ class SamplingOptions:
     min_tokens: int = 0
     """Generated tokens before any stop token or stop string may end a sample."""
     stop: list[str] = field(default_factory=list)
-    """Stop strings: a sample ends at the token that completes one; its text ends before it."""
+    """Stop strings (at most 16, of at most 256 characters): a sample ends at the token that completes one; its
+    text ends before it."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end a sample, besides both models' EOS ids."""
     n: int = 1
@@ -72,7 +107,7 @@ class SamplingOptions:
     best_of_score: str = "logq"
     """Score for best_of: logq, logp_theta or logp_teacher, summed over the sample's tokens."""
     logit_bias: dict[int, float] = field(default_factory=dict)
-    """Added to log q per token id before temperature."""
+    """Added to log q per token id before temperature; clamped to ±100 as in vLLM."""
     force_first_token: bool = False
     """Sample the first token from the teacher alone (α = 1 at step 0)."""
     teacher_support_top_k: int = -1
@@ -87,27 +122,30 @@ class SamplingOptions:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name, kind in (("stop", list), ("stop_token_ids", list), ("logit_bias", dict)):
+            value = getattr(self, name) or kind()
+            allowed = (list, tuple) if kind is list else dict
+            _need(isinstance(value, allowed), f"{name} must be a {kind.__name__}, got {value!r}")
+            setattr(self, name, kind(value))
         # JSON and YAML give token ids as strings; they are token ids all the same.
         self.logit_bias = {
-            int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in (self.logit_bias or {}).items()
+            int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k: v for k, v in self.logit_bias.items()
         }
         for name in ("temperature", "top_p", "min_p", "teacher_support_top_p"):
             if _is_int(getattr(self, name)):
                 setattr(self, name, float(getattr(self, name)))
         _need(
-            _is_int(self.max_tokens) and self.max_tokens >= 1,
-            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+            _is_count(self.max_tokens, 1), f"max_tokens must be an integer in [1, {MAX_COUNT}], got {self.max_tokens!r}"
         )
         _need(
-            _is_number(self.temperature) and self.temperature >= 0,
-            f"temperature must be a number >= 0, got {self.temperature!r}",
+            _is_number(self.temperature)
+            and (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE),
+            f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {self.temperature!r}",
         )
         _need(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must lie in (0, 1], got {self.top_p!r}")
         _need(
-            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
-            f"top_k must be -1 (off) or >= 1, got {self.top_k!r}",
+            self.top_k == -1 or _is_count(self.top_k, 1),
+            f"top_k must be -1 (off) or an integer in [1, {MAX_COUNT}], got {self.top_k!r}",
         )
         _need(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must lie in [0, 1], got {self.min_p!r}")
         _need(
@@ -115,16 +153,21 @@ class SamplingOptions:
             f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
         )
         _need(
-            all(isinstance(s, str) and s for s in self.stop),
-            f"stop must be a list of non-empty strings, got {self.stop!r}",
+            isinstance(self.stop, list) and len(self.stop) <= MAX_STOP_STRINGS,
+            f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
         )
         _need(
-            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-            f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",
+            all(_is_text(s) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+            f"stop must hold non-empty strings of at most {MAX_STOP_STRING_CHARS} characters (valid Unicode), "
+            f"got {[s[:40] if isinstance(s, str) else s for s in self.stop]!r}",
         )
-        _need(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         _need(
-            self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n),
+            all(_is_count(t, 0) for t in self.stop_token_ids),
+            f"stop_token_ids must be token ids in [0, {MAX_COUNT}], got {self.stop_token_ids[:5]!r}",
+        )
+        _need(_is_count(self.n, 1), f"n must be an integer in [1, {MAX_COUNT}], got {self.n!r}")
+        _need(
+            self.best_of is None or (_is_count(self.best_of, 1) and self.best_of >= self.n),
             f"best_of must be an integer >= n={self.n}, got {self.best_of!r}",
         )
         _need(
@@ -132,22 +175,28 @@ class SamplingOptions:
             f"best_of_score must be one of {BEST_OF_SCORES}, got {self.best_of_score!r}",
         )
         for token, bias in self.logit_bias.items():
-            _need(_is_int(token) and token >= 0, f"logit_bias keys must be token ids >= 0, got {token!r}")
+            _need(_is_count(token, 0), f"logit_bias keys must be token ids in [0, {MAX_COUNT}], got {token!r}")
             _need(_is_number(bias), f"logit_bias for token {token} must be a finite number, got {bias!r}")
+        self.logit_bias = {
+            t: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(b))) for t, b in self.logit_bias.items()
+        }
         _need(
             isinstance(self.force_first_token, bool),
             f"force_first_token must be true or false, got {self.force_first_token!r}",
         )
         _need(
-            _is_int(self.teacher_support_top_k)
-            and (self.teacher_support_top_k == -1 or self.teacher_support_top_k >= 1),
-            f"teacher_support_top_k must be -1 (off) or >= 1, got {self.teacher_support_top_k!r}",
+            self.teacher_support_top_k == -1 or _is_count(self.teacher_support_top_k, 1),
+            f"teacher_support_top_k must be -1 (off) or an integer in [1, {MAX_COUNT}], "
+            f"got {self.teacher_support_top_k!r}",
         )
         _need(
             _is_number(self.teacher_support_top_p) and 0 < self.teacher_support_top_p <= 1,
             f"teacher_support_top_p must lie in (0, 1], got {self.teacher_support_top_p!r}",
         )
-        _need(_is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        _need(
+            _is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
+            f"seed must be a 64-bit signed integer, got {self.seed!r}",
+        )
         _need(
             _is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 20,
             f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}",
