@@ -1,12 +1,12 @@
 """An OpenAI-compatible server for the mixture: ``dual-sampling serve``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` true or false),
-``GET /v1/models``, ``GET /health`` (200 only while both engines run) and ``GET /metrics``
-(Prometheus text). Requests are parsed with vLLM's own OpenAI request models; responses
-are vLLM's OpenAI response models. Every choice also carries, under the key
-``dual_sampling``, the per-token records of its tokens (α, log π_t, log π_θ, log q, the
-token ids) and, on its last chunk, ``log_w_theta`` and any error. The standard
-``logprobs`` report log q, the distribution actually sampled.
+``GET /v1/models``, ``GET /health`` (200 only while both engines run), ``GET /metrics``
+(Prometheus text) and ``GET /openapi.json``. Requests and responses are vLLM's OpenAI models
+extended with the mixture's fields (:mod:`dual_sampling.server.protocol`). Every choice also
+carries, under the key ``dual_sampling``, the per-token records of its tokens (α, log π_t,
+log π_θ, log q, the token ids) and, on its last chunk, ``log_w_theta`` and any error. The
+standard ``logprobs`` report log q, the distribution actually sampled.
 
 The teacher's view comes from extra body fields: ``teacher_prompt`` (completions) or
 ``teacher_messages`` (chat) replace the teacher's input; ``hint`` is rendered into the
@@ -14,28 +14,38 @@ teacher's user message with the template of ``dual-sampling generate``.
 
 Under load: at most ``max_queue`` samples are held at once (a request of ``n`` holds ``n``);
 past it a request gets 429 at once. Samples are served first come first served. A client
-that disconnects has its request aborted on both engines at the next step. A dead engine
-turns ``/health`` red, ends the requests in flight with an error and makes new ones 503.
-Bad input is a 400 naming the field; nothing the client sends causes a 500.
+that disconnects, stops reading for ``send_timeout`` or outlives ``request_timeout`` has its
+request aborted on both engines. A dead engine turns ``/health`` red, ends the requests in
+flight with an error, makes new ones 503, and ends :func:`serve` with exit status 1 so that a
+supervisor restarts it.
+
+Bad input is a 400 (or 401, 404, 408, 413, 415) naming the field; a fault of the server itself
+is a logged 500, and a stream that meets one ends with an error event and ``[DONE]``. No
+response ever holds a non-finite number.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
+import logging
 import math
 import os
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+import warnings
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 
 from dual_sampling.config import SamplingOptions
 from dual_sampling.outputs import SampleRecord
@@ -46,6 +56,12 @@ from dual_sampling.text import TextStream
 __all__ = ["ServeOptions", "build_app", "serve"]
 
 API_KEY_ENV = "DUAL_SAMPLING_API_KEY"
+PUBLIC_ROUTES = frozenset({"/health", "/metrics", "/openapi.json"})
+"""Routes served without the API key; every other path needs it (so a route added later is never open)."""
+MAX_JSON_DEPTH = 32
+"""Nesting of a request body's arrays and objects at most (the deepest valid request nests about 6)."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -57,7 +73,8 @@ class ServeOptions:
     port: int = 8000
     """TCP port."""
     api_key: str | None = None
-    """Require ``Authorization: Bearer <key>`` on /v1 routes (default: the DUAL_SAMPLING_API_KEY variable, if set)."""
+    """Require ``Authorization: Bearer <key>`` on every route but /health, /metrics and /openapi.json (default: the
+    DUAL_SAMPLING_API_KEY variable, if set, which keeps the key out of the process list)."""
     served_model_name: str = "dual"
     """The model name /v1/models lists and responses carry (requests may name it or leave it out)."""
     max_queue: int = 256
@@ -66,12 +83,27 @@ class ServeOptions:
     """Largest n (and best_of) a request may ask for."""
     max_body_bytes: int = 1 << 20
     """Largest request body; a larger one gets 413."""
+    body_timeout: float = 30.0
+    """Seconds a client may take to send its request body; past it the request gets 408."""
+    send_timeout: float = 30.0
+    """Seconds a response may wait for its client to read; past it the request is aborted on both engines and
+    the connection closed (a client that stops reading would otherwise hold its samples for good)."""
+    request_timeout: float = 3600.0
+    """Seconds a request may run in all; past it, it is aborted on both engines (504, or an error event)."""
+    max_connections: int = 1024
+    """Connections served at once (uvicorn's limit_concurrency); past it a connection gets 503."""
 
     def __post_init__(self) -> None:
-        for name in ("port", "max_queue", "max_n", "max_body_bytes"):
+        for name in ("port", "max_queue", "max_n", "max_body_bytes", "max_connections"):
             value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("body_timeout", "send_timeout", "request_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty: leave it out to serve without a key")
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
 
@@ -84,11 +116,20 @@ class BadRequest(Exception):
         self.message, self.param, self.status, self.kind = message, param, status, kind
 
 
+class ClientTooSlow(Exception):
+    """The client did not take a response's next bytes within ``send_timeout``."""
+
+
 def error_body(message: str, status: int, kind: str, param: str | None = None) -> dict[str, Any]:
+    """vLLM's ``ErrorResponse`` shape."""
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-# Request fields the server acts on. Any other field of vLLM's request models must keep its default.
+def error_response(exc: BadRequest) -> JSONResponse:
+    return JSONResponse(error_body(exc.message, exc.status, exc.kind, exc.param), status_code=exc.status)
+
+
+# Request fields the server acts on. Any other field of the request models must keep its default.
 _COMMON_FIELDS = {
     "model",
     "max_tokens",
@@ -111,16 +152,17 @@ _COMMON_FIELDS = {
     "frequency_penalty",
     "presence_penalty",
     "repetition_penalty",
+    "hint",
 }
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages",
+    "teacher_messages",
     "logprobs",
     "top_logprobs",
     "max_completion_tokens",
     "add_generation_prompt",
 }
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "best_of"}
-_EXTRA_FIELDS = {"teacher_prompt", "teacher_messages", "hint"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "teacher_prompt", "logprobs", "best_of"}
 _PENALTY_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
 
 
@@ -138,6 +180,65 @@ class _Job:
     logprobs: int | None
     """None: no logprobs; k >= 0: the sampled token's log q and k alternatives."""
     model: str
+    deadline: float
+    """time.monotonic() past which the request is aborted."""
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or BadRequest naming what is wrong with it.
+
+    Refused besides invalid JSON: NaN and ±Infinity, numbers past float64, integers past Python's
+    4,300-digit limit, nesting deeper than :data:`MAX_JSON_DEPTH`, and strings with lone surrogates
+    (valid JSON escapes that no tokenizer or UTF-8 writer takes).
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the request body is not valid UTF-8 (byte {exc.start})") from None
+
+    def finite(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            raise ValueError(f"the number {literal[:40]} is out of range")
+        return value
+
+    def constant(literal: str) -> float:
+        raise ValueError(f"{literal} is not a JSON number")
+
+    try:
+        body = json.loads(text, parse_float=finite, parse_constant=constant)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(
+            f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    except RecursionError:
+        raise BadRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:  # out-of-range numbers, NaN, integers past the digit limit
+        raise BadRequest(f"the request body is not valid: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    _check_values(body)
+    return body
+
+
+def _check_values(body: dict[str, Any]) -> None:
+    """Refuse nesting past MAX_JSON_DEPTH and strings UTF-8 cannot encode, naming the field (iteratively)."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise BadRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", path or None)
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadRequest(f"{path or 'a key'} holds a lone surrogate (not valid Unicode)", path) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, path, depth + 1))
+                stack.append((item, f"{path}.{key}" if path else str(key), depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
 
 
 class DualService:
@@ -149,24 +250,36 @@ class DualService:
         """Samples accepted and not yet finished."""
         self.metrics = _Metrics(self)
         self._hint_template = None
+        self._pieces: dict[int, str] = {}
+        # Tokenizing and chat templating take long for long prompts: one thread of their own keeps the event
+        # loop (and /health) free, and one at a time keeps the tokenizer to one caller.
+        self.parser = ThreadPoolExecutor(1, thread_name_prefix="dual-sampling-parse")
+        tok = dual.tokenizer
+        # No token covers more characters of text than its own string has (byte-level BPE and SentencePiece
+        # alike), so a prompt longer than this many characters cannot fit, and is refused before tokenizing.
+        self.max_prompt_chars = dual.max_model_len * max(map(len, tok.get_vocab()), default=1)
 
     # ------------------------------------------------------------------ parsing
 
     def parse(self, body: dict[str, Any], kind: str) -> _Job:
+        """Validate and translate a request (runs in :attr:`parser`, off the event loop)."""
         from pydantic import ValidationError
+        from vllm.exceptions import VLLMClientError
 
-        model_cls = _request_model(kind)
+        from dual_sampling.server.protocol import DualChatCompletionRequest, DualCompletionRequest
+
+        model_cls = DualChatCompletionRequest if kind == "chat" else DualCompletionRequest
         try:
             req = model_cls.model_validate(body)
         except ValidationError as exc:
             first = exc.errors()[0]
             param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
             raise BadRequest(f"{param or 'request'}: {first.get('msg', 'invalid value')}", param) from None
-        except Exception as exc:  # vLLM's own request checks raise their own errors; still the client's input
+        except VLLMClientError as exc:  # vLLM's own request checks, outside pydantic's errors
             raise BadRequest(str(exc), getattr(exc, "parameter", None)) from None
         fields = _CHAT_FIELDS if kind == "chat" else _COMPLETION_FIELDS
         for name in sorted(body):
-            if name in fields or name in _EXTRA_FIELDS:
+            if name in fields:
                 continue
             default = (
                 model_cls.model_fields[name].get_default(call_default_factory=True)
@@ -186,8 +299,7 @@ class DualService:
                 404,
                 "not_found_error",
             )
-        extra = {k: body[k] for k in _EXTRA_FIELDS if k in body}
-        theta_text, teacher_text = self._prompts(req, kind, extra)
+        theta_text, teacher_text = self._prompts(req, kind)
         try:
             (teacher_ids,), (theta_ids,) = self.dual._prompt_pairs([theta_text], [teacher_text])
         except ValueError as exc:
@@ -195,17 +307,23 @@ class DualService:
                 str(exc).replace("prompt 0", "the prompt"), "messages" if kind == "chat" else "prompt"
             ) from None
         room = self.dual.max_model_len - max(len(teacher_ids), len(theta_ids))
-        # The raw body's value (already type-checked): vLLM's chat model warns on reading max_tokens.
-        max_tokens = (body.get("max_completion_tokens") or body.get("max_tokens")) if kind == "chat" else req.max_tokens
+        if kind == "chat" and req.max_completion_tokens is not None:
+            max_tokens_field, max_tokens = "max_completion_tokens", req.max_completion_tokens
+        elif kind == "chat":
+            with warnings.catch_warnings():  # vLLM's chat model marks max_tokens deprecated; it is still honoured
+                warnings.simplefilter("ignore", DeprecationWarning)
+                max_tokens_field, max_tokens = "max_tokens", req.max_tokens
+        else:
+            max_tokens_field, max_tokens = "max_tokens", req.max_tokens
         if max_tokens is not None and max_tokens > room:
             raise BadRequest(
-                f"max_tokens={max_tokens} does not fit: the prompt leaves {room} of max_model_len="
+                f"{max_tokens_field}={max_tokens} does not fit: the prompt leaves {room} of max_model_len="
                 f"{self.dual.max_model_len} tokens",
-                "max_tokens",
+                max_tokens_field,
             )
         logprobs = self._logprobs(req, kind)
-        n = req.n or 1
-        best_of = getattr(req, "best_of", None) if kind == "completion" else None
+        n = 1 if req.n is None else req.n
+        best_of = req.best_of if kind == "completion" else None
         for name, value in (("n", n), ("best_of", best_of)):
             if value is not None and value > self.options.max_n:
                 raise BadRequest(f"{name}={value} exceeds this server's limit of {self.options.max_n}", name)
@@ -214,7 +332,7 @@ class DualService:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         try:
             sampling = SamplingOptions(
-                max_tokens=max_tokens or room,
+                max_tokens=room if max_tokens is None else max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=-1 if req.top_k in (None, 0) else req.top_k,
@@ -230,7 +348,10 @@ class DualService:
             )
             sampling.check_vocab(self.dual.vocab)
         except ValueError as exc:
-            raise BadRequest(str(exc), str(exc).split(" ")[0]) from None
+            name = str(exc).split(" ")[0]
+            # The request's names for the SamplingOptions fields it names otherwise.
+            renamed = {"max_tokens": max_tokens_field, "top_logprobs": "top_logprobs" if kind == "chat" else "logprobs"}
+            raise BadRequest(str(exc), renamed.get(name, name)) from None
         stream_options = getattr(req, "stream_options", None)
         return _Job(
             kind,
@@ -241,18 +362,15 @@ class DualService:
             bool(stream_options and stream_options.include_usage),
             logprobs,
             self.options.served_model_name,
+            time.monotonic() + self.options.request_timeout,
         )
 
-    def _prompts(self, req: Any, kind: str, extra: dict[str, Any]) -> tuple[Any, Any]:
+    def _prompts(self, req: Any, kind: str) -> tuple[Any, Any]:
         """(theta's prompt, teacher's prompt): text rendered with the chat template, or token ids."""
-        hint = extra.get("hint")
-        if hint is not None and not isinstance(hint, str):
-            raise BadRequest("hint must be a string", "hint")
+        hint = req.hint
         if kind == "chat":
             messages = _messages(req.messages, "messages")
-            teacher = _messages(extra["teacher_messages"], "teacher_messages") if "teacher_messages" in extra else None
-            if teacher is not None and hint is not None:
-                raise BadRequest("give either teacher_messages or hint, not both", "hint")
+            teacher = _messages(req.teacher_messages, "teacher_messages") if req.teacher_messages is not None else None
             if teacher is None:
                 teacher = [dict(m) for m in messages]
                 if hint is not None:
@@ -264,16 +382,22 @@ class DualService:
             if len(prompt) != 1:
                 raise BadRequest("send one prompt per request", "prompt")
             prompt = prompt[0]
-        if prompt in ("", []):
+        if prompt in ("", [], None):
             raise BadRequest("prompt is empty", "prompt")
-        teacher = extra.get("teacher_prompt")
-        if teacher is not None and hint is not None:
-            raise BadRequest("give either teacher_prompt or hint, not both", "hint")
+        teacher = req.teacher_prompt
         if teacher is None:
             teacher = self._with_hint(prompt, hint) if hint is not None else prompt
-        elif not (isinstance(teacher, str) or (isinstance(teacher, list) and all(isinstance(t, int) for t in teacher))):
-            raise BadRequest("teacher_prompt must be a string or a list of token ids", "teacher_prompt")
+        for name, text in (("prompt", prompt), ("teacher_prompt", teacher)):
+            self._check_length(text, name)
         return prompt, teacher
+
+    def _check_length(self, text: Any, param: str) -> None:
+        if isinstance(text, str) and len(text) > self.max_prompt_chars:
+            raise BadRequest(
+                f"{param} has {len(text)} characters, more than max_model_len={self.dual.max_model_len} tokens "
+                "can hold",
+                param,
+            )
 
     def _with_hint(self, problem: Any, hint: str) -> str:
         if not isinstance(problem, str):
@@ -285,6 +409,7 @@ class DualService:
         return self._hint_template.render(problem=problem, hint=hint, row={})
 
     def _chat(self, messages: list[dict[str, str]], param: str) -> str:
+        self._check_length("".join(m["content"] for m in messages), param)
         try:
             return self.dual.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # a template that refuses the conversation (roles out of order, ...)
@@ -299,6 +424,13 @@ class DualService:
                 return None
             return int(req.top_logprobs or 0)
         return None if req.logprobs is None else int(req.logprobs)
+
+    def piece(self, token: int) -> str:
+        """One token decoded alone (cached: logprobs with alternatives decode hundreds of thousands)."""
+        text = self._pieces.get(token)
+        if text is None:
+            text = self._pieces[token] = self.dual.tokenizer.decode([token])
+        return text
 
     # ------------------------------------------------------------------ running
 
@@ -318,18 +450,14 @@ class DualService:
         return _Reservation(self, draws)
 
     async def samples(self, job: _Job) -> AsyncIterator[tuple[int, SampleDelta]]:
-        """(sample index, delta) from every sample of ``job``, as they come."""
+        """(sample index, delta) from every sample of ``job``, as they come; BadRequest(504) past its deadline."""
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
         async def one(index: int) -> None:
             try:
                 async for delta in self.dual.stream(
-                    self.job_prompt(job, "theta"),
-                    self.job_prompt(job, "teacher"),
-                    sampling=job.sampling,
-                    sample_key=0,
-                    sample_index=index,
+                    job.theta_ids, job.teacher_ids, sampling=job.sampling, sample_key=0, sample_index=index
                 ):
                     queue.put_nowait((index, delta))
             except BaseException as exc:
@@ -342,7 +470,11 @@ class DualService:
         try:
             remaining = len(tasks)
             while remaining:
-                index, item = await queue.get()
+                try:
+                    index, item = await asyncio.wait_for(queue.get(), max(0.0, job.deadline - time.monotonic()))
+                except TimeoutError:
+                    message = f"the request ran past request_timeout={self.options.request_timeout} s and was aborted"
+                    raise BadRequest(message, None, 504, "timeout_error") from None
                 if item is done:
                     remaining -= 1
                 elif isinstance(item, BaseException):
@@ -353,18 +485,15 @@ class DualService:
                     yield index, item
         finally:
             for task in tasks:
-                task.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.gather(*tasks, return_exceptions=True)
-
-    @staticmethod
-    def job_prompt(job: _Job, side: str) -> list[int]:
-        return job.theta_ids if side == "theta" else job.teacher_ids
+                task.cancel()  # aborts the samples still running on both engines
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     # ------------------------------------------------------------------ answers
 
     async def complete(self, job: _Job) -> dict[str, Any]:
         """The whole response of a non-streaming request."""
+        from dual_sampling.server.protocol import DualChatCompletionResponse, DualCompletionResponse
+
         deltas: dict[int, list[SampleDelta]] = {}
         async for index, delta in self.samples(job):
             deltas.setdefault(index, []).append(delta)
@@ -377,7 +506,10 @@ class DualService:
         usage = _usage(len(job.theta_ids) * len(samples), completion_tokens)
         for _, ds in samples:
             self.metrics.observe(ds[-1].sample)
-        return _response(job, choices, usage)
+        cls = DualChatCompletionResponse if job.kind == "chat" else DualCompletionResponse
+        return cls.model_validate(
+            {"id": _response_id(job), "model": job.model, "choices": choices, "usage": usage}
+        ).model_dump(mode="json", exclude_none=False)
 
     def _choice(self, job: _Job, index: int, deltas: list[SampleDelta]) -> dict[str, Any]:
         sample = deltas[-1].sample
@@ -385,44 +517,30 @@ class DualService:
         top = [d.top for d in deltas if d.top is not None]
         top_all = (np.concatenate([t[0] for t in top]), np.concatenate([t[1] for t in top])) if top else None
         extra = _records(sample.teacher_token_ids, records, sample)
-        logprobs = self._logprobs_block(job, sample.teacher_token_ids, records, top_all, sample.text)
+        logprobs = self._logprobs_block(job, sample.teacher_token_ids, records, top_all)
+        choice: dict[str, Any] = {"index": index}
         if job.kind == "chat":
-            return {
-                "index": index,
-                "message": {"role": "assistant", "content": sample.text},
-                "logprobs": logprobs,
-                "finish_reason": sample.finish_reason,
-                "stop_reason": sample.stop_reason,
-                "dual_sampling": extra,
-            }
-        return {
-            "index": index,
-            "text": sample.text,
-            "logprobs": logprobs,
-            "finish_reason": sample.finish_reason,
-            "stop_reason": sample.stop_reason,
-            "dual_sampling": extra,
-        }
+            choice["message"] = {"role": "assistant", "content": sample.text}
+        else:
+            choice["text"] = sample.text
+        choice.update(
+            logprobs=logprobs, finish_reason=sample.finish_reason, stop_reason=sample.stop_reason, dual_sampling=extra
+        )
+        return choice
 
     def _logprobs_block(
-        self,
-        job: _Job,
-        token_ids: Sequence[int],
-        records: np.ndarray,
-        top: tuple[np.ndarray, np.ndarray] | None,
-        text: str,
+        self, job: _Job, token_ids: Sequence[int], records: np.ndarray, top: tuple[np.ndarray, np.ndarray] | None
     ) -> dict[str, Any] | None:
         if job.logprobs is None:
             return None
-        tok = self.dual.tokenizer
         logq = records[:, RECORD_FIELDS.index("logq")].tolist()
-        strings = [tok.decode([t]) for t in token_ids]
+        strings = [self.piece(int(t)) for t in token_ids]
         alternatives = []
         for i in range(len(token_ids)):
             if top is None or job.logprobs == 0:
                 alternatives.append([])
             else:
-                alternatives.append([(tok.decode([int(t)]), float(v)) for t, v in zip(top[0][i], top[1][i])])
+                alternatives.append([(self.piece(int(t)), float(v)) for t, v in zip(top[0][i], top[1][i])])
         if job.kind == "chat":
             return {
                 "content": [
@@ -447,7 +565,7 @@ class DualService:
         }
 
     async def stream(self, job: _Job) -> AsyncIterator[str]:
-        """Server-sent events: OpenAI chunks, then ``data: [DONE]``."""
+        """Server-sent events: OpenAI chunks, then ``data: [DONE]``; a failure ends it with an error event first."""
         request_id = _response_id(job)
         created = int(time.time())
         tok = self.dual.tokenizer
@@ -459,7 +577,7 @@ class DualService:
         try:
             async for index, delta in self.samples(job):
                 extra = _records(delta.token_ids, delta.records, delta.sample)
-                logprobs = self._logprobs_block(job, delta.token_ids, delta.records, delta.top, "")
+                logprobs = self._logprobs_block(job, delta.token_ids, delta.records, delta.top)
                 if delta.sample is None:
                     piece = texts[index].push(delta.token_ids)
                     yield _sse(_chunk(job, request_id, created, index, piece, logprobs=logprobs, extra=extra))
@@ -481,9 +599,14 @@ class DualService:
                         stop_reason=sample.stop_reason,
                     )
                 )
-        except (SyncError, BadRequest) as exc:
-            message = exc.message if isinstance(exc, BadRequest) else str(exc)
-            yield _sse(error_body(message, 503, "service_unavailable"))
+        except SyncError as exc:
+            yield _sse(error_body(str(exc), 503, "service_unavailable"))
+        except BadRequest as exc:
+            yield _sse(error_body(exc.message, exc.status, exc.kind, exc.param))
+        except Exception:
+            logger.exception("a stream failed inside the server")
+            self.metrics.server_errors.inc()
+            yield _sse(error_body("internal server error (logged)", 500, "internal_server_error"))
         if job.include_usage:
             usage = _usage(len(job.theta_ids) * job.sampling.n, completion_tokens)
             yield _sse(
@@ -516,16 +639,6 @@ class _Reservation:
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _request_model(kind: str):
-    if kind == "chat":
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-        return ChatCompletionRequest
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-
-    return CompletionRequest
 
 
 def _messages(messages: Any, param: str) -> list[dict[str, str]]:
@@ -590,16 +703,6 @@ def _chunk_object(job: _Job) -> str:
     return "chat.completion.chunk" if job.kind == "chat" else "text_completion"
 
 
-def _response(job: _Job, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
-    from vllm.entrypoints.openai.completion.protocol import CompletionResponse
-
-    cls = ChatCompletionResponse if job.kind == "chat" else CompletionResponse
-    return cls.model_validate(
-        {"id": _response_id(job), "model": job.model, "choices": choices, "usage": usage}
-    ).model_dump(mode="json", exclude_none=False)
-
-
 def _chunk(
     job: _Job,
     request_id: str,
@@ -629,7 +732,8 @@ def _chunk(
 
 
 def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    # allow_nan=False: a non-finite value would be bare NaN, which is not JSON; it is a bug upstream, and raises.
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 class _Metrics:
@@ -654,6 +758,16 @@ class _Metrics:
             "dual_sampling_alpha",
             "Teacher weight α per generated token",
             buckets=[i / 10 for i in range(1, 11)],
+            registry=self.registry,
+        )
+        self.server_errors = Counter(
+            "dual_sampling_server_errors",
+            "Faults of the server itself (500s and failed streams)",
+            registry=self.registry,
+        )
+        self.send_timeouts = Counter(
+            "dual_sampling_send_timeouts",
+            "Requests aborted because their client stopped reading for send_timeout",
             registry=self.registry,
         )
         self.rejected = 0
@@ -719,49 +833,108 @@ class _EngineCollector:
 # ---------------------------------------------------------------------- the app
 
 
-def build_app(dual: Any, options: ServeOptions | None = None):
-    """The FastAPI app serving ``dual`` (an open :class:`OptimalSamplingDual`)."""
+def _route_path(scope: dict[str, Any]) -> str:
+    """The path the router matches: without the app's mount prefix, whether or not a proxy stripped it."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+def _authorized(header: str | None, key: str) -> bool:
+    scheme, _, token = (header or "").partition(" ")
+    # compare_digest: the time taken does not tell how much of a guessed key was right.
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key.encode())
+
+
+class _Guard:
+    """ASGI middleware, before any route: the API key, the body's size and type, and a bound on unread output."""
+
+    def __init__(self, app: Any, options: ServeOptions, service: DualService) -> None:
+        self.app, self.options, self.service = app, options, service
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        refusal = None
+        if (
+            self.options.api_key
+            and _route_path(scope) not in PUBLIC_ROUTES
+            and not _authorized(headers.get("authorization"), self.options.api_key)
+        ):
+            refusal = BadRequest(
+                "a valid API key is required (Authorization: Bearer <key>)", None, 401, "authentication_error"
+            )
+        elif scope["method"] == "POST":
+            length = headers.get("content-length")
+            media = headers.get("content-type", "").split(";")[0].strip().lower()
+            if length is not None and length.isdigit() and int(length) > self.options.max_body_bytes:
+                refusal = BadRequest(f"the request body exceeds {self.options.max_body_bytes} bytes", None, 413)
+            elif media != "application/json":
+                # A browser page may POST text/plain to localhost without asking first; JSON it must ask for.
+                refusal = BadRequest(
+                    f"Content-Type must be application/json, got {media or 'none'!r}",
+                    "Content-Type",
+                    415,
+                )
+        if refusal is not None:
+            return await error_response(refusal)(scope, receive, send)
+        timeout = self.options.send_timeout
+
+        async def send_in_time(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), timeout)
+            except TimeoutError:
+                raise ClientTooSlow(f"the client read nothing for send_timeout={timeout} s") from None
+
+        try:
+            await self.app(scope, receive, send_in_time)
+        except ClientTooSlow as exc:
+            # Raised through the response, whose request was aborted on the way out; returning leaves the
+            # connection to uvicorn, which closes it (the response cannot be completed).
+            self.service.metrics.send_timeouts.inc()
+            logger.warning("%s %s: %s; request aborted", scope["method"], scope["path"], exc)
+
+
+def build_app(dual: Any, options: ServeOptions | None = None, on_engine_death: Callable[[], None] | None = None):
+    """The FastAPI app serving ``dual`` (an open :class:`OptimalSamplingDual`).
+
+    ``on_engine_death`` is called once when the engines fail for good (:func:`serve` uses it to exit).
+    """
+    from dual_sampling.server import protocol
+
     options = options or ServeOptions()
     service = DualService(dual, options)
-    app = FastAPI(title="dual-sampling", docs_url=None, redoc_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        watch = asyncio.ensure_future(_watch_engines(service, on_engine_death)) if on_engine_death else None
+        try:
+            yield
+        finally:
+            if watch is not None:
+                watch.cancel()
+            service.parser.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="dual-sampling", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.service = service
-
-    def error(exc: BadRequest) -> JSONResponse:
-        return JSONResponse(error_body(exc.message, exc.status, exc.kind, exc.param), status_code=exc.status)
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        authorized = request.headers.get("authorization") == f"Bearer {options.api_key}"
-        if request.url.path.startswith("/v1") and options.api_key and not authorized:
-            message = "a valid API key is required (Authorization: Bearer <key>)"
-            return error(BadRequest(message, None, 401, "authentication_error"))
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > options.max_body_bytes:
-            return error(BadRequest(f"the request body exceeds {options.max_body_bytes} bytes", None, 413))
-        return await call_next(request)
+    app.add_middleware(_Guard, options=options, service=service)
 
     async def body_of(request: Request) -> dict[str, Any]:
-        raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > options.max_body_bytes:
-                raise BadRequest(f"the request body exceeds {options.max_body_bytes} bytes", None, 413)
+        chunks, size = [], 0
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise BadRequest(f"the request body is not valid UTF-8 (byte {exc.start})") from None
-        try:
-            body = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise BadRequest(
-                f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-            ) from None
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        return body
+            async with asyncio.timeout(options.body_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > options.max_body_bytes:
+                        raise BadRequest(f"the request body exceeds {options.max_body_bytes} bytes", None, 413)
+                    chunks.append(chunk)
+        except TimeoutError:
+            message = f"the request body took longer than body_timeout={options.body_timeout} s"
+            raise BadRequest(message, None, 408) from None
+        return parse_body(b"".join(chunks))
 
     class EventStream(StreamingResponse):
-        """Server-sent events whose reservation is released however the response ends (even before it starts)."""
+        """Server-sent events whose samples are aborted and reservation released however the response ends."""
 
         def __init__(self, events: _Events, reservation: _Reservation) -> None:
             super().__init__(events, media_type="text/event-stream")
@@ -771,19 +944,27 @@ def build_app(dual: Any, options: ServeOptions | None = None):
             try:
                 await super().__call__(scope, receive, send)
             finally:
-                with contextlib.suppress(BaseException):
+                try:
                     await self.events.aclose()  # aborts its samples on both engines if they still run
-                if not self.events.completed:
-                    service.metrics.disconnects.inc()
-                self.reservation.release()
+                except Exception:
+                    logger.exception("closing a stream failed")
+                finally:
+                    if not self.events.completed:
+                        service.metrics.disconnects.inc()
+                    self.reservation.release()
 
     async def handle(request: Request, kind: str, route: str):
+        def answer(exc: BadRequest) -> JSONResponse:
+            service.metrics.requests.labels(route, str(exc.status)).inc()
+            return error_response(exc)
+
         try:
-            job = service.parse(await body_of(request), kind)
+            body = await body_of(request)
+            loop = asyncio.get_running_loop()
+            job = await loop.run_in_executor(service.parser, service.parse, body, kind)
             reservation = service.admit(job)
         except BadRequest as exc:
-            service.metrics.requests.labels(route, str(exc.status)).inc()
-            return error(exc)
+            return answer(exc)
         if job.stream:
             service.metrics.requests.labels(route, "200").inc()
             return EventStream(_Events(service.stream(job)), reservation)
@@ -794,27 +975,68 @@ def build_app(dual: Any, options: ServeOptions | None = None):
             if not task.done():  # the client went away: abort its samples on both engines
                 task.cancel()
                 service.metrics.disconnects.inc()
-                with contextlib.suppress(BaseException):
-                    await task
+                await asyncio.gather(task, return_exceptions=True)
                 return Response(status_code=499)
             try:
                 body = task.result()
             except SyncError as exc:
-                service.metrics.requests.labels(route, "503").inc()
-                return error(BadRequest(str(exc), None, 503, "service_unavailable"))
+                return answer(BadRequest(str(exc), None, 503, "service_unavailable"))
+            except BadRequest as exc:
+                return answer(exc)
             service.metrics.requests.labels(route, "200").inc()
             return JSONResponse(body)
         finally:
             watcher.cancel()
+            if not task.done():  # this handler itself was cancelled
+                task.cancel()
             reservation.release()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await handle(request, "chat", "chat")
+    async def route(request: Request, kind: str, name: str):
+        try:
+            return await handle(request, kind, name)
+        except Exception:
+            logger.exception("%s %s failed inside the server", request.method, request.url.path)
+            service.metrics.server_errors.inc()
+            service.metrics.requests.labels(name, "500").inc()
+            return JSONResponse(
+                error_body("internal server error (logged)", 500, "internal_server_error"), status_code=500
+            )
 
-    @app.post("/v1/completions")
+    def body_schema(model: type) -> dict[str, Any]:
+        return {"requestBody": {"required": True, "content": {"application/json": {"schema": _schema_ref(model)}}}}
+
+    error_responses = {
+        status: {"model": protocol.ErrorResponse, "description": what}
+        for status, what in (
+            (400, "invalid input, naming the field"),
+            (401, "no valid API key"),
+            (404, "another model"),
+            (408, "the body came too slowly"),
+            (413, "the body is too large"),
+            (415, "not application/json"),
+            (429, "the queue is full"),
+            (503, "the engines are not running"),
+            (504, "request_timeout passed"),
+        )
+    }
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=protocol.DualChatCompletionResponse,
+        responses=error_responses,
+        openapi_extra=body_schema(protocol.DualChatCompletionRequest),
+    )
+    async def chat_completions(request: Request):
+        return await route(request, "chat", "chat")
+
+    @app.post(
+        "/v1/completions",
+        response_model=protocol.DualCompletionResponse,
+        responses=error_responses,
+        openapi_extra=body_schema(protocol.DualCompletionRequest),
+    )
     async def completions(request: Request):
-        return await handle(request, "completion", "completions")
+        return await route(request, "completion", "completions")
 
     @app.get("/v1/models")
     async def models():
@@ -840,7 +1062,38 @@ def build_app(dual: Any, options: ServeOptions | None = None):
     async def metrics():
         return PlainTextResponse(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    _add_request_schemas(app, [protocol.DualChatCompletionRequest, protocol.DualCompletionRequest])
     return app
+
+
+def _schema_ref(model: type) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _add_request_schemas(app: FastAPI, models: list[type]) -> None:
+    """Put the request models (read by hand from the body, so unknown to FastAPI) into /openapi.json."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                own = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(own.pop("$defs", {}))
+                components[model.__name__] = own
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+async def _watch_engines(service: DualService, on_death: Callable[[], None]) -> None:
+    """Call ``on_death`` once the engines have failed for good (a dead process or a dead EngineCore)."""
+    while service.healthy():
+        await asyncio.sleep(0.5)
+    logger.error("the engines failed: %s; stopping the server", service.dual.scheduler.failure)
+    on_death()
 
 
 async def _disconnected(request: Any) -> None:
@@ -871,10 +1124,43 @@ class _Events:
         await self.events.aclose()
 
 
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def serve(dual: Any, options: ServeOptions) -> None:
-    """Serve ``dual`` until interrupted (blocking)."""
+    """Serve ``dual`` until interrupted (blocking); raises SystemExit(1) if the engines die, as ``vllm serve`` exits."""
     import uvicorn
 
-    uvicorn.run(
-        build_app(dual, options), host=options.host, port=options.port, log_level="info", timeout_graceful_shutdown=5
+    if not options.api_key and not _loopback(options.host):
+        logger.warning(
+            "serving on %s without an API key: anyone who reaches this address can use the engines "
+            "(set --api-key or %s)",
+            options.host,
+            API_KEY_ENV,
+        )
+    server: uvicorn.Server | None = None
+    died = False
+
+    def stop() -> None:
+        nonlocal died
+        died = True
+        server.should_exit = True
+
+    config = uvicorn.Config(
+        build_app(dual, options, on_engine_death=stop),
+        host=options.host,
+        port=options.port,
+        log_level="info",
+        timeout_graceful_shutdown=5,
+        limit_concurrency=options.max_connections,
     )
+    server = uvicorn.Server(config)
+    server.run()
+    if died:
+        raise SystemExit(1)

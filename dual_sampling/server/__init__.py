@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server's parts: its request and response models (``protocol``)."""

@@ -1,0 +1,131 @@
+"""The server's request and response bodies: vLLM's OpenAI models, extended with the mixture's fields.
+
+Requests take the teacher's view of the prompt (``teacher_prompt``, ``teacher_messages``, ``hint``);
+every choice carries the per-token records of its tokens under ``dual_sampling``. The models are
+the server's contract: they validate requests, build responses, and make up ``/openapi.json``.
+Everything else of a request is vLLM's own field, checked by vLLM's own validators.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, create_model, model_validator
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+)
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+)
+from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, OpenAIBaseModel
+from vllm.renderers.chat_utils import ChatCompletionMessageParam
+
+from dual_sampling.protocol import RECORD_FIELDS
+
+__all__ = [
+    "DualChatCompletionRequest",
+    "DualChatCompletionResponse",
+    "DualChatCompletionStreamResponse",
+    "DualCompletionRequest",
+    "DualCompletionResponse",
+    "DualCompletionStreamResponse",
+    "DualRecords",
+    "ErrorInfo",
+    "ErrorResponse",
+]
+
+_HINT_DOC = (
+    "A reference solution or other privileged text, rendered into the teacher's prompt only (with the template "
+    "of `dual-sampling generate`)."
+)
+
+
+class DualCompletionRequest(CompletionRequest):
+    """vLLM's completion request, plus the teacher's own prompt or a hint for it."""
+
+    teacher_prompt: str | list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, description="The teacher's prompt (text or token ids); default: the same prompt as theta's."
+    )
+    hint: str | None = Field(default=None, description=_HINT_DOC)
+    best_of: int | None = Field(
+        default=None,
+        ge=1,
+        description="Draw this many samples (>= n) and return the n with the highest summed log q "
+        "(vLLM 0.32 no longer has this field; the mixture keeps OpenAI's meaning).",
+    )
+
+    @model_validator(mode="after")
+    def _one_teacher_view(self) -> DualCompletionRequest:
+        if self.teacher_prompt is not None and self.hint is not None:
+            raise ValueError("give either teacher_prompt or hint, not both")
+        return self
+
+
+class DualChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's chat request, plus the teacher's own conversation or a hint for it."""
+
+    teacher_messages: list[ChatCompletionMessageParam] | None = Field(
+        default=None, description="The teacher's conversation; default: the same messages as theta's."
+    )
+    hint: str | None = Field(default=None, description=_HINT_DOC)
+
+    @model_validator(mode="after")
+    def _one_teacher_view(self) -> DualChatCompletionRequest:
+        if self.teacher_messages is not None and self.hint is not None:
+            raise ValueError("give either teacher_messages or hint, not both")
+        return self
+
+
+DualRecords = create_model(
+    "DualRecords",
+    __base__=OpenAIBaseModel,
+    __doc__="The mixture's records of a choice's tokens (of this chunk's tokens, when streaming). α is the "
+    "teacher weight; log-probabilities are natural logs; every list has one entry per token.",
+    token_ids=(list[int], Field(description="The generated token ids.")),
+    **{name: (list[float], Field(description=f"Per-token {name}.")) for name in RECORD_FIELDS},
+    log_w_theta=(
+        float | None,
+        Field(default=None, description="On a sample's last chunk: Σ(log π_θ − log q), the sequence log-weight."),
+    ),
+    error=(str | None, Field(default=None, description="On a sample's last chunk: why it failed, if it did.")),
+)
+
+
+def _with_records(base: type, name: str) -> type:
+    """``base`` (a vLLM choice model) with the ``dual_sampling`` field."""
+    return create_model(
+        name,
+        __base__=base,
+        __doc__=f"vLLM's {base.__name__} with the mixture's records.",
+        dual_sampling=(DualRecords | None, Field(default=None, description="The mixture's per-token records.")),
+    )
+
+
+DualCompletionChoice = _with_records(CompletionResponseChoice, "DualCompletionChoice")
+DualCompletionStreamChoice = _with_records(CompletionResponseStreamChoice, "DualCompletionStreamChoice")
+DualChatCompletionChoice = _with_records(ChatCompletionResponseChoice, "DualChatCompletionChoice")
+DualChatCompletionStreamChoice = _with_records(ChatCompletionResponseStreamChoice, "DualChatCompletionStreamChoice")
+
+
+class DualCompletionResponse(CompletionResponse):
+    choices: list[DualCompletionChoice]  # type: ignore[valid-type]
+
+
+class DualCompletionStreamResponse(CompletionStreamResponse):
+    choices: list[DualCompletionStreamChoice]  # type: ignore[valid-type]
+
+
+class DualChatCompletionResponse(ChatCompletionResponse):
+    choices: list[DualChatCompletionChoice]  # type: ignore[valid-type]
+
+
+class DualChatCompletionStreamResponse(ChatCompletionStreamResponse):
+    choices: list[DualChatCompletionStreamChoice]  # type: ignore[valid-type]
