@@ -1,0 +1,251 @@
+"""The server against hostile input, idle readers and a schema fuzzer, on the shared tiny engines.
+
+Every case here broke the server before (a dead EngineCore, a 500, a NaN in a response, a
+queue held for good). Each must now get its status with the field named, and afterwards the
+engines must still serve and hold nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import socket
+import time
+
+import httpx
+import pytest
+
+from dual_sampling.serve import ServeOptions, build_app
+from tests.test_serve import KEY, Server
+
+pytestmark = pytest.mark.engine
+
+AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+CHAT = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+@pytest.fixture(scope="module")
+def server(dual_engine):
+    s = Server(build_app(dual_engine, ServeOptions(api_key=KEY, max_n=4, max_queue=64)))
+    yield s
+    s.stop()
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+def completion(**fields) -> bytes:
+    return json.dumps({"prompt": "hi", "max_tokens": 2, **fields}).encode()
+
+
+def chat(**fields) -> bytes:
+    return json.dumps({"messages": CHAT, "max_tokens": 2, **fields}).encode()
+
+
+def raw_completion(tail: str) -> bytes:
+    """A completion body whose last member is written by hand (JSON that json.dumps would not write)."""
+    return ('{"prompt": "hi", "max_tokens": 2, ' + tail + "}").encode()
+
+
+# (route, body, status, the error's param or a word of its message)
+HOSTILE = [
+    # Values the engines cannot take: each killed an EngineCore or reached torch as an overflow.
+    ("completions", completion(top_k=2**63), 400, "top_k"),
+    ("chat", chat(top_k=9223372036854775808), 400, "top_k"),
+    ("completions", completion(top_k=-2), 400, "top_k"),
+    ("completions", completion(seed=2**64), 400, "seed"),
+    ("completions", completion(stop_token_ids=[2**40]), 400, "stop_token_ids"),
+    ("completions", completion(stop_token_ids=[49152]), 400, "stop_token_ids"),
+    ("completions", completion(logit_bias={str(2**40): 1}), 400, "logit_bias"),
+    ("completions", completion(logit_bias={"²": 1}), 400, "logit_bias"),
+    ("completions", json.dumps({"prompt": [10**30], "max_tokens": 2}).encode(), 400, "prompt"),
+    ("completions", completion(teacher_prompt=[49152]), 400, "prompt"),
+    ("completions", completion(temperature=1e-30), 400, "temperature"),
+    ("completions", completion(temperature=1e30), 400, "temperature"),
+    ("completions", completion(logprobs=21), 400, "logprobs"),
+    ("chat", chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("completions", completion(stop=["x" * 300]), 400, "stop"),
+    ("completions", completion(stop=[str(i) for i in range(17)]), 400, "stop"),
+    # Lone surrogates (valid JSON escapes; no tokenizer or UTF-8 writer takes them), in every text field.
+    ("completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt"),
+    ("chat", b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}', 400, "messages"),
+    ("completions", raw_completion('"hint": "\\ud800"'), 400, "hint"),
+    ("completions", raw_completion('"teacher_prompt": "\\ud800"'), 400, "teacher_prompt"),
+    ("completions", raw_completion('"stop": ["\\ud800"]'), 400, "stop"),
+    ("completions", raw_completion('"\\ud800": 1'), 400, "surrogate"),
+    # Numbers and shapes the JSON parser takes but Python cannot.
+    ("completions", raw_completion('"seed": ' + "9" * 5000), 400, "digit"),
+    ("completions", raw_completion('"temperature": NaN'), 400, "NaN"),
+    ("completions", raw_completion('"temperature": Infinity'), 400, "Infinity"),
+    ("completions", raw_completion('"temperature": 1e400'), 400, "range"),
+    ("completions", raw_completion('"stop": ' + "[" * 100_000 + "]" * 100_000), 400, "nests"),
+    ("completions", raw_completion('"stop": ' + "[" * 40 + "]" * 40), 400, "nests"),
+    # Zero means zero: vLLM answers 400, and so do we (it used to mean "fill the context", and n=0 meant 1).
+    ("completions", completion(max_tokens=0), 400, "max_tokens"),
+    ("chat", chat(max_tokens=0), 400, "max_tokens"),
+    ("chat", json.dumps({"messages": CHAT, "max_completion_tokens": 0}).encode(), 400, "max_completion_tokens"),
+    ("completions", completion(n=0), 400, "n"),
+    ("chat", chat(n=0), 400, "n"),
+    ("completions", completion(best_of=0), 400, "best_of"),
+    ("completions", completion(n=2, best_of=1), 400, "best_of"),
+    ("completions", completion(max_tokens=10**6), 400, "max_tokens"),
+    # The teacher's view: one of its two forms, and text prompts only for a hint.
+    ("completions", completion(hint="h", teacher_prompt="t"), 400, "hint"),
+    ("chat", chat(hint="h", teacher_messages=CHAT), 400, "hint"),
+    ("completions", json.dumps({"prompt": [1, 2, 3], "hint": "h", "max_tokens": 2}).encode(), 400, "hint"),
+    # A prompt far past max_model_len is refused before it is tokenized.
+    ("completions", completion(prompt="word " * 6000), 400, "prompt"),
+    ("chat", chat(messages=[{"role": "user", "content": "word " * 6000}]), 400, "messages"),
+]
+
+
+@pytest.mark.parametrize(
+    "route, body, status, where", HOSTILE, ids=[f"{r}-{w}-{i}" for i, (r, _, _, w) in enumerate(HOSTILE)]
+)
+def test_hostile_input_is_refused_naming_the_field(server, route, body, status, where):
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    r = httpx.post(server.url + path, content=body, headers=AUTH, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == status and error["message"]
+    assert (error["param"] or "").startswith(where) or where in error["message"], error
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_strings_for_numbers_are_read_as_their_type(server, route):
+    """'"max_tokens": "5"' reached a comparison as a string; the typed model reads it as 5, as vLLM does."""
+    if route == "chat":
+        path, body = "/v1/chat/completions", {"messages": CHAT, "max_tokens": "5", "min_tokens": 5}
+    else:
+        path, body = "/v1/completions", {"prompt": "hi", "max_tokens": "5", "min_tokens": 5, "best_of": "2"}
+    r = httpx.post(server.url + path, json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["dual_sampling"]["token_ids"]) == 5
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_overflowing_logit_bias_is_clamped_and_every_value_is_finite(server, stream):
+    """A bias of 1e39 became inf in float32: the wrong token was drawn with log q = NaN and ok=True."""
+    body = {"prompt": "hi", "max_tokens": 3, "logit_bias": {"1000": 1e39, "2": -1e39}, "stream": stream}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        records = [e["choices"][0]["dual_sampling"] for e in events if e["choices"]]
+    else:
+        records = [r.json()["choices"][0]["dual_sampling"]]
+    tokens = [t for rec in records for t in rec["token_ids"]]
+    assert tokens == [1000, 1000, 1000]  # +100 on log q: the biased token holds all of q's mass
+    for rec in records:
+        for name in ("alpha", "logp_teacher", "logp_theta", "logq"):
+            assert all(math.isfinite(v) for v in rec[name]), (name, rec[name])
+    assert all(rec.get("error") is None for rec in records)
+
+
+def test_credentials_and_content_types(server, dual_engine):
+    url = server.url + "/v1/completions"
+    body = completion()
+    lower = {"Authorization": f"bearer {KEY}", "Content-Type": "application/json"}
+    assert httpx.post(url, content=body, headers=lower, timeout=60).status_code == 200  # the scheme is any case
+    for headers, status in [
+        ({"Content-Type": "application/json"}, 401),
+        ({"Authorization": f"Bearer {KEY}x", "Content-Type": "application/json"}, 401),
+        ({"Authorization": f"Basic {KEY}", "Content-Type": "application/json"}, 401),
+        ({"Authorization": f"Bearer {KEY}"}, 415),  # no type: a browser's simple request
+        ({"Authorization": f"Bearer {KEY}", "Content-Type": "text/plain"}, 415),
+        ({"Authorization": f"Bearer {KEY}", "Content-Type": "application/x-www-form-urlencoded"}, 415),
+    ]:
+        r = httpx.post(url, content=body, headers=headers, timeout=60)
+        assert r.status_code == status, (headers, r.text)
+    # Every route but the public three needs the key, including ones the router does not know.
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/v2/anything").status_code == 401
+    for public in ("/health", "/metrics", "/openapi.json"):
+        assert httpx.get(server.url + public).status_code == 200
+    with pytest.raises(ValueError, match="api_key"):
+        ServeOptions(api_key="")
+
+
+def test_a_mount_prefix_does_not_open_the_routes(dual_engine):
+    """The key check used the full path, so /prefix/v1/... under a root_path passed without a key."""
+    import asyncio
+
+    app = build_app(dual_engine, ServeOptions(api_key=KEY))
+
+    async def run() -> list[int]:
+        transport = httpx.ASGITransport(app=app, root_path="/prefix")
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            open_ = await c.post("/prefix/v1/completions", content=completion(), headers=AUTH)
+            shut = await c.post(
+                "/prefix/v1/completions", content=completion(), headers={"Content-Type": "application/json"}
+            )
+            health = await c.get("/prefix/health")
+            return [open_.status_code, shut.status_code, health.status_code]
+
+    assert asyncio.run(run()) == [200, 401, 200]
+
+
+def test_after_the_hostile_list_the_engines_serve_and_hold_nothing(server, dual_engine):
+    for route, body, _, _ in HOSTILE:
+        path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+        httpx.post(server.url + path, content=body, headers=AUTH, timeout=60)
+    r = httpx.post(server.url + "/v1/completions", content=completion(max_tokens=4), headers=AUTH, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["dual_sampling"]["token_ids"]) >= 1
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert metric(server.url, "dual_sampling_samples_held") == 0
+    assert dual_engine.scheduler.failure is None
+    assert metric(server.url, "dual_sampling_server_errors_total") == 0
+
+
+# ---------------------------------------------------------------- clients that stop reading
+
+
+def idle_stream(port: int, body: dict) -> socket.socket:
+    """Send a streaming request, read its headers, then read nothing more (a small window fills fast)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    payload = json.dumps(body).encode()
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(1)
+    assert b" 200 " in head.split(b"\r\n")[0], head
+    return sock
+
+
+def test_idle_readers_are_aborted_and_a_normal_client_is_served(dual_engine):
+    """16 streams of n=16 that never read held every seat of max_queue=256 for good; every later request got 429."""
+    s = Server(build_app(dual_engine, ServeOptions(max_n=16, max_queue=256, send_timeout=1.0)))
+    idle = []
+    try:
+        body = {"prompt": "tell a long story", "max_tokens": 200, "min_tokens": 200, "n": 16, "logprobs": 20}
+        idle = [idle_stream(s.port, {**body, "stream": True, "seed": i}) for i in range(16)]
+        assert metric(s.url, "dual_sampling_samples_held") == 256
+        # A normal client is refused while the idle ones hold the queue, then served once they are aborted.
+        deadline = time.monotonic() + 240
+        statuses = []
+        while True:
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=240)
+            statuses.append(r.status_code)
+            if r.status_code == 200:
+                break
+            assert r.status_code == 429, r.text
+            assert time.monotonic() < deadline, "the idle streams were never aborted"
+            time.sleep(0.2)
+        while metric(s.url, "dual_sampling_samples_held") != 0:
+            assert time.monotonic() < deadline, "the idle streams' samples were never released"
+            time.sleep(0.2)
+        assert metric(s.url, "dual_sampling_send_timeouts_total") == 16
+        assert metric(s.url, "dual_sampling_requests_running") == 0
+    finally:
+        for sock in idle:
+            sock.close()
+        s.stop()
