@@ -21,13 +21,16 @@ actor died (the actor is restarted), and applies backpressure. On the command li
 process plans the work (the same prompt rendering, seeds and rejects as a local run),
 receives every replica's outcomes in a stream, and writes each (id, sample_index) exactly
 once through the same journal or Parquet parts as a local run: a batch that Ray retries can
-only repeat samples already written, which are skipped. See ``docs/scale-out.md``.
+only repeat samples already written, which are skipped. A batch whose replica died more
+than ``ray_max_retries`` times is not drawn again: its samples fail as ``replica_crashed``.
+See ``docs/scale-out.md``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import socket
@@ -41,6 +44,7 @@ from dual_sampling.datagen import (
     WorkItem,
     model_fingerprint,
     plan_items,
+    records_table,
     sample_items,
     select_rows,
 )
@@ -67,19 +71,25 @@ class DualSamplingStage:
     planned by ``dual-sampling generate --ray``.
 
     ``emit="records"`` (the default) gives one row per complete, verified sample, in the
-    record schema of a local run, with ``models``, ``sampling`` and ``alpha_config`` as JSON
-    strings (Parquet cannot hold every shape of them); failed samples are left out.
+    Parquet schema of a local run (:func:`dual_sampling.datagen.record_schema`: ``models``,
+    ``sampling`` and ``alpha_config`` as JSON text); failed samples are left out.
     ``emit="outcomes"`` gives one row per drawn sample, failed ones included, with the
     replica's sync statistics (what the command line writes and counts).
+
+    ``attempts`` (given by the command line) is a :class:`_Attempts` actor: with it a batch
+    drawn more than ``ray_max_retries`` times before (each time its replica died) is not
+    drawn again, and its samples fail as ``replica_crashed``. Without it Ray retries the
+    batch as long as it is told to (by default without limit).
     """
 
-    def __init__(self, settings: dict[str, Any] | None = None, emit: str = "records") -> None:
+    def __init__(self, settings: dict[str, Any] | None = None, emit: str = "records", attempts: Any = None) -> None:
         from dual_sampling.engine import OptimalSamplingDual
 
         if emit not in ("records", "outcomes"):
             raise ValueError(f"emit must be 'records' or 'outcomes', got {emit!r}")
         self.cfg = _run_config(settings or {})
         self.emit = emit
+        self.attempts = attempts
         self.replica = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.models = {"teacher": model_fingerprint(self.cfg.teacher), "theta": model_fingerprint(self.cfg.theta)}
         engine = {**dataclasses.asdict(self.cfg.engine), "use_tqdm": False}
@@ -89,20 +99,31 @@ class DualSamplingStage:
         import pyarrow as pa
 
         items = self._items(batch)
-        outcomes = sample_items(self.sampler, self.cfg, items, self.models) if items else []
+        outcomes = self._draw(items) if items else []
         if self.emit == "records":
-            rows = [_flat_record(o.record) for o in outcomes if o.record is not None]
-            return pa.Table.from_pylist(rows) if rows else pa.table({"id": pa.array([], pa.string())})
-        sync = json.dumps(self.sampler.get_sync_statistics())
+            return records_table([o.record for o in outcomes if o.record is not None], self.cfg.format)
+        sync = json.dumps(self.sampler.get_sync_statistics(), allow_nan=False)
         return pa.table(
             {
                 "id": [o.id for o in outcomes],
                 "sample_index": [o.sample_index for o in outcomes],
-                "outcome": [json.dumps(dataclasses.asdict(o)) for o in outcomes],
+                "outcome": [json.dumps(dataclasses.asdict(o), allow_nan=False) for o in outcomes],
                 "replica": [self.replica] * len(outcomes),
                 "sync": [sync] * len(outcomes),
             }
         )
+
+    def _draw(self, items: list[WorkItem]) -> list[Outcome]:
+        """The batch's outcomes; failures without drawing if its replica died on every one of its allowed attempts."""
+        import ray
+
+        if self.attempts is not None:
+            key = hashlib.sha256(json.dumps([[i.id, i.missing] for i in items]).encode()).hexdigest()
+            attempt = ray.get(self.attempts.start.remote(key))
+            allowed = self.cfg.ray_max_retries + 1
+            if attempt > allowed:
+                return _crashed(self.cfg, items, allowed)
+        return sample_items(self.sampler, self.cfg, items, self.models)
 
     def _items(self, batch: dict[str, Any]) -> list[WorkItem]:
         rows = _rows(batch)
@@ -135,14 +156,36 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _flat_record(record: dict[str, Any]) -> dict[str, Any]:
-    out = dict(record)
-    for key in ("models", "sampling", "alpha_config"):
-        if key in out:
-            out[key] = json.dumps(out[key])
-    if "stop_reason" in out:
-        out["stop_reason"] = None if out["stop_reason"] is None else str(out["stop_reason"])
-    return out
+def _crashed(cfg: RunConfig, items: list[WorkItem], attempts: int) -> list[Outcome]:
+    """Failed outcomes for every missing sample of a batch whose replica died on each of its ``attempts``."""
+    from dual_sampling.engine import derive_seed
+
+    error = f"replica_crashed at each of {attempts} attempts (ray_max_retries={cfg.ray_max_retries})"
+    failure = {"finish_reason": "error", "error": error, "num_tokens": 0}
+    return [
+        Outcome(
+            i.id,
+            j,
+            None,
+            {"id": i.id, "sample_index": j, "seed": derive_seed(cfg.sampling.seed, i.id, j), **failure},
+            None,
+            {"tokens": 0},
+        )
+        for i in items
+        for j in i.missing
+    ]
+
+
+class _Attempts:
+    """How often each batch was started, kept by one actor beside the driver (a replica's own memory dies with it)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def start(self, key: str) -> int:
+        """Count one more start of the batch ``key``; return its number (1 for the first)."""
+        self.counts[key] = self.counts.get(key, 0) + 1
+        return self.counts[key]
 
 
 def ray_resources(cpus_per_replica: float, gpus_per_replica: float) -> dict[str, Any]:
@@ -180,16 +223,21 @@ def sample_on_ray(cfg: RunConfig, items: list[WorkItem], models: dict, commit: C
     latest: dict[str, dict] = {}
     try:
         if items:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
             settings = {k: v for k, v in cfg.flat().items() if k not in ("input", "output", "resume", "ray")}
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            attempts = ray.remote(_Attempts).options(num_cpus=0, scheduling_strategy=here).remote()
             dataset = ray.data.from_items([dataclasses.asdict(item) for item in items])
             out = dataset.map_batches(
                 DualSamplingStage,
-                fn_constructor_kwargs={"settings": settings, "emit": "outcomes"},
+                fn_constructor_kwargs={"settings": settings, "emit": "outcomes", "attempts": attempts},
                 concurrency=cfg.replicas,
                 batch_size=cfg.batch_size,
                 batch_format="pyarrow",
                 # Ray Data's actor pools restart a dead replica and retry its batch without limit by default
-                # (max_restarts=-1, max_task_retries=-1); the fault test relies on it.
+                # (max_restarts=-1, max_task_retries=-1); the fault test relies on it. The stage ends a batch that
+                # keeps killing its replica after ray_max_retries (with the attempts actor).
                 **ray_resources(cfg.cpus_per_replica, cfg.gpus_per_replica),
             )
             for batch in out.iter_batches(batch_size=None, batch_format="pyarrow"):

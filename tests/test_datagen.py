@@ -10,14 +10,26 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from functools import cached_property
 from pathlib import Path
+from types import SimpleNamespace
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from dual_sampling.cli import _load_config_file, build_parser, main
-from dual_sampling.datagen import RunConfig, load_rows, read_journal, read_records, run_generation, shard_of
+from dual_sampling.datagen import (
+    RunConfig,
+    load_rows,
+    read_journal,
+    read_records,
+    record_schema,
+    run_generation,
+    shard_of,
+)
 from dual_sampling.engine import derive_seed
+from dual_sampling.outputs import DualGenerationOutput, RequestRecord, SampleRecord
 from dual_sampling.protocol import SESSION_PREFIX, SessionLayout, SyncSession
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "math_problems.jsonl"
@@ -89,6 +101,66 @@ class FailingSampler:
                 if sample.seed % 3 == 0:
                     sample.finish_reason, sample.error = "error", "sync_timeout at step 1"
         return out
+
+
+class ScriptedSampler:
+    """OptimalSamplingDual's stand-in for runs without engines.
+
+    Every sample is made up from its seed (three tokens, finite numbers, ended by token id 2);
+    ``script(prompt_key, sample_index)`` returns fields to change (a NaN, a stop string, a cut-off answer).
+    ``drawn`` lists every (prompt_key, sample_index) drawn.
+    """
+
+    def __init__(self, models, script=None):
+        teacher, theta = models
+        self.config = SimpleNamespace(model_teacher=str(teacher), model_theta=str(theta))
+        self.script = script or (lambda key, j: {})
+        self.drawn: list[tuple[str, int]] = []
+
+    @cached_property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.config.model_teacher)
+
+    def generate(self, prompts, teacher_prompts, prompt_keys, sampling, use_tqdm):
+        requests = []
+        for index, key in enumerate(prompt_keys):
+            samples = []
+            for j in range(sampling.n):
+                seed = derive_seed(sampling.seed, key, j)
+                sample = SampleRecord(
+                    text=f"answer {key}/{j}",
+                    token_ids=[17 + (seed >> k) % 40 for k in range(3)],
+                    finish_reason="stop",
+                    seed=seed,
+                    alpha=[0.25, 0.5, 0.75],
+                    logp_teacher=[-1.0, -2.0, -0.5],
+                    logp_theta=[-1.5, -1.0, -0.25],
+                    logq=[-1.25, -1.5, -0.375],
+                    stop_reason=2,
+                )
+                for name, value in self.script(key, j).items():
+                    setattr(sample, name, value)
+                samples.append(sample)
+                self.drawn.append((key, j))
+            requests.append(RequestRecord(index, [], [], samples))
+        return DualGenerationOutput(requests)
+
+    def get_sync_statistics(self):
+        return {"requests": len(self.drawn)}
+
+    def close(self):
+        pass
+
+
+def strict_json(text: str):
+    """JSON as the standard has it: NaN and infinity are refused."""
+    return json.loads(text, parse_constant=lambda name: pytest.fail(f"non-finite number {name} in {text[:200]!r}"))
+
+
+def all_pairs(count: int = 6, n: int = 2) -> set:
+    return {(f"p{i}", j) for i in range(count) for j in range(n)}
 
 
 # ---------------------------------------------------------------- no engine
@@ -175,6 +247,193 @@ def test_bad_config_values_are_named(tiny_same, tmp_path):
         tiny_config(tiny_same, tmp_path, format="chat")
     with pytest.raises(ValueError, match="replicas must be an integer >= 1"):
         tiny_config(tiny_same, tmp_path, replicas=0)
+    with pytest.raises(ValueError, match="ray_max_retries must be an integer >= 0"):
+        tiny_config(tiny_same, tmp_path, ray_max_retries=-1)
+    with pytest.raises(ValueError, match="keep_truncated applies to format 'messages' only"):
+        tiny_config(tiny_same, tmp_path, keep_truncated=True)
+
+
+# ---------------------------------------------------------------- scripted samples, no engine
+
+
+def test_stop_strings_and_stop_tokens_share_one_schema_in_jsonl_parquet_and_parts(tiny_same, tmp_path):
+    def script(key, j):
+        if key in ("p4", "p5"):  # their batch's part holds no stop at all: its columns are typed all the same
+            return {"finish_reason": "length", "stop_reason": None}
+        return {"stop_reason": "\n\n"} if j == 0 else {}
+
+    outputs = [tmp_path / "out.jsonl", tmp_path / "out.parquet", tmp_path / "parts"]
+    for out in outputs:
+        run_generation(
+            tiny_config(tiny_same, tmp_path, output=str(out), batch_size=2), ScriptedSampler(tiny_same, script)
+        )
+    by_key = [{(r["id"], r["sample_index"]): r for r in read_records(str(out))} for out in outputs]
+    assert by_key[0].keys() == all_pairs() and by_key[0] == by_key[1] == by_key[2]
+    for (key, j), r in by_key[0].items():
+        expected = (None, None) if key in ("p4", "p5") else ("\n\n", None) if j == 0 else (None, 2)
+        assert (r["stop_reason"], r["stop_token_id"]) == expected, (key, j)
+    assert by_key[1][("p0", 0)]["models"]["teacher"]["blake2b"]  # JSON-text columns come back as the same objects
+    schema = record_schema("records")
+    parts = sorted((tmp_path / "parts").glob("part-*.parquet"))
+    assert len(parts) == 3
+    for path in [tmp_path / "out.parquet", *parts]:
+        assert pq.read_schema(path).equals(schema, check_metadata=False), path
+    assert pa.concat_tables(pq.read_table(p) for p in parts).num_rows == 12  # one table: the parts' schemas agree
+    # A resume rewrites the Parquet file from the journal with the same schema.
+    journal = tmp_path / "out.parquet.journal.jsonl"
+    journal.write_text("".join(line + "\n" for line in journal.read_text().splitlines()[:5]))
+    resumed = run_generation(
+        tiny_config(tiny_same, tmp_path, output=str(tmp_path / "out.parquet"), batch_size=2, resume=True),
+        ScriptedSampler(tiny_same, script),
+    )
+    assert resumed["samples_already_done"] == 5 and resumed["samples_written"] == 7
+    assert {(r["id"], r["sample_index"]): r for r in read_records(str(tmp_path / "out.parquet"))} == by_key[0]
+
+
+def test_a_second_run_on_the_same_output_fails_at_once_and_leaves_it_alone(tiny_same, tmp_path):
+    out = tmp_path / "out.jsonl"
+    run_generation(tiny_config(tiny_same, tmp_path), ScriptedSampler(tiny_same))
+    kept = out.read_text().splitlines()[:5]
+    # As if another run were writing it: a record half-written, and that run holding the lock.
+    out.write_text("".join(line + "\n" for line in kept) + kept[-1][:20])
+    before = out.read_bytes()
+    lock = Path(str(out) + ".lock")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import time, filelock; held = filelock.FileLock({str(lock)!r}); held.acquire(); print(1); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "1"
+        sampler = ScriptedSampler(tiny_same)
+        started = time.monotonic()
+        with pytest.raises(FileExistsError, match=f"{out} is being written by another run: its lock file {lock}"):
+            run_generation(tiny_config(tiny_same, tmp_path, resume=True), sampler)
+        assert time.monotonic() - started < 5 and not sampler.drawn
+        assert out.read_bytes() == before  # the other run's torn tail is its own business: not cut
+    finally:
+        holder.kill()
+        holder.wait()
+    summary = run_generation(tiny_config(tiny_same, tmp_path, resume=True), ScriptedSampler(tiny_same))
+    assert summary["samples_already_done"] == 5 and summary["samples_written"] == 7
+    assert Counter((r["id"], r["sample_index"]) for r in read_journal(out)) == Counter(all_pairs())
+
+
+def test_resume_refuses_a_changed_input_or_a_missing_manifest(tiny_same, tmp_path):
+    src = problems(tmp_path / "in.jsonl", 6)
+    run_generation(tiny_config(tiny_same, tmp_path, input=str(src)), ScriptedSampler(tiny_same))
+    original, stat = src.read_bytes(), src.stat()
+    src.write_bytes(original.replace(b"What is 4 plus 8?", b"What is 4 plus 9?"))  # same size ...
+    os.utime(src, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # ... and the same modification time
+    with pytest.raises(ValueError, match=f"its input changed since the run started: {src} changed"):
+        run_generation(tiny_config(tiny_same, tmp_path, input=str(src), resume=True), ScriptedSampler(tiny_same))
+    src.write_bytes(original)
+    manifest = tmp_path / "out.jsonl.manifest.json"
+    manifest.unlink()
+    with pytest.raises(FileNotFoundError, match=f"its manifest {manifest} is missing"):
+        run_generation(tiny_config(tiny_same, tmp_path, input=str(src), resume=True), ScriptedSampler(tiny_same))
+    # With nothing written yet, --resume starts the run (a job restarted with the same command line).
+    fresh = run_generation(
+        tiny_config(tiny_same, tmp_path, input=str(src), output=str(tmp_path / "new.jsonl"), resume=True),
+        ScriptedSampler(tiny_same),
+    )
+    assert fresh["samples_written"] == 12 and (tmp_path / "new.jsonl.manifest.json").exists()
+
+
+def test_resume_refuses_a_datasets_folder_with_a_changed_file(tiny_same, tmp_path):
+    from datasets import Dataset
+
+    rows = load_rows(str(problems(tmp_path / "p.jsonl", 6)))
+    folder = tmp_path / "ds"
+    Dataset.from_list(rows).save_to_disk(str(folder))
+    cfg = dict(input=str(folder), output=str(tmp_path / "out.jsonl"))
+    run_generation(tiny_config(tiny_same, tmp_path, **cfg), ScriptedSampler(tiny_same))
+    rows[4]["problem"] = "What is 4 plus 9?"
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds2"))
+    changed = sorted(p.name for p in folder.glob("*.arrow"))
+    for name in changed:
+        (folder / name).write_bytes((tmp_path / "ds2" / name).read_bytes())
+    with pytest.raises(ValueError, match=f"{folder / changed[0]} changed"):
+        run_generation(tiny_config(tiny_same, tmp_path, resume=True, **cfg), ScriptedSampler(tiny_same))
+
+
+def test_messages_leave_out_answers_cut_at_max_tokens_unless_kept(tiny_same, tmp_path):
+    def script(key, j):
+        return {"finish_reason": "length", "stop_reason": None} if j == 1 else {}
+
+    out = tmp_path / "msg.jsonl"
+    cfg = dict(output=str(out), format="messages")
+    first = run_generation(tiny_config(tiny_same, tmp_path, **cfg), ScriptedSampler(tiny_same, script))
+    written = read_journal(out)
+    assert {(r["id"], r["sample_index"]) for r in written} == {(f"p{i}", 0) for i in range(6)}
+    assert not any(r["truncated"] for r in written)
+    assert first["samples_written"] == 6 and first["truncated_left_out"] == 6 and first["failed_samples"] == 0
+    left_out = [json.loads(line) for line in (tmp_path / "msg.truncated.jsonl").read_text().splitlines()]
+    assert {(r["id"], r["sample_index"]) for r in left_out} == {(f"p{i}", 1) for i in range(6)}
+    # Left out is done: a resume draws none of them again.
+    again = ScriptedSampler(tiny_same, script)
+    resumed = run_generation(tiny_config(tiny_same, tmp_path, resume=True, **cfg), again)
+    assert not again.drawn and resumed["samples_already_done"] == 12 and resumed["samples_written"] == 0
+    kept_cfg = dict(output=str(tmp_path / "kept.parquet"), format="messages", keep_truncated=True)
+    kept = run_generation(tiny_config(tiny_same, tmp_path, **kept_cfg), ScriptedSampler(tiny_same, script))
+    assert kept["samples_written"] == 12 and kept["truncated_samples"] == 6 and kept["truncated_left_out"] == 0
+    table = pq.read_table(tmp_path / "kept.parquet")
+    assert table.schema.equals(record_schema("messages"), check_metadata=False)
+    assert all(r["truncated"] == (r["sample_index"] == 1) for r in table.to_pylist())
+    assert table.to_pylist()[0]["messages"][-1] == {"role": "assistant", "content": "answer p0/0"}
+
+
+def test_non_finite_numbers_make_a_failed_sample_and_never_reach_a_file(tiny_same, tmp_path):
+    bad = {
+        ("p1", 0): {"logq": [-1.0, math.nan, -1.0]},
+        ("p2", 1): {"alpha": [math.inf, 0.5, 0.5]},
+        ("p3", 0): {"logp_theta": [-math.inf, -1.0, -1.0]},
+    }
+    for out in (tmp_path / "out.jsonl", tmp_path / "out.parquet"):
+        summary = run_generation(
+            tiny_config(tiny_same, tmp_path, output=str(out)),
+            ScriptedSampler(tiny_same, lambda k, j: bad.get((k, j), {})),
+        )
+        assert summary["failures"] == {"non_finite_record": 3} and summary["samples_written"] == 9
+        records = read_records(str(out))
+        assert {(r["id"], r["sample_index"]) for r in records} == all_pairs() - set(bad)
+        assert all(math.isfinite(x) for r in records for k in ("alpha", "logq", "logp_theta") for x in r[k])
+        failed = [strict_json(line) for line in out.with_name(out.stem + ".failed.jsonl").read_text().splitlines()]
+        assert {(f["id"], f["sample_index"]): f["error"] for f in failed} == {
+            ("p1", 0): "non_finite_record at token 1: logq is nan",
+            ("p2", 1): "non_finite_record at token 0: alpha is inf",
+            ("p3", 0): "non_finite_record at token 0: logp_theta is -inf",
+        }
+        strict_json(Path(str(out) + ".summary.json").read_text())
+    for line in (tmp_path / "out.jsonl").read_text().splitlines() + (
+        tmp_path / "out.parquet.journal.jsonl"
+    ).read_text().splitlines():
+        strict_json(line)
+
+
+def test_parquet_output_reaches_the_disk_before_and_after_its_rename(tiny_same, tmp_path, monkeypatch):
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def logged_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def logged_replace(src, dst):
+        events.append(("replace", str(src), str(dst)))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", logged_fsync)
+    monkeypatch.setattr(os, "replace", logged_replace)
+    out = tmp_path / "out.parquet"
+    run_generation(tiny_config(tiny_same, tmp_path, output=str(out)), ScriptedSampler(tiny_same))
+    rename = events.index(("replace", f"{out}.tmp", str(out)))
+    assert ("fsync", f"{out}.tmp") in events[:rename]  # the file's bytes first ...
+    assert ("fsync", str(tmp_path)) in events[rename + 1 :]  # ... then the rename itself
 
 
 # ---------------------------------------------------------------- with the shared engine
@@ -222,10 +481,12 @@ def test_parquet_and_messages_outputs_load(dual_engine, tiny_same, tmp_path):
         output=str(tmp_path / "msg.jsonl"),
         format="messages",
         system_prompt_theta="You are a careful student.",
+        keep_truncated=True,  # the tiny random models rarely stop before max_tokens
     )
-    run_generation(msg, sampler=dual_engine)
+    summary = run_generation(msg, sampler=dual_engine)
     rows = [json.loads(line) for line in (tmp_path / "msg.jsonl").read_text().splitlines()]
     assert len(rows) == 12
+    assert summary["truncated_samples"] == sum(r["truncated"] for r in rows)
     roles = [[m["role"] for m in r["messages"]] for r in rows]
     assert all(r == ["system", "user", "assistant"] for r in roles)
     assert rows[0]["messages"][1]["content"].startswith("What is 0 plus 0?")
@@ -280,8 +541,10 @@ def test_failed_samples_are_never_training_data_and_resume_draws_them_again(dual
     pairs = Counter((f"p{i}", j) for i in range(6) for j in range(2))
     for fmt in ("records", "messages"):
         out = tmp_path / f"{fmt}.jsonl"
+        kept = fmt == "messages"  # every answer is a record here, cut off at max_tokens or not
         first = run_generation(
-            tiny_config(tiny_same, tmp_path, output=str(out), format=fmt), sampler=FailingSampler(dual_engine)
+            tiny_config(tiny_same, tmp_path, output=str(out), format=fmt, keep_truncated=kept),
+            sampler=FailingSampler(dual_engine),
         )
         written = read_journal(out)
         failed = [json.loads(line) for line in (tmp_path / f"{fmt}.failed.jsonl").read_text().splitlines()]
@@ -291,7 +554,8 @@ def test_failed_samples_are_never_training_data_and_resume_draws_them_again(dual
         assert all(f["error"] == "sync_timeout at step 1" for f in failed)
         assert main_exit_code(first) == 3
         resumed = run_generation(
-            tiny_config(tiny_same, tmp_path, output=str(out), format=fmt, resume=True), sampler=dual_engine
+            tiny_config(tiny_same, tmp_path, output=str(out), format=fmt, keep_truncated=kept, resume=True),
+            sampler=dual_engine,
         )
         assert resumed["samples_written"] == len(failed) and resumed["failed_samples"] == 0
         assert Counter((r["id"], r["sample_index"]) for r in read_journal(out)) == pairs

@@ -19,11 +19,15 @@ from pathlib import Path
 import psutil
 import pytest
 
+import dual_sampling.ray
 from dual_sampling.datagen import read_records, run_generation
-from tests.test_datagen import cli_flags, problems, tiny_config
+from dual_sampling.engine import derive_seed
+from dual_sampling.ray import DualSamplingStage, _run_config
+from tests.test_datagen import ScriptedSampler, all_pairs, cli_flags, problems, tiny_config
 
 pytestmark = pytest.mark.engine
 ray = pytest.importorskip("ray")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def ray_env() -> dict[str, str]:
@@ -218,3 +222,57 @@ def test_the_stage_in_a_users_own_pipeline(tiny_same, tmp_path):
     assert sorted((r["id"], r["sample_index"]) for r in written) == [(f"q{i}", j) for i in range(6) for j in range(2)]
     assert all(r["seed"] == derive_seed(3, r["id"], r["sample_index"]) for r in written)
     assert all(json.loads(r["sampling"])["n"] == 2 and len(r["alpha"]) == r["num_tokens"] for r in written)
+
+
+class DyingSampler(ScriptedSampler):
+    """A scripted sampler whose process dies on every batch holding problem p3, logging each death in $CRASH_LOG;
+    after 10 deaths it draws p3 too, so a run that retries without limit ends (and fails the test)."""
+
+    def generate(self, prompts, **kwargs):
+        log = Path(os.environ["CRASH_LOG"])
+        if "p3" in kwargs["prompt_keys"] and (not log.exists() or log.read_text().count("\n") < 10):
+            with log.open("a") as f:
+                f.write("died\n")
+            os._exit(1)
+        return super().generate(prompts, **kwargs)
+
+
+class DyingStage(DualSamplingStage):
+    """The command line's stage with a :class:`DyingSampler` instead of engines."""
+
+    def __init__(self, settings=None, emit="records", attempts=None):
+        self.cfg = _run_config(settings or {})
+        self.emit, self.attempts, self.replica, self.models = emit, attempts, str(os.getpid()), {}
+        self.sampler = DyingSampler((self.cfg.teacher, self.cfg.theta))
+
+
+def test_a_batch_that_always_kills_its_replica_fails_after_ray_max_retries(tiny_same, tmp_path, monkeypatch):
+    """No engines: the replicas draw scripted samples, and the one given p3 dies each time."""
+    crash_log = tmp_path / "crashes.log"
+    monkeypatch.setattr(dual_sampling.ray, "DualSamplingStage", DyingStage)
+    env = {"CRASH_LOG": str(crash_log), "PYTHONPATH": str(ROOT)}
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=128 << 20,
+        log_to_driver=False,
+        runtime_env={"env_vars": env},
+    )
+    try:
+        cfg = tiny_config(
+            tiny_same, tmp_path, ray=True, replicas=1, cpus_per_replica=1, batch_size=1, ray_max_retries=2
+        )
+        summary = run_generation(cfg)
+    finally:
+        ray.shutdown()
+    assert crash_log.read_text().count("\n") == 3  # the first attempt and two retries
+    failed = [json.loads(line) for line in (tmp_path / "out.failed.jsonl").read_text().splitlines()]
+    assert {(f["id"], f["sample_index"]) for f in failed} == {("p3", 0), ("p3", 1)}
+    for f in failed:
+        assert f["error"] == "replica_crashed at each of 3 attempts (ray_max_retries=2)"
+        assert f["seed"] == derive_seed(7, "p3", f["sample_index"])
+    assert summary["failures"] == {"replica_crashed": 2} and summary["samples_written"] == 10
+    assert {(r["id"], r["sample_index"]) for r in read_records(str(tmp_path / "out.jsonl"))} == all_pairs() - {
+        ("p3", 0),
+        ("p3", 1),
+    }
