@@ -24,7 +24,7 @@ from dual_sampling.protocol import (
     SESSION_PREFIX,
     SHM_DIR,
     mapped_shm_files,
-    pid_alive,
+    process_start_time,
     segments_listing,
     write_listing,
 )
@@ -381,17 +381,25 @@ def _shutdown(role: str, engine: Any) -> None:
 
 
 def _reap(pids: list[int], timeout: float) -> None:
-    """Wait for ``pids`` to exit; SIGKILL the ones still there after ``timeout``."""
+    """Wait up to ``timeout`` s for ``pids`` to exit; SIGKILL the ones still there.
+
+    Each pid stands for the process it names on entry (its start time): once that process has
+    exited, its pid may name an unrelated one, which is never killed.
+    """
+    started = {pid: start for pid in pids if (start := process_start_time(pid)) is not None}
+
+    def running() -> list[int]:
+        return [pid for pid, start in started.items() if process_start_time(pid) == start]
+
     deadline = time.monotonic() + timeout
-    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+    while running() and time.monotonic() < deadline:
         time.sleep(0.05)
-    for pid in pids:
-        if pid_alive(pid):
-            logger.warning("engine process %d did not exit; killing it", pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    for pid in running():
+        logger.warning("engine process %d did not exit; killing it", pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 5
-    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+    while running() and time.monotonic() < deadline:
         time.sleep(0.05)
 
 

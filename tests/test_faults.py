@@ -15,12 +15,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
-from dual_sampling.protocol import SESSION_PREFIX, SessionLayout, SyncSession, mapped_shm_files
+from dual_sampling.protocol import SESSION_PREFIX, SessionLayout, SyncSession, listing_dir, mapped_shm_files
 
 pytestmark = pytest.mark.engine
 
@@ -145,7 +144,7 @@ def test_driver_killed_while_engines_start_leaves_nothing_after_the_next_session
         with contextlib.suppress(psutil.Error, FileNotFoundError, ValueError):
             cores = [p for p in psutil.Process(proc.pid).children() if p.name().startswith("VLLM::EngineCore")]
             core_files = [{n for n in mapped_shm_files([p.pid]) if n.startswith("psm_")} for p in cores]
-            listed = {n for path in Path("/dev/shm").glob(listing_glob) for n in json.loads(path.read_text())}
+            listed = {n for path in listing_dir().glob(listing_glob) for n in json.loads(path.read_text())}
             if len(cores) == 2 and all(core_files) and set().union(*core_files) <= listed:
                 break
         time.sleep(0.05)

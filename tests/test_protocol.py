@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import collections
+import errno
 import json
 import os
+import re
+import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
+from stat import S_IMODE, S_ISDIR
 
+import numpy as np
 import pytest
 
+from dual_sampling import engines
 from dual_sampling.config import DualEngineConfig
 from dual_sampling.engines import EnginePair, engine_cpus, split_cpu_binding
 from dual_sampling.protocol import (
+    SESSION_PREFIX,
     WRITERS,
     Bell,
     ErrorCode,
@@ -21,6 +30,7 @@ from dual_sampling.protocol import (
     SessionLayout,
     Slot,
     Stat,
+    SyncError,
     SyncSession,
     Writer,
     cleanup_stale_sessions,
@@ -242,3 +252,192 @@ def test_hosts_without_x86_store_ordering_are_refused(monkeypatch):
     monkeypatch.setattr("platform.machine", lambda: "aarch64")
     with pytest.raises(SyncError, match="Linux x86-64 only .*aarch64"):
         SyncSession.create(SessionLayout(vocab=8, slots=1, max_steps=2, plan_width=1))
+
+
+# ---------------------------------------------------------------------- shared-memory and process hygiene
+
+DEAD_PID = 999_999_97  # above any pid_max: never a live process
+
+
+def test_listed_names_outside_the_directory_or_of_unknown_kinds_are_never_removed(tmp_path, caplog):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    outside, target = tmp_path / "outside", tmp_path / "target"
+    for path in (outside, target, shm / "notes.txt", shm / "psm_ours"):
+        path.write_bytes(b"x")
+    (shm / "sub").mkdir()
+    (shm / "sub" / "psm_x").write_bytes(b"x")
+    (shm / "psm_link").symlink_to(target)
+    listing = segments_listing(f"dual-sampling-{DEAD_PID}-abc123", shm)
+    names = ["../outside", str(outside), "sub/psm_x", "..", "notes.txt", "psm_link", "psm_ours", "psm_\0x", 7]
+    listing.write_text(json.dumps(names))
+    assert cleanup_stale_sessions(shm) == ["psm_ours", listing.name]
+    assert outside.exists() and target.exists() and (shm / "sub" / "psm_x").exists() and (shm / "notes.txt").exists()
+    assert (shm / "psm_link").is_symlink(), "a listed symlink was removed (or followed)"
+    assert "'../outside', not a shared-memory segment name" in caplog.text and "not a regular file" in caplog.text
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="making another user's files needs root")
+def test_another_users_leftovers_are_left_alone_with_a_warning(tmp_path, caplog):
+    """Old-style listings lay in /dev/shm itself, where any user can leave one: only our own are acted on."""
+    other = 4242
+    theirs = [
+        tmp_path / f"dual-sampling-{DEAD_PID}-abc123",
+        tmp_path / f"dual-sampling-{DEAD_PID}-abc123.segments",
+        tmp_path / "psm_theirs",
+        tmp_path / "psm_theirs_in_our_listing",
+    ]
+    theirs[1].write_text('["psm_theirs"]')
+    for path in theirs:
+        path.touch()
+        os.chown(path, other, other)
+    (tmp_path / "psm_ours").write_bytes(b"x")
+    segments_listing(f"dual-sampling-{DEAD_PID}-def456", tmp_path).write_text(
+        '["psm_theirs_in_our_listing", "psm_ours"]'
+    )
+    assert cleanup_stale_sessions(tmp_path) == ["psm_ours", f"dual-sampling-{DEAD_PID}-def456.segments"]
+    assert all(path.exists() for path in theirs)
+    assert f"is left to its owner, uid {other}" in caplog.text
+
+
+def test_listings_are_kept_in_a_private_directory_and_an_unsafe_one_is_refused(tmp_path, caplog):
+    name = f"dual-sampling-{DEAD_PID}-abc123"
+    private = segments_listing(name, tmp_path).parent
+    st = os.lstat(private)
+    assert private == tmp_path / f"dual-sampling.{os.getuid()}"
+    assert S_ISDIR(st.st_mode) and S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+    private.rmdir()
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    private.symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere" / f"{name}.segments").write_text('["psm_planted"]')
+    (tmp_path / "psm_planted").write_bytes(b"x")
+    with pytest.raises(SyncError, match=re.escape(str(private)) + " must be a directory .* but it is a symlink"):
+        segments_listing(name, tmp_path)
+    assert cleanup_stale_sessions(tmp_path) == [], "listings behind a symlink were acted on"
+    assert (tmp_path / "psm_planted").exists() and "the listings there are not cleaned up" in caplog.text
+    private.unlink()
+    private.mkdir(mode=0o700)
+    private.chmod(0o755)
+    with pytest.raises(SyncError, match="with mode 0755; remove it"):
+        SyncSession.create(SessionLayout(vocab=8, slots=1, max_steps=2, plan_width=1), tmp_path)
+    assert not list(tmp_path.glob(SESSION_PREFIX + "*")), "a session was created beside an unsafe listing directory"
+
+
+def test_a_session_reserves_its_space_and_a_full_shm_dir_is_refused_naming_the_sizes(tmp_path, monkeypatch):
+    layout = SessionLayout(vocab=8, slots=3, max_steps=4, plan_width=2)
+    size = layout.offsets["total"]
+    with SyncSession.create(layout) as session:
+        assert os.stat(session.path).st_blocks * 512 >= size, "the session file is sparse: a full /dev/shm is a SIGBUS"
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(SyncError, match=rf"^{re.escape(str(tmp_path))} has \d+ bytes .* less than the {size} bytes \("):
+        SyncSession.create(layout, tmp_path)
+    assert not list(tmp_path.glob(SESSION_PREFIX + "*")), "a failed create left its file behind"
+
+
+def test_a_session_larger_than_a_real_tmpfs_is_refused_before_it_starts(tmp_path):
+    """Docker's /dev/shm is a 64 MiB tmpfs; this one holds 1 MiB."""
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        layout = SessionLayout(vocab=4096, slots=80, max_steps=16, plan_width=4)  # 1.25 MiB of rows
+        with pytest.raises(SyncError, match=rf"less than the {layout.offsets['total']} bytes \(1\.\d MiB\)"):
+            SyncSession.create(layout, mount)
+        assert not list(mount.glob(SESSION_PREFIX + "*"))
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def _own_start_time() -> int:
+    return int(Path("/proc/self/stat").read_bytes().rsplit(b")", 1)[1].split()[19])
+
+
+def test_stale_sessions_are_judged_by_their_drivers_namespace_boot_and_start_time(tmp_path, caplog):
+    """Containers sharing /dev/shm see each other's sessions, but not each other's processes."""
+    with SyncSession.create(SessionLayout(vocab=8, slots=1, max_steps=2, plan_width=1), tmp_path) as session:
+        header = np.array(session.header)
+    assert int(header[Header.OWNER_PID_NS]) == os.stat("/proc/self/ns/pid").st_ino
+    assert int(header[Header.OWNER_START]) == _own_start_time()
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")
+    assert int(header[Header.OWNER_BOOT]) == int(boot[:15], 16)
+
+    def session(token: str, pid: int, **changes: int) -> str:
+        words = header.copy()
+        words[Header.OWNER_PID] = pid
+        for word, value in changes.items():
+            words[Header[word]] = value
+        name = f"dual-sampling-{pid}-{token}"
+        (tmp_path / name).write_bytes(words.tobytes())
+        (tmp_path / f"psm_{token}").write_bytes(b"x")
+        segments_listing(name, tmp_path).write_text(json.dumps([f"psm_{token}"]))
+        return name
+
+    own_ns, start = int(header[Header.OWNER_PID_NS]), int(header[Header.OWNER_START])
+    foreign = session("aa", DEAD_PID, OWNER_PID_NS=own_ns + 1)
+    dead = session("bb", DEAD_PID)
+    reused = session("cc", os.getpid(), OWNER_START=start + 1)
+    live = session("dd", os.getpid())
+    older_boot = session("ee", os.getpid(), OWNER_BOOT=int(header[Header.OWNER_BOOT]) + 1)
+    removed = set(cleanup_stale_sessions(tmp_path))
+    gone = {dead, reused, older_boot}
+    assert removed == gone | {f"{n}.segments" for n in gone} | {f"psm_{n[-2:]}" for n in gone}
+    assert (tmp_path / foreign).exists() and (tmp_path / "psm_aa").exists() and (tmp_path / live).exists()
+    assert "its driver ran in another PID namespace" in caplog.text
+
+
+def test_statistics_and_aborts_are_safe_while_and_after_the_session_closes():
+    """/metrics and abort() run on other threads than close(): they must not read unmapped arrays."""
+    session = SyncSession.create(SessionLayout(vocab=8, slots=2, max_steps=4, plan_width=2))
+    session.open_slot(0, key=5, teacher_prompt_len=1, theta_prompt_len=1)
+    session.add_stat(Stat.TEACHER_ROWS, 3)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                assert session.statistics()["teacher_rows"] == 3
+                session.request_abort(0, 5, Writer.DRIVER)
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=poll) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    session.close()
+    time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert session.statistics() == {s.name.lower(): 3 if s == Stat.TEACHER_ROWS else 0 for s in Stat}
+
+
+def test_reap_kills_an_engine_process_that_does_not_exit():
+    proc = subprocess.Popen(["sleep", "60"])
+    engines._reap([proc.pid], 0.1)
+    assert proc.wait(5) == -signal.SIGKILL
+
+
+def test_reap_never_kills_a_pid_that_now_names_another_process(monkeypatch):
+    proc = subprocess.Popen(["sleep", "60"])
+    real, looks = engines.process_start_time, collections.Counter()
+
+    def reused(pid: int) -> int | None:  # after the first look, the pid names a later process
+        start, looks[pid] = real(pid), looks[pid] + 1
+        return start + 1 if start is not None and looks[pid] > 1 else start
+
+    monkeypatch.setattr(engines, "process_start_time", reused)
+    try:
+        engines._reap([proc.pid], 0.1)
+        assert proc.poll() is None, "a process that merely reused an engine's pid was killed"
+    finally:
+        proc.kill()
+        proc.wait()

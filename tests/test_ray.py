@@ -22,6 +22,7 @@ import pytest
 import dual_sampling.ray
 from dual_sampling.datagen import read_records, run_generation
 from dual_sampling.engine import derive_seed
+from dual_sampling.protocol import SESSION_PREFIX, listing_dir
 from dual_sampling.ray import DualSamplingStage, _run_config
 from tests.test_datagen import ScriptedSampler, all_pairs, cli_flags, problems, tiny_config
 
@@ -119,7 +120,7 @@ def test_two_replicas_with_one_killed_give_the_local_records_exactly_once(dual_e
         # Mid-run: some parts are written, others not yet. Replicas come up at different times (one may do
         # several batches alone), so the one killed is the first seen whose engines are up (it has listed
         # their segments). A replica killed while its engines start is not covered: see docs/scale-out.md.
-        running = [p for p in replicas if list(Path("/dev/shm").glob(f"dual-sampling-{p.pid}-*.segments"))]
+        running = [p for p in replicas if list(listing_dir().glob(f"{SESSION_PREFIX}{p.pid}-*.segments"))]
         if killed is None and running and out.exists() and list(out.glob("part-*.parquet")):
             killed = running[0].pid
             os.kill(killed, signal.SIGKILL)
