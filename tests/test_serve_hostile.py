@@ -249,3 +249,49 @@ def test_idle_readers_are_aborted_and_a_normal_client_is_served(dual_engine):
         for sock in idle:
             sock.close()
         s.stop()
+
+
+# ---------------------------------------------------------------- the event loop stays free
+
+
+def test_parsing_and_tokenizing_run_off_the_event_loop(server, dual_engine, monkeypatch):
+    """Tokenizing and templating ran on the event loop (0.76 s for a 1 MiB prompt), stalling /health and streams."""
+    import threading
+
+    service = server.server.config.app.state.service
+    seen = []
+    parse = service.parse
+
+    def recording(body, kind):
+        seen.append(threading.current_thread().name)
+        return parse(body, kind)
+
+    monkeypatch.setattr(service, "parse", recording)
+    r = httpx.post(server.url + "/v1/completions", content=completion(prompt="word " * 3000), headers=AUTH, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"  # 3,000 words: more than 256 tokens
+    assert seen and all(name.startswith("dual-sampling-parse") for name in seen), seen
+
+
+def test_a_prompt_past_any_possible_fit_is_refused_without_tokenizing(server, dual_engine, monkeypatch):
+    calls = []
+    tokenizer = dual_engine.tokenizer
+    original = type(tokenizer).__call__
+
+    def counting(self, *args, **kwargs):
+        calls.append(len(args[0]) if args else 0)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", counting)
+    body = completion(prompt="x" * 900_000)
+    r = httpx.post(server.url + "/v1/completions", content=body, headers=AUTH, timeout=60)
+    assert r.status_code == 400 and "characters" in r.json()["error"]["message"]
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    "host, loopback", [("127.0.0.1", True), ("localhost", True), ("::1", True), ("0.0.0.0", False), ("10.1.2.3", False)]
+)
+def test_only_loopback_addresses_are_served_keyless_without_a_warning(host, loopback):
+    from dual_sampling.serve import _loopback
+
+    assert _loopback(host) is loopback
