@@ -9,7 +9,7 @@ Order of operations (per row; α is the teacher weight):
 3. log q = geometric_mix(log π_θ, log π_t, α), kept unnormalised until the draw.
 4. Teacher-support constraint: tokens outside the teacher's top-k / top-p set are removed.
 5. min_tokens: the stop tokens are removed while fewer than min_tokens were generated.
-6. logit_bias is added.
+6. logit_bias is added (each value clamped to ±100, as vLLM does).
 7. Temperature divides log q (0 means greedy).
 8. top_k, top_p and min_p filter the tempered distribution.
 9. Renormalise and draw with a counter-based uniform of (seed, step): the same seed gives
@@ -38,9 +38,20 @@ from torch import Tensor
 from alpha import AlphaComputer, geometric_log_weights
 from alpha.base import check_log_prob_pair
 
-__all__ = ["Decision", "RowSampling", "counter_uniform", "decide", "draw_tokens", "inverse_cdf", "keep_top_k_top_p"]
+__all__ = [
+    "LOGIT_BIAS_LIMIT",
+    "Decision",
+    "RowSampling",
+    "counter_uniform",
+    "decide",
+    "draw_tokens",
+    "inverse_cdf",
+    "keep_top_k_top_p",
+]
 
 _MASK64 = (1 << 64) - 1
+LOGIT_BIAS_LIMIT = 100.0
+"""logit_bias values are clamped to ±this, as vLLM clamps them."""
 
 
 def counter_uniform(seed: int, step: int) -> float:
@@ -70,6 +81,15 @@ class RowSampling:
     support_top_p: float = 1.0
     top_logprobs: int = 0
     """How many of q's most likely tokens to record with their log-probabilities (0: none)."""
+
+    def __post_init__(self) -> None:
+        # Clamped as vLLM clamps it: a bias of 1e39 becomes inf in float32 and q then holds NaN.
+        bias = {}
+        for token, value in self.logit_bias.items():
+            if math.isnan(value):
+                raise ValueError(f"logit_bias[{token}] is NaN")
+            bias[token] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
+        self.logit_bias = bias
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)

@@ -15,9 +15,10 @@ actors alike. Per sample it:
 :meth:`DualScheduler.abort` ends one request on both engines at the next step boundary
 (the teacher engine's scheduler decides it; see ``processors.scheduler``). A request
 that fails (a timeout, bad logits, a divergence) fails alone: its sample carries
-``finish_reason="error"`` and a named ``error``; nothing raises. An engine that dies, or
-a session in which no engine makes progress for ``sync_timeout + 30`` seconds, fails
-every request in flight with :class:`SyncError` and closes the scheduler.
+``finish_reason="error"`` and a named ``error``; nothing raises. An engine that dies (its
+process exits, or vLLM declares it dead: ``EngineDeadError``), or a session in which no
+engine makes progress for ``sync_timeout + 30`` seconds, fails every request in flight or
+queued with :class:`SyncError` and closes the scheduler for good (:attr:`DualScheduler.failure`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -72,6 +74,8 @@ _STALL_GRACE_S = 30.0
 """Beyond sync_timeout, how long no engine may serve a row nor compute while requests are in flight."""
 _COMPUTING_CPU_SHARE = 0.5
 """The engines' model processes count as computing while they use at least this share of one core."""
+_ABORT_POLL_S = 0.05
+"""How often an abort from another thread, waiting for the scheduler's loop to run it, checks the loop still runs."""
 
 
 @dataclass
@@ -148,7 +152,7 @@ class DualScheduler:
         self.session = SyncSession.create(layout)
         self.engines: Any = None
         self.failure: SyncError | None = None
-        """Set once the scheduler can serve nothing more (an engine died, or it was closed)."""
+        """Set once, for good, when the scheduler can serve nothing more (an engine died, or it was closed)."""
         self.counters: collections.Counter = collections.Counter(
             {
                 name: 0
@@ -169,7 +173,11 @@ class DualScheduler:
         self._held: set[int] = set()
         self._slot_waiters: collections.deque[asyncio.Future] = collections.deque()
         self._slot_feeder: asyncio.Task | None = None
+        self._aborted_before_launch: set[str] = set()
+        """Requests aborted after a slot was handed to them but before they reached the engines."""
         self._closing = False
+        self._engines_lock = threading.Lock()
+        self._engines_closed = False
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="dual-sampling-loop", daemon=True)
         self._thread.start()
@@ -198,7 +206,8 @@ class DualScheduler:
             return future.result(timeout)
         except (KeyboardInterrupt, SystemExit):
             future.cancel()
-            with contextlib.suppress(BaseException):
+            # Only the coroutine's own end is waited out: a second interrupt meanwhile propagates at once.
+            with contextlib.suppress(Exception):
                 future.result(self.sync_timeout)
             raise
 
@@ -251,6 +260,11 @@ class DualScheduler:
             slot = await self._acquire_slot(waiter)
         finally:
             self._queued.pop(request_id, None)
+            aborted = request_id in self._aborted_before_launch
+            self._aborted_before_launch.discard(request_id)
+        if aborted and slot is not None:  # aborted once its slot was handed over, before this resumed
+            self._held.discard(slot)
+            slot = None
         if slot is None:  # aborted while it waited for a slot: it never reached an engine
             sample = SampleRecord(text="", token_ids=[], finish_reason="abort", seed=request.sampling.seed)
             self.counters["requests"] += 1
@@ -317,8 +331,7 @@ class DualScheduler:
             finally:
                 if not theta_task.done():
                     theta_task.cancel()
-                with contextlib.suppress(BaseException):
-                    await theta_task
+                await _settle(theta_task)
         except asyncio.CancelledError:
             flight.outbox.put_nowait(self.failure or SyncError("the dual engine was closed"))
             raise
@@ -339,8 +352,22 @@ class DualScheduler:
     def abort(self, request_id: str) -> bool:
         """End one request on both engines at the next step boundary; False if it is unknown or done.
 
-        A request still waiting for a slot ends at once, without reaching an engine. Thread-safe.
+        A request still waiting for a slot ends at once, without reaching an engine. Thread-safe:
+        from another thread it runs on the scheduler's loop, where a request moves from queued to
+        launched (slot opened) in one step, so an abort can never fall between the two.
         """
+        if threading.get_ident() == self._thread.ident:
+            return self._abort(request_id)
+        if not self.loop.is_running():
+            return False
+        future = asyncio.run_coroutine_threadsafe(_run(self._abort, request_id), self.loop)
+        while True:
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                return future.result(_ABORT_POLL_S)
+            if not self.loop.is_running() and not future.done():
+                return False  # the loop stopped first: close() ended every request
+
+    def _abort(self, request_id: str) -> bool:
         flight = self._flights.get(request_id)
         if flight is not None:
             self.session.request_abort(flight.slot, flight.key, Writer.DRIVER)
@@ -348,8 +375,16 @@ class DualScheduler:
         waiter = self._queued.get(request_id)
         if waiter is None:
             return False
-        self.loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
+        if waiter.done():  # a slot was handed to it: stream() sees this before launching
+            self._aborted_before_launch.add(request_id)
+        else:
+            waiter.set_result(None)
         return True
+
+    @property
+    def alive(self) -> bool:
+        """Whether requests can be served: False for good once :attr:`failure` is set (health checks read this)."""
+        return self.failure is None
 
     def in_flight(self) -> list[str]:
         """Request ids submitted to the engines (holding a slot) now."""
@@ -449,6 +484,9 @@ class DualScheduler:
             theta_tokens != tokens or recorded != tokens or int(control[Slot.NUM_RECORDS]) < len(tokens)
         ):
             code, step = ErrorCode.DIVERGED, _first_difference(tokens, theta_tokens, recorded)
+        non_finite = np.flatnonzero(~np.isfinite(records).all(axis=1))
+        if code == ErrorCode.NONE and non_finite.size:  # the engine checks each row; this is the last line
+            code, step = ErrorCode.NON_FINITE, int(non_finite[0])
         if code != ErrorCode.NONE:
             sample.finish_reason = "error"
             sample.error = f"{code.label} at step {step}"
@@ -472,12 +510,32 @@ class DualScheduler:
         """The error a request gets when its engine call raised."""
         if self.failure is not None:
             return self.failure
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        dead = self._dead_engine()
+        if dead is None and isinstance(exc, EngineDeadError):
+            dead = f"an engine failed: {exc}"
+        if dead is not None:
+            return self._fail(dead)
         if isinstance(exc, (SyncError, ValueError)):
             return exc
-        dead = self.engines.dead() if self.engines is not None else None
-        if dead:
-            return self._fail(f"the {dead} engine failed: its engine process exited")
         return SyncError(f"an engine call failed: {type(exc).__name__}: {exc}")
+
+    def _dead_engine(self) -> str | None:
+        """Why an engine can serve nothing more (its process exited, or vLLM declared it dead), else None.
+
+        After an exception inside a live EngineCore, vLLM raises EngineDeadError to every later
+        call while the engine's processes may still be there: its ``errored`` flag says so.
+        """
+        if self.engines is None:
+            return None
+        dead = self.engines.dead()
+        if dead:
+            return f"the {dead} engine failed: its engine process exited"
+        for role in ("teacher", "theta"):
+            if getattr(getattr(self.engines, role), "errored", False):
+                return f"the {role} engine failed: vLLM declared it dead (EngineDeadError)"
+        return None
 
     def _fail(self, message: str) -> SyncError:
         """Stop serving: record why, release the engines' waits, and stop the engines."""
@@ -504,9 +562,9 @@ class DualScheduler:
         last_rows, last_move, last_cpu = None, time.monotonic(), 0.0
         while self.failure is None and not self._closing:
             await asyncio.sleep(_WATCH_S)
-            dead = self.engines.dead() if self.engines is not None else None
+            dead = self._dead_engine()
             if dead:
-                self._fail(f"the {dead} engine failed: its engine process exited")
+                self._fail(dead)
                 return
             stats = self.session.statistics()
             rows = (stats["teacher_rows"], stats["theta_rows"], stats["leader_ended"])
@@ -535,8 +593,11 @@ class DualScheduler:
         return stats
 
     def _close_engines(self) -> None:
-        if self.engines is not None:
-            self.engines.close()
+        """Stop the engines once; a second caller (close() while _fail's closing runs) waits for the first."""
+        with self._engines_lock:
+            if self.engines is not None and not self._engines_closed:
+                self._engines_closed = True
+                self.engines.close()
 
     def close(self) -> None:
         """Abort what is in flight, stop both engines, remove the shared memory. Safe to call twice."""
@@ -548,21 +609,40 @@ class DualScheduler:
             self.failure = SyncError("this dual engine is closed")
         if not self.session.closed:
             self.session.shutdown()
-        if self.loop.is_running():
-            with contextlib.suppress(BaseException):
-                asyncio.run_coroutine_threadsafe(self._cancel_all(), self.loop).result(10)
-        self._close_engines()
-        self.engines = None
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=10)
-        self.session.close()
+        try:
+            if self.loop.is_running():
+                with contextlib.suppress(Exception):  # tasks still running after 10 s end with the engines
+                    asyncio.run_coroutine_threadsafe(self._cancel_all(), self.loop).result(10)
+        finally:  # an interrupt while the tasks end still stops the engines, then propagates
+            self._close_engines()
+            self.engines = None
+            if self.loop.is_running():
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self._thread.join(timeout=10)
+            self.session.close()
 
     async def _cancel_all(self) -> None:
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for task in tasks:
             task.cancel()
         await asyncio.wait(tasks, timeout=5) if tasks else None
+
+
+async def _run(function: Callable[..., T], *args: Any) -> T:
+    """``function(*args)`` as a coroutine, to run it on the scheduler's loop from another thread."""
+    return function(*args)
+
+
+async def _settle(task: asyncio.Task) -> None:
+    """Wait for ``task`` to end, whatever it ended with; a cancellation of the awaiting task itself propagates."""
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+    except Exception:  # the partner's own error: the teacher's outcome (or its error) decides the request
+        pass
 
 
 async def _last(aiter: AsyncIterator[T]) -> T:

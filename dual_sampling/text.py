@@ -22,36 +22,69 @@ def decode(tokenizer: Any, token_ids: Sequence[int]) -> str:
     return tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
 
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``."""
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _new_occurrence(before: str, after: str, stop: str) -> int:
-    """Position in ``after`` of an occurrence of ``stop`` that ends beyond ``before``'s length, else -1."""
-    return after.find(stop, max(0, len(before) - len(stop) + 1))
+    """Position in ``after`` of an occurrence of ``stop`` that ends beyond the text it shares with ``before``, else -1.
+
+    ``before`` is the text one token earlier. A character that the new token completed (U+FFFD
+    in ``before``) or text a decoder's clean-up changed is new text too, not only what was added.
+    """
+    return after.find(stop, max(0, _common_prefix(before, after) - len(stop) + 1))
 
 
 class StopStringWatch:
-    """Finds the stop string completed by the newest token of a growing list of generated tokens.
+    """Finds the stop string completed by the newest token of one growing sample (one watch per sample).
 
-    Only a window of the last tokens is decoded: 4 tokens per character of the longest stop
-    string (a character can take up to 4 byte tokens) and 8 more, so the cost per token does
-    not grow with the length of the sample.
+    Incremental: each :meth:`check` decodes only the tokens added since the last one (with a
+    few before them, for decoders that treat a leading space specially) and searches the new
+    text together with the last characters before it, one fewer than the longest stop string.
+    Its cost per token grows with neither the sample nor the stop strings' lengths.
     """
+
+    _CONTEXT = 6
+    """Tokens decoded before the new ones, so a decoder's leading-space handling falls on settled text."""
+    _MAX_UNSETTLED = 4
+    """A character takes at most 4 byte tokens: text still incomplete after that many is settled as it is."""
 
     def __init__(self, tokenizer: Any, stops: Sequence[str]) -> None:
         self.tokenizer = tokenizer
         self.stops = tuple(stops)
         if not self.stops or not all(isinstance(s, str) and s for s in self.stops):
             raise ValueError(f"stop strings must be non-empty strings, got {list(stops)!r}")
-        self.window = 4 * max(map(len, self.stops)) + 8
+        self.keep = max(map(len, self.stops)) - 1
+        self._read = 0
+        """Tokens whose text is settled."""
+        self._tail = ""
+        """The last ``keep`` characters of the settled text."""
 
     def check(self, token_ids: Sequence[int]) -> int | None:
-        """Index of the stop string that the last token completes, else None."""
-        if not token_ids:
+        """Index of the stop string that the newest token completes, else None; call it as tokens are added."""
+        end = len(token_ids)
+        if end <= self._read:
             return None
-        tail = list(token_ids[-self.window :])
-        before, after = decode(self.tokenizer, tail[:-1]), decode(self.tokenizer, tail)
-        for index, stop in enumerate(self.stops):
-            if _new_occurrence(before, after, stop) >= 0:
-                return index
-        return None
+        if self._read < end - 1:
+            # Tokens never checked (before min_tokens): occurrences they complete do not count.
+            self._settle(decode(self.tokenizer, token_ids[: end - 1]), end - 1)
+        start = max(0, self._read - self._CONTEXT)
+        before = decode(self.tokenizer, token_ids[start : self._read])
+        now = decode(self.tokenizer, token_ids[start:end])
+        # Text the new tokens changed before them (a character completed, a decoder's clean-up of spaces) is
+        # new text: it replaces the end of the tail instead of repeating it.
+        common = _common_prefix(before, now)
+        base = self._tail[: max(0, len(self._tail) - (len(before) - common))]
+        text = base + now[common:]
+        found = next((i for i, stop in enumerate(self.stops) if _new_occurrence(base, text, stop) >= 0), None)
+        # A character still being built from byte tokens is decoded again with the next token.
+        if not now.endswith("\ufffd") or end - self._read >= self._MAX_UNSETTLED:
+            self._settle(text, end)
+        return found
+
+    def _settle(self, text: str, read: int) -> None:
+        self._tail, self._read = text[max(0, len(text) - self.keep) :], read
 
 
 def sample_text(

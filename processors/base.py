@@ -20,11 +20,14 @@ A row whose request has failed (an error in its slot, from either side) or whose
 shut down is *abandoned*: the processor stops waiting and forces a filler token, one that
 is no stop token of the request, so the engine does not end the request on its own. The
 teacher scheduler ends failed requests on both engines at the next step boundary; the
-driver marks their samples failed. Nothing ever falls back to one model's logits.
+driver marks their samples failed. Nothing ever falls back to one model's logits. An
+exception in the work for one row fails that row's request alone (``decision_error``,
+logged once): an exception escaping ``apply`` would kill the EngineCore with every request.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -36,6 +39,8 @@ from dual_sampling.protocol import Bell, ErrorCode, Slot, SyncError, SyncSession
 from dual_sampling.sampling import RowSampling
 
 __all__ = ["CONFIG_KEY", "WAIT_CAP_S", "BaseSyncLogitsProcessor", "TrackedRow", "lockstep_config", "request_pairing"]
+
+logger = logging.getLogger(__name__)
 
 CONFIG_KEY = "dual_sampling"
 WAIT_CAP_S = 0.05
@@ -135,7 +140,17 @@ class BaseSyncLogitsProcessor(LogitsProcessor):
         batch = [(i, row) for i, row in sorted(self.rows.items()) if i < logits.shape[0]]
         if not batch:
             return logits
-        return self._force(logits, self.synchronise(logits, batch))
+        try:
+            decided = self.synchronise(logits, batch)
+        except Exception:
+            # An exception escaping here would kill the EngineCore and every request with it: only this
+            # step's requests fail (the per-row work already catches what one request's settings cause).
+            logger.exception("the %s processor failed a step; its %d requests fail", self.role, len(batch))
+            decided = {}
+            for i, row in batch:
+                self.session.fail_slot(row.slot, row.key, ErrorCode.DECISION_ERROR, row.step, self.writer)
+                decided[i] = row.filler
+        return self._force(logits, decided)
 
     # ------------------------------------------------------------------ for subclasses
 
@@ -153,6 +168,19 @@ class BaseSyncLogitsProcessor(LogitsProcessor):
         for i, row in pending.items():
             self.session.fail_slot(row.slot, row.key, ErrorCode.SYNC_TIMEOUT, row.step, self.writer)
             decided[i] = row.filler
+
+    def _fail_row(self, row: TrackedRow, work: str) -> None:
+        """Inside an ``except`` block: log the exception once and fail this row's request alone."""
+        logger.exception(
+            "the %s processor failed %s (slot %d, request key %d, step %d); that request fails as %s",
+            self.role,
+            work,
+            row.slot,
+            row.key,
+            row.step,
+            ErrorCode.DECISION_ERROR.label,
+        )
+        self.session.fail_slot(row.slot, row.key, ErrorCode.DECISION_ERROR, row.step, self.writer)
 
     def wait(self, bell: Bell, seen: int, deadline: float) -> None:
         self.session.wait_bell(bell, seen, min(deadline - time.monotonic(), WAIT_CAP_S))

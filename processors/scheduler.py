@@ -19,7 +19,9 @@ through the session's shared memory (``dual_sampling.protocol``):
   step, because both engines see the same tokens and the same stop criteria. Everything
   else is decided by the leader alone and reaches the follower as an ending before the
   next plan: aborts (from the driver, or vLLM's own aborts, which are turned into lockstep
-  ones instead of ending one engine early), stop strings, and failed requests.
+  ones instead of ending one engine early), stop strings, and failed requests. Stop strings
+  are watched per request (``dual_sampling.text.StopStringWatch``, dropped with the request);
+  a check that raises fails its request alone (``decision_error``).
 - **Preemption** cannot happen with the KV cache the driver verifies; if vLLM preempts
   anyway, the request fails (``preempted``) instead of silently diverging.
 
@@ -40,6 +42,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
+from transformers import AutoTokenizer
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
@@ -61,6 +64,7 @@ from dual_sampling.protocol import (
     mapped_shm_files,
     pid_alive,
 )
+from dual_sampling.text import StopStringWatch
 from processors.base import WAIT_CAP_S, lockstep_config, request_pairing
 
 __all__ = [
@@ -114,6 +118,8 @@ class _Ticket:
     min_tokens: int
     scheduled: bool = False
     """It reached the model runner, so the processor (not the scheduler) releases it."""
+    watch: StopStringWatch | None = None
+    """The leader's stop-string state of this request: it goes with the ticket when the request ends."""
 
     @property
     def entry(self) -> int:
@@ -267,8 +273,8 @@ class TeacherLockstepScheduler(LockstepScheduler):
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         self.plans_published = 0
-        self._tokenizer_path = vllm_config.model_config.tokenizer
-        self._stop_watches: dict[tuple[str, ...], object] = {}
+        # Loaded now, not inside the first step that meets a stop string (seconds, with every request waiting).
+        self.tokenizer = AutoTokenizer.from_pretrained(vllm_config.model_config.tokenizer)
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         self._end_requested()
@@ -297,7 +303,16 @@ class TeacherLockstepScheduler(LockstepScheduler):
             elif self.session.error(ticket.slot)[0] != ErrorCode.NONE:
                 self._end_here(request, ticket, Finish.ERROR, output)
             elif ticket.stops and request.num_output_tokens >= ticket.min_tokens:
-                index = self._stop_watch(ticket.stops).check(request.output_token_ids)
+                try:
+                    ticket.watch = ticket.watch or StopStringWatch(self.tokenizer, ticket.stops)
+                    index = ticket.watch.check(request.output_token_ids)
+                except Exception:
+                    # This request's stop strings (or its tokens) broke the check: it fails, the engine goes on.
+                    logger.exception("checking the stop strings of request %s failed; it fails alone", rid)
+                    code = ErrorCode.DECISION_ERROR
+                    self.session.fail_slot(ticket.slot, ticket.key, code, request.num_output_tokens, self.writer)
+                    self._end_here(request, ticket, Finish.ERROR, output)
+                    continue
                 if index is not None:
                     self._end_here(request, ticket, Finish.STOP_STRING, output, stop_index=index)
 
@@ -400,18 +415,6 @@ class TeacherLockstepScheduler(LockstepScheduler):
         c[Slot.FINISH], c[Slot.STOP_INDEX], c[Slot.FINISH_PLAN] = finish, stop_index, self.plans_published
         c[Slot.PHASE] = Phase.FINISHED  # last: it announces the fields above
         self.session.ring(Bell.PLAN, self.writer)
-
-    def _stop_watch(self, stops: tuple[str, ...]):
-        watch = self._stop_watches.get(stops)
-        if watch is None:
-            from transformers import AutoTokenizer
-
-            from dual_sampling.text import StopStringWatch
-
-            tokenizer = getattr(self, "_tokenizer", None) or AutoTokenizer.from_pretrained(self._tokenizer_path)
-            self._tokenizer = tokenizer
-            watch = self._stop_watches[stops] = StopStringWatch(tokenizer, stops)
-        return watch
 
 
 class ThetaLockstepScheduler(LockstepScheduler):

@@ -9,9 +9,10 @@ one round; rows are still served in whatever order they become ready.
 
 from __future__ import annotations
 
+import math
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
@@ -107,7 +108,11 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         if self._helper is None or n < _MIN_ROWS_TO_SPLIT:
             return run(0, n)
         first = self._helper.submit(run, 0, n // 2)
-        second = run(n // 2, n)
+        try:
+            second = run(n // 2, n)
+        except Exception:
+            wait([first])  # its rows are decided again, one by one, once this raises
+            raise
         return Decision.concatenate([first.result(), second])
 
     def synchronise(self, logits: torch.Tensor, batch: list[tuple[int, TrackedRow]]) -> dict[int, int]:
@@ -180,27 +185,53 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         if len(good) < len(ready):
             ready = [ready[k] for k in good]
             teacher, theta = teacher[good], theta[good]
-        d = self._decide_rows(teacher, theta, ready)
+        try:
+            parts = [(ready, self._decide_rows(teacher, theta, ready))]
+        except Exception:
+            # One row's settings (a top_k beyond int64, say) make the whole batch raise: decide each row
+            # alone and fail only the rows that still raise, so the engine and the other requests go on.
+            parts = []
+            for k, (i, row) in enumerate(ready):
+                try:
+                    parts.append(([(i, row)], self._decide_rows(teacher[k : k + 1], theta[k : k + 1], [(i, row)])))
+                except Exception:
+                    self._fail_row(row, "deciding its token")
+                    decided[i] = row.filler
+        for part, d in parts:
+            self._publish(part, d, decided)
+        s.ring(Bell.TEACHER_TOKENS, self.writer)
+        s.add_stat(Stat.TEACHER_ROWS, len(ready))
+        return decided
+
+    def _publish(self, ready: list[tuple[int, TrackedRow]], d: Decision, decided: dict[int, int]) -> None:
+        """Write each row's token and records to its slot, or fail the row; put its token in ``decided``."""
+        s = self.session
         rows_out = zip(
             ready, *(t.cpu().tolist() for t in (d.tokens, d.alpha, d.logp_teacher, d.logp_theta, d.logq, d.ok))
         )
         control = s.control
         top = None if d.top_ids is None else (d.top_ids.cpu().numpy(), d.top_logq.cpu().numpy())
         for k, ((i, row), tok, a, lt, lth, lq, row_ok) in enumerate(rows_out):
+            decided[i] = row.filler
             if not row_ok or row.step >= s.layout.max_steps:
                 s.fail_slot(row.slot, row.key, ErrorCode.BAD_LOGITS, row.step, self.writer)
-                decided[i] = row.filler
                 continue
-            s.records[row.slot, row.step] = (a, lt, lth, lq)
-            if top is not None and row.sampling.top_logprobs:
-                n = row.sampling.top_logprobs
-                s.top_ids[row.slot, row.step, :n], s.top_logq[row.slot, row.step, :n] = top[0][k, :n], top[1][k, :n]
+            if not all(map(math.isfinite, (a, lt, lth, lq))):
+                # Never training data: a NaN log q once came with a wrong token and ok=True.
+                s.fail_slot(row.slot, row.key, ErrorCode.NON_FINITE, row.step, self.writer)
+                continue
+            try:
+                s.records[row.slot, row.step] = (a, lt, lth, lq)
+                if top is not None and row.sampling.top_logprobs:
+                    n = row.sampling.top_logprobs
+                    s.top_ids[row.slot, row.step, :n] = top[0][k, :n]
+                    s.top_logq[row.slot, row.step, :n] = top[1][k, :n]
+            except Exception:
+                self._fail_row(row, "recording its token")
+                continue
             s.tokens[row.slot, row.step] = tok
             control[row.slot, Slot.NUM_RECORDS] = row.step + 1
             control[row.slot, Slot.TOKEN] = tok
             control[row.slot, Slot.TEACHER_STEP] = row.step  # written last: it publishes the fields above
             row.alpha = a
             decided[i] = tok
-        s.ring(Bell.TEACHER_TOKENS, self.writer)
-        s.add_stat(Stat.TEACHER_ROWS, len(ready))
-        return decided

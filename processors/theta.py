@@ -50,23 +50,43 @@ class ThetaSyncLogitsProcessor(BaseSyncLogitsProcessor):
         return decided
 
     def _publish_rows(self, logits: torch.Tensor, rows: list[tuple[int, TrackedRow]]) -> None:
-        """Normalise and publish every row in one copy, then their step words, then ring once."""
+        """Normalise and publish every row in one copy, then their step words, then ring once.
+
+        Should that raise, each row is published alone and only the rows that still raise fail.
+        """
         if not rows:
             return
+        s = self.session
+        # Odd while this step's rows are stored, so the teacher can tell a scan that saw only part of them.
+        s.header[Header.THETA_PUBLICATIONS] += 1
+        try:
+            try:
+                published = self._store_rows(logits, rows)
+            except Exception:
+                published = []
+                for i, row in rows:
+                    try:
+                        published += self._store_rows(logits, [(i, row)])
+                    except Exception:
+                        self._fail_row(row, "publishing its row")
+            if published:
+                # After the rows they announce.
+                s.control[[row.slot for row in published], Slot.THETA_STEP] = [row.step for row in published]
+        finally:
+            s.header[Header.THETA_PUBLICATIONS] += 1
+        s.ring(Bell.THETA_ROWS, self.writer)
+        s.add_stat(Stat.THETA_ROWS, len(published))
+
+    def _store_rows(self, logits: torch.Tensor, rows: list[tuple[int, TrackedRow]]) -> list[TrackedRow]:
+        """Store the rows' log-probabilities in their slots (not yet announced); return the rows stored."""
         s = self.session
         index = torch.tensor([i for i, _ in rows], dtype=torch.long, device=logits.device)
         # Normalised here, on theta's cores, while the teacher is still busy with its own model.
         logp = torch.log_softmax(logits[index, : self.vocab].float(), dim=-1).cpu()
         # NaN or +inf anywhere in a row makes its whole log-softmax NaN; so does a row with nothing finite.
         nan_rows = torch.isnan(logp[:, 0]).tolist()
-        slots = [row.slot for _, row in rows]
-        # Odd while this step's rows are stored, so the teacher can tell a scan that saw only part of them.
-        s.header[Header.THETA_PUBLICATIONS] += 1
-        s.theta_logprobs[slots] = logp.numpy()
+        s.theta_logprobs[[row.slot for _, row in rows]] = logp.numpy()
         for (_, row), has_nan in zip(rows, nan_rows):
             if has_nan:
                 s.fail_slot(row.slot, row.key, ErrorCode.BAD_LOGITS, row.step, self.writer)
-        s.control[slots, Slot.THETA_STEP] = [row.step for _, row in rows]  # after the rows they announce
-        s.header[Header.THETA_PUBLICATIONS] += 1
-        s.ring(Bell.THETA_ROWS, self.writer)
-        s.add_stat(Stat.THETA_ROWS, len(rows))
+        return [row for _, row in rows]

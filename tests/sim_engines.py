@@ -17,7 +17,7 @@ memory, and the driver (``dual_sampling.scheduler.DualScheduler``). What is simu
 
 Adversity is chosen per run (:class:`Adversity`): uneven delivery delays per side, one
 side's KV cache too small (vLLM then tries to preempt), vLLM-level aborts sent to one
-engine only, a stalled engine.
+engine only, a stalled engine, an engine that vLLM declares dead while its process lives on.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 from vllm import SamplingParams
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -81,6 +82,10 @@ class Adversity:
     """Samples for which theta's engine emits a token other than the one forced, at step 1 (a broken engine)."""
     stall: tuple[str, float, float] | None = None
     """(side, at_s, for_s): that engine ("teacher", "theta" or "both") stops stepping at at_s for for_s seconds."""
+    engine_dead: tuple[str, float] | None = None
+    """(side, at_s): at at_s that engine stops stepping and its frontend turns ``errored``, raising
+    EngineDeadError to every call in flight and every later one, as AsyncLLM does after an exception
+    inside its EngineCore; its thread (the process) stays alive."""
 
 
 class SimEngineCore(threading.Thread):
@@ -111,6 +116,9 @@ class SimEngineCore(threading.Thread):
         self.stop_flag = threading.Event()
         self.error: BaseException | None = None
         self.started_at = time.monotonic()
+        self.on_death = lambda: None
+        """Called once when ``Adversity.engine_dead`` strikes this engine (its frontend's ``die``)."""
+        self.dead = False
 
     # ------------------------------------------------------------------ input, with delays
 
@@ -142,6 +150,13 @@ class SimEngineCore(threading.Thread):
         try:
             while not self.stop_flag.is_set():
                 self._read_inputs(block=not self.scheduler.has_requests())
+                dead = self.adversity.engine_dead
+                if dead and dead[0] == self.side and time.monotonic() - self.started_at >= dead[1]:
+                    if not self.dead:
+                        self.dead = True
+                        self.on_death()
+                    time.sleep(0.01)
+                    continue
                 stall = self.adversity.stall
                 if (
                     stall
@@ -238,6 +253,8 @@ class SimAsyncEngine:
         self.core, self.rng, self.adversity = core, rng, adversity
         self.partner = partner
         self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.errored = False
+        """AsyncLLM's flag: the engine is dead for good."""
 
     def deliver(self, outputs: list) -> None:
         for out in outputs:
@@ -245,7 +262,15 @@ class SimAsyncEngine:
             if target is not None:
                 target[0].call_soon_threadsafe(target[1].put_nowait, out)
 
+    def die(self) -> None:
+        """What AsyncLLM's output handler does once its EngineCore reports a fatal error."""
+        self.errored = True
+        for loop, inbox in list(self.queues.values()):
+            loop.call_soon_threadsafe(inbox.put_nowait, EngineDeadError())
+
     async def generate(self, prompt: dict, params: SamplingParams, request_id: str):
+        if self.errored:
+            raise EngineDeadError()
         params = params.clone()
         params._eos_token_id = EOS
         params._all_stop_token_ids = set(params.stop_token_ids or ()) | {EOS}
@@ -259,6 +284,8 @@ class SimAsyncEngine:
         try:
             while True:
                 out = await inbox.get()
+                if isinstance(out, EngineDeadError):
+                    raise out
                 tokens += out.new_token_ids
                 finished = out.finish_reason is not None
                 if params.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
@@ -303,7 +330,7 @@ class SimEnginePair:
             core = SimEngineCore(
                 side, cfg, adversity.kv_blocks.get(side, full), random.Random(rng.random()), adversity, engine.deliver
             )
-            engine.core = core
+            engine.core, core.on_death = core, engine.die
             self.cores[side], self.engines[side] = core, engine
         for core in self.cores.values():
             core.start()

@@ -157,3 +157,57 @@ def test_driver_killed_while_engines_start_leaves_nothing_after_the_next_session
     assert not alive, f"engine processes outlived their driver: {alive}"
     SyncSession.create(SessionLayout(8, 2, 4, 1)).close()  # a new session removes what dead drivers left
     assert settled(before) == (set(), set())
+
+
+def test_an_exception_inside_a_live_engine_core_fails_everything_at_once(tiny_same):
+    """After an exception inside an EngineCore, vLLM raises EngineDeadError to every call; its process lives on.
+
+    The exception is injected by sending the teacher engine a request that the driver did not
+    build: its scheduler plugin refuses it (no pairing) inside the EngineCore's loop. The
+    EngineCore's process exits only seconds later; the driver must fail at once, naming the engine.
+    """
+    import asyncio
+    import threading
+    from multiprocessing import resource_tracker
+
+    from vllm import SamplingParams
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from dual_sampling import OptimalSamplingDual, SyncError
+
+    teacher, theta = tiny_same
+    resource_tracker.ensure_running()  # this test process's own, which outlives the test by design
+    before = snapshot()
+    dual = OptimalSamplingDual(teacher, theta, max_num_seqs=2, max_model_len=256, sync_timeout=10, use_tqdm=False)
+    try:
+        outcome: dict = {}
+
+        def generate() -> None:
+            try:
+                dual.generate(["tell me a long story"] * 40, max_tokens=200, min_tokens=200)
+            except SyncError as exc:
+                outcome["error"] = str(exc)
+
+        worker = threading.Thread(target=generate)
+        worker.start()
+        deadline = time.monotonic() + 60
+        while dual.get_sync_statistics()["teacher_rows"] < 10:  # mid-generation
+            assert time.monotonic() < deadline and worker.is_alive(), outcome
+            time.sleep(0.05)
+
+        async def intrude() -> None:
+            prompt = {"prompt_token_ids": [1, 2, 3]}
+            async for _ in dual.scheduler.engines.teacher.generate(prompt, SamplingParams(), "intruder"):
+                pass
+
+        injected = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            asyncio.run_coroutine_threadsafe(intrude(), dual.scheduler.loop).result(60)
+        worker.join(timeout=30)
+        assert outcome.get("error", "").startswith("the teacher engine failed"), outcome
+        assert not dual.scheduler.alive and time.monotonic() - injected < 3
+        with pytest.raises(SyncError, match="the teacher engine failed"):
+            dual.generate(["later"], max_tokens=4)
+    finally:
+        dual.close()
+    assert settled(before) == (set(), set())

@@ -8,6 +8,7 @@ fixed logits, no timeouts, and no slot left held once the engines are idle.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import random
 import threading
@@ -16,10 +17,10 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from dual_sampling.protocol import SESSION_PREFIX, Bell, Header, SessionLayout, Slot, SyncSession, Writer
+from dual_sampling.protocol import SESSION_PREFIX, Bell, ErrorCode, Header, SessionLayout, Slot, SyncSession, Writer
 from dual_sampling.sampling import RowSampling
 from dual_sampling.text import decode
 from processors import TeacherSyncLogitsProcessor
@@ -349,3 +350,483 @@ def test_row_gatherer_returns_the_selected_rows_as_a_view_or_in_its_kept_buffer(
     assert torch.equal(gather(padded, [6, 2, 0]), padded[[6, 2, 0], :vocab])
     half = source.to(torch.bfloat16)  # other dtypes: a plain gather, converted
     assert torch.equal(gather(half, [1, 3]), half[[1, 3]].float())
+
+
+# ---------------------------------------------------------------------- one request's failure stays its own
+
+
+async def _sample_all(scheduler, requests) -> list:
+    return list(await asyncio.gather(*(scheduler.sample(r) for r in requests)))
+
+
+def _processor_with_rows(role: str, settings: list[RowSampling], vocab: int = VOCAB):
+    """A real processor of ``role`` on a fresh session, tracking one row per settings at step 0 (slot = batch index)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from processors import ThetaSyncLogitsProcessor
+
+    session = SyncSession.create(SessionLayout(vocab=vocab, slots=len(settings), max_steps=8, plan_width=4))
+    config = sim_configs(4, 96, 96, sync_timeout=2.0)[role]
+    config.additional_config["dual_sampling"]["session"] = session.name
+    cls = TeacherSyncLogitsProcessor if role == "teacher" else ThetaSyncLogitsProcessor
+    processor = cls(config, torch.device("cpu"), False)
+    added = []
+    for slot, sampling in enumerate(settings):
+        session.open_slot(slot, key=slot + 1, teacher_prompt_len=3, theta_prompt_len=3)
+        pairing = {"slot": slot, "key": slot + 1, "sampling": sampling.to_dict()}
+        added.append((slot, SimpleNamespace(extra_args={"dual_sampling": pairing}), [1, 2, 3], []))
+    processor.update_state(BatchUpdate(len(settings), [], added, []))
+    return session, processor
+
+
+def _publish_theta_rows(session, rows: torch.Tensor) -> None:
+    """Theta's side of step 0, as its processor publishes it."""
+    session.theta_logprobs[: rows.shape[0]] = torch.log_softmax(rows, -1).numpy()
+    session.control[: rows.shape[0], Slot.THETA_STEP] = 0
+
+
+def test_a_row_whose_decision_raises_fails_alone_and_the_others_get_their_tokens(caplog):
+    """top_k=2**63 overflows torch.tensor inside the decision; that used to kill the EngineCore."""
+    settings = [RowSampling(seed=1), RowSampling(seed=2, top_k=2**63), RowSampling(seed=3, temperature=0.7)]
+    session, teacher = _processor_with_rows("teacher", settings)
+    try:
+        g = torch.Generator().manual_seed(0)
+        teacher_logits, theta_logits = torch.randn(3, VOCAB, generator=g), torch.randn(3, VOCAB, generator=g)
+        _publish_theta_rows(session, theta_logits)
+        with caplog.at_level("ERROR"):
+            forced = teacher.apply(teacher_logits.clone())
+        assert session.error(1) == (ErrorCode.DECISION_ERROR, 0)
+        assert next(r for r in caplog.records if r.levelname == "ERROR").exc_info is not None
+        assert len([r for r in caplog.records if "slot 1" in r.getMessage()]) == 1, "logged once"
+        for slot in (0, 2):  # decided in the same step, as if the bad row had not been there
+            assert session.error(slot)[0] == ErrorCode.NONE and int(session.control[slot, Slot.TEACHER_STEP]) == 0
+            token = int(session.control[slot, Slot.TOKEN])
+            assert torch.isfinite(forced[slot]).sum() == 1 and int(forced[slot].argmax()) == token
+            alone = decide_one(teacher, teacher_logits[slot], session.theta_logprobs[slot], settings[slot])
+            assert token == alone[0]
+            np.testing.assert_allclose(session.records[slot, 0], alone[1:], rtol=1e-5)
+        assert torch.isfinite(forced[1]).sum() == 1 and int(forced[1].argmax()) == teacher.rows[1].filler
+        assert int(session.control[1, Slot.TEACHER_STEP]) == -1, "no token published for the failed row"
+    finally:
+        session.close()
+
+
+def decide_one(teacher, logits: torch.Tensor, theta_logprobs: np.ndarray, sampling: RowSampling) -> list[float]:
+    """(token, α, log π_t, log π_θ, log q) of one row decided alone at step 0."""
+    from dual_sampling.sampling import decide
+
+    d = decide(
+        logits.unsqueeze(0),
+        torch.from_numpy(theta_logprobs.copy()).unsqueeze(0),
+        [0],
+        [sampling],
+        teacher.alpha_computer,
+        torch.tensor([0.5]),
+        theta_normalized=True,
+    )
+    return [t.item() for t in (d.tokens, d.alpha, d.logp_teacher, d.logp_theta, d.logq)]
+
+
+@pytest.mark.parametrize("column", range(4))
+def test_a_non_finite_record_fails_its_row_and_is_never_written(monkeypatch, column):
+    """α, log π_t, log π_θ or log q not finite: the row fails as non_finite; nothing of it reaches the records."""
+    session, teacher = _processor_with_rows("teacher", [RowSampling(seed=s) for s in range(3)])
+    try:
+        g = torch.Generator().manual_seed(1)
+        _publish_theta_rows(session, torch.randn(3, VOCAB, generator=g))
+        real = teacher._decide_rows
+
+        def poisoned(*args):
+            d = real(*args)
+            field = (d.alpha, d.logp_teacher, d.logp_theta, d.logq)[column]
+            field[1] = (math.nan, math.inf, -math.inf, math.nan)[column]
+            return d
+
+        monkeypatch.setattr(teacher, "_decide_rows", poisoned)
+        teacher.apply(torch.randn(3, VOCAB, generator=g))
+        assert session.error(1) == (ErrorCode.NON_FINITE, 0)
+        assert int(session.control[1, Slot.NUM_RECORDS]) == 0 and not session.records[1, 0].any()
+        assert int(session.control[1, Slot.TEACHER_STEP]) == -1
+        for slot in (0, 2):
+            assert session.error(slot)[0] == ErrorCode.NONE and np.isfinite(session.records[slot, 0]).all()
+            assert int(session.control[slot, Slot.TEACHER_STEP]) == 0
+    finally:
+        session.close()
+
+
+def test_a_theta_publication_that_raises_fails_its_requests_not_the_engine():
+    """Theta's logits narrower than the session's rows: storing them raises; the step's requests fail by name."""
+    session, theta = _processor_with_rows("theta", [RowSampling(seed=s) for s in range(2)], vocab=VOCAB + 8)
+    try:
+        forced = theta.apply(torch.randn(2, VOCAB))
+        assert [session.error(s) for s in (0, 1)] == [(ErrorCode.DECISION_ERROR, 0)] * 2
+        assert int(session.header[Header.THETA_PUBLICATIONS]) % 2 == 0, "a publication left half open"
+        assert [int(session.control[s, Slot.THETA_STEP]) for s in (0, 1)] == [-1, -1], "no row announced"
+        assert all(int(torch.isfinite(row).sum()) == 1 for row in forced)
+    finally:
+        session.close()
+
+
+def test_a_stop_string_check_that_raises_fails_its_request_and_the_engine_serves_on(monkeypatch):
+    """An exception in the leader's per-request work (here its stop-string check) used to kill the EngineCore."""
+    from dual_sampling.text import StopStringWatch
+
+    real = StopStringWatch.check
+
+    def check(self, token_ids):
+        if "boom" in self.stops:
+            raise RuntimeError("this request's stop check breaks")
+        return real(self, token_ids)
+
+    monkeypatch.setattr(StopStringWatch, "check", check)
+    rng = random.Random(21)
+    requests = make_requests(rng, 12, 96, ("zz",), 0)
+    for request in requests[::4]:
+        request.stop, request.max_tokens = ("boom",), 8  # more than one token: max_tokens is checked first
+    scheduler = sim_scheduler(rng, Adversity(), 4, 96)
+    try:
+        samples = scheduler.call(_sample_all(scheduler, requests), timeout=120)
+        assert scheduler.failure is None
+        for request, sample in zip(requests, samples):
+            if request.stop == ("boom",):
+                assert sample.error == "decision_error at step 1" and sample.finish_reason == "error"
+            else:
+                assert sample.error is None and sample.teacher_token_ids == sample.theta_token_ids == sample.token_ids
+                check_records(sample, request)
+    finally:
+        scheduler.close()
+
+
+# ---------------------------------------------------------------------- stop strings: bounded state, bounded work
+
+
+def _live_watches() -> int:
+    import gc
+
+    from dual_sampling.text import StopStringWatch
+
+    gc.collect()
+    return sum(isinstance(o, StopStringWatch) for o in gc.get_objects())
+
+
+def test_stop_string_state_ends_with_its_request_and_no_tokenizer_loads_inside_a_step(monkeypatch):
+    """A soak of 60 requests, each with stop strings of its own: the leader keeps no state once they end."""
+    import transformers
+
+    rng = random.Random(22)
+    requests = make_requests(rng, 60, 96, (), 0)
+    for n, request in enumerate(requests):
+        request.stop = (f"never{n}", "~" * (n % 7 + 1) + "#")
+    scheduler = sim_scheduler(rng, Adversity(), 4, 96)
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a tokenizer was loaded inside an engine step")
+
+    # Every engine-side load must have happened while the engines were built (above).
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_loading)
+    before = _live_watches()
+    try:
+        samples = scheduler.call(_sample_all(scheduler, requests), timeout=120)
+        assert [s.error for s in samples] == [None] * 60
+        leader = scheduler.engines.cores["teacher"].scheduler
+        deadline = time.monotonic() + 5  # the engines let go of finished requests at their next step
+        while (leader.tickets or _live_watches() > before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert leader.tickets == {}
+        assert _live_watches() == before, "stop-string watchers outlived their requests"
+    finally:
+        scheduler.close()
+
+
+class _CountingTokenizer:
+    """The sim tokenizer, counting the tokens it is asked to decode."""
+
+    def __init__(self) -> None:
+        self.inner, self.decoded = sim_tokenizer(), 0
+
+    def decode(self, ids, **kwargs):
+        self.decoded += len(ids)
+        return self.inner.decode(ids, **kwargs)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    # Single characters, spaces, words, and the three byte tokens of 😀 (10813, 242, 218), in any order.
+    ids=st.lists(st.sampled_from([17, 18, 33, 34, 65, 66, 216, 253, 260, 10813, 242, 218]), min_size=1, max_size=60),
+    stops=st.lists(
+        st.sampled_from(["a", "AB", "!!", " ", "B!", "ab a", ".", "😀", "a😀", "😀 ", "B😀"]), min_size=1, max_size=3
+    ),
+    min_tokens=st.integers(0, 8),
+)
+@example(ids=[34, 10813, 242, 218], stops=["😀"], min_tokens=0)  # the last byte token completes the stop string
+def test_stop_string_watch_matches_full_decodes(ids, stops, min_tokens):
+    """Incremental checks find what decoding every prefix in full finds, and the sample's text is cut right there.
+
+    The oracle: the first token (from min_tokens on) after which some stop string occurs ending
+    beyond the text that the decodes with and without that token share (a character that token
+    completed counts as new).
+    """
+    from dual_sampling.text import StopStringWatch, sample_text
+
+    tokenizer = sim_tokenizer()
+    watch = StopStringWatch(tokenizer, stops)
+    for n in range(max(1, min_tokens), len(ids) + 1):
+        full, before = decode(tokenizer, ids[:n]), decode(tokenizer, ids[: n - 1])
+        shared = 0
+        while shared < min(len(full), len(before)) and full[shared] == before[shared]:
+            shared += 1
+        expected = next((i for i, x in enumerate(stops) if full.find(x, max(0, shared - len(x) + 1)) >= 0), None)
+        assert watch.check(ids[:n]) == expected, (ids[:n], stops)
+        if expected is not None:
+            text = sample_text(tokenizer, ids[:n], stops[expected])
+            assert full.startswith(text) and full[len(text) :].startswith(stops[expected]), (ids[:n], text)
+            return
+
+
+def test_stop_string_watch_decodes_only_the_new_tokens():
+    """The work per token depends on neither the sample's length nor the longest stop string's."""
+    from dual_sampling.text import StopStringWatch
+
+    tokenizer = _CountingTokenizer()
+    watch = StopStringWatch(tokenizer, ["x" * 40, "never"])
+    ids = [random.Random(3).randrange(33, 60) for _ in range(400)]
+    watch.check(ids[:200])  # first check at min_tokens = 200: the text so far is read once
+    tokenizer.decoded = 0
+    for n in range(201, 401):
+        assert watch.check(ids[:n]) is None
+    assert tokenizer.decoded <= 200 * 16  # two decodes of the new token and the few before it, per token
+
+
+# ---------------------------------------------------------------------- the driver
+
+
+def test_an_engine_declared_dead_with_its_process_alive_fails_everything_for_good():
+    """After an exception inside an EngineCore, vLLM raises EngineDeadError to every call; no process exits."""
+    from dual_sampling.scheduler import SyncError
+
+    rng = random.Random(23)
+    requests = make_requests(rng, 6, 96, (), 0)
+    for request in requests:
+        request.max_tokens = 24
+    # The teacher stalls, so requests are still running when theta dies.
+    adversity = Adversity(engine_dead=("theta", 0.3), stall=("teacher", 0.0, 1000.0))
+    scheduler = sim_scheduler(rng, adversity, 2, 96, sync_timeout=30.0, slots=2)
+
+    async def one(request):
+        try:
+            async for _ in scheduler.stream(request):
+                pass
+        except SyncError as exc:
+            return str(exc)
+        return "no error"
+
+    async def main():
+        return await asyncio.gather(*(one(r) for r in requests))
+
+    try:
+        start = time.monotonic()
+        errors = scheduler.call(main(), timeout=60)  # 2 running, 4 waiting for a slot when theta dies
+        assert time.monotonic() - start < 5, "the requests waited for sync_timeout instead"
+        assert all(e.startswith("the theta engine failed") for e in errors), errors
+        assert str(scheduler.failure).startswith("the theta engine failed") and not scheduler.alive
+        assert "EngineDeadError" in str(scheduler.failure), "seen as vLLM's verdict, not as a process exit"
+        later = scheduler.call(main(), timeout=30)
+        assert all(e.startswith("the theta engine failed") for e in later), later
+    finally:
+        scheduler.close()
+
+
+def test_an_engine_declared_dead_while_idle_turns_the_health_red():
+    rng = random.Random(24)
+    scheduler = sim_scheduler(rng, Adversity(engine_dead=("teacher", 0.1)), 2, 96)
+    try:
+        assert scheduler.alive
+        deadline = time.monotonic() + 5
+        while scheduler.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert str(scheduler.failure).startswith("the teacher engine failed") and not scheduler.alive
+    finally:
+        scheduler.close()
+
+
+def test_an_abort_from_another_thread_while_the_slot_opens_ends_the_request(monkeypatch):
+    """The abort lands after the request is registered as in flight but before its slot is open."""
+    rng = random.Random(25)
+    (request,) = make_requests(rng, 1, 96, (), 0)
+    request.request_id, request.max_tokens = "late", 24
+    scheduler = sim_scheduler(rng, Adversity(), 2, 96)
+    opening, real_open = threading.Event(), scheduler.session.open_slot
+
+    def slow_open(*args):
+        opening.set()
+        time.sleep(0.3)  # the other thread's abort arrives meanwhile
+        real_open(*args)
+
+    monkeypatch.setattr(scheduler.session, "open_slot", slow_open)
+    try:
+        future = asyncio.run_coroutine_threadsafe(scheduler.sample(request), scheduler.loop)
+        assert opening.wait(10)
+        assert scheduler.abort("late") is True
+        sample = future.result(60)
+        assert sample.finish_reason == "abort" and sample.error is None
+    finally:
+        scheduler.close()
+
+
+def test_an_abort_after_the_slot_was_handed_over_but_before_launch_ends_the_request(monkeypatch):
+    """One slot: the second request waits; its abort lands once the feeder gave it the slot, before it resumed."""
+    rng = random.Random(26)
+    first, second = make_requests(rng, 2, 96, (), 0)
+    second.request_id = "waiting"
+    scheduler = sim_scheduler(rng, Adversity(), 2, 96, slots=1)
+    real_acquire = scheduler._acquire_slot
+
+    async def acquire(waiter):
+        slot = await real_acquire(waiter)
+        if waiter.done() and scheduler._queued.get("waiting") is waiter:
+            assert scheduler.abort("waiting") is True
+        return slot
+
+    monkeypatch.setattr(scheduler, "_acquire_slot", acquire)
+    try:
+        samples = scheduler.call(_sample_all(scheduler, [first, second]), timeout=60)
+        assert samples[0].finish_reason in ("stop", "length") and samples[0].error is None
+        assert samples[1].finish_reason == "abort" and samples[1].token_ids == []
+        assert scheduler.statistics()["requests"] == 2 and scheduler.in_flight() == []
+    finally:
+        scheduler.close()
+
+
+class _StubEngine:
+    """An engine frontend for driver tests: the teacher refuses the request, theta takes a while to let go."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+
+    async def generate(self, prompt, params, request_id):
+        if self.role == "teacher":
+            await asyncio.sleep(0.05)
+            raise ValueError("the teacher refused the request")
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.5)  # an engine's abort takes a moment
+            raise
+        yield
+
+
+class _StubEngines:
+    def __init__(self, close_s: float = 0.0) -> None:
+        self.teacher, self.theta = _StubEngine("teacher"), _StubEngine("theta")
+        self.close_s, self.closes = close_s, 0
+
+    def dead(self):
+        return None
+
+    def worker_cpu_seconds(self) -> float:
+        return 0.0
+
+    def close(self) -> None:
+        self.closes += 1
+        time.sleep(self.close_s)
+
+
+def _stub_scheduler(engines: _StubEngines):
+    from dual_sampling.scheduler import DualScheduler
+
+    return DualScheduler(
+        lambda name: engines, sim_tokenizer(), vocab=VOCAB, max_model_len=96, max_num_seqs=2, sync_timeout=5
+    )
+
+
+def test_a_request_task_cancelled_while_it_waits_for_its_partner_ends_cancelled():
+    """The flight task's own cancellation (as _fail and close() send it) must not be swallowed in its clean-up."""
+    from dual_sampling.scheduler import SyncError
+
+    (request,) = make_requests(random.Random(27), 1, 96, (), 0)
+    request.request_id = "r"
+    scheduler = _stub_scheduler(_StubEngines())
+    try:
+
+        async def main():
+            stream = asyncio.ensure_future(scheduler.sample(request))
+            while "r" not in scheduler._flights:
+                await asyncio.sleep(0.01)
+            task = scheduler._flights["r"].task
+            await asyncio.sleep(0.2)  # the teacher refused at 0.05 s; the task now waits for theta to let go
+            assert not task.done()
+            task.cancel()
+            await asyncio.wait([task])
+            with pytest.raises(SyncError, match="closed"):  # not the teacher's refusal: the request was cancelled
+                await stream
+            return task.cancelled()
+
+        assert scheduler.call(main(), timeout=30) is True
+    finally:
+        scheduler.close()
+
+
+def test_engines_are_closed_once_when_a_failure_and_close_race():
+    engines = _StubEngines(close_s=0.5)
+    scheduler = _stub_scheduler(engines)
+
+    async def fail():
+        scheduler._fail("an engine failed: test")
+
+    scheduler.call(fail())
+    time.sleep(0.1)  # _fail's closing runs in the loop's executor now
+    start = time.monotonic()
+    scheduler.close()
+    assert engines.closes == 1
+    assert time.monotonic() - start >= 0.3, "close() returned while the engines were still closing"
+
+
+def test_a_second_interrupt_while_a_call_winds_down_propagates(monkeypatch):
+    """Ctrl-C cancels the call and waits for its requests to end; a second Ctrl-C meanwhile must not be swallowed."""
+    import dual_sampling.scheduler as driver
+
+    class Interrupted:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def result(self, timeout=None):
+            self.calls += 1
+            raise KeyboardInterrupt(f"interrupt {self.calls}")
+
+        def cancel(self) -> None:
+            pass
+
+    def submit(coro, loop):
+        coro.close()
+        return Interrupted()
+
+    monkeypatch.setattr(driver.asyncio, "run_coroutine_threadsafe", submit)
+    scheduler = object.__new__(driver.DualScheduler)  # call() needs only a loop and sync_timeout
+    scheduler.loop, scheduler.sync_timeout = None, 1.0
+
+    async def nothing():
+        pass
+
+    with pytest.raises(KeyboardInterrupt, match="interrupt 2"):
+        scheduler.call(nothing())
+
+
+def test_a_sample_with_a_non_finite_record_fails_by_name():
+    """The driver's last check: whatever the engines wrote, a non-finite record never leaves as data."""
+    from dual_sampling.scheduler import DualRequest, _Flight
+
+    scheduler = _stub_scheduler(_StubEngines())
+    try:
+        s, slot, tokens = scheduler.session, 0, [20, 21, 22]
+        s.open_slot(slot, 1, 3, 3)
+        s.tokens[slot, :3] = tokens
+        s.records[slot, :3] = [[0.5, -1.0, -1.0, -1.0], [0.5, -1.0, -1.0, math.nan], [0.5, -1.0, -math.inf, -1.0]]
+        s.control[slot, Slot.NUM_RECORDS] = 3
+        flight = _Flight("r", slot, 1, DualRequest([1], [1], RowSampling(), 3), tokens=list(tokens))
+        sample = scheduler._collect(flight, list(tokens), "length")
+        assert sample.error == "non_finite at step 1" and sample.finish_reason == "error" and sample.logq == []
+        assert scheduler.counters["failed_non_finite"] == 1
+    finally:
+        scheduler.close()

@@ -142,3 +142,17 @@ def test_top_logprobs_are_the_final_distributions_most_likely_tokens():
     torch.testing.assert_close(
         drawn.logq.double(), ref.gather(-1, drawn.tokens.unsqueeze(-1)).squeeze(-1), atol=1e-5, rtol=0
     )
+
+
+def test_a_huge_logit_bias_is_clamped_and_draws_its_token_with_a_finite_logq():
+    """A bias of 1e39 overflowed float32 to inf: q held NaN, a wrong token was drawn with log q = NaN and ok=True."""
+    g = torch.Generator().manual_seed(4)
+    teacher, theta = torch.randn(2, 50, generator=g), torch.randn(2, 50, generator=g)
+    rows = [RowSampling(seed=1, logit_bias={7: 1e39}), RowSampling(seed=2, logit_bias={7: -1e39, 8: float("inf")})]
+    assert rows[0].logit_bias == {7: 100.0} and rows[1].logit_bias == {7: -100.0, 8: 100.0}
+    assert RowSampling.from_dict(rows[1].to_dict()) == rows[1]
+    d = decide(teacher, theta, [0, 0], rows, get_alpha_computer("kl_symmetry"))
+    assert d.tokens.tolist() == [7, 8] and bool(d.ok.all())
+    assert torch.isfinite(d.logq).all() and d.logq.tolist() == pytest.approx([0.0, 0.0], abs=1e-6)
+    with pytest.raises(ValueError, match=r"logit_bias\[3\] is NaN"):
+        RowSampling(logit_bias={3: float("nan")})
