@@ -622,8 +622,9 @@ class DualService:
         yield "data: [DONE]\n\n"
 
     def healthy(self) -> bool:
+        """Both engines run: none exited, and vLLM declared none dead (the driver's ``alive``)."""
         scheduler = self.dual.scheduler
-        return scheduler.failure is None and scheduler.engines is not None and scheduler.engines.dead() is None
+        return scheduler.alive and scheduler.engines is not None and scheduler.engines.dead() is None
 
 
 class _Reservation:
