@@ -101,7 +101,8 @@ class SampleDelta:
 
     token_ids: list[int]
     records: np.ndarray
-    """``[len(token_ids), 4]`` float32: α, log π_t, log π_θ, log q of each token (provisional until ``sample``)."""
+    """``[r, 4]`` float32: α, log π_t, log π_θ, log q of the first r of these tokens (r = len(token_ids) unless
+    the row failed: a forced token has no record). Provisional until ``sample``."""
     sample: SampleRecord | None = None
     """Set on the last delta only: the whole sample, checked against both engines."""
     top: tuple[np.ndarray, np.ndarray] | None = None
@@ -317,7 +318,10 @@ class DualScheduler:
                     new = list(completion.token_ids)
                     start = len(flight.tokens)
                     flight.tokens += new
-                    end, k = len(flight.tokens), request.sampling.top_logprobs
+                    # Records stop where the teacher's processor stopped writing them: a failed row's forced token
+                    # has none, and the slot's rows past it still hold an earlier request's values.
+                    end = min(len(flight.tokens), max(start, int(s.control[slot, Slot.NUM_RECORDS])))
+                    k = request.sampling.top_logprobs
                     records = s.records[slot, start:end].copy()
                     top = (s.top_ids[slot, start:end, :k].copy(), s.top_logq[slot, start:end, :k].copy()) if k else None
                     if out.finished:

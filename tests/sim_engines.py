@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from vllm import SamplingParams
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -567,11 +568,23 @@ def run_simulation(
 
 
 async def _drain(stream) -> Any:
-    """The final sample of a stream, after checking that the streamed deltas add up to it."""
-    streamed = []
+    """The final sample of a stream, after checking that the streamed deltas add up to it.
+
+    Records too: a sample's streamed records are its own, and a failed sample streams none for the step it failed at
+    or later (the slot's rows there may hold an earlier request's values).
+    """
+    streamed, records = [], []
     async for delta in stream:
         streamed += delta.token_ids
+        records.append(delta.records)
         if delta.sample is not None:
-            assert streamed == delta.sample.teacher_token_ids, "the streamed tokens differ from the teacher engine's"
-            return delta.sample
+            sample = delta.sample
+            assert streamed == sample.teacher_token_ids, "the streamed tokens differ from the teacher engine's"
+            rows = np.concatenate(records) if records else np.zeros((0, 4))
+            if sample.error is None:
+                assert rows[:, 0].tolist() == sample.alpha and rows[:, 3].tolist() == sample.logq
+            elif sample.error.split(" at ")[0] in ("bad_logits", "non_finite", "decision_error"):  # a failed row
+                step = int(sample.error.rsplit(" ", 1)[1])
+                assert len(rows) <= step, f"{len(rows)} records streamed for a sample that failed at step {step}"
+            return sample
     raise AssertionError("stream ended without a sample")
