@@ -22,6 +22,7 @@ __all__ = [
     "MAX_COUNT",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_CHARS",
+    "MAX_TOKEN_IDS",
     "UNSUPPORTED_SAMPLING",
     "DualEngineConfig",
     "EngineOptions",
@@ -36,6 +37,9 @@ MAX_COUNT = 2**31 - 1
 """Largest token count, top-k or token id a request may give: the engines keep them in int32 and int64 tensors."""
 SEED_RANGE = (-(2**63), 2**63 - 1)
 """Seeds are 64-bit signed integers, as in vLLM's request models."""
+MAX_TOKEN_IDS = 1024
+"""Entries of stop_token_ids and of logit_bias at most: the teacher engine rebuilds them per row at every step, and
+stop ids that covered the whole vocabulary left no token to force."""
 MAX_STOP_STRINGS = 16
 """Stop strings per request at most: the leader engine checks each on every step."""
 MAX_STOP_STRING_CHARS = 256
@@ -99,7 +103,7 @@ class SamplingOptions:
     """Stop strings (at most 16, of at most 256 characters): a sample ends at the token that completes one; its
     text ends before it."""
     stop_token_ids: list[int] = field(default_factory=list)
-    """Token ids that end a sample, besides both models' EOS ids."""
+    """Token ids that end a sample, besides both models' EOS ids (at most 1,024)."""
     n: int = 1
     """Samples per prompt."""
     best_of: int | None = None
@@ -107,7 +111,7 @@ class SamplingOptions:
     best_of_score: str = "logq"
     """Score for best_of: logq, logp_theta or logp_teacher, summed over the sample's tokens."""
     logit_bias: dict[int, float] = field(default_factory=dict)
-    """Added to log q per token id before temperature; clamped to ±100 as in vLLM."""
+    """Added to log q per token id before temperature; clamped to ±100 as in vLLM (at most 1,024 entries)."""
     force_first_token: bool = False
     """Sample the first token from the teacher alone (α = 1 at step 0)."""
     teacher_support_top_k: int = -1
@@ -135,7 +139,8 @@ class SamplingOptions:
             if _is_int(getattr(self, name)):
                 setattr(self, name, float(getattr(self, name)))
         _need(
-            _is_count(self.max_tokens, 1), f"max_tokens must be an integer in [1, {MAX_COUNT}], got {self.max_tokens!r}"
+            _is_count(self.max_tokens, 1),
+            f"max_tokens must be an integer >= 1 (at most {MAX_COUNT}), got {self.max_tokens!r}",
         )
         _need(
             _is_number(self.temperature)
@@ -161,11 +166,14 @@ class SamplingOptions:
             f"stop must hold non-empty strings of at most {MAX_STOP_STRING_CHARS} characters (valid Unicode), "
             f"got {[s[:40] if isinstance(s, str) else s for s in self.stop]!r}",
         )
+        for name in ("stop_token_ids", "logit_bias"):
+            size = len(getattr(self, name))
+            _need(size <= MAX_TOKEN_IDS, f"{name} takes at most {MAX_TOKEN_IDS} token ids, got {size}")
         _need(
             all(_is_count(t, 0) for t in self.stop_token_ids),
             f"stop_token_ids must be token ids in [0, {MAX_COUNT}], got {self.stop_token_ids[:5]!r}",
         )
-        _need(_is_count(self.n, 1), f"n must be an integer in [1, {MAX_COUNT}], got {self.n!r}")
+        _need(_is_count(self.n, 1), f"n must be an integer >= 1 (at most {MAX_COUNT}), got {self.n!r}")
         _need(
             self.best_of is None or (_is_count(self.best_of, 1) and self.best_of >= self.n),
             f"best_of must be an integer >= n={self.n}, got {self.best_of!r}",
