@@ -147,8 +147,6 @@ _COMMON_FIELDS = {
     "logit_bias",
     "user",
     "request_id",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
     "frequency_penalty",
     "presence_penalty",
     "repetition_penalty",
@@ -251,9 +249,11 @@ class DualService:
         self.metrics = _Metrics(self)
         self._hint_template = None
         self._pieces: dict[int, str] = {}
-        # Tokenizing and chat templating take long for long prompts: one thread of their own keeps the event
-        # loop (and /health) free, and one at a time keeps the tokenizer to one caller.
+        # Parsing, templating and tokenizing take long for long bodies: one thread of their own keeps the event
+        # loop (and /health) free. At most max_queue requests wait for it; past that a request gets 429.
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="dual-sampling-parse")
+        self.parsing = 0
+        """Requests waiting for or in the parse thread."""
         tok = dual.tokenizer
         # No token covers more characters of text than its own string has (byte-level BPE and SentencePiece
         # alike), so a prompt longer than this many characters cannot fit, and is refused before tokenizing.
@@ -261,33 +261,41 @@ class DualService:
 
     # ------------------------------------------------------------------ parsing
 
-    def parse(self, body: dict[str, Any], kind: str) -> _Job:
-        """Validate and translate a request (runs in :attr:`parser`, off the event loop)."""
+    def parse(self, raw: bytes, kind: str, arrival: float) -> _Job:
+        """Read, validate and translate a request body (runs in :attr:`parser`, off the event loop).
+
+        ``arrival`` (time.monotonic()) starts the request's ``request_timeout``.
+        """
         from pydantic import ValidationError
         from vllm.exceptions import VLLMClientError
 
         from dual_sampling.server.protocol import DualChatCompletionRequest, DualCompletionRequest
 
+        body = parse_body(raw)
+        if kind == "chat":  # the conversations' shape first: vLLM's validators raise TypeErrors on malformed ones
+            for name in ("messages", "teacher_messages"):
+                if name == "messages" or body.get(name) is not None:
+                    _messages(body.get(name), name)
         model_cls = DualChatCompletionRequest if kind == "chat" else DualCompletionRequest
+        fields = _CHAT_FIELDS if kind == "chat" else _COMPLETION_FIELDS
+        # Fields the mixture does not act on are refused before vLLM's validators see them: those run on the raw
+        # values (tools, structured outputs, ...) and some raise plain TypeErrors on malformed ones.
+        for name in sorted(body):
+            if name in fields:
+                continue
+            known = model_cls.model_fields.get(name)
+            if known is None or body[name] not in (None, known.get_default(call_default_factory=True)):
+                raise BadRequest(f"{name} is not supported by dual-sampling", name)
         try:
             req = model_cls.model_validate(body)
         except ValidationError as exc:
             first = exc.errors()[0]
             param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
             raise BadRequest(f"{param or 'request'}: {first.get('msg', 'invalid value')}", param) from None
-        except VLLMClientError as exc:  # vLLM's own request checks, outside pydantic's errors
-            raise BadRequest(str(exc), getattr(exc, "parameter", None)) from None
-        fields = _CHAT_FIELDS if kind == "chat" else _COMPLETION_FIELDS
-        for name in sorted(body):
-            if name in fields:
-                continue
-            default = (
-                model_cls.model_fields[name].get_default(call_default_factory=True)
-                if name in model_cls.model_fields
-                else None
-            )
-            if name not in model_cls.model_fields or getattr(req, name, None) != default:
-                raise BadRequest(f"{name} is not supported by dual-sampling", name)
+        except (VLLMClientError, TypeError, KeyError, AttributeError) as exc:
+            # vLLM's own request checks raise their own errors, and its "before" validators meet the raw body
+            # (``"messages": null``): the client's input all the same.
+            raise BadRequest(f"the request is not valid: {exc}", getattr(exc, "parameter", None)) from None
         for name, neutral in _PENALTY_NEUTRAL.items():
             value = getattr(req, name, None)
             if value is not None and value != neutral:
@@ -362,7 +370,7 @@ class DualService:
             bool(stream_options and stream_options.include_usage),
             logprobs,
             self.options.served_model_name,
-            time.monotonic() + self.options.request_timeout,
+            arrival + self.options.request_timeout,
         )
 
     def _prompts(self, req: Any, kind: str) -> tuple[Any, Any]:
@@ -376,7 +384,8 @@ class DualService:
                 if hint is not None:
                     last = max(i for i, m in enumerate(teacher) if m["role"] == "user")
                     teacher[last]["content"] = self._with_hint(teacher[last]["content"], hint)
-            return self._chat(messages, "messages"), self._chat(teacher, "teacher_messages")
+            generation = req.add_generation_prompt
+            return self._chat(messages, "messages", generation), self._chat(teacher, "teacher_messages", generation)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -408,12 +417,16 @@ class DualService:
             self._hint_template = user_template(None, DEFAULT_TEACHER_TEMPLATE)
         return self._hint_template.render(problem=problem, hint=hint, row={})
 
-    def _chat(self, messages: list[dict[str, str]], param: str) -> str:
+    def _chat(self, messages: list[dict[str, str]], param: str, add_generation_prompt: bool) -> list[int]:
+        """The conversation rendered by the chat template, as token ids (the template places any BOS itself)."""
         self._check_length("".join(m["content"] for m in messages), param)
+        tok = self.dual.tokenizer
         try:
-            return self.dual.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
         except Exception as exc:  # a template that refuses the conversation (roles out of order, ...)
             raise BadRequest(f"{param}: the chat template refused these messages ({exc})", param) from None
+        self._check_length(text, param)  # many short messages render to more than their contents
+        return tok(text, add_special_tokens=False)["input_ids"]
 
     @staticmethod
     def _logprobs(req: Any, kind: str) -> int | None:
@@ -456,10 +469,13 @@ class DualService:
 
         async def one(index: int) -> None:
             try:
-                async for delta in self.dual.stream(
+                last = None
+                async for last in self.dual.stream(
                     job.theta_ids, job.teacher_ids, sampling=job.sampling, sample_key=0, sample_index=index
                 ):
-                    queue.put_nowait((index, delta))
+                    queue.put_nowait((index, last))
+                if last is None or last.sample is None:  # the driver was closed under it
+                    raise SyncError(f"the dual engine stopped before sample {index} ended")
             except BaseException as exc:
                 queue.put_nowait((index, exc))
                 raise
@@ -490,10 +506,9 @@ class DualService:
 
     # ------------------------------------------------------------------ answers
 
-    async def complete(self, job: _Job) -> dict[str, Any]:
-        """The whole response of a non-streaming request."""
-        from dual_sampling.server.protocol import DualChatCompletionResponse, DualCompletionResponse
-
+    async def complete(self, job: _Job) -> bytes:
+        """The whole response of a non-streaming request, as JSON bytes (a DualCompletionResponse or
+        DualChatCompletionResponse)."""
         deltas: dict[int, list[SampleDelta]] = {}
         async for index, delta in self.samples(job):
             deltas.setdefault(index, []).append(delta)
@@ -501,15 +516,23 @@ class DualService:
         if job.sampling.best_of:
             samples.sort(key=lambda item: -_score(item[1][-1].sample, job.sampling.best_of_score))
             samples = samples[: job.sampling.n]
-        choices = [self._choice(job, k, ds) for k, (_, ds) in enumerate(samples)]
-        completion_tokens = sum(len(ds[-1].sample.token_ids) for _, ds in samples)
-        usage = _usage(len(job.theta_ids) * len(samples), completion_tokens)
         for _, ds in samples:
             self.metrics.observe(ds[-1].sample)
-        cls = DualChatCompletionResponse if job.kind == "chat" else DualCompletionResponse
-        return cls.model_validate(
-            {"id": _response_id(job), "model": job.model, "choices": choices, "usage": usage}
-        ).model_dump(mode="json", exclude_none=False)
+        # Assembled and written off the event loop: n=16 with 20 alternatives per token is tens of MB of JSON.
+        return await asyncio.to_thread(self._render, job, [ds for _, ds in samples])
+
+    def _render(self, job: _Job, samples: list[list[SampleDelta]]) -> bytes:
+        choices = [self._choice(job, k, ds) for k, ds in enumerate(samples)]
+        completion_tokens = sum(len(ds[-1].sample.token_ids) for ds in samples)
+        body = {
+            "id": _response_id(job),
+            "object": "chat.completion" if job.kind == "chat" else "text_completion",
+            "created": int(time.time()),
+            "model": job.model,
+            "choices": choices,
+            "usage": _usage(len(job.theta_ids) * len(samples), completion_tokens),
+        }
+        return json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
 
     def _choice(self, job: _Job, index: int, deltas: list[SampleDelta]) -> dict[str, Any]:
         sample = deltas[-1].sample
@@ -534,13 +557,14 @@ class DualService:
         if job.logprobs is None:
             return None
         logq = records[:, RECORD_FIELDS.index("logq")].tolist()
+        token_ids = token_ids[: len(logq)]  # a failed row's forced token has no record
         strings = [self.piece(int(t)) for t in token_ids]
         alternatives = []
         for i in range(len(token_ids)):
             if top is None or job.logprobs == 0:
                 alternatives.append([])
             else:
-                alternatives.append([(self.piece(int(t)), float(v)) for t, v in zip(top[0][i], top[1][i])])
+                alternatives.append([(self.piece(int(t)), _logprob(v)) for t, v in zip(top[0][i], top[1][i])])
         if job.kind == "chat":
             return {
                 "content": [
@@ -575,30 +599,32 @@ class DualService:
             for i in range(job.sampling.n):
                 yield _sse(_chunk(job, request_id, created, i, {"role": "assistant", "content": ""}))
         try:
-            async for index, delta in self.samples(job):
-                extra = _records(delta.token_ids, delta.records, delta.sample)
-                logprobs = self._logprobs_block(job, delta.token_ids, delta.records, delta.top)
-                if delta.sample is None:
-                    piece = texts[index].push(delta.token_ids)
-                    yield _sse(_chunk(job, request_id, created, index, piece, logprobs=logprobs, extra=extra))
-                    continue
-                sample = delta.sample
-                completion_tokens += len(sample.token_ids)
-                self.metrics.observe(sample)
-                piece = texts[index].finish(sample.text)
-                yield _sse(
-                    _chunk(
-                        job,
-                        request_id,
-                        created,
-                        index,
-                        piece,
-                        logprobs=logprobs,
-                        extra=extra,
-                        finish_reason=sample.finish_reason,
-                        stop_reason=sample.stop_reason,
+            # aclosing: however this stream ends, its samples are aborted before the caller releases their room.
+            async with contextlib.aclosing(self.samples(job)) as samples:
+                async for index, delta in samples:
+                    extra = _records(delta.token_ids, delta.records, delta.sample)
+                    logprobs = self._logprobs_block(job, delta.token_ids, delta.records, delta.top)
+                    if delta.sample is None:
+                        piece = texts[index].push(delta.token_ids)
+                        yield _sse(_chunk(job, request_id, created, index, piece, logprobs=logprobs, extra=extra))
+                        continue
+                    sample = delta.sample
+                    completion_tokens += len(sample.token_ids)
+                    self.metrics.observe(sample)
+                    piece = texts[index].finish(sample.text)
+                    yield _sse(
+                        _chunk(
+                            job,
+                            request_id,
+                            created,
+                            index,
+                            piece,
+                            logprobs=logprobs,
+                            extra=extra,
+                            finish_reason=sample.finish_reason,
+                            stop_reason=sample.stop_reason,
+                        )
                     )
-                )
         except SyncError as exc:
             yield _sse(error_body(str(exc), 503, "service_unavailable"))
         except BadRequest as exc:
@@ -643,7 +669,8 @@ class _Reservation:
 
 
 def _messages(messages: Any, param: str) -> list[dict[str, str]]:
-    """Plain {role, content} messages; content parts are joined. Refuses what a text model cannot take."""
+    """Plain {role, content} messages; content parts are joined. Refuses what a text model cannot take (tool calls,
+    images, ...) rather than dropping it."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest(f"{param} must be a non-empty list of messages", param)
     out = []
@@ -651,6 +678,9 @@ def _messages(messages: Any, param: str) -> list[dict[str, str]]:
         m = dict(message) if isinstance(message, dict) else getattr(message, "__dict__", None)
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"{param}[{i}] must be an object with a role", f"{param}[{i}]")
+        for key in sorted(set(m) - {"role", "content"}):
+            if m[key] is not None:
+                raise BadRequest(f"{param}[{i}].{key} is not supported by dual-sampling", f"{param}[{i}].{key}")
         content = m.get("content")
         if isinstance(content, list):
             parts = []
@@ -685,6 +715,11 @@ def _records(token_ids: Sequence[int], records: np.ndarray, sample: SampleRecord
         out["log_w_theta"] = sample.log_w_theta if sample.error is None else None
         out["error"] = sample.error
     return out
+
+
+def _logprob(value: float) -> float:
+    """An alternative's log q: -inf (filtered out by top-k, top-p or min-p) is sent as -9999.0, as vLLM does."""
+    return float(value) if math.isfinite(value) else -9999.0
 
 
 def _score(sample: SampleRecord, name: str) -> float:
@@ -920,7 +955,7 @@ def build_app(dual: Any, options: ServeOptions | None = None, on_engine_death: C
     app.state.service = service
     app.add_middleware(_Guard, options=options, service=service)
 
-    async def body_of(request: Request) -> dict[str, Any]:
+    async def body_of(request: Request) -> bytes:
         chunks, size = [], 0
         try:
             async with asyncio.timeout(options.body_timeout):
@@ -932,7 +967,7 @@ def build_app(dual: Any, options: ServeOptions | None = None, on_engine_death: C
         except TimeoutError:
             message = f"the request body took longer than body_timeout={options.body_timeout} s"
             raise BadRequest(message, None, 408) from None
-        return parse_body(b"".join(chunks))
+        return b"".join(chunks)
 
     class EventStream(StreamingResponse):
         """Server-sent events whose samples are aborted and reservation released however the response ends."""
@@ -959,10 +994,22 @@ def build_app(dual: Any, options: ServeOptions | None = None, on_engine_death: C
             service.metrics.requests.labels(route, str(exc.status)).inc()
             return error_response(exc)
 
+        arrival = time.monotonic()
         try:
-            body = await body_of(request)
-            loop = asyncio.get_running_loop()
-            job = await loop.run_in_executor(service.parser, service.parse, body, kind)
+            raw = await body_of(request)
+            if service.parsing >= options.max_queue:
+                raise BadRequest(
+                    f"{service.parsing} requests wait to be read, the most is {options.max_queue}; retry later",
+                    None,
+                    429,
+                    "rate_limit_error",
+                )
+            service.parsing += 1
+            try:
+                loop = asyncio.get_running_loop()
+                job = await loop.run_in_executor(service.parser, service.parse, raw, kind, arrival)
+            finally:
+                service.parsing -= 1
             reservation = service.admit(job)
         except BadRequest as exc:
             return answer(exc)
@@ -985,11 +1032,12 @@ def build_app(dual: Any, options: ServeOptions | None = None, on_engine_death: C
             except BadRequest as exc:
                 return answer(exc)
             service.metrics.requests.labels(route, "200").inc()
-            return JSONResponse(body)
+            return Response(body, media_type="application/json")
         finally:
             watcher.cancel()
-            if not task.done():  # this handler itself was cancelled
+            if not task.done():  # this handler itself was cancelled: its samples are aborted before their room goes
                 task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
             reservation.release()
 
     async def route(request: Request, kind: str, name: str):

@@ -96,6 +96,17 @@ HOSTILE = [
     ("completions", completion(hint="h", teacher_prompt="t"), 400, "hint"),
     ("chat", chat(hint="h", teacher_messages=CHAT), 400, "hint"),
     ("completions", json.dumps({"prompt": [1, 2, 3], "hint": "h", "max_tokens": 2}).encode(), 400, "hint"),
+    # Stop ids that cover the vocabulary left no token to force a failed row with: both EngineCores died.
+    ("completions", completion(stop_token_ids=list(range(49152)), min_tokens=1), 400, "stop_token_ids"),
+    ("completions", completion(logit_bias={str(t): 1 for t in range(2000)}), 400, "logit_bias"),
+    # vLLM's own "before" validators meet these raw and raised TypeError, KeyError or AttributeError: 500s.
+    ("chat", json.dumps({"messages": None}).encode(), 400, "messages"),
+    ("chat", json.dumps({"messages": 5}).encode(), 400, "messages"),
+    ("chat", chat(tools=[1], tool_choice={"type": "function", "function": {"name": "f"}}), 400, "tool"),
+    ("chat", chat(tools=[{}]), 400, "tools"),
+    ("completions", completion(structured_outputs="x"), 400, "structured_outputs"),
+    ("chat", chat(messages=[{"role": "assistant", "content": "x", "tool_calls": 5}]), 400, "messages"),
+    ("chat", chat(skip_special_tokens=False), 400, "skip_special_tokens"),
     # A prompt far past max_model_len is refused before it is tokenized.
     ("completions", completion(prompt="word " * 6000), 400, "prompt"),
     ("chat", chat(messages=[{"role": "user", "content": "word " * 6000}]), 400, "messages"),
@@ -143,6 +154,32 @@ def test_an_overflowing_logit_bias_is_clamped_and_every_value_is_finite(server, 
         for name in ("alpha", "logp_teacher", "logp_theta", "logq"):
             assert all(math.isfinite(v) for v in rec[name]), (name, rec[name])
     assert all(rec.get("error") is None for rec in records)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_alternatives_filtered_out_are_sent_as_vllm_sends_them(server, stream):
+    """top_k=1 leaves one token with mass: the other alternatives' log q is -inf, which is not JSON (a 500)."""
+    body = {"prompt": "hi", "max_tokens": 3, "logprobs": 5, "top_k": 1, "stream": stream}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        blocks = [e["choices"][0]["logprobs"] for e in events if e["choices"] and e["choices"][0]["logprobs"]]
+    else:
+        blocks = [r.json()["choices"][0]["logprobs"]]
+    alternatives = [v for b in blocks for top in b["top_logprobs"] for v in top.values()]
+    assert alternatives and all(v == -9999.0 or math.isclose(v, 0.0, abs_tol=1e-6) for v in alternatives)
+    assert sum(v == -9999.0 for v in alternatives) >= 3
+
+
+def test_a_chat_without_the_generation_prompt_is_rendered_so(server, dual_engine):
+    tok = dual_engine.tokenizer
+    for generation in (True, False):
+        body = {"messages": CHAT, "max_tokens": 1, "add_generation_prompt": generation}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        text = tok.apply_chat_template(CHAT, add_generation_prompt=generation, tokenize=False)
+        assert r.json()["usage"]["prompt_tokens"] == len(tok(text, add_special_tokens=False)["input_ids"])
 
 
 def test_credentials_and_content_types(server, dual_engine):
@@ -262,9 +299,9 @@ def test_parsing_and_tokenizing_run_off_the_event_loop(server, dual_engine, monk
     seen = []
     parse = service.parse
 
-    def recording(body, kind):
+    def recording(*args):
         seen.append(threading.current_thread().name)
-        return parse(body, kind)
+        return parse(*args)
 
     monkeypatch.setattr(service, "parse", recording)
     r = httpx.post(server.url + "/v1/completions", content=completion(prompt="word " * 3000), headers=AUTH, timeout=60)
@@ -328,3 +365,34 @@ def test_two_thousand_distinct_stop_lists_leave_the_leader_engines_memory_flat(s
     # Measured: the watchers kept per stop list grew it by 0.74 MiB per 1,000 requests, the fixed engine by 0.13 MiB
     # (allocator noise) over the same 1,000.
     assert grown < 768 << 10, f"the leader's EngineCore grew by {grown / 2**20:.2f} MiB over 2,000 requests"
+
+
+def test_a_cancelled_handler_aborts_its_request_on_both_engines(dual_engine):
+    """A handler cancelled by its server (a shutdown, a dropped ASGI task) left its request running to the end."""
+    import asyncio
+
+    app = build_app(dual_engine, ServeOptions())
+    service = app.state.service
+    before = dict(dual_engine.scheduler.counters)
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as c:
+            body = completion(prompt="a long story", max_tokens=200, min_tokens=200)
+            task = asyncio.ensure_future(c.post("/v1/completions", content=body, headers=AUTH))
+            deadline = time.monotonic() + 60
+            while not dual_engine.scheduler.in_flight():
+                assert time.monotonic() < deadline and not task.done(), "the request never reached the engines"
+                await asyncio.sleep(0.01)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            while dual_engine.scheduler.in_flight():
+                assert time.monotonic() < deadline, "the request still runs on the engines"
+                await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    after = dual_engine.scheduler.counters
+    # Run to its end, it would have finished as "length" with 200 tokens counted.
+    assert after["finished_length"] == before.get("finished_length", 0)
+    assert after["tokens"] - before.get("tokens", 0) < 200
+    assert service.held == 0
