@@ -20,7 +20,17 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from dual_sampling.protocol import SESSION_PREFIX, Bell, ErrorCode, Header, SessionLayout, Slot, SyncSession, Writer
+from dual_sampling.protocol import (
+    SESSION_PREFIX,
+    Bell,
+    ErrorCode,
+    Header,
+    SessionLayout,
+    Slot,
+    SyncError,
+    SyncSession,
+    Writer,
+)
 from dual_sampling.sampling import RowSampling
 from dual_sampling.text import decode
 from processors import TeacherSyncLogitsProcessor
@@ -55,6 +65,23 @@ def assert_clean(run, *, allow_errors: frozenset = frozenset(), engine_aborts: b
 
 
 @pytest.mark.parametrize("seed", range(4))
+def stream_errors(scheduler, requests, timeout: float) -> list[str]:
+    """Stream every request at once; each one's SyncError message, or "no error"."""
+
+    async def one(request):
+        try:
+            async for _ in scheduler.stream(request):
+                pass
+        except SyncError as exc:
+            return str(exc)
+        return "no error"
+
+    async def main():
+        return await asyncio.gather(*(one(r) for r in requests))
+
+    return scheduler.call(main(), timeout=timeout)
+
+
 def test_long_teacher_prompts_and_short_theta_prompts_stay_in_lockstep(seed):
     # One engine alone would admit one long teacher prompt per step but many short theta
     # prompts; deliveries to the teacher lag by up to 30 ms. The leader admits for both.
@@ -200,30 +227,18 @@ def test_a_stalled_engine_fails_its_requests_and_later_ones_complete():
 def test_engines_that_stop_answering_fail_every_request_running_or_queued(monkeypatch):
     """Once both engines stop stepping, the watch closes them; no caller may wait on their streams forever."""
     import dual_sampling.scheduler as driver
-    from dual_sampling.scheduler import SyncError
 
     monkeypatch.setattr(driver, "_STALL_GRACE_S", 0.5)
     rng = random.Random(0)
     requests = make_requests(rng, 5, 96, (), 0)  # 2 hold the slots, 3 wait for one
     scheduler = sim_scheduler(rng, Adversity(stall=("both", 0.0, 1000.0)), 2, 96, sync_timeout=0.5)
 
-    async def one(request):
-        try:
-            async for _ in scheduler.stream(request):
-                pass
-        except SyncError as exc:
-            return str(exc)
-        return "no error"
-
-    async def main():
-        return await asyncio.gather(*(one(r) for r in requests))
-
     try:
         start = time.monotonic()
-        errors = scheduler.call(main(), timeout=30)
+        errors = stream_errors(scheduler, requests, timeout=30)
         assert time.monotonic() - start < 10
         assert all(e.startswith("neither engine served a row") for e in errors), errors
-        later = scheduler.call(main(), timeout=30)  # later requests are refused, with the same reason
+        later = stream_errors(scheduler, requests, timeout=30)  # later requests are refused, with the same reason
         assert all(e.startswith("neither engine served a row") for e in later), later
     finally:
         scheduler.close()
@@ -604,8 +619,6 @@ def test_stop_string_watch_decodes_only_the_new_tokens():
 
 def test_an_engine_declared_dead_with_its_process_alive_fails_everything_for_good():
     """After an exception inside an EngineCore, vLLM raises EngineDeadError to every call; no process exits."""
-    from dual_sampling.scheduler import SyncError
-
     rng = random.Random(23)
     requests = make_requests(rng, 6, 96, (), 0)
     for request in requests:
@@ -614,25 +627,14 @@ def test_an_engine_declared_dead_with_its_process_alive_fails_everything_for_goo
     adversity = Adversity(engine_dead=("theta", 0.3), stall=("teacher", 0.0, 1000.0))
     scheduler = sim_scheduler(rng, adversity, 2, 96, sync_timeout=30.0, slots=2)
 
-    async def one(request):
-        try:
-            async for _ in scheduler.stream(request):
-                pass
-        except SyncError as exc:
-            return str(exc)
-        return "no error"
-
-    async def main():
-        return await asyncio.gather(*(one(r) for r in requests))
-
     try:
         start = time.monotonic()
-        errors = scheduler.call(main(), timeout=60)  # 2 running, 4 waiting for a slot when theta dies
+        errors = stream_errors(scheduler, requests, timeout=60)  # 2 running, 4 waiting for a slot when theta dies
         assert time.monotonic() - start < 5, "the requests waited for sync_timeout instead"
         assert all(e.startswith("the theta engine failed") for e in errors), errors
         assert str(scheduler.failure).startswith("the theta engine failed") and not scheduler.alive
         assert "EngineDeadError" in str(scheduler.failure), "seen as vLLM's verdict, not as a process exit"
-        later = scheduler.call(main(), timeout=30)
+        later = stream_errors(scheduler, requests, timeout=30)
         assert all(e.startswith("the theta engine failed") for e in later), later
     finally:
         scheduler.close()
