@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,6 @@ __all__ = [
     "MAX_COUNT",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_CHARS",
-    "MAX_TOKEN_IDS",
     "UNSUPPORTED_SAMPLING",
     "DualEngineConfig",
     "EngineOptions",
@@ -37,9 +37,6 @@ MAX_COUNT = 2**31 - 1
 """Largest token count, top-k or token id a request may give: the engines keep them in int32 and int64 tensors."""
 SEED_RANGE = (-(2**63), 2**63 - 1)
 """Seeds are 64-bit signed integers, as in vLLM's request models."""
-MAX_TOKEN_IDS = 1024
-"""Entries of stop_token_ids and of logit_bias at most: the teacher engine rebuilds them per row at every step, and
-stop ids that covered the whole vocabulary left no token to force."""
 MAX_STOP_STRINGS = 16
 """Stop strings per request at most: the leader engine checks each on every step."""
 MAX_STOP_STRING_CHARS = 256
@@ -103,7 +100,7 @@ class SamplingOptions:
     """Stop strings (at most 16, of at most 256 characters): a sample ends at the token that completes one; its
     text ends before it."""
     stop_token_ids: list[int] = field(default_factory=list)
-    """Token ids that end a sample, besides both models' EOS ids (at most 1,024)."""
+    """Token ids that end a sample, besides both models' EOS ids."""
     n: int = 1
     """Samples per prompt."""
     best_of: int | None = None
@@ -111,7 +108,7 @@ class SamplingOptions:
     best_of_score: str = "logq"
     """Score for best_of: logq, logp_theta or logp_teacher, summed over the sample's tokens."""
     logit_bias: dict[int, float] = field(default_factory=dict)
-    """Added to log q per token id before temperature; clamped to ±100 as in vLLM (at most 1,024 entries)."""
+    """Added to log q per token id before temperature; clamped to ±100 as in vLLM."""
     force_first_token: bool = False
     """Sample the first token from the teacher alone (α = 1 at step 0)."""
     teacher_support_top_k: int = -1
@@ -166,9 +163,6 @@ class SamplingOptions:
             f"stop must hold non-empty strings of at most {MAX_STOP_STRING_CHARS} characters (valid Unicode), "
             f"got {[s[:40] if isinstance(s, str) else s for s in self.stop]!r}",
         )
-        for name in ("stop_token_ids", "logit_bias"):
-            size = len(getattr(self, name))
-            _need(size <= MAX_TOKEN_IDS, f"{name} takes at most {MAX_TOKEN_IDS} token ids, got {size}")
         _need(
             all(_is_count(t, 0) for t in self.stop_token_ids),
             f"stop_token_ids must be token ids in [0, {MAX_COUNT}], got {self.stop_token_ids[:5]!r}",
@@ -215,11 +209,19 @@ class SamplingOptions:
         """Samples drawn per prompt (best_of if set, else n)."""
         return self.best_of or self.n
 
-    def check_vocab(self, vocab: int) -> None:
-        """Refuse token ids outside the shared vocabulary, naming the field."""
+    def check_vocab(self, vocab: int, eos_token_ids: Sequence[int] = ()) -> None:
+        """Refuse token ids outside the shared vocabulary, and stop ids that leave no token to generate.
+
+        With every token a stop token, a row that fails has no token left to be forced with (the engines' last
+        resort), so such a request is refused here, naming the field.
+        """
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias))):
             bad = [t for t in ids if t >= vocab]
             _need(not bad, f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        _need(
+            len(set(self.stop_token_ids) | set(eos_token_ids)) < vocab,
+            f"stop_token_ids and the EOS ids cover the whole vocabulary of {vocab} tokens: none is left to generate",
+        )
 
     def replace(self, **changes: Any) -> SamplingOptions:
         return dataclasses.replace(self, **changes)

@@ -214,7 +214,7 @@ class OptimalSamplingDual:
                 f"{', '.join(SamplingOptions.__dataclass_fields__)}"
             )
         opts = SamplingOptions(**options)
-        opts.check_vocab(self.vocab)
+        opts.check_vocab(self.vocab, self.eos_token_ids)
         return opts
 
     def request(self, teacher_ids: list[int], theta_ids: list[int], opts: SamplingOptions, seed: int) -> DualRequest:

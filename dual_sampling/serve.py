@@ -354,7 +354,7 @@ class DualService:
                 seed=secrets.randbits(62) if req.seed is None else req.seed,
                 top_logprobs=logprobs or 0,
             )
-            sampling.check_vocab(self.dual.vocab)
+            sampling.check_vocab(self.dual.vocab, self.dual.eos_token_ids)
         except ValueError as exc:
             name = str(exc).split(" ")[0]
             # The request's names for the SamplingOptions fields it names otherwise.
