@@ -64,7 +64,6 @@ def assert_clean(run, *, allow_errors: frozenset = frozenset(), engine_aborts: b
         check_records(sample, run.requests[index])
 
 
-@pytest.mark.parametrize("seed", range(4))
 def stream_errors(scheduler, requests, timeout: float) -> list[str]:
     """Stream every request at once; each one's SyncError message, or "no error"."""
 
@@ -82,6 +81,7 @@ def stream_errors(scheduler, requests, timeout: float) -> list[str]:
     return scheduler.call(main(), timeout=timeout)
 
 
+@pytest.mark.parametrize("seed", range(4))
 def test_long_teacher_prompts_and_short_theta_prompts_stay_in_lockstep(seed):
     # One engine alone would admit one long teacher prompt per step but many short theta
     # prompts; deliveries to the teacher lag by up to 30 ms. The leader admits for both.

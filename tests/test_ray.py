@@ -90,7 +90,7 @@ def find_replicas(driver: int) -> list[psutil.Process]:
 
 
 def test_two_replicas_with_one_killed_give_the_local_records_exactly_once(dual_engine, tiny_same, tmp_path):
-    src = problems(tmp_path / "in.jsonl", 24)
+    src = problems(tmp_path / "in.jsonl", 48)  # 24 batches: a replica up alone must not finish them between two looks
     local = tmp_path / "local.jsonl"
     run_generation(
         tiny_config(tiny_same, tmp_path, input=str(src), output=str(local), max_tokens=16), sampler=dual_engine
@@ -114,6 +114,7 @@ def test_two_replicas_with_one_killed_give_the_local_records_exactly_once(dual_e
         cmd, env=ray_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     killed = None
+    seen = {"polls": 0, "replicas": 0, "with_listing": 0, "parts": 0}  # what the loop saw, for a failure's message
     deadline = time.monotonic() + 400
     while proc.poll() is None and time.monotonic() < deadline:
         replicas = find_replicas(proc.pid)
@@ -121,15 +122,22 @@ def test_two_replicas_with_one_killed_give_the_local_records_exactly_once(dual_e
         # several batches alone), so the one killed is the first seen whose engines are up (it has listed
         # their segments). A replica killed while its engines start is not covered: see docs/scale-out.md.
         running = [p for p in replicas if list(listing_dir().glob(f"{SESSION_PREFIX}{p.pid}-*.segments"))]
-        if killed is None and running and out.exists() and list(out.glob("part-*.parquet")):
+        parts = len(list(out.glob("part-*.parquet"))) if out.exists() else 0
+        seen = {
+            "polls": seen["polls"] + 1,
+            "replicas": max(seen["replicas"], len(replicas)),
+            "with_listing": max(seen["with_listing"], len(running)),
+            "parts": max(seen["parts"], parts),
+        }
+        if killed is None and running and parts:
             killed = running[0].pid
             os.kill(killed, signal.SIGKILL)
-        time.sleep(0.5)
+        time.sleep(0.1)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr[-4000:]
-    assert killed is not None, "the run ended before a replica could be killed"
+    assert killed is not None, f"the run ended before a replica could be killed; the loop saw {seen}"
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["samples_written"] == 48 and summary["failed_samples"] == 0
+    assert summary["samples_written"] == 96 and summary["failed_samples"] == 0
     # Which replicas report depends on when the kill lands; the killed batch was retried, or samples would be missing.
     assert summary["sync"]["replicas"] >= 1 and summary["sync"]["follower_diverged"] == 0
     written = records_by_key(out)
