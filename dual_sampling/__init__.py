@@ -5,7 +5,7 @@
         out = s.generate(prompts, max_tokens=256)
 
 The public names load on first use, so an engine process that imports the shared-memory
-protocol (``dual_sampling.protocol``) never imports the driver, and vLLM is imported only
+protocol (``dual_sampling.lockstep``) never imports the driver, and vLLM is imported only
 when an engine starts.
 """
 
@@ -26,14 +26,14 @@ __all__ = [
 ]
 
 _HOME = {
-    "DualEngineConfig": "dual_sampling.config",
-    "EngineOptions": "dual_sampling.config",
-    "SamplingOptions": "dual_sampling.config",
-    "DualGenerationOutput": "dual_sampling.outputs",
-    "RequestRecord": "dual_sampling.outputs",
-    "SampleRecord": "dual_sampling.outputs",
-    "OptimalSamplingDual": "dual_sampling.engine",
-    "SyncError": "dual_sampling.protocol",
+    "DualEngineConfig": "dual_sampling.options",
+    "EngineOptions": "dual_sampling.options",
+    "SamplingOptions": "dual_sampling.options",
+    "DualGenerationOutput": "dual_sampling.records",
+    "RequestRecord": "dual_sampling.records",
+    "SampleRecord": "dual_sampling.records",
+    "OptimalSamplingDual": "dual_sampling.api",
+    "SyncError": "dual_sampling.lockstep",
 }
 
 

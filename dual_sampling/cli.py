@@ -1,6 +1,6 @@
 """The ``dual-sampling`` command line: ``generate``, ``serve``, ``report`` and ``models``.
 
-``generate`` takes every setting of a run (:class:`dual_sampling.datagen.RunConfig`, its
+``generate`` takes every setting of a run (:class:`dual_sampling.datagen.run.RunConfig`, its
 :class:`SamplingOptions` and its :class:`EngineOptions`) as a flag (``--max-tokens 128``)
 or as a key of ``--config run.yaml`` (``max_tokens: 128``); flags win over the file. The
 flags and their help are derived from the dataclasses, so they can never disagree.
@@ -38,8 +38,8 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 
 def _config_classes() -> list[type]:
-    from dual_sampling.config import EngineOptions, SamplingOptions
-    from dual_sampling.datagen import RunConfig
+    from dual_sampling.datagen.run import RunConfig
+    from dual_sampling.options import EngineOptions, SamplingOptions
 
     return [RunConfig, SamplingOptions, EngineOptions]
 
@@ -78,7 +78,7 @@ def _load_config_file(path: str) -> dict[str, Any]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from dual_sampling.datagen import RunConfig, run_generation
+    from dual_sampling.datagen.run import RunConfig, run_generation
 
     settings = _load_config_file(args.config) if args.config else {}
     settings.update({k: v for k, v in vars(args).items() if k not in ("config", "run", "command")})
@@ -91,7 +91,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from dual_sampling.report import write_report
+    from dual_sampling.datagen.report import write_report
 
     out_dir = write_report(args.records, args.out_dir)
     print(f"report written to {out_dir}")
@@ -109,9 +109,9 @@ def _models(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from dual_sampling import models
-    from dual_sampling.config import EngineOptions
-    from dual_sampling.engine import OptimalSamplingDual
-    from dual_sampling.serve import ServeOptions, serve
+    from dual_sampling.api import OptimalSamplingDual
+    from dual_sampling.options import EngineOptions
+    from dual_sampling.server.serve import ServeOptions, serve
 
     settings = {k: v for k, v in vars(args).items() if k not in ("run", "command")}
     teacher = settings.pop("teacher", None) or str(models.smollm2())
@@ -153,8 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--teacher", help="teacher model folder (default: the local SmolLM2-135M-Instruct)")
     s.add_argument("--theta", help="theta model folder (default: the 24-layer pruned SmolLM2)")
-    from dual_sampling.config import EngineOptions
-    from dual_sampling.serve import ServeOptions
+    from dual_sampling.options import EngineOptions
+    from dual_sampling.server.serve import ServeOptions
 
     for cls in (ServeOptions, EngineOptions):
         _add_config_flags(s, cls)

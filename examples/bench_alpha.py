@@ -9,7 +9,7 @@ at the solution moved by ``--warm-offset``, as it starts from the previous token
 The decision's cost is also given per row (µs/row, warm, theta already normalised as the
 theta engine delivers it) against its physical floor measured in the same run: one pass
 reading both rows (a sum over 2·V float32 values). ``decide_vs_floor`` is their ratio.
-The decision runs through the compiled kernel (``dual_sampling.fused``); the same call
+The decision runs through the compiled kernel (``dual_sampling.decision.kernel``); the same call
 through the torch reference (``fused=False``) is timed beside it.
 
     python examples/bench_alpha.py [--repeats 7] [--warm-offset 0.07] [--output docs/alpha_benchmark.json]
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from alpha import get_alpha_computer
-from dual_sampling.sampling import RowSampling, decide
+from dual_sampling.decision.pipeline import RowSampling, decide
 
 WARM_OFFSET = 0.07
 """How far a warm start is from the root: the median change of α between consecutive tokens
@@ -64,11 +64,11 @@ def kernel_parts(
     ``three_exp_passes_us_per_row``, is the least this design can cost. (The kernel's
     functions are private; this is a profile of them.)
     """
-    from dual_sampling import fused
+    from dual_sampling.decision import kernel
 
     t, h = teacher.numpy(), theta.numpy()
-    blocks = np.empty(-(-t.shape[1] // fused._BLOCK))
-    maxima = [fused._maxima_and_log_normalisers(t[r], h[r], True) for r in range(len(t))]
+    blocks = np.empty(-(-t.shape[1] // kernel._BLOCK))
+    maxima = [kernel._maxima_and_log_normalisers(t[r], h[r], True) for r in range(len(t))]
 
     def per_row(part) -> float:
         part(0)  # called from Python, each pass compiles for these argument types first: not timed
@@ -79,10 +79,10 @@ def kernel_parts(
         t_max, h_max, lse_t, _, _ = maxima[r]
         return pass_function(h[r], t[r], 0.5, h_max, t_max, lse_t - float(t_max) + float(h_max), blocks)
 
-    read = per_row(lambda r: fused._maxima_and_log_normalisers(t[r], h[r], True))
-    plain = per_row(lambda r: evaluate(fused._tilted_pass, r))
-    series = per_row(lambda r: evaluate(fused._tilted_pass_with_series, r))
-    _, passes = fused.decide_fused(teacher, theta, [0.5] * len(t), [False] * len(t), computer, warm, True)
+    read = per_row(lambda r: kernel._maxima_and_log_normalisers(t[r], h[r], True))
+    plain = per_row(lambda r: evaluate(kernel._tilted_pass, r))
+    series = per_row(lambda r: evaluate(kernel._tilted_pass_with_series, r))
+    _, passes = kernel.decide_fused(teacher, theta, [0.5] * len(t), [False] * len(t), computer, warm, True)
     return {
         "read_pass_us_per_row": read,
         "evaluation_us_per_row": plain,

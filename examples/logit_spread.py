@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from alpha import get_alpha_computer
 from dual_sampling import models
-from dual_sampling.fused import decide_fused
+from dual_sampling.decision.kernel import decide_fused
 
 CUTS = (15, 20, 25, 30, 35, 40)
 """Fixed cuts T (nats below each row's maximum of either model) to report the head's share at."""

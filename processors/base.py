@@ -7,7 +7,7 @@ their business: the schedulers (``processors.scheduler``) make both engines run 
 requests at every step. The processors only move data for those requests.
 
 Every request carries its pairing in ``SamplingParams.extra_args["dual_sampling"]``
-(:class:`dual_sampling.protocol` has the slot words). The batch index of a request is
+(:class:`dual_sampling.lockstep` has the slot words). The batch index of a request is
 tracked through vLLM's ``BatchUpdate`` (removed, then added, then moved, SWAPs included);
 it is never used to pair requests across engines.
 
@@ -35,8 +35,8 @@ from typing import Any, ClassVar
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from dual_sampling.protocol import Bell, ErrorCode, Slot, SyncError, SyncSession, Writer
-from dual_sampling.sampling import RowSampling
+from dual_sampling.decision.pipeline import RowSampling
+from dual_sampling.lockstep import Bell, ErrorCode, Slot, SyncError, SyncSession, Writer
 
 __all__ = ["CONFIG_KEY", "WAIT_CAP_S", "BaseSyncLogitsProcessor", "TrackedRow", "lockstep_config", "request_pairing"]
 

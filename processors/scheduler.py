@@ -3,7 +3,7 @@
 Each engine runs one subclass of vLLM's ``Scheduler`` inside its EngineCore process
 (``LLM(scheduler_cls=...)``): the teacher engine :class:`TeacherLockstepScheduler`, the
 leader, and the theta engine :class:`ThetaLockstepScheduler`, the follower. They agree
-through the session's shared memory (``dual_sampling.protocol``):
+through the session's shared memory (``dual_sampling.lockstep``):
 
 - **Arrival.** Each scheduler marks a request arrived (its key in the slot) once it sits
   in its queue. The leader admits only requests that have arrived on both sides, so the
@@ -49,7 +49,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
-from dual_sampling.protocol import (
+from dual_sampling.lockstep import (
     SESSION_PREFIX,
     SHM_DIR,
     Bell,

@@ -1,7 +1,7 @@
 """The teacher engine's processor: the one place where each token is decided.
 
 For every row it waits for theta's logits row of the same request and step, then, for all
-rows that are ready at once: solves α, mixes, draws (``dual_sampling.sampling``), writes
+rows that are ready at once: solves α, mixes, draws (``dual_sampling.decision.pipeline``), writes
 the token and its records to shared memory, and wakes theta. Both engines run the same
 requests at every step (the schedulers see to it), so theta's rows for a step arrive in
 one round; rows are still served in whatever order they become ready.
@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import torch
 
 from alpha import get_alpha_computer
-from dual_sampling.protocol import Bell, ErrorCode, Header, Slot, Stat, Writer
-from dual_sampling.sampling import Decision, decide
+from dual_sampling.decision.pipeline import Decision, decide
+from dual_sampling.lockstep import Bell, ErrorCode, Header, Slot, Stat, Writer
 from processors.base import BaseSyncLogitsProcessor, TrackedRow
 
 __all__ = ["TeacherSyncLogitsProcessor"]
@@ -70,9 +70,9 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         if device.type == "cpu":
             # Compiled (or loaded from numba's cache) now, not in the first decoding step. Imported only
             # now: the worker's start-up scan of loaded modules for Triton kernels fails on numba's objects.
-            from dual_sampling import fused
+            from dual_sampling.decision import kernel
 
-            fused.warm_up()
+            kernel.warm_up()
         # While the teacher decides, theta only waits for the tokens: its CPUs can take half the rows.
         helper_cpus = self.config.get("mix_helper_cpus")
         self._helper = None

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from dual_sampling.protocol import Bell, ErrorCode, Header, Slot, Stat, Writer
+from dual_sampling.lockstep import Bell, ErrorCode, Header, Slot, Stat, Writer
 from processors.base import BaseSyncLogitsProcessor, TrackedRow
 
 __all__ = ["ThetaSyncLogitsProcessor"]

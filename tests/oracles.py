@@ -49,7 +49,7 @@ def reference_logq(
     teacher_support_top_p: float = 1.0,
     force_first_token: bool = False,
 ) -> torch.Tensor:
-    """log q [T, V] in float64, stage by stage, written independently of dual_sampling.sampling."""
+    """log q [T, V] in float64, stage by stage, written independently of dual_sampling.decision.pipeline."""
     out = []
     for t in range(lth.shape[0]):
         a = 1.0 if force_first_token and step0 + t == 0 else float(alpha[t])

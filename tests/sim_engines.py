@@ -2,7 +2,7 @@
 
 What is real: both sides' scheduler plugins (subclasses of vLLM's own ``Scheduler``, with
 vLLM's queues, token budget and KV cache manager), both logits processors, the shared
-memory, and the driver (``dual_sampling.scheduler.DualScheduler``). What is simulated:
+memory, and the driver (``dual_sampling.driver.dual_scheduler.DualScheduler``). What is simulated:
 
 - the **EngineCore loop** (:class:`SimEngineCore`, one thread per engine): it reads its
   input with a delivery delay of its own per message, steps when vLLM's scheduler has
@@ -311,7 +311,7 @@ class SimAsyncEngine:
 
 
 class SimEnginePair:
-    """Two simulated engines with :class:`dual_sampling.engines.EnginePair`'s interface."""
+    """Two simulated engines with :class:`dual_sampling.driver.pair.EnginePair`'s interface."""
 
     def __init__(
         self,
@@ -457,8 +457,8 @@ def make_requests(
     rng: random.Random, count: int, max_model_len: int, stops: tuple[str, ...] = (), min_tokens: int = 0
 ) -> list:
     """Long teacher prompts and short theta ones (a hint on one side only), uneven lengths, random stop ids."""
-    from dual_sampling.sampling import RowSampling
-    from dual_sampling.scheduler import DualRequest
+    from dual_sampling.decision.pipeline import RowSampling
+    from dual_sampling.driver.dual_scheduler import DualRequest
 
     out = []
     for _k in range(count):
@@ -490,7 +490,7 @@ def sim_scheduler(
     slots: int | None = None,
 ):
     """The real driver (``DualScheduler``) on two simulated engines; ``budget`` defaults to max_model_len."""
-    from dual_sampling.scheduler import DualScheduler
+    from dual_sampling.driver.dual_scheduler import DualScheduler
 
     configs = sim_configs(max_num_seqs, max_model_len, budget or max_model_len, sync_timeout)
     return DualScheduler(

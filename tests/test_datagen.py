@@ -18,8 +18,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from dual_sampling.api import derive_seed
 from dual_sampling.cli import _load_config_file, build_parser, main
-from dual_sampling.datagen import (
+from dual_sampling.datagen.run import (
     RunConfig,
     load_rows,
     read_journal,
@@ -28,9 +29,8 @@ from dual_sampling.datagen import (
     run_generation,
     shard_of,
 )
-from dual_sampling.engine import derive_seed
-from dual_sampling.outputs import DualGenerationOutput, RequestRecord, SampleRecord
-from dual_sampling.protocol import SESSION_PREFIX, SessionLayout, SyncSession
+from dual_sampling.lockstep import SESSION_PREFIX, SessionLayout, SyncSession
+from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleRecord
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "math_problems.jsonl"
 
@@ -182,7 +182,7 @@ def test_shards_are_stable_and_balanced():
     assert all(800 < sizes[k] < 1200 for k in range(3))
     # The shard of an id depends on the id alone: not on the order, the process or the other ids.
     assert [shard_of(i, 3) for i in reversed(ids)] == [shard_of(i, 3) for i in ids][::-1]
-    script = "from dual_sampling.datagen import shard_of; print([shard_of(f'row-{i}', 3) for i in range(50)])"
+    script = "from dual_sampling.datagen.run import shard_of; print([shard_of(f'row-{i}', 3) for i in range(50)])"
     other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert other.strip() == str([shard_of(f"row-{i}", 3) for i in range(50)])
 

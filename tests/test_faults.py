@@ -19,7 +19,7 @@ import time
 import psutil
 import pytest
 
-from dual_sampling.protocol import SESSION_PREFIX, SessionLayout, SyncSession, listing_dir, mapped_shm_files
+from dual_sampling.lockstep import SESSION_PREFIX, SessionLayout, SyncSession, listing_dir, mapped_shm_files
 
 pytestmark = pytest.mark.engine
 

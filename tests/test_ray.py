@@ -19,11 +19,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-import dual_sampling.ray
-from dual_sampling.datagen import read_records, run_generation
-from dual_sampling.engine import derive_seed
-from dual_sampling.protocol import SESSION_PREFIX, listing_dir
-from dual_sampling.ray import DualSamplingStage, _run_config
+import dual_sampling.datagen.ray_stage
+from dual_sampling.api import derive_seed
+from dual_sampling.datagen.ray_stage import DualSamplingStage, _run_config
+from dual_sampling.datagen.run import read_records, run_generation
+from dual_sampling.lockstep import SESSION_PREFIX, listing_dir
 from tests.test_datagen import ScriptedSampler, all_pairs, cli_flags, problems, tiny_config
 
 pytestmark = pytest.mark.engine
@@ -200,8 +200,8 @@ def test_bad_input_and_an_unreachable_cluster_are_named(tiny_same, tmp_path):
 
 def test_the_stage_in_a_users_own_pipeline(tiny_same, tmp_path):
     """``map_batches(DualSamplingStage, ...)`` on raw rows, written by Ray: one record per sample, seeds as locally."""
-    from dual_sampling.engine import derive_seed
-    from dual_sampling.ray import DualSamplingStage
+    from dual_sampling.api import derive_seed
+    from dual_sampling.datagen.ray_stage import DualSamplingStage
 
     teacher, theta = tiny_same
     rows = [{"id": f"q{i}", "problem": f"What is {i} times 3?", "solution": f"{3 * i}"} for i in range(6)]
@@ -258,7 +258,7 @@ class DyingStage(DualSamplingStage):
 def test_a_batch_that_always_kills_its_replica_fails_after_ray_max_retries(tiny_same, tmp_path, monkeypatch):
     """No engines: the replicas draw scripted samples, and the one given p3 dies each time."""
     crash_log = tmp_path / "crashes.log"
-    monkeypatch.setattr(dual_sampling.ray, "DualSamplingStage", DyingStage)
+    monkeypatch.setattr(dual_sampling.datagen.ray_stage, "DualSamplingStage", DyingStage)
     env = {"CRASH_LOG": str(crash_log), "PYTHONPATH": str(ROOT)}
     ray.init(
         num_cpus=2,

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from dual_sampling import OptimalSamplingDual
-from dual_sampling.protocol import SESSION_PREFIX
+from dual_sampling.lockstep import SESSION_PREFIX
 from tests.oracles import assert_records_match_rescoring
 
 pytestmark = pytest.mark.engine

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dual_sampling.serve import _CHAT_FIELDS, _COMPLETION_FIELDS, ServeOptions, build_app
+from dual_sampling.server.serve import _CHAT_FIELDS, _COMPLETION_FIELDS, ServeOptions, build_app
 from tests.test_serve import KEY, Server
 from tests.test_serve_hostile import metric
 

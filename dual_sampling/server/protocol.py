@@ -28,7 +28,7 @@ from vllm.entrypoints.openai.completion.protocol import (
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, OpenAIBaseModel
 from vllm.renderers.chat_utils import ChatCompletionMessageParam
 
-from dual_sampling.protocol import RECORD_FIELDS
+from dual_sampling.lockstep import RECORD_FIELDS
 
 __all__ = [
     "DualChatCompletionRequest",

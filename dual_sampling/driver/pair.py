@@ -19,8 +19,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from dual_sampling.config import DualEngineConfig, default_kv_cache_bytes, kv_cache_bytes_needed
-from dual_sampling.protocol import (
+from dual_sampling.lockstep import (
     SESSION_PREFIX,
     SHM_DIR,
     mapped_shm_files,
@@ -28,6 +27,7 @@ from dual_sampling.protocol import (
     segments_listing,
     write_listing,
 )
+from dual_sampling.options import DualEngineConfig, default_kv_cache_bytes, kv_cache_bytes_needed
 
 __all__ = ["LOCKSTEP_SETTINGS", "ROLES", "EnginePair", "engine_cpus", "split_cpu_binding"]
 

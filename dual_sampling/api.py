@@ -1,6 +1,6 @@
 """OptimalSamplingDual: generate from q ∝ π_θ^(1−α)·π_t^α with a teacher and a theta engine in lockstep.
 
-A thin layer over :class:`dual_sampling.scheduler.DualScheduler`: it checks the two
+A thin layer over :class:`dual_sampling.driver.dual_scheduler.DualScheduler`: it checks the two
 models against each other, derives the limits (context length, EOS ids), tokenizes
 prompts, turns :class:`SamplingOptions` into one request per sample, and assembles
 :class:`DualGenerationOutput`. Everything about running the engines lives below it.
@@ -17,10 +17,10 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from dual_sampling.config import UNSUPPORTED_SAMPLING, DualEngineConfig, SamplingOptions, model_config
-from dual_sampling.outputs import DualGenerationOutput, RequestRecord, SampleRecord
-from dual_sampling.sampling import RowSampling
-from dual_sampling.scheduler import DualRequest, DualScheduler, SampleDelta
+from dual_sampling.decision.pipeline import RowSampling
+from dual_sampling.driver.dual_scheduler import DualRequest, DualScheduler, SampleDelta
+from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, SamplingOptions, model_config
+from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleRecord
 from dual_sampling.vocab import check_tokenizers_match
 
 __all__ = ["OptimalSamplingDual", "context_length", "derive_seed"]
@@ -58,7 +58,7 @@ class OptimalSamplingDual:
         self.config = cfg = DualEngineConfig(str(model_teacher), str(model_theta), **settings)
         from transformers import AutoTokenizer
 
-        from dual_sampling.engines import EnginePair
+        from dual_sampling.driver.pair import EnginePair
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_teacher)
         check_tokenizers_match(self.tokenizer, AutoTokenizer.from_pretrained(cfg.model_theta))

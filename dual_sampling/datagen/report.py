@@ -13,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
-from dual_sampling.outputs import effective_sample_size
+from dual_sampling.records import effective_sample_size
 
 __all__ = ["load_records", "write_report"]
 
 
 def load_records(path: str | Path) -> list[dict]:
     """Records written by ``dual-sampling generate`` (records format): a .jsonl or .parquet file, or a directory."""
-    from dual_sampling.datagen import read_records
+    from dual_sampling.datagen.run import read_records
 
     records = read_records(str(path))
     if records and "alpha" not in records[0]:

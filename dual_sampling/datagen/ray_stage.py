@@ -3,7 +3,7 @@
 From Python, as a stage of your own pipeline::
 
     import ray
-    from dual_sampling.ray import DualSamplingStage
+    from dual_sampling.datagen.ray_stage import DualSamplingStage
 
     ds = ray.data.read_parquet("problems.parquet")
     out = ds.map_batches(DualSamplingStage, fn_constructor_kwargs={"settings": {"hint_field": "solution", "n": 4}},
@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from dual_sampling.datagen import (
+from dual_sampling.datagen.run import (
     Outcome,
     RunConfig,
     WorkItem,
@@ -71,7 +71,7 @@ class DualSamplingStage:
     planned by ``dual-sampling generate --ray``.
 
     ``emit="records"`` (the default) gives one row per complete, verified sample, in the
-    Parquet schema of a local run (:func:`dual_sampling.datagen.record_schema`: ``models``,
+    Parquet schema of a local run (:func:`dual_sampling.datagen.run.record_schema`: ``models``,
     ``sampling`` and ``alpha_config`` as JSON text); failed samples are left out.
     ``emit="outcomes"`` gives one row per drawn sample, failed ones included, with the
     replica's sync statistics (what the command line writes and counts).
@@ -83,7 +83,7 @@ class DualSamplingStage:
     """
 
     def __init__(self, settings: dict[str, Any] | None = None, emit: str = "records", attempts: Any = None) -> None:
-        from dual_sampling.engine import OptimalSamplingDual
+        from dual_sampling.api import OptimalSamplingDual
 
         if emit not in ("records", "outcomes"):
             raise ValueError(f"emit must be 'records' or 'outcomes', got {emit!r}")
@@ -158,7 +158,7 @@ def _plain(value: Any) -> Any:
 
 def _crashed(cfg: RunConfig, items: list[WorkItem], attempts: int) -> list[Outcome]:
     """Failed outcomes for every missing sample of a batch whose replica died on each of its ``attempts``."""
-    from dual_sampling.engine import derive_seed
+    from dual_sampling.api import derive_seed
 
     error = f"replica_crashed at each of {attempts} attempts (ray_max_retries={cfg.ray_max_retries})"
     failure = {"finish_reason": "error", "error": error, "num_tokens": 0}
@@ -201,7 +201,7 @@ def sample_on_ray(cfg: RunConfig, items: list[WorkItem], models: dict, commit: C
     """
     import ray
 
-    from dual_sampling.protocol import cleanup_stale_sessions
+    from dual_sampling.lockstep import cleanup_stale_sessions
 
     started_here = False
     if not ray.is_initialized():
@@ -260,7 +260,7 @@ def _local_replicas() -> list[Any]:
     """The replicas of a cluster started here (descendants owning a session), with their engine processes."""
     import psutil
 
-    from dual_sampling.protocol import session_owners
+    from dual_sampling.lockstep import session_owners
 
     owners = session_owners()
     replicas = [p for p in psutil.Process().children(recursive=True) if p.pid in owners]

@@ -1,6 +1,6 @@
 """The per-token decision as one compiled kernel (CPU), for the rows that need no filter.
 
-:func:`dual_sampling.sampling.decide` is the reference: a sequence of torch operations,
+:func:`dual_sampling.decision.pipeline.decide` is the reference: a sequence of torch operations,
 each a pass over ``[b, V]`` that writes a new ``[b, V]`` tensor. For the common row
 (temperature 1, no top-k/top-p/min-p, no support constraint, no logit bias, no top
 log-probabilities; the stop-token mask before ``min_tokens`` is allowed) and the ``fixed``
@@ -36,7 +36,7 @@ Differences from the reference:
   float64 across blocks.
 
 On rows where the models nearly agree this makes the kernel's α closer to a float64 solve
-than the reference's (``tests/test_fused.py``). A row the kernel cannot handle (a non-finite
+than the reference's (``tests/test_decision_kernel.py``). A row the kernel cannot handle (a non-finite
 entry, or mixture weights that all underflow) is reported back and decided by the reference.
 
 GPUs keep the torch reference on the device: this path is CPU-only.

@@ -1,4 +1,4 @@
-"""The compiled decision kernel (dual_sampling.fused) against the torch reference and float64 oracles."""
+"""The compiled decision kernel (dual_sampling.decision.kernel) against the torch reference and float64 oracles."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from alpha import get_alpha_computer
-from dual_sampling.fused import decide_fused, fused_rows
-from dual_sampling.sampling import RowSampling, counter_uniform, decide
+from dual_sampling.decision.kernel import decide_fused, fused_rows
+from dual_sampling.decision.pipeline import RowSampling, counter_uniform, decide
 
 
 def pair(batch: int, vocab: int, seed: int, agreement: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,20 +154,20 @@ def test_a_block_sum_rounded_up_does_not_favour_the_blocks_last_token():
     The two sums can differ in the last bits. A target between them must not fall through to
     the block's last token, whose own weight here is e^-50 of the others'.
     """
-    from dual_sampling import fused
+    from dual_sampling.decision import kernel
 
     vocab = 2 * 256
     theta = torch.randn(1, vocab, generator=torch.Generator().manual_seed(8)).numpy()
     theta[0, 255] = theta[0].max() - 50.0
     teacher = theta.copy()
     top = float(theta.max())
-    weights = np.array([fused._exp32(np.float32(x - top)) for x in theta[0]], dtype=np.float64)
+    weights = np.array([kernel._exp32(np.float32(x - top)) for x in theta[0]], dtype=np.float64)
     first, second = weights[:256].sum(), weights[256:].sum()
     blocks = np.array([first * (1 + 1e-7), second])  # the first block's sum rounded up
     total = blocks.sum()
     u = (first * (1 + 0.5e-7)) / total  # the target lies between the two sums of the first block
     no_mask = np.full(1, -1, dtype=np.int64)
-    token = fused._draw(theta[0], teacher[0], 0.0, top, top, blocks, total, u, no_mask)
+    token = kernel._draw(theta[0], teacher[0], 0.0, top, top, blocks, total, u, no_mask)
     assert token == int(np.flatnonzero(weights[:255] > 0)[-1]), "the last non-negligible token of the block"
 
 
@@ -214,7 +214,7 @@ def test_rows_outside_the_kernels_domain_are_handed_back():
 
 def test_row_maximum_and_finiteness_from_the_bits():
     """The kernel's max works on the float bits as integers; compare it with NumPy on the hard cases."""
-    from dual_sampling import fused
+    from dual_sampling.decision import kernel
 
     rng = np.random.default_rng(0)
     cases = {
@@ -225,13 +225,13 @@ def test_row_maximum_and_finiteness_from_the_bits():
         "one entry": np.array([-7.25], dtype=np.float32),
     }
     for name, row in cases.items():
-        top, finite = fused._max_if_finite(row)
+        top, finite = kernel._max_if_finite(row)
         assert finite and top == row.max(), name
     for position in (0, 500, 1002):
         for bad in (math.nan, -math.nan, math.inf, -math.inf):
             row = cases["mixed signs"].copy()
             row[position] = bad
-            assert not fused._max_if_finite(row)[1], (position, bad)
+            assert not kernel._max_if_finite(row)[1], (position, bad)
 
 
 def test_rows_of_different_shapes_are_refused():
@@ -248,13 +248,13 @@ def test_bad_rows_still_raise_a_named_error():
 
 
 def test_exp_polynomial_is_within_float32_resolution():
-    from dual_sampling import fused
+    from dual_sampling.decision import kernel
 
     x = np.linspace(-86.0, 0.0, 200001, dtype=np.float32)
-    values = np.array([fused._exp32(v) for v in x[::97]], dtype=np.float64)
+    values = np.array([kernel._exp32(v) for v in x[::97]], dtype=np.float64)
     relative = np.abs(values / np.exp(x[::97].astype(np.float64)) - 1)
     assert relative.max() < 2e-7
-    assert fused._exp32(np.float32(-200.0)) == 0.0
+    assert kernel._exp32(np.float32(-200.0)) == 0.0
 
 
 def test_the_series_step_lands_where_newtons_step_does_not():
@@ -263,7 +263,7 @@ def test_the_series_step_lands_where_newtons_step_does_not():
     The cumulants are computed here in float64 from the weights; the root is a float64 bisection.
     Where the truncated series has no root near Newton's step, the step stays Newton's.
     """
-    from dual_sampling import fused
+    from dual_sampling.decision import kernel
 
     teacher, theta = pair(1, 4096, seed=11)
     lt, lth = torch.log_softmax(teacher.double(), -1), theta.double()
@@ -280,9 +280,9 @@ def test_the_series_step_lands_where_newtons_step_does_not():
     start = root + 0.03
     g, k2, k3, k4 = cumulants(start)
     assert abs(start - g / k2 - root) > 1e-5, "the case must be one Newton's step does not settle"
-    assert abs(start + fused._series_step(g, k2, k3, k4) - root) < 1e-6
-    assert fused._series_step(1.0, 1.0, 0.0, -100.0) == -1.0  # 1 + δ − 100δ³/6 turns down before a root near −1
-    assert fused._series_step(1.0, 1.0, 1.5, 0.0) == -1.0  # 1 + δ + 0.75δ² has no real root
+    assert abs(start + kernel._series_step(g, k2, k3, k4) - root) < 1e-6
+    assert kernel._series_step(1.0, 1.0, 0.0, -100.0) == -1.0  # 1 + δ − 100δ³/6 turns down before a root near −1
+    assert kernel._series_step(1.0, 1.0, 1.5, 0.0) == -1.0  # 1 + δ + 0.75δ² has no real root
 
 
 def test_a_warm_start_settles_on_the_second_pass():
@@ -301,7 +301,7 @@ def test_a_warm_start_settles_on_the_second_pass():
 
 def test_log_normalisers_in_one_read_whatever_the_maximums_position():
     """The log-normaliser is summed chunk by chunk against the largest value so far; compare with float64."""
-    from dual_sampling import fused
+    from dual_sampling.decision import kernel
 
     rng = np.random.default_rng(1)
     noise = (rng.standard_normal(10_000) * 4).astype(np.float32)
@@ -313,11 +313,11 @@ def test_log_normalisers_in_one_read_whatever_the_maximums_position():
     }
     for name, teacher in rows.items():
         theta = rng.permutation(teacher)
-        t_max, h_max, lse_t, lse_h, finite = fused._maxima_and_log_normalisers(teacher, theta, False)
+        t_max, h_max, lse_t, lse_h, finite = kernel._maxima_and_log_normalisers(teacher, theta, False)
         expected = float(torch.logsumexp(torch.from_numpy(teacher).double(), 0))
         assert finite and t_max == teacher.max() and h_max == theta.max(), name
         assert abs(lse_t - expected) < 2e-6 and abs(lse_h - expected) < 2e-6, (name, lse_t, lse_h, expected)
-        assert fused._maxima_and_log_normalisers(teacher, theta, True)[3] == 0.0
+        assert kernel._maxima_and_log_normalisers(teacher, theta, True)[3] == 0.0
     broken = rows["falling"].copy()
     broken[-1] = math.nan
-    assert not fused._maxima_and_log_normalisers(rows["rising (rescaled at every chunk)"], broken, True)[4]
+    assert not kernel._maxima_and_log_normalisers(rows["rising (rescaled at every chunk)"], broken, True)[4]

@@ -20,7 +20,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from dual_sampling.protocol import (
+from dual_sampling.decision.pipeline import RowSampling
+from dual_sampling.lockstep import (
     SESSION_PREFIX,
     Bell,
     ErrorCode,
@@ -31,7 +32,6 @@ from dual_sampling.protocol import (
     SyncSession,
     Writer,
 )
-from dual_sampling.sampling import RowSampling
 from dual_sampling.text import decode
 from processors import TeacherSyncLogitsProcessor
 from processors.base import TrackedRow
@@ -226,7 +226,7 @@ def test_a_stalled_engine_fails_its_requests_and_later_ones_complete():
 
 def test_engines_that_stop_answering_fail_every_request_running_or_queued(monkeypatch):
     """Once both engines stop stepping, the watch closes them; no caller may wait on their streams forever."""
-    import dual_sampling.scheduler as driver
+    import dual_sampling.driver.dual_scheduler as driver
 
     monkeypatch.setattr(driver, "_STALL_GRACE_S", 0.5)
     rng = random.Random(0)
@@ -246,7 +246,7 @@ def test_engines_that_stop_answering_fail_every_request_running_or_queued(monkey
 
 def test_engines_that_compute_without_serving_rows_are_not_a_stall(monkeypatch):
     """A long prefill serves no row for minutes; while the engines' processes compute, the watch must wait."""
-    import dual_sampling.scheduler as driver
+    import dual_sampling.driver.dual_scheduler as driver
 
     monkeypatch.setattr(driver, "_STALL_GRACE_S", -9.0)  # with sync_timeout 10: a stall after 1 s without progress
     monkeypatch.setattr(SimEnginePair, "worker_cpu_seconds", lambda self: time.monotonic())  # one core, busy
@@ -430,7 +430,7 @@ def test_a_row_whose_decision_raises_fails_alone_and_the_others_get_their_tokens
 
 def decide_one(teacher, logits: torch.Tensor, theta_logprobs: np.ndarray, sampling: RowSampling) -> list[float]:
     """(token, α, log π_t, log π_θ, log q) of one row decided alone at step 0."""
-    from dual_sampling.sampling import decide
+    from dual_sampling.decision.pipeline import decide
 
     d = decide(
         logits.unsqueeze(0),
@@ -736,7 +736,7 @@ class _StubEngines:
 
 
 def _stub_scheduler(engines: _StubEngines):
-    from dual_sampling.scheduler import DualScheduler
+    from dual_sampling.driver.dual_scheduler import DualScheduler
 
     return DualScheduler(
         lambda name: engines, sim_tokenizer(), vocab=VOCAB, max_model_len=96, max_num_seqs=2, sync_timeout=5
@@ -745,7 +745,7 @@ def _stub_scheduler(engines: _StubEngines):
 
 def test_a_request_task_cancelled_while_it_waits_for_its_partner_ends_cancelled():
     """The flight task's own cancellation (as _fail and close() send it) must not be swallowed in its clean-up."""
-    from dual_sampling.scheduler import SyncError
+    from dual_sampling.driver.dual_scheduler import SyncError
 
     (request,) = make_requests(random.Random(27), 1, 96, (), 0)
     request.request_id = "r"
@@ -787,7 +787,7 @@ def test_engines_are_closed_once_when_a_failure_and_close_race():
 
 def test_a_second_interrupt_while_a_call_winds_down_propagates(monkeypatch):
     """Ctrl-C cancels the call and waits for its requests to end; a second Ctrl-C meanwhile must not be swallowed."""
-    import dual_sampling.scheduler as driver
+    import dual_sampling.driver.dual_scheduler as driver
 
     class Interrupted:
         def __init__(self) -> None:
@@ -817,7 +817,7 @@ def test_a_second_interrupt_while_a_call_winds_down_propagates(monkeypatch):
 
 def test_a_sample_with_a_non_finite_record_fails_by_name():
     """The driver's last check: whatever the engines wrote, a non-finite record never leaves as data."""
-    from dual_sampling.scheduler import DualRequest, _Flight
+    from dual_sampling.driver.dual_scheduler import DualRequest, _Flight
 
     scheduler = _stub_scheduler(_StubEngines())
     try:

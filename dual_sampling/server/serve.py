@@ -47,10 +47,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 
-from dual_sampling.config import SamplingOptions
-from dual_sampling.outputs import SampleRecord
-from dual_sampling.protocol import RECORD_FIELDS, SyncError
-from dual_sampling.scheduler import SampleDelta
+from dual_sampling.driver.dual_scheduler import SampleDelta
+from dual_sampling.lockstep import RECORD_FIELDS, SyncError
+from dual_sampling.options import SamplingOptions
+from dual_sampling.records import SampleRecord
 from dual_sampling.text import TextStream
 
 __all__ = ["ServeOptions", "build_app", "serve"]
@@ -412,7 +412,7 @@ class DualService:
         if not isinstance(problem, str):
             raise BadRequest("hint needs a text prompt, not token ids", "hint")
         if self._hint_template is None:
-            from dual_sampling.datagen import DEFAULT_TEACHER_TEMPLATE, user_template
+            from dual_sampling.datagen.run import DEFAULT_TEACHER_TEMPLATE, user_template
 
             self._hint_template = user_template(None, DEFAULT_TEACHER_TEMPLATE)
         return self._hint_template.render(problem=problem, hint=hint, row={})

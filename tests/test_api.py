@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dual_sampling import OptimalSamplingDual, SamplingOptions, models
-from dual_sampling.protocol import SESSION_PREFIX
+from dual_sampling.lockstep import SESSION_PREFIX
 from tests.oracles import assert_records_match_rescoring, oracle_rows, reference_logq, rescore
 
 pytestmark = pytest.mark.engine

@@ -20,7 +20,7 @@ vLLM's own stages (min_tokens, logit_bias, penalties, bad words) are never hande
 engines: a token forced after them could be masked to -inf. The supported ones run here.
 
 On the CPU, :func:`decide` hands the rows that skip steps 4 and 6–8 to the compiled kernel of
-``dual_sampling.fused`` (one pass per α evaluation, no V-sized temporaries); the torch code
+``dual_sampling.decision.kernel`` (one pass per α evaluation, no V-sized temporaries); the torch code
 below stays the reference for every other row, for other devices, and in the tests.
 """
 
@@ -296,13 +296,13 @@ def decide(
     distribution's most likely tokens for every row.
 
     On the CPU, rows that need no filter are decided by the compiled kernel
-    (:mod:`dual_sampling.fused`), the rest by the torch reference; ``fused=False`` sends
+    (:mod:`dual_sampling.decision.kernel`), the rest by the torch reference; ``fused=False`` sends
     every row to the reference.
     """
     # Imported here, not at module level: a vLLM CPU worker imports this module (through the
     # processors) before it scans every loaded module for Triton kernels, and that scan fails
     # on an object of numba's LLVM binding.
-    from dual_sampling.fused import decide_fused, fused_rows
+    from dual_sampling.decision.kernel import decide_fused, fused_rows
 
     eligible = [False] * len(rows)
     if fused and top_logprobs == 0:

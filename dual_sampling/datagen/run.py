@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from dual_sampling.config import EngineOptions, SamplingOptions
-from dual_sampling.outputs import effective_sample_size
+from dual_sampling.options import EngineOptions, SamplingOptions
+from dual_sampling.records import effective_sample_size
 
 __all__ = [
     "DEFAULT_TEACHER_TEMPLATE",
@@ -998,7 +998,7 @@ def run_generation(cfg: RunConfig, sampler=None) -> dict[str, Any]:
 
     ``sampler`` is an open :class:`OptimalSamplingDual` on the same models to reuse; by default
     one is started and closed here. With ``cfg.ray`` the samples are drawn by Ray Data
-    replicas (``dual_sampling.ray``) and this process only plans, writes and counts.
+    replicas (``dual_sampling.datagen.ray_stage``) and this process only plans, writes and counts.
     """
     started = time.monotonic()
     paths = _paths(cfg)
@@ -1009,7 +1009,7 @@ def run_generation(cfg: RunConfig, sampler=None) -> dict[str, Any]:
 def _run(cfg: RunConfig, sampler: Any, paths: dict[str, Path], started: float) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from dual_sampling.engine import context_length
+    from dual_sampling.api import context_length
 
     rows = load_rows(cfg.input)
     inputs = input_fingerprint(cfg.input)
@@ -1036,7 +1036,7 @@ def _run(cfg: RunConfig, sampler: Any, paths: dict[str, Path], started: float) -
         rejects += too_long
         _write_rejects(paths["rejects"], rejects)
         if cfg.ray:
-            from dual_sampling.ray import sample_on_ray
+            from dual_sampling.datagen.ray_stage import sample_on_ray
 
             sync = sample_on_ray(cfg, items, models, writer.commit)
         else:
@@ -1075,7 +1075,7 @@ def _sample_here(cfg: RunConfig, items: list[WorkItem], models: dict, sampler: A
     """Draw every sample on this machine, ``batch_size`` problems per generate() call; return the sync statistics."""
     from tqdm.auto import tqdm
 
-    from dual_sampling.engine import OptimalSamplingDual
+    from dual_sampling.api import OptimalSamplingDual
 
     own = sampler is None
     if own:

@@ -38,8 +38,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from dual_sampling.outputs import SampleRecord
-from dual_sampling.protocol import (
+from dual_sampling.decision.pipeline import RowSampling
+from dual_sampling.lockstep import (
     RECORD_FIELDS,
     ErrorCode,
     Finish,
@@ -50,7 +50,7 @@ from dual_sampling.protocol import (
     SyncSession,
     Writer,
 )
-from dual_sampling.sampling import RowSampling
+from dual_sampling.records import SampleRecord
 from dual_sampling.text import sample_text
 
 __all__ = ["FINISH_REASONS", "DualRequest", "DualScheduler", "SampleDelta"]
@@ -131,7 +131,7 @@ class DualScheduler:
     """Two engines in lockstep behind one asyncio API; see the module docstring.
 
     ``engine_factory(session_name)`` builds the engine pair on the scheduler's loop (the
-    real one is :class:`dual_sampling.engines.EnginePair`; tests pass simulated engines).
+    real one is :class:`dual_sampling.driver.pair.EnginePair`; tests pass simulated engines).
     """
 
     def __init__(

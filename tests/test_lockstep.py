@@ -17,10 +17,9 @@ from stat import S_IMODE, S_ISDIR
 import numpy as np
 import pytest
 
-from dual_sampling import engines
-from dual_sampling.config import DualEngineConfig
-from dual_sampling.engines import EnginePair, engine_cpus, split_cpu_binding
-from dual_sampling.protocol import (
+from dual_sampling.driver import pair
+from dual_sampling.driver.pair import EnginePair, engine_cpus, split_cpu_binding
+from dual_sampling.lockstep import (
     SESSION_PREFIX,
     WRITERS,
     Bell,
@@ -36,6 +35,7 @@ from dual_sampling.protocol import (
     cleanup_stale_sessions,
     segments_listing,
 )
+from dual_sampling.options import DualEngineConfig
 
 
 @pytest.fixture
@@ -247,7 +247,7 @@ def test_settings_that_break_lockstep_are_refused_by_name(tiny_same, change, mes
 
 
 def test_hosts_without_x86_store_ordering_are_refused(monkeypatch):
-    from dual_sampling.protocol import SyncError
+    from dual_sampling.lockstep import SyncError
 
     monkeypatch.setattr("platform.machine", lambda: "aarch64")
     with pytest.raises(SyncError, match="Linux x86-64 only .*aarch64"):
@@ -422,21 +422,21 @@ def test_statistics_and_aborts_are_safe_while_and_after_the_session_closes():
 
 def test_reap_kills_an_engine_process_that_does_not_exit():
     proc = subprocess.Popen(["sleep", "60"])
-    engines._reap([proc.pid], 0.1)
+    pair._reap([proc.pid], 0.1)
     assert proc.wait(5) == -signal.SIGKILL
 
 
 def test_reap_never_kills_a_pid_that_now_names_another_process(monkeypatch):
     proc = subprocess.Popen(["sleep", "60"])
-    real, looks = engines.process_start_time, collections.Counter()
+    real, looks = pair.process_start_time, collections.Counter()
 
     def reused(pid: int) -> int | None:  # after the first look, the pid names a later process
         start, looks[pid] = real(pid), looks[pid] + 1
         return start + 1 if start is not None and looks[pid] > 1 else start
 
-    monkeypatch.setattr(engines, "process_start_time", reused)
+    monkeypatch.setattr(pair, "process_start_time", reused)
     try:
-        engines._reap([proc.pid], 0.1)
+        pair._reap([proc.pid], 0.1)
         assert proc.poll() is None, "a process that merely reused an engine's pid was killed"
     finally:
         proc.kill()

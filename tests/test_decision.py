@@ -1,4 +1,4 @@
-"""The per-token decision (dual_sampling.sampling) against direct references."""
+"""The per-token decision (dual_sampling.decision.pipeline) against direct references."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from alpha import geometric_mix, get_alpha_computer
-from dual_sampling.sampling import RowSampling, counter_uniform, decide, draw_tokens, inverse_cdf, keep_top_k_top_p
+from dual_sampling.decision.pipeline import (
+    RowSampling,
+    counter_uniform,
+    decide,
+    draw_tokens,
+    inverse_cdf,
+    keep_top_k_top_p,
+)
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 256, 1000, 49152])

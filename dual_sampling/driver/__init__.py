@@ -1,0 +1,1 @@
+"""The driver: the engine pair, its settings checks, and the asyncio scheduler that feeds it requests."""

@@ -1,0 +1,70 @@
+"""Lockstep: the shared memory through which the driver and the four engine plugins meet.
+
+Shared by the driver and the engines, so it imports nothing above it (only numpy and the
+standard library):
+
+- :mod:`~dual_sampling.lockstep.layout`: the session's words, who writes each, the finish
+  and error codes;
+- :mod:`~dual_sampling.lockstep.session`: one session mapped (slots, doorbells, plans, records);
+- :mod:`~dual_sampling.lockstep.janitor`: cleanup of what a crashed driver left in /dev/shm.
+"""
+
+from dual_sampling.lockstep.janitor import (
+    cleanup_stale_sessions,
+    listing_dir,
+    mapped_shm_files,
+    pid_alive,
+    process_start_time,
+    segments_listing,
+    session_owners,
+    write_listing,
+)
+from dual_sampling.lockstep.layout import (
+    PLAN_RING,
+    RECORD_FIELDS,
+    SESSION_PREFIX,
+    SHM_DIR,
+    TOP_LOGPROBS_MAX,
+    WRITERS,
+    Bell,
+    ErrorCode,
+    Finish,
+    Header,
+    Phase,
+    SessionLayout,
+    Slot,
+    Stat,
+    SyncError,
+    Writer,
+    check_host,
+)
+from dual_sampling.lockstep.session import SyncSession
+
+__all__ = [
+    "PLAN_RING",
+    "RECORD_FIELDS",
+    "SESSION_PREFIX",
+    "SHM_DIR",
+    "TOP_LOGPROBS_MAX",
+    "WRITERS",
+    "Bell",
+    "ErrorCode",
+    "Finish",
+    "Header",
+    "Phase",
+    "SessionLayout",
+    "Slot",
+    "Stat",
+    "SyncError",
+    "SyncSession",
+    "Writer",
+    "check_host",
+    "cleanup_stale_sessions",
+    "listing_dir",
+    "mapped_shm_files",
+    "pid_alive",
+    "process_start_time",
+    "segments_listing",
+    "session_owners",
+    "write_listing",
+]

@@ -1,0 +1,381 @@
+"""One dual-engine session's shared memory, mapped: slots, doorbells, the plan ring and records.
+
+The layout and who writes each word are in :mod:`dual_sampling.lockstep.layout`. Doorbells
+are futex words: a wait blocks with a cap, so a shutdown is seen within the cap even
+without a wake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import itertools
+import logging
+import mmap
+import os
+import platform
+import secrets
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dual_sampling.lockstep.janitor import (
+    cleanup_stale_sessions,
+    listing_dir,
+    listing_dir_path,
+    owner_tag,
+    pid_alive,
+    remove_if_empty,
+)
+from dual_sampling.lockstep.layout import (
+    BELL_WORDS,
+    CONTROL_WORDS,
+    HEADER_WORDS,
+    MAGIC,
+    PLAN_RING,
+    RECORD_FIELDS,
+    SESSION_PREFIX,
+    SHM_DIR,
+    TOP_LOGPROBS_MAX,
+    Bell,
+    ErrorCode,
+    Header,
+    MiB,
+    Phase,
+    SessionLayout,
+    Slot,
+    Stat,
+    SyncError,
+    Writer,
+    check_host,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class _Futex:
+    """FUTEX_WAIT / FUTEX_WAKE on a 32-bit word in a shared mapping (Linux x86-64)."""
+
+    _SYS_FUTEX = 202
+
+    class _Timespec(ctypes.Structure):
+        _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+    def __init__(self) -> None:
+        supported = platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64")
+        self.libc = ctypes.CDLL(None, use_errno=True) if supported else None
+
+    def wait(self, address: int, expected: int, timeout_s: float) -> None:
+        if self.libc is None:
+            time.sleep(min(timeout_s, 0.001))
+            return
+        ts = self._Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
+        # Shared (non-private) futex: the word lives in a mapping shared across processes.
+        self.libc.syscall(
+            self._SYS_FUTEX, ctypes.c_void_p(address), 0, ctypes.c_int(expected), ctypes.byref(ts), None, 0
+        )
+
+    def wake(self, address: int) -> None:
+        if self.libc is not None:
+            self.libc.syscall(self._SYS_FUTEX, ctypes.c_void_p(address), 1, ctypes.c_int(2**31 - 1), None, None, 0)
+
+
+_FUTEX = _Futex()
+
+
+def _reserve(fd: int, size: int, shm_dir: Path, layout: SessionLayout) -> None:
+    """Allocate ``size`` bytes for the session file ``fd`` now.
+
+    A tmpfs file made only large (ftruncate) gets its pages when first touched; on a full
+    /dev/shm (Docker's default is 64 MiB) that touch is a SIGBUS in whichever process makes it.
+    """
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        vfs = os.statvfs(shm_dir)
+        free = vfs.f_bavail * vfs.f_frsize
+        raise SyncError(
+            f"{shm_dir} has {free} bytes ({free / MiB:.1f} MiB) free, less than the {size} bytes "
+            f"({size / MiB:.1f} MiB) a session of vocab={layout.vocab}, slots={layout.slots}, "
+            f"max_steps={layout.max_steps} needs: enlarge it (Docker: --shm-size) or lower max_num_seqs or "
+            "max_model_len"
+        ) from None
+
+
+def _name_file(fd: int, directory: Path, name: str) -> None:
+    """Give the unnamed (O_TMPFILE) file ``fd`` the name ``name`` in ``directory``; FileExistsError if it is taken."""
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        # linkat(AT_SYMLINK_FOLLOW) through /proc: the one way to link an unnamed file (dst_dir_fd selects linkat).
+        os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class SyncSession:
+    """A mapped session file. The driver creates it (:meth:`create`); the plugins :meth:`attach` by name."""
+
+    def __init__(self, name: str, layout: SessionLayout, mm: mmap.mmap, owner: bool, shm_dir: Path = SHM_DIR) -> None:
+        self.name, self.layout, self.owner, self.shm_dir = name, layout, owner, shm_dir
+        self._mm = mm
+        off = layout.offsets
+        buf = memoryview(mm)
+        s, v, t = layout.slots, layout.vocab, layout.max_steps
+        self.header = np.frombuffer(buf, np.int64, HEADER_WORDS, off["header"])
+        self.bells = np.frombuffer(buf, np.int32, BELL_WORDS, off["bells"])
+        self.plans = np.frombuffer(buf, np.int64, PLAN_RING * (2 + layout.plan_width), off["plans"]).reshape(
+            PLAN_RING, -1
+        )
+        self.control = np.frombuffer(buf, np.int64, CONTROL_WORDS * s, off["control"]).reshape(s, CONTROL_WORDS)
+        self.theta_logprobs = np.frombuffer(buf, np.float32, v * s, off["theta_logprobs"]).reshape(s, v)
+        self.tokens = np.frombuffer(buf, np.int32, t * s, off["tokens"]).reshape(s, t)
+        self.records = np.frombuffer(buf, np.float32, len(RECORD_FIELDS) * t * s, off["records"]).reshape(s, t, -1)
+        k = TOP_LOGPROBS_MAX
+        self.top_ids = np.frombuffer(buf, np.int32, k * t * s, off["top_ids"]).reshape(s, t, k)
+        self.top_logq = np.frombuffer(buf, np.float32, k * t * s, off["top_logq"]).reshape(s, t, k)
+        self._bell_anchor = ctypes.c_char.from_buffer(mm, off["bells"])
+        self._bell_base = ctypes.addressof(self._bell_anchor)
+        self._ring_lock = threading.Lock()
+        self._ring_count = itertools.count(1)
+        self._close_lock = threading.Lock()
+        """Held by close() and by what other threads may call during it (statistics, request_abort)."""
+        self._closed = False
+        self._final_statistics: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def create(cls, layout: SessionLayout, shm_dir: Path = SHM_DIR) -> SyncSession:
+        """Create a new session file with a unique name, after removing stale ones.
+
+        Its whole size is allocated now. SyncError, naming the sizes, if ``shm_dir`` cannot hold it,
+        and naming the path if this user's :func:`listing_dir` is unsafe.
+        """
+        check_host()
+        cleanup_stale_sessions(shm_dir)
+        listing_dir(shm_dir)  # refuse an unsafe one now, not once the engines have started
+        name = f"{SESSION_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        size = layout.offsets["total"]
+        # Unnamed until its header holds the owner's tag, so a cleanup never finds an untagged session of this version.
+        fd = os.open(shm_dir, os.O_TMPFILE | os.O_RDWR, 0o600)
+        try:
+            _reserve(fd, size, shm_dir, layout)
+            mm = mmap.mmap(fd, size)
+            session = cls(name, layout, mm, owner=True, shm_dir=shm_dir)
+            try:
+                h = session.header
+                h[Header.VOCAB], h[Header.SLOTS], h[Header.MAX_STEPS] = layout.vocab, layout.slots, layout.max_steps
+                h[Header.PLAN_WIDTH], h[Header.OWNER_PID] = layout.plan_width, os.getpid()
+                h[Header.OWNER_BOOT], h[Header.OWNER_PID_NS], h[Header.OWNER_START] = owner_tag()
+                session.plans[:, 0] = -1
+                h[Header.MAGIC] = MAGIC  # last: an attacher never sees a half-initialised header
+                _name_file(fd, shm_dir, name)
+            except BaseException:
+                session.close()
+                raise
+        finally:
+            os.close(fd)
+        return session
+
+    @classmethod
+    def attach(cls, name: str, shm_dir: Path = SHM_DIR) -> SyncSession:
+        """Map an existing session by name (inside an engine process)."""
+        path = shm_dir / name
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        header = np.frombuffer(mm, np.int64, HEADER_WORDS, 0)
+        if int(header[Header.MAGIC]) != MAGIC:
+            del header
+            mm.close()
+            raise SyncError(f"shared-memory file {path} is not a session of this dual-sampling version")
+        layout = SessionLayout(
+            *(int(header[w]) for w in (Header.VOCAB, Header.SLOTS, Header.MAX_STEPS, Header.PLAN_WIDTH))
+        )
+        del header
+        return cls(name, layout, mm, owner=False, shm_dir=shm_dir)
+
+    @property
+    def path(self) -> Path:
+        return self.shm_dir / self.name
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Unmap; the owner also removes the file. Safe to call twice, and from any thread.
+
+        During and after it, :meth:`statistics` and :meth:`request_abort` stay safe to call from
+        other threads; no other method may be called once close has begun.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            if self.owner:
+                self.shutdown()
+            self._final_statistics = self._read_statistics()
+            self._closed = True
+            del self.header, self.bells, self.plans, self.control, self.theta_logprobs, self.tokens, self.records
+            del self.top_ids, self.top_logq
+            del self._bell_anchor
+            with contextlib.suppress(BufferError):  # a view is still alive somewhere; the mapping goes with the process
+                self._mm.close()
+            if self.owner:
+                self.path.unlink(missing_ok=True)
+                remove_if_empty(listing_dir_path(self.shm_dir))
+
+    def __enter__(self) -> SyncSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ doorbells
+
+    def ring(self, bell: Bell, writer: Writer) -> None:
+        """Announce new data to the waiters on ``bell``, by storing a value no earlier store used."""
+        with self._ring_lock:
+            self.bells[bell] = (int(writer) << 24) | (next(self._ring_count) & 0xFFFFFF)
+        _FUTEX.wake(self._bell_base + 4 * int(bell))
+
+    def bell_value(self, bell: Bell) -> int:
+        return int(self.bells[bell])
+
+    def wait_bell(self, bell: Bell, seen: int, timeout_s: float) -> None:
+        """Block until ``bell`` differs from ``seen`` or ``timeout_s`` passes (it may return early)."""
+        if int(self.bells[bell]) == seen and timeout_s > 0:
+            _FUTEX.wait(self._bell_base + 4 * int(bell), seen, timeout_s)
+
+    # ------------------------------------------------------------------ session state
+
+    def shutdown(self) -> None:
+        """Tell every waiter to stop waiting; rows in flight are abandoned."""
+        self.header[Header.SHUTDOWN] = 1
+        for bell in Bell:
+            self.ring(bell, Writer.DRIVER)
+
+    @property
+    def is_shut_down(self) -> bool:
+        return bool(self.header[Header.SHUTDOWN])
+
+    def owner_alive(self) -> bool:
+        return pid_alive(int(self.header[Header.OWNER_PID]))
+
+    def statistics(self) -> dict[str, int]:
+        """Every :class:`Stat` counter, by lower-case name; once closed, their values at :meth:`close`. Thread-safe."""
+        with self._close_lock:
+            return dict(self._final_statistics) if self._closed else self._read_statistics()
+
+    def _read_statistics(self) -> dict[str, int]:
+        return {stat.name.lower(): int(self.header[stat]) for stat in Stat}
+
+    def add_stat(self, stat: Stat, amount: int) -> None:
+        """Add to a counter this process alone writes."""
+        self.header[stat] += int(amount)
+
+    # ------------------------------------------------------------------ plans
+
+    def publish_plan(self, number: int, keys: list[int]) -> None:
+        """Teacher scheduler: plan ``number`` runs exactly ``keys`` (announced by the number, written last)."""
+        if len(keys) > self.layout.plan_width:
+            raise SyncError(
+                f"plan {number} holds {len(keys)} requests, more than max_num_seqs={self.layout.plan_width}"
+            )
+        row = self.plans[number % PLAN_RING]
+        row[0] = -1
+        row[1] = len(keys)
+        row[2 : 2 + len(keys)] = keys
+        row[0] = number
+        self.header[Header.PLANS_PUBLISHED] = number + 1
+        self.ring(Bell.PLAN, Writer.TEACHER_SCHEDULER)
+
+    def read_plan(self, number: int) -> list[int] | None:
+        """Theta scheduler: the keys of plan ``number``, or None if it is not published yet."""
+        row = self.plans[number % PLAN_RING]
+        if int(row[0]) != number:
+            return None
+        keys = row[2 : 2 + int(row[1])].tolist()
+        return keys if int(row[0]) == number else None  # overwritten while read: not yet ours to take
+
+    # ------------------------------------------------------------------ slots
+
+    def slot_key(self, slot: int) -> int:
+        return int(self.control[slot, Slot.KEY])
+
+    def slot_free(self, slot: int) -> bool:
+        """Driver: the slot can take a new request (both sides released its last one, and it was read)."""
+        c = self.control[slot]
+        key = int(c[Slot.KEY])
+        return key == 0 or (key < 0 and int(c[Slot.TEACHER_RELEASED]) == -key and int(c[Slot.THETA_RELEASED]) == -key)
+
+    def open_slot(self, slot: int, key: int, teacher_prompt_len: int, theta_prompt_len: int) -> None:
+        """Driver: prepare a free slot for request ``key`` (> 0) before either engine sees it."""
+        if key <= 0:
+            raise ValueError(f"request keys must be positive, got {key}")
+        if not self.slot_free(slot):
+            raise SyncError(f"slot {slot} is still in use")
+        c = self.control[slot]
+        c[:] = 0
+        c[Slot.TEACHER_PROMPT_LEN], c[Slot.THETA_PROMPT_LEN] = teacher_prompt_len, theta_prompt_len
+        c[Slot.THETA_STEP] = c[Slot.TEACHER_STEP] = c[Slot.TOKEN] = -1
+        c[Slot.ADMIT_PLAN] = c[Slot.FINISH_PLAN] = c[Slot.STOP_INDEX] = -1
+        c[Slot.PHASE] = Phase.SUBMITTED
+        c[Slot.KEY] = key  # last: the slot is announced once everything above is set
+
+    def close_slot(self, slot: int) -> None:
+        """Driver: it has read the slot; the slot is free once both sides have released the request too."""
+        key = self.slot_key(slot)
+        if key > 0:
+            self.control[slot, Slot.KEY] = -key
+
+    def request_abort(self, slot: int, key: int, writer: Writer) -> None:
+        """Ask the teacher scheduler to end request ``key`` on both engines at the next step boundary.
+
+        Thread-safe against :meth:`close`; nothing to do once closed (the shutdown ended every request).
+        """
+        with self._close_lock:
+            if not self._closed and self.slot_key(slot) == key:
+                self.control[slot, Slot.ABORT] = key
+                self.ring(Bell.TO_LEADER, writer)
+
+    def abort_requested(self, slot: int, key: int) -> bool:
+        return int(self.control[slot, Slot.ABORT]) == key
+
+    def fail_slot(self, slot: int, key: int, code: ErrorCode, step: int, writer: Writer) -> None:
+        """Record an error of request ``key`` unless one is recorded (one store of code and step); wake both processors.
+
+        Of the four writers, an engine's processor and scheduler never run at once (its EngineCore
+        schedules only once the step it executes is done; async scheduling is refused), so only the
+        two engines can race: both may read 0 and both store, and the later store stays (numpy has
+        no compare-and-swap). Every reader still agrees: the processors and schedulers only ask
+        whether an error is recorded, and the driver reads the code once, after both engines have
+        ended the request, when nothing stores to the word any more.
+        """
+        c = self.control[slot]
+        if int(c[Slot.KEY]) == key and int(c[Slot.ERROR]) == 0:
+            c[Slot.ERROR] = int(code) | (max(step, 0) << 8)
+        self.ring(Bell.THETA_ROWS, writer)
+        self.ring(Bell.TEACHER_TOKENS, writer)
+
+    def error(self, slot: int) -> tuple[ErrorCode, int]:
+        """(code, step) of the slot's first error; (NONE, -1) if none."""
+        word = int(self.control[slot, Slot.ERROR])
+        return (ErrorCode(word & 0xFF), word >> 8) if word else (ErrorCode.NONE, -1)
+
+    def release(self, slot: int, key: int, word: Slot) -> None:
+        """Mark that one side no longer touches request ``key`` (``word``: TEACHER_RELEASED or THETA_RELEASED).
+
+        Only while the slot still holds that request (open or read by the driver): a late
+        release can never overwrite the release of the slot's next occupant.
+        """
+        if abs(self.slot_key(slot)) == key:
+            self.control[slot, word] = key
