@@ -24,11 +24,8 @@ Models
 ``gemma3-270m-pruned14``
     The same model keeping 14 of its 18 layers: the full-attention layers (5, 11, 17) and
     evenly spaced sliding-window ones. Its theta.
-``tiny_pair(kind)``
-    Two-layer random-weight Llama models on the SmolLM2 tokenizer, built in seconds, for
-    tests: ``"same"`` (identical vocabularies), ``"padded"`` (the teacher's embedding has
-    extra rows beyond the tokenizer, as real model pairs do) and ``"foreign"`` (the
-    theta model has a different tokenizer, which the engine must refuse).
+
+Tiny random-weight pairs for tests are in :mod:`dual_sampling.testing.tiny_models`.
 """
 
 from __future__ import annotations
@@ -41,25 +38,21 @@ import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
 
 from filelock import FileLock
 
 __all__ = [
     "REAL_PAIRS",
-    "TINY_PADDED_EXTRA_ROWS",
     "cache_root",
     "gemma3_270m",
     "gemma3_270m_pruned",
+    "provision",
     "smollm2",
     "smollm2_gguf_path",
     "smollm2_pruned",
-    "tiny_pair",
 ]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY_PADDED_EXTRA_ROWS = 128
-"""Rows the padded tiny teacher's embedding has beyond the tokenizer's vocabulary."""
 _DONE_MARKER = ".dual-sampling-complete"
 
 
@@ -104,7 +97,7 @@ def _building(name: str) -> Iterator[tuple[Path, Path | None]]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _provision(name: str, build: Callable[[Path], None]) -> Path:
+def provision(name: str, build: Callable[[Path], None]) -> Path:
     with _building(name) as (final, tmp):
         if tmp is not None:
             build(tmp)
@@ -113,7 +106,7 @@ def _provision(name: str, build: Callable[[Path], None]) -> Path:
 
 def smollm2() -> Path:
     """Folder of SmolLM2-135M-Instruct in float32, dequantised once from the shipped GGUF."""
-    return _provision("smollm2-135m-instruct", lambda out: _dequantise(smollm2_gguf_path(), out))
+    return provision("smollm2-135m-instruct", lambda out: _dequantise(smollm2_gguf_path(), out))
 
 
 def _dequantise(gguf: Path, out: Path, add_bos_token: bool | None = None) -> None:
@@ -168,7 +161,7 @@ def _prune(source: Path, keep: list[int], name: str) -> Path:
         AutoTokenizer.from_pretrained(source).save_pretrained(out)
         (out / "pruning.json").write_text(json.dumps({"source": str(source), "kept_layers": keep}, indent=1) + "\n")
 
-    return _provision(name, build)
+    return provision(name, build)
 
 
 GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
@@ -204,13 +197,13 @@ def gemma3_gguf_path() -> Path:
         if digest.hexdigest() != GEMMA3_SHA256:
             raise ValueError(f"the assembled {GEMMA3_GGUF} has SHA-256 {digest.hexdigest()}, expected {GEMMA3_SHA256}")
 
-    return _provision("gemma3-270m-gguf", build) / GEMMA3_GGUF
+    return provision("gemma3-270m-gguf", build) / GEMMA3_GGUF
 
 
 def gemma3_270m() -> Path:
     """Folder of Gemma 3 270M in float32 (a base model), from the shipped GGUF; its tokenizer adds <bos>."""
     # The GGUF-derived tokenizer leaves out <bos>; without it the model degenerates ("France. The The The").
-    return _provision("gemma3-270m", lambda out: _dequantise(gemma3_gguf_path(), out, add_bos_token=True))
+    return provision("gemma3-270m", lambda out: _dequantise(gemma3_gguf_path(), out, add_bos_token=True))
 
 
 def gemma3_270m_pruned(keep_layers: int = 14) -> Path:
@@ -237,97 +230,3 @@ REAL_PAIRS: dict[str, tuple[Callable[[], Path], Callable[[], Path]]] = {
     "gemma3": (gemma3_270m, gemma3_270m_pruned),
 }
 """The real model pairs by name: (teacher, theta) folder builders, theta a layer-pruned copy of its teacher."""
-
-
-TinyKind = Literal["same", "padded", "foreign"]
-
-
-def tiny_pair(kind: TinyKind = "same") -> tuple[Path, Path]:
-    """(teacher folder, theta folder) of two-layer random-weight Llama models for tests.
-
-    The teacher is sharper (output logits of std 4) than theta (std 2). Both use head_dim 64,
-    the smallest head size vLLM's CPU attention accepts.
-    """
-    if kind not in ("same", "padded", "foreign"):
-        raise ValueError(f"tiny_pair kind must be 'same', 'padded' or 'foreign', got {kind!r}")
-    tokenizer_dir = _smollm2_tokenizer()
-    extra = TINY_PADDED_EXTRA_ROWS if kind == "padded" else 0
-    teacher = _tiny_model(f"tiny-teacher-pad{extra}", tokenizer_dir, seed=1, extra_rows=extra, logit_std=4.0)
-    theta_tokenizer = _foreign_tokenizer() if kind == "foreign" else tokenizer_dir
-    theta = _tiny_model(
-        "tiny-theta-foreign" if kind == "foreign" else "tiny-theta",
-        theta_tokenizer,
-        seed=2,
-        extra_rows=0,
-        logit_std=2.0,
-    )
-    return teacher, theta
-
-
-def _smollm2_tokenizer() -> Path:
-    """The SmolLM2 tokenizer alone, saved from the GGUF (no weights are dequantised)."""
-
-    def build(out: Path) -> None:
-        from transformers import AutoTokenizer
-
-        gguf = smollm2_gguf_path()
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
-
-    return _provision("smollm2-tokenizer", build)
-
-
-def _foreign_tokenizer() -> Path:
-    """A small byte-level BPE tokenizer trained here on a fixed text: genuinely unlike SmolLM2's."""
-
-    def build(out: Path) -> None:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-        from transformers import PreTrainedTokenizerFast
-
-        text = [f"The number {i} is {'even' if i % 2 == 0 else 'odd'} and its square is {i * i}." for i in range(2000)]
-        bpe = Tokenizer(models.BPE(unk_token="<unk>"))
-        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        bpe.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=1024,
-            special_tokens=["<unk>", "<s>", "</s>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        )
-        bpe.train_from_iterator(text, trainer)
-        PreTrainedTokenizerFast(
-            tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-        ).save_pretrained(out)
-
-    return _provision("foreign-tokenizer", build)
-
-
-def _tiny_model(name: str, tokenizer_dir: Path, seed: int, extra_rows: int, logit_std: float) -> Path:
-    def build(out: Path) -> None:
-        import torch
-        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        config = LlamaConfig(
-            vocab_size=len(tokenizer) + extra_rows,
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=64,
-            max_position_embeddings=2048,
-            tie_word_embeddings=False,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
-        # The default init gives near-uniform next-token distributions. Output logits with a
-        # standard deviation of a few units give entropies of a few nats, and a sharper teacher
-        # than theta makes the pair disagree the way real pairs do, so α varies per token.
-        with torch.no_grad():
-            model.get_output_embeddings().weight.normal_(0.0, logit_std / config.hidden_size**0.5)
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-
-    return _provision(name, build)

@@ -69,6 +69,7 @@ from dual_sampling import OptimalSamplingDual, models
 from dual_sampling.decision.pipeline import RowSampling, decide
 from dual_sampling.driver.pair import engine_cpus, split_cpu_binding
 from dual_sampling.options import default_kv_cache_bytes
+from dual_sampling.testing import tiny_models
 
 DESIGNS = ("teacher", "theta", "dual", "transformers", "recompute")
 
@@ -654,7 +655,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.quick:
-        teacher, theta = (str(p) for p in models.tiny_pair("same"))
+        teacher, theta = (str(p) for p in tiny_models.tiny_pair("same"))
         s = Settings(
             teacher,
             theta,

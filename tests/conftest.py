@@ -15,7 +15,7 @@ import os
 import pytest
 from hypothesis import settings
 
-from dual_sampling import models
+from dual_sampling.testing import tiny_models
 
 settings.register_profile("default", derandomize=True, deadline=None)
 settings.register_profile("explore", derandomize=False, deadline=None, print_blob=True)
@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def tiny_same():
-    return models.tiny_pair("same")
+    return tiny_models.tiny_pair("same")
 
 
 @pytest.fixture(scope="session")

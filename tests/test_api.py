@@ -10,8 +10,9 @@ import threading
 import pytest
 import torch
 
-from dual_sampling import OptimalSamplingDual, SamplingOptions, models
+from dual_sampling import OptimalSamplingDual, SamplingOptions
 from dual_sampling.lockstep import SESSION_PREFIX
+from dual_sampling.testing import tiny_models
 from tests.oracles import assert_records_match_rescoring, oracle_rows, reference_logq, rescore
 
 pytestmark = pytest.mark.engine
@@ -201,7 +202,7 @@ def test_keyboard_interrupt_inside_generate_leaves_the_engine_usable(dual_engine
 
 def test_construction_errors_before_any_engine_starts(tiny_same, tmp_path):
     teacher, theta = tiny_same
-    _, foreign = models.tiny_pair("foreign")
+    _, foreign = tiny_models.tiny_pair("foreign")
     before = {f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX)}
     with pytest.raises(ValueError, match="tokenizers differ"):
         OptimalSamplingDual(teacher, foreign)
@@ -219,7 +220,7 @@ def test_construction_errors_before_any_engine_starts(tiny_same, tmp_path):
 
 
 def test_padded_vocab_pair_matches_rescoring_and_cleans_up():
-    teacher, theta = models.tiny_pair("padded")
+    teacher, theta = tiny_models.tiny_pair("padded")
     from transformers import AutoModelForCausalLM
 
     hf = tuple(AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in (teacher, theta))

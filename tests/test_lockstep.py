@@ -191,7 +191,7 @@ class _FakeEngine:
 
 def _verify(tiny_same, change) -> str:
     """EnginePair.verify on two real vLLM configs (no engine), after ``change(role, config)``."""
-    from tests.sim_engines import sim_configs
+    from dual_sampling.testing.sim_engines import sim_configs
 
     configs = sim_configs(4, 96, 96, 10.0)
     for role, cfg in configs.items():

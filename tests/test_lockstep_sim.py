@@ -32,10 +32,7 @@ from dual_sampling.lockstep import (
     SyncSession,
     Writer,
 )
-from dual_sampling.text import decode
-from processors import TeacherSyncLogitsProcessor
-from processors.base import TrackedRow
-from tests.sim_engines import (
+from dual_sampling.testing.sim_engines import (
     VOCAB,
     Adversity,
     SimEnginePair,
@@ -46,6 +43,9 @@ from tests.sim_engines import (
     sim_scheduler,
     sim_tokenizer,
 )
+from dual_sampling.text import decode
+from processors import TeacherSyncLogitsProcessor
+from processors.base import TrackedRow
 
 
 def assert_clean(run, *, allow_errors: frozenset = frozenset(), engine_aborts: bool = False) -> None:

@@ -12,23 +12,24 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dual_sampling import models
+from dual_sampling.testing import tiny_models
 
 
 def test_tiny_pairs_have_the_promised_shapes():
-    teacher, theta = models.tiny_pair("same")
+    teacher, theta = tiny_models.tiny_pair("same")
     t_cfg, th_cfg = AutoConfig.from_pretrained(teacher), AutoConfig.from_pretrained(theta)
     tok = AutoTokenizer.from_pretrained(teacher)
     assert t_cfg.vocab_size == th_cfg.vocab_size == len(tok)
     assert t_cfg.num_hidden_layers == 2 and t_cfg.head_dim == 64
-    padded_teacher, padded_theta = models.tiny_pair("padded")
-    assert AutoConfig.from_pretrained(padded_teacher).vocab_size == len(tok) + models.TINY_PADDED_EXTRA_ROWS
+    padded_teacher, padded_theta = tiny_models.tiny_pair("padded")
+    assert AutoConfig.from_pretrained(padded_teacher).vocab_size == len(tok) + tiny_models.TINY_PADDED_EXTRA_ROWS
     assert padded_theta == theta
-    _, foreign = models.tiny_pair("foreign")
+    _, foreign = tiny_models.tiny_pair("foreign")
     assert AutoTokenizer.from_pretrained(foreign).get_vocab() != tok.get_vocab()
 
 
 def test_tiny_teacher_and_theta_disagree():
-    teacher, theta = models.tiny_pair("same")
+    teacher, theta = tiny_models.tiny_pair("same")
     ids = torch.tensor([[1, 300, 400, 500]])
     with torch.no_grad():
         lt = torch.log_softmax(AutoModelForCausalLM.from_pretrained(teacher)(ids).logits[0, -1], -1)
@@ -39,15 +40,15 @@ def test_tiny_teacher_and_theta_disagree():
 
 def test_provisioning_is_idempotent(tmp_path, monkeypatch):
     monkeypatch.setenv("DUAL_SAMPLING_CACHE", str(tmp_path))
-    first = models.tiny_pair("same")
+    first = tiny_models.tiny_pair("same")
     stamp = (first[0] / "config.json").stat().st_mtime_ns
-    assert models.tiny_pair("same") == first
+    assert tiny_models.tiny_pair("same") == first
     assert (first[0] / "config.json").stat().st_mtime_ns == stamp
     assert not list(tmp_path.glob("*.partial"))
 
 
 def test_parallel_builders_do_not_race(tmp_path):
-    code = "from dual_sampling import models; print(models.tiny_pair('same')[0])"
+    code = "from dual_sampling.testing import tiny_models; print(tiny_models.tiny_pair('same')[0])"
     env = {"DUAL_SAMPLING_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
     procs = [
         subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)

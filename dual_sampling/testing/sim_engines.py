@@ -18,6 +18,9 @@ memory, and the driver (``dual_sampling.driver.dual_scheduler.DualScheduler``). 
 Adversity is chosen per run (:class:`Adversity`): uneven delivery delays per side, one
 side's KV cache too small (vLLM then tries to preempt), vLLM-level aborts sent to one
 engine only, a stalled engine, an engine that vLLM declares dead while its process lives on.
+
+One module over 500 lines: the simulated core, runner and frontend share one request model
+and one clock of steps.
 """
 
 from __future__ import annotations
@@ -369,9 +372,9 @@ def sim_configs(max_num_seqs: int, max_model_len: int, budget: int, sync_timeout
     """vLLM configs of both simulated engines (the tiny models' folders; nothing is loaded)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from dual_sampling import models
+    from dual_sampling.testing import tiny_models
 
-    teacher, theta = models.tiny_pair("same")
+    teacher, theta = tiny_models.tiny_pair("same")
     out = {}
     for side, path in (("teacher", teacher), ("theta", theta)):
         args = EngineArgs(
@@ -447,9 +450,9 @@ def sim_tokenizer():
     if _TOKENIZER is None:
         from transformers import AutoTokenizer
 
-        from dual_sampling import models
+        from dual_sampling.testing import tiny_models
 
-        _TOKENIZER = AutoTokenizer.from_pretrained(models.tiny_pair("same")[0])
+        _TOKENIZER = AutoTokenizer.from_pretrained(tiny_models.tiny_pair("same")[0])
     return _TOKENIZER
 
 
