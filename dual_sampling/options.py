@@ -7,7 +7,6 @@ the data-generation run's ``RunConfig`` composes both, so no field is written tw
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -223,8 +222,6 @@ class SamplingOptions:
             f"stop_token_ids and the EOS ids cover the whole vocabulary of {vocab} tokens: none is left to generate",
         )
 
-    def replace(self, **changes: Any) -> SamplingOptions:
-        return dataclasses.replace(self, **changes)
 
 
 @dataclass(kw_only=True)
@@ -297,9 +294,6 @@ class EngineOptions:
         for name in ("teacher_engine_kwargs", "theta_engine_kwargs"):
             _need(isinstance(getattr(self, name), dict), f"{name} must be a dict of vLLM engine arguments")
 
-    def options(self) -> EngineOptions:
-        """These options alone (without the models of a DualEngineConfig)."""
-        return EngineOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineOptions)})
 
 
 @dataclass

@@ -28,6 +28,9 @@ through the session's shared memory (``dual_sampling.lockstep``):
 Waits block on futex doorbells. With requests running, the follower waits for the next
 plan until ``sync_timeout`` (then fails them); otherwise both wait at most
 :data:`IDLE_WAIT_S` so that the EngineCore keeps reading its input.
+
+One module over 500 lines: the leader and the follower share their ending of a request and
+their waits, and each is the other's contract.
 """
 
 from __future__ import annotations

@@ -40,6 +40,9 @@ than the reference's (``tests/test_decision_kernel.py``). A row the kernel canno
 entry, or mixture weights that all underflow) is reported back and decided by the reference.
 
 GPUs keep the torch reference on the device: this path is CPU-only.
+
+One module over 500 lines: the kernel's passes are one compiled algorithm, tuned and
+checked together (``tests/test_decision_kernel.py``); most of the length is its derivation.
 """
 
 from __future__ import annotations

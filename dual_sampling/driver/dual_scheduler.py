@@ -19,6 +19,9 @@ that fails (a timeout, bad logits, a divergence) fails alone: its sample carries
 process exits, or vLLM declares it dead: ``EngineDeadError``), or a session in which no
 engine makes progress for ``sync_timeout + 30`` seconds, fails every request in flight or
 queued with :class:`SyncError` and closes the scheduler for good (:attr:`DualScheduler.failure`).
+
+One module over 500 lines: :class:`DualScheduler` is one object whose slots, flights and loop
+every method touches; its helpers are a few lines each.
 """
 
 from __future__ import annotations
@@ -107,10 +110,6 @@ class SampleDelta:
     """Set on the last delta only: the whole sample, checked against both engines."""
     top: tuple[np.ndarray, np.ndarray] | None = None
     """For requests with top_logprobs k: (token ids, log q) ``[len(token_ids), k]`` of q's k most likely tokens."""
-
-    @property
-    def finished(self) -> bool:
-        return self.sample is not None
 
 
 @dataclass

@@ -14,10 +14,8 @@ import itertools
 import logging
 import mmap
 import os
-import platform
 import secrets
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -57,21 +55,17 @@ logger = logging.getLogger(__name__)
 
 
 class _Futex:
-    """FUTEX_WAIT / FUTEX_WAKE on a 32-bit word in a shared mapping (Linux x86-64)."""
+    """FUTEX_WAIT / FUTEX_WAKE on a 32-bit word in a shared mapping (Linux x86-64: :func:`check_host`)."""
 
-    _SYS_FUTEX = 202
+    _SYS_FUTEX = 202  # x86-64's syscall number; a session is only created after check_host()
 
     class _Timespec(ctypes.Structure):
         _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
     def __init__(self) -> None:
-        supported = platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64")
-        self.libc = ctypes.CDLL(None, use_errno=True) if supported else None
+        self.libc = ctypes.CDLL(None, use_errno=True)
 
     def wait(self, address: int, expected: int, timeout_s: float) -> None:
-        if self.libc is None:
-            time.sleep(min(timeout_s, 0.001))
-            return
         ts = self._Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
         # Shared (non-private) futex: the word lives in a mapping shared across processes.
         self.libc.syscall(
@@ -79,8 +73,7 @@ class _Futex:
         )
 
     def wake(self, address: int) -> None:
-        if self.libc is not None:
-            self.libc.syscall(self._SYS_FUTEX, ctypes.c_void_p(address), 1, ctypes.c_int(2**31 - 1), None, None, 0)
+        self.libc.syscall(self._SYS_FUTEX, ctypes.c_void_p(address), 1, ctypes.c_int(2**31 - 1), None, None, 0)
 
 
 _FUTEX = _Futex()
