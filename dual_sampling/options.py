@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from alpha import get_alpha_computer
+from dual_sampling.lockstep import TOP_LOGPROBS_MAX
 
 __all__ = [
     "BEST_OF_SCORES",
@@ -199,8 +200,8 @@ class SamplingOptions:
             f"seed must be a 64-bit signed integer, got {self.seed!r}",
         )
         _need(
-            _is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 20,
-            f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}",
+            _is_int(self.top_logprobs) and 0 <= self.top_logprobs <= TOP_LOGPROBS_MAX,
+            f"top_logprobs must be an integer in [0, {TOP_LOGPROBS_MAX}], got {self.top_logprobs!r}",
         )
 
     @property

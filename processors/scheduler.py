@@ -48,7 +48,7 @@ from typing import ClassVar
 from transformers import AutoTokenizer
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
@@ -86,19 +86,13 @@ IDLE_WAIT_S = 0.02
 PARENT_POLL_S = 1.0
 """How often an engine checks that the driver process is still alive."""
 
-_STATUS_OF_FINISH = {
-    Finish.STOP: RequestStatus.FINISHED_STOPPED,
-    Finish.STOP_STRING: RequestStatus.FINISHED_STOPPED,
-    Finish.LENGTH: RequestStatus.FINISHED_LENGTH_CAPPED,
-    Finish.ABORT: RequestStatus.FINISHED_ABORTED,
-    Finish.ERROR: RequestStatus.FINISHED_ERROR,
+_STATUS_OF_REASON = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH_CAPPED,
+    "abort": RequestStatus.FINISHED_ABORTED,
+    "error": RequestStatus.FINISHED_ERROR,
 }
-_FINISH_OF_REASON = {
-    FinishReason.STOP: Finish.STOP,
-    FinishReason.LENGTH: Finish.LENGTH,
-    FinishReason.ABORT: Finish.ABORT,
-    FinishReason.ERROR: Finish.ERROR,
-}
+"""vLLM's request status for each finish reason of :class:`Finish` (vLLM maps a status back to its reason)."""
 
 
 def plan_entry(slot: int, key: int) -> int:
@@ -302,7 +296,7 @@ class TeacherLockstepScheduler(LockstepScheduler):
             if request is None or request.is_finished():
                 # vLLM's stop checks ended it; theta's identical checks end it at the same step.
                 reason = output.finish_reason if output is not None else None
-                self._record_end(ticket, _FINISH_OF_REASON.get(reason, Finish.STOP))
+                self._record_end(ticket, (reason is not None and Finish.of_reason(str(reason))) or Finish.STOP)
             elif self.session.error(ticket.slot)[0] != ErrorCode.NONE:
                 self._end_here(request, ticket, Finish.ERROR, output)
             elif ticket.stops and request.num_output_tokens >= ticket.min_tokens:
@@ -407,9 +401,9 @@ class TeacherLockstepScheduler(LockstepScheduler):
         self._record_end(ticket, finish, stop_index)
         self.session.add_stat(Stat.LEADER_ENDED, 1)
         if output is not None:  # it has an output this step: that output carries the ending
-            output.finish_reason = RequestStatus.get_finished_reason(_STATUS_OF_FINISH[finish])
+            output.finish_reason = RequestStatus.get_finished_reason(_STATUS_OF_REASON[finish.reason])
             output.stop_reason = stop_reason
-        self.end(request, _STATUS_OF_FINISH[finish], stop_reason, emit=output is None)
+        self.end(request, _STATUS_OF_REASON[finish.reason], stop_reason, emit=output is None)
 
     def _record_end(self, ticket: _Ticket, finish: Finish, stop_index: int = -1) -> None:
         c = self.session.control[ticket.slot]
@@ -498,7 +492,7 @@ class ThetaLockstepScheduler(LockstepScheduler):
             if int(c[Slot.ADMIT_PLAN]) < 0 or int(c[Slot.FINISH_PLAN]) <= number:
                 finish, index = Finish(int(c[Slot.FINISH])), int(c[Slot.STOP_INDEX])
                 stop_reason = ticket.stops[index] if 0 <= index < len(ticket.stops) else None
-                self.end(request, _STATUS_OF_FINISH.get(finish, RequestStatus.FINISHED_ABORTED), stop_reason)
+                self.end(request, _STATUS_OF_REASON.get(finish.reason, RequestStatus.FINISHED_ABORTED), stop_reason)
 
     def _apply_plan(self, number: int, plan: list[int]) -> list[Request]:
         """End running requests the plan leaves out; return the waiting requests it admits."""

@@ -56,19 +56,11 @@ from dual_sampling.lockstep import (
 from dual_sampling.records import SampleRecord
 from dual_sampling.text import sample_text
 
-__all__ = ["FINISH_REASONS", "DualRequest", "DualScheduler", "SampleDelta"]
+__all__ = ["DualRequest", "DualScheduler", "SampleDelta"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-FINISH_REASONS = {
-    Finish.STOP: "stop",
-    Finish.STOP_STRING: "stop",
-    Finish.LENGTH: "length",
-    Finish.ABORT: "abort",
-    Finish.ERROR: "error",
-}
-"""The ``finish_reason`` of a sample, by the teacher scheduler's :class:`Finish`."""
 _SLOT_POLL_S = 0.005
 """How often a request waiting for a slot looks again (slots free up as the engines release them)."""
 _WATCH_S = 0.5
@@ -478,7 +470,7 @@ class DualScheduler:
         sample = SampleRecord(
             text="",
             token_ids=recorded,
-            finish_reason=FINISH_REASONS.get(finish, teacher_finish),
+            finish_reason=finish.reason or teacher_finish,
             seed=flight.request.sampling.seed,
             teacher_token_ids=list(tokens),
             theta_token_ids=theta_tokens,

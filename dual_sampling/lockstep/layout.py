@@ -191,7 +191,11 @@ class Phase(IntEnum):
 
 
 class Finish(IntEnum):
-    """Why a request ended (the teacher scheduler's word on it)."""
+    """Why a request ended (the teacher scheduler's word on it).
+
+    The one table of endings: :attr:`reason` is the finish reason that the driver reports and
+    from which the engine plugins take vLLM's request status.
+    """
 
     NONE = 0
     STOP = 1
@@ -200,6 +204,25 @@ class Finish(IntEnum):
     LENGTH = 3
     ABORT = 4
     ERROR = 5
+
+    @property
+    def reason(self) -> str | None:
+        """``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` (vLLM's and OpenAI's words); None for NONE."""
+        return _FINISH_REASON.get(self)
+
+    @classmethod
+    def of_reason(cls, reason: str) -> Finish | None:
+        """The first ending with this finish reason (``"stop"`` gives STOP); None for a reason of no ending here."""
+        return next((f for f in cls if f.reason == reason), None)
+
+
+_FINISH_REASON = {
+    Finish.STOP: "stop",
+    Finish.STOP_STRING: "stop",
+    Finish.LENGTH: "length",
+    Finish.ABORT: "abort",
+    Finish.ERROR: "error",
+}
 
 
 class ErrorCode(IntEnum):
