@@ -17,7 +17,6 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from dual_sampling.decision.pipeline import RowSampling
 from dual_sampling.driver.dual_scheduler import DualRequest, DualScheduler, SampleDelta
 from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, SamplingOptions, model_config
 from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleRecord
@@ -219,21 +218,7 @@ class OptimalSamplingDual:
 
     def request(self, teacher_ids: list[int], theta_ids: list[int], opts: SamplingOptions, seed: int) -> DualRequest:
         """The request for one sample of a prompt pair (already tokenized)."""
-        stops = tuple(sorted(set(self.eos_token_ids) | set(opts.stop_token_ids)))
-        row = RowSampling(
-            seed=seed,
-            temperature=float(opts.temperature),
-            top_k=int(opts.top_k),
-            top_p=float(opts.top_p),
-            min_p=float(opts.min_p),
-            min_tokens=int(opts.min_tokens),
-            stop_token_ids=stops,
-            logit_bias=dict(opts.logit_bias),
-            force_first_token=bool(opts.force_first_token),
-            support_top_k=int(opts.teacher_support_top_k),
-            support_top_p=float(opts.teacher_support_top_p),
-            top_logprobs=int(opts.top_logprobs),
-        )
+        row = opts.row(seed, masked_before_min_tokens=self.eos_token_ids)
         room = self.max_model_len - max(len(teacher_ids), len(theta_ids))
         return DualRequest(list(teacher_ids), list(theta_ids), row, min(opts.max_tokens, room), tuple(opts.stop))
 

@@ -7,6 +7,7 @@ the data-generation run's ``RunConfig`` composes both, so no field is written tw
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from alpha import get_alpha_computer
+from dual_sampling.decision.pipeline import LOGIT_BIAS_LIMIT, RowSampling
 from dual_sampling.lockstep import TOP_LOGPROBS_MAX
 
 __all__ = [
@@ -41,9 +43,6 @@ MAX_STOP_STRINGS = 16
 """Stop strings per request at most: the leader engine checks each on every step."""
 MAX_STOP_STRING_CHARS = 256
 """Characters per stop string at most."""
-LOGIT_BIAS_LIMIT = 100.0
-"""logit_bias values are clamped to ±this, as vLLM does: a larger bias only forces or bans the token, and
-values past float32's range would become ±inf inside the decision."""
 MIN_TEMPERATURE = 1e-2
 """The smallest non-zero temperature: below it the tempered log q overflows float32 (0 is greedy)."""
 MAX_TEMPERATURE = 100.0
@@ -204,6 +203,19 @@ class SamplingOptions:
             f"top_logprobs must be an integer in [0, {TOP_LOGPROBS_MAX}], got {self.top_logprobs!r}",
         )
 
+    def row(self, seed: int, masked_before_min_tokens: Sequence[int] = ()) -> RowSampling:
+        """The engine-side settings of one sample: the one mapping from these options.
+
+        Every :class:`RowSampling` field takes the option of the same name, except ``seed`` (the
+        sample's own, given here) and ``stop_token_ids``: the tokens masked while fewer than
+        ``min_tokens`` were generated, ``masked_before_min_tokens`` (the EOS ids) and
+        :attr:`stop_token_ids` together.
+        """
+        own = {"seed", "stop_token_ids"}
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(RowSampling) if f.name not in own}
+        stops = tuple(sorted(set(masked_before_min_tokens) | set(self.stop_token_ids)))
+        return RowSampling(seed=seed, stop_token_ids=stops, **shared)
+
     @property
     def draws(self) -> int:
         """Samples drawn per prompt (best_of if set, else n)."""
@@ -222,7 +234,6 @@ class SamplingOptions:
             len(set(self.stop_token_ids) | set(eos_token_ids)) < vocab,
             f"stop_token_ids and the EOS ids cover the whole vocabulary of {vocab} tokens: none is left to generate",
         )
-
 
 
 @dataclass(kw_only=True)
@@ -294,7 +305,6 @@ class EngineOptions:
         _need(self.cpu_binding in ("split", "vllm"), f"cpu_binding must be 'split' or 'vllm', got {self.cpu_binding!r}")
         for name in ("teacher_engine_kwargs", "theta_engine_kwargs"):
             _need(isinstance(getattr(self, name), dict), f"{name} must be a dict of vLLM engine arguments")
-
 
 
 @dataclass

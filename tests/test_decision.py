@@ -111,9 +111,11 @@ def test_temperature_min_tokens_bias_and_greedy():
 def test_support_constraint_and_empty_rows():
     lt = torch.log_softmax(torch.tensor([[5.0, 4.0, -5.0, -6.0]]), -1)
     logq = torch.log_softmax(torch.tensor([[-5.0, -5.0, 5.0, 5.0]]), -1)
-    t, _, ok, _ = draw_tokens(logq, lt, [0], [RowSampling(seed=3, support_top_k=2)])
+    t, _, ok, _ = draw_tokens(logq, lt, [0], [RowSampling(seed=3, teacher_support_top_k=2)])
     assert ok.item() and t.item() in (0, 1)
-    t, _, ok, _ = draw_tokens(logq, lt, [0], [RowSampling(seed=3, support_top_k=1, min_tokens=1, stop_token_ids=(0,))])
+    t, _, ok, _ = draw_tokens(
+        logq, lt, [0], [RowSampling(seed=3, teacher_support_top_k=1, min_tokens=1, stop_token_ids=(0,))]
+    )
     assert not ok.item()
 
 

@@ -509,8 +509,8 @@ def fused_rows(rows: Sequence, alpha_computer: AlphaComputer, device: torch.devi
         and r.top_k <= 0
         and r.top_p >= 1.0
         and r.min_p <= 0.0
-        and r.support_top_k <= 0
-        and r.support_top_p >= 1.0
+        and r.teacher_support_top_k <= 0
+        and r.teacher_support_top_p >= 1.0
         and not r.logit_bias
         and r.top_logprobs == 0
         for r in rows

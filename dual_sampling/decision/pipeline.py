@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 import torch
@@ -65,7 +65,11 @@ def counter_uniform(seed: int, step: int) -> float:
 
 @dataclass
 class RowSampling:
-    """Per-request sampling settings as the teacher processor receives them (plain data, picklable)."""
+    """Per-request sampling settings as the teacher processor receives them (plain data, picklable).
+
+    Built from ``SamplingOptions`` by ``SamplingOptions.row``: every field but ``seed`` and
+    ``stop_token_ids`` has the same name and meaning there.
+    """
 
     seed: int = 0
     temperature: float = 1.0
@@ -77,12 +81,17 @@ class RowSampling:
     """Tokens masked while fewer than min_tokens were generated (EOS ids and the user's stop ids)."""
     logit_bias: dict[int, float] = field(default_factory=dict)
     force_first_token: bool = False
-    support_top_k: int = -1
-    support_top_p: float = 1.0
+    teacher_support_top_k: int = -1
+    teacher_support_top_p: float = 1.0
     top_logprobs: int = 0
     """How many of q's most likely tokens to record with their log-probabilities (0: none)."""
 
     def __post_init__(self) -> None:
+        # Plain Python numbers of the declared kinds: the settings cross to the engines as JSON-like data.
+        for f in fields(self):
+            if f.type in ("int", "float", "bool"):
+                setattr(self, f.name, {"int": int, "float": float, "bool": bool}[f.type](getattr(self, f.name)))
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         # Clamped as vLLM clamps it: a bias of 1e39 becomes inf in float32 and q then holds NaN.
         bias = {}
         for token, value in self.logit_bias.items():
@@ -203,8 +212,8 @@ def draw_tokens(
             x, owned = x.clone(), True
         return x
 
-    sup_k = torch.tensor([r.support_top_k for r in rows], device=dev)
-    sup_p = torch.tensor([r.support_top_p for r in rows], device=dev, dtype=x.dtype)
+    sup_k = torch.tensor([r.teacher_support_top_k for r in rows], device=dev)
+    sup_p = torch.tensor([r.teacher_support_top_p for r in rows], device=dev, dtype=x.dtype)
     support = keep_top_k_top_p(logp_teacher, sup_k, sup_p)
     if support is not None:
         writable().masked_fill_(~support, -math.inf)
