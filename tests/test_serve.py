@@ -17,7 +17,8 @@ import httpx
 import psutil
 import pytest
 
-from dual_sampling.server.serve import ServeOptions, build_app
+from dual_sampling.server.app import build_app
+from dual_sampling.server.serve_options import ServeOptions
 
 pytestmark = pytest.mark.engine
 
@@ -125,7 +126,7 @@ def test_chat_stream_with_hint_matches_offline_and_chunks_hold_their_records(cli
                 records["alpha"] += extra["alpha"]
                 records["logq"] += extra["logq"]
             finish = choice.finish_reason or finish
-    from dual_sampling.datagen.run import DEFAULT_TEACHER_TEMPLATE, user_template
+    from dual_sampling.prompts import DEFAULT_TEACHER_TEMPLATE, user_template
 
     hinted = user_template(None, DEFAULT_TEACHER_TEMPLATE).render(
         problem=QUESTION[0]["content"], hint="12 + 30 = 42.", row={}

@@ -16,7 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dual_sampling.server.serve import _CHAT_FIELDS, _COMPLETION_FIELDS, ServeOptions, build_app
+from dual_sampling.server.app import build_app
+from dual_sampling.server.serve_options import ServeOptions
+from dual_sampling.server.translate import _CHAT_FIELDS, _COMPLETION_FIELDS
 from tests.test_serve import KEY, Server
 from tests.test_serve_hostile import metric
 

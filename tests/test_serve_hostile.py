@@ -16,7 +16,8 @@ import time
 import httpx
 import pytest
 
-from dual_sampling.server.serve import ServeOptions, build_app
+from dual_sampling.server.app import build_app
+from dual_sampling.server.serve_options import ServeOptions
 from tests.test_serve import KEY, Server
 
 pytestmark = pytest.mark.engine
@@ -328,7 +329,7 @@ def test_a_prompt_past_any_possible_fit_is_refused_without_tokenizing(server, du
     "host, loopback", [("127.0.0.1", True), ("localhost", True), ("::1", True), ("0.0.0.0", False), ("10.1.2.3", False)]
 )
 def test_only_loopback_addresses_are_served_keyless_without_a_warning(host, loopback):
-    from dual_sampling.server.serve import _loopback
+    from dual_sampling.server.app import _loopback
 
     assert _loopback(host) is loopback
 

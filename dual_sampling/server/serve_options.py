@@ -1,0 +1,56 @@
+"""The server's settings: :class:`ServeOptions` (address, API key, and the bounds on load and on slow clients,
+which ``dual-sampling serve`` turns into flags) and the environment variable the API key may come from."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+__all__ = ["API_KEY_ENV", "ServeOptions"]
+
+API_KEY_ENV = "DUAL_SAMPLING_API_KEY"
+
+
+@dataclass(kw_only=True)
+class ServeOptions:
+    """How the server listens and what it accepts."""
+
+    host: str = "127.0.0.1"
+    """Address to bind; only this machine can connect unless it is changed."""
+    port: int = 8000
+    """TCP port."""
+    api_key: str | None = None
+    """Require ``Authorization: Bearer <key>`` on every route but /health, /metrics and /openapi.json (default: the
+    DUAL_SAMPLING_API_KEY variable, if set, which keeps the key out of the process list)."""
+    served_model_name: str = "dual"
+    """The model name /v1/models lists and responses carry (requests may name it or leave it out)."""
+    max_queue: int = 256
+    """Samples held at once, running or waiting for the engines; a request past it gets 429."""
+    max_n: int = 16
+    """Largest n (and best_of) a request may ask for."""
+    max_body_bytes: int = 1 << 20
+    """Largest request body; a larger one gets 413."""
+    body_timeout: float = 30.0
+    """Seconds a client may take to send its request body; past it the request gets 408."""
+    send_timeout: float = 30.0
+    """Seconds a response may wait for its client to read; past it the request is aborted on both engines and
+    the connection closed (a client that stops reading would otherwise hold its samples for good)."""
+    request_timeout: float = 3600.0
+    """Seconds a request may run in all; past it, it is aborted on both engines (504, or an error event)."""
+    max_connections: int = 1024
+    """Connections served at once (uvicorn's limit_concurrency); past it a connection gets 503."""
+
+    def __post_init__(self) -> None:
+        for name in ("port", "max_queue", "max_n", "max_body_bytes", "max_connections"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("body_timeout", "send_timeout", "request_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty: leave it out to serve without a key")
+        if self.api_key is None:
+            self.api_key = os.environ.get(API_KEY_ENV) or None

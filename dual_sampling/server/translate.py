@@ -1,0 +1,294 @@
+"""Request → job: a request body read into the request models, refused where it asks for what the mixture does
+not do, its prompts (and the teacher's) rendered and tokenized, and its fields translated into
+:class:`~dual_sampling.options.SamplingOptions`; the result is a :class:`Job`."""
+
+from __future__ import annotations
+
+import secrets
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from dual_sampling.options import NEUTRAL_PENALTIES, SamplingOptions
+from dual_sampling.prompts import DEFAULT_TEACHER_TEMPLATE, user_template
+from dual_sampling.server.serve_options import ServeOptions
+from dual_sampling.server.wire import BadRequest, parse_body
+
+__all__ = ["Job", "Translator"]
+
+# Request fields the server acts on. Any other field of the request models must keep its default.
+_COMMON_FIELDS = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "n",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "stream",
+    "stream_options",
+    "logit_bias",
+    "user",
+    "request_id",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "hint",
+}
+_CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages",
+    "teacher_messages",
+    "logprobs",
+    "top_logprobs",
+    "max_completion_tokens",
+    "add_generation_prompt",
+}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "teacher_prompt", "logprobs", "best_of"}
+
+
+@dataclass
+class Job:
+    """A parsed request: one prompt pair, its sampling options, and how to answer."""
+
+    kind: str
+    """"chat" or "completion"."""
+    theta_ids: list[int]
+    teacher_ids: list[int]
+    sampling: SamplingOptions
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+    """None: no logprobs; k >= 0: the sampled token's log q and k alternatives."""
+    model: str
+    deadline: float
+    """time.monotonic() past which the request is aborted."""
+
+
+class Translator:
+    """Reads request bodies into jobs for one dual engine (the bound on prompt length is worked out once)."""
+
+    def __init__(self, dual: Any, options: ServeOptions) -> None:
+        self.dual, self.options = dual, options
+        self._hint_template = None
+        tok = dual.tokenizer
+        # No token covers more characters of text than its own string has (byte-level BPE and SentencePiece
+        # alike), so a prompt longer than this many characters cannot fit, and is refused before tokenizing.
+        self.max_prompt_chars = dual.max_model_len * max(map(len, tok.get_vocab()), default=1)
+
+    def parse(self, raw: bytes, kind: str, arrival: float) -> Job:
+        """Read, validate and translate a request body (runs in the service's parse thread, off the event loop).
+
+        ``arrival`` (time.monotonic()) starts the request's ``request_timeout``.
+        """
+        from pydantic import ValidationError
+        from vllm.exceptions import VLLMClientError
+
+        from dual_sampling.server.protocol import DualChatCompletionRequest, DualCompletionRequest
+
+        body = parse_body(raw)
+        if kind == "chat":  # the conversations' shape first: vLLM's validators raise TypeErrors on malformed ones
+            for name in ("messages", "teacher_messages"):
+                if name == "messages" or body.get(name) is not None:
+                    _messages(body.get(name), name)
+        model_cls = DualChatCompletionRequest if kind == "chat" else DualCompletionRequest
+        fields = _CHAT_FIELDS if kind == "chat" else _COMPLETION_FIELDS
+        # Fields the mixture does not act on are refused before vLLM's validators see them: those run on the raw
+        # values (tools, structured outputs, ...) and some raise plain TypeErrors on malformed ones.
+        for name in sorted(body):
+            if name in fields:
+                continue
+            known = model_cls.model_fields.get(name)
+            if known is None or body[name] not in (None, known.get_default(call_default_factory=True)):
+                raise BadRequest(f"{name} is not supported by dual-sampling", name)
+        try:
+            req = model_cls.model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+            raise BadRequest(f"{param or 'request'}: {first.get('msg', 'invalid value')}", param) from None
+        except (VLLMClientError, TypeError, KeyError, AttributeError) as exc:
+            # vLLM's own request checks raise their own errors, and its "before" validators meet the raw body
+            # (``"messages": null``): the client's input all the same.
+            raise BadRequest(f"the request is not valid: {exc}", getattr(exc, "parameter", None)) from None
+        for name, neutral in NEUTRAL_PENALTIES.items():
+            value = getattr(req, name, None)
+            if value is not None and value != neutral:
+                raise BadRequest(f"{name} is not supported: penalties would act after the token is forced", name)
+        if req.model not in (None, self.options.served_model_name):
+            raise BadRequest(
+                f"model {req.model!r} is not served here; use {self.options.served_model_name!r}",
+                "model",
+                404,
+                "not_found_error",
+            )
+        theta_text, teacher_text = self._prompts(req, kind)
+        try:
+            (teacher_ids,), (theta_ids,) = self.dual._prompt_pairs([theta_text], [teacher_text])
+        except ValueError as exc:
+            raise BadRequest(
+                str(exc).replace("prompt 0", "the prompt"), "messages" if kind == "chat" else "prompt"
+            ) from None
+        room = self.dual.max_model_len - max(len(teacher_ids), len(theta_ids))
+        if kind == "chat" and req.max_completion_tokens is not None:
+            max_tokens_field, max_tokens = "max_completion_tokens", req.max_completion_tokens
+        elif kind == "chat":
+            with warnings.catch_warnings():  # vLLM's chat model marks max_tokens deprecated; it is still honoured
+                warnings.simplefilter("ignore", DeprecationWarning)
+                max_tokens_field, max_tokens = "max_tokens", req.max_tokens
+        else:
+            max_tokens_field, max_tokens = "max_tokens", req.max_tokens
+        if max_tokens is not None and max_tokens > room:
+            raise BadRequest(
+                f"{max_tokens_field}={max_tokens} does not fit: the prompt leaves {room} of max_model_len="
+                f"{self.dual.max_model_len} tokens",
+                max_tokens_field,
+            )
+        logprobs = self._logprobs(req, kind)
+        n = 1 if req.n is None else req.n
+        best_of = req.best_of if kind == "completion" else None
+        for name, value in (("n", n), ("best_of", best_of)):
+            if value is not None and value > self.options.max_n:
+                raise BadRequest(f"{name}={value} exceeds this server's limit of {self.options.max_n}", name)
+        if req.stream and best_of is not None and best_of != n:
+            raise BadRequest("best_of cannot be combined with stream", "best_of")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        try:
+            sampling = SamplingOptions(
+                max_tokens=room if max_tokens is None else max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=-1 if req.top_k in (None, 0) else req.top_k,
+                min_p=req.min_p or 0.0,
+                min_tokens=req.min_tokens or 0,
+                stop=stop,
+                stop_token_ids=list(req.stop_token_ids or []),
+                n=n,
+                best_of=best_of,
+                logit_bias=_token_bias(req.logit_bias),
+                seed=secrets.randbits(62) if req.seed is None else req.seed,
+                top_logprobs=logprobs or 0,
+            )
+            sampling.check_vocab(self.dual.vocab, self.dual.eos_token_ids)
+        except ValueError as exc:
+            name = str(exc).split(" ")[0]
+            # The request's names for the SamplingOptions fields it names otherwise.
+            renamed = {"max_tokens": max_tokens_field, "top_logprobs": "top_logprobs" if kind == "chat" else "logprobs"}
+            raise BadRequest(str(exc), renamed.get(name, name)) from None
+        stream_options = getattr(req, "stream_options", None)
+        return Job(
+            kind,
+            theta_ids,
+            teacher_ids,
+            sampling,
+            bool(req.stream),
+            bool(stream_options and stream_options.include_usage),
+            logprobs,
+            self.options.served_model_name,
+            arrival + self.options.request_timeout,
+        )
+
+    def _prompts(self, req: Any, kind: str) -> tuple[Any, Any]:
+        """(theta's prompt, teacher's prompt): text rendered with the chat template, or token ids."""
+        hint = req.hint
+        if kind == "chat":
+            messages = _messages(req.messages, "messages")
+            teacher = _messages(req.teacher_messages, "teacher_messages") if req.teacher_messages is not None else None
+            if teacher is None:
+                teacher = [dict(m) for m in messages]
+                if hint is not None:
+                    last = max(i for i, m in enumerate(teacher) if m["role"] == "user")
+                    teacher[last]["content"] = self._with_hint(teacher[last]["content"], hint)
+            generation = req.add_generation_prompt
+            return self._chat(messages, "messages", generation), self._chat(teacher, "teacher_messages", generation)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise BadRequest("send one prompt per request", "prompt")
+            prompt = prompt[0]
+        if prompt in ("", [], None):
+            raise BadRequest("prompt is empty", "prompt")
+        teacher = req.teacher_prompt
+        if teacher is None:
+            teacher = self._with_hint(prompt, hint) if hint is not None else prompt
+        for name, text in (("prompt", prompt), ("teacher_prompt", teacher)):
+            self._check_length(text, name)
+        return prompt, teacher
+
+    def _check_length(self, text: Any, param: str) -> None:
+        if isinstance(text, str) and len(text) > self.max_prompt_chars:
+            raise BadRequest(
+                f"{param} has {len(text)} characters, more than max_model_len={self.dual.max_model_len} tokens "
+                "can hold",
+                param,
+            )
+
+    def _with_hint(self, problem: Any, hint: str) -> str:
+        if not isinstance(problem, str):
+            raise BadRequest("hint needs a text prompt, not token ids", "hint")
+        if self._hint_template is None:  # compiled on first use: jinja2 is imported only then
+            self._hint_template = user_template(None, DEFAULT_TEACHER_TEMPLATE)
+        return self._hint_template.render(problem=problem, hint=hint, row={})
+
+    def _chat(self, messages: list[dict[str, str]], param: str, add_generation_prompt: bool) -> list[int]:
+        """The conversation rendered by the chat template, as token ids (the template places any BOS itself)."""
+        self._check_length("".join(m["content"] for m in messages), param)
+        tok = self.dual.tokenizer
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        except Exception as exc:  # a template that refuses the conversation (roles out of order, ...)
+            raise BadRequest(f"{param}: the chat template refused these messages ({exc})", param) from None
+        self._check_length(text, param)  # many short messages render to more than their contents
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    @staticmethod
+    def _logprobs(req: Any, kind: str) -> int | None:
+        if kind == "chat":
+            if not req.logprobs:
+                if req.top_logprobs:
+                    raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+                return None
+            return int(req.top_logprobs or 0)
+        return None if req.logprobs is None else int(req.logprobs)
+
+
+def _messages(messages: Any, param: str) -> list[dict[str, str]]:
+    """Plain {role, content} messages; content parts are joined. Refuses what a text model cannot take (tool calls,
+    images, ...) rather than dropping it."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(f"{param} must be a non-empty list of messages", param)
+    out = []
+    for i, message in enumerate(messages):
+        m = dict(message) if isinstance(message, dict) else getattr(message, "__dict__", None)
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"{param}[{i}] must be an object with a role", f"{param}[{i}]")
+        for key in sorted(set(m) - {"role", "content"}):
+            if m[key] is not None:
+                raise BadRequest(f"{param}[{i}].{key} is not supported by dual-sampling", f"{param}[{i}].{key}")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise BadRequest(f"{param}[{i}].content: only text parts are supported", f"{param}[{i}].content")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str) or not content:
+            raise BadRequest(f"{param}[{i}] has no content", f"{param}[{i}].content")
+        out.append({"role": m["role"], "content": content})
+    if not any(m["role"] == "user" for m in out):
+        raise BadRequest(f"{param} holds no user message", param)
+    return out
+
+
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            out[int(key)] = float(value)
+        except (TypeError, ValueError):
+            raise BadRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+    return out
