@@ -1,6 +1,6 @@
 """The ``dual-sampling`` command line: ``generate``, ``serve``, ``report`` and ``models``.
 
-``generate`` takes every setting of a run (:class:`dual_sampling.datagen.run.RunConfig`, its
+``generate`` takes every setting of a run (:class:`dual_sampling.datagen.run_config.RunConfig`, its
 :class:`SamplingOptions` and its :class:`EngineOptions`) as a flag (``--max-tokens 128``)
 or as a key of ``--config run.yaml`` (``max_tokens: 128``); flags win over the file. The
 flags and their help are derived from the dataclasses, so they can never disagree.
@@ -38,7 +38,7 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 
 def _config_classes() -> list[type]:
-    from dual_sampling.datagen.run import RunConfig
+    from dual_sampling.datagen.run_config import RunConfig
     from dual_sampling.options import EngineOptions, SamplingOptions
 
     return [RunConfig, SamplingOptions, EngineOptions]
@@ -78,7 +78,8 @@ def _load_config_file(path: str) -> dict[str, Any]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from dual_sampling.datagen.run import RunConfig, run_generation
+    from dual_sampling.datagen.run import run_generation
+    from dual_sampling.datagen.run_config import RunConfig
 
     settings = _load_config_file(args.config) if args.config else {}
     settings.update({k: v for k, v in vars(args).items() if k not in ("config", "run", "command")})
@@ -111,7 +112,8 @@ def _serve(args: argparse.Namespace) -> int:
     from dual_sampling import models
     from dual_sampling.api import OptimalSamplingDual
     from dual_sampling.options import EngineOptions
-    from dual_sampling.server.serve import ServeOptions, serve
+    from dual_sampling.server.app import serve
+    from dual_sampling.server.serve_options import ServeOptions
 
     settings = {k: v for k, v in vars(args).items() if k not in ("run", "command")}
     teacher = settings.pop("teacher", None) or str(models.smollm2())
@@ -154,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--teacher", help="teacher model folder (default: the local SmolLM2-135M-Instruct)")
     s.add_argument("--theta", help="theta model folder (default: the 24-layer pruned SmolLM2)")
     from dual_sampling.options import EngineOptions
-    from dual_sampling.server.serve import ServeOptions
+    from dual_sampling.server.serve_options import ServeOptions
 
     for cls in (ServeOptions, EngineOptions):
         _add_config_flags(s, cls)

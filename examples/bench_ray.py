@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from dual_sampling import EngineOptions, SamplingOptions
-from dual_sampling.datagen.run import RunConfig, read_records, run_generation
+from dual_sampling.datagen import RunConfig, read_records, run_generation
 
 HERE = Path(__file__).parent
 

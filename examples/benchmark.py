@@ -362,7 +362,8 @@ def serve_run(dual: OptimalSamplingDual, prompts: list[list[int]], max_tokens: i
     import httpx
     import uvicorn
 
-    from dual_sampling.server.serve import ServeOptions, build_app
+    from dual_sampling.server.app import build_app
+    from dual_sampling.server.serve_options import ServeOptions
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

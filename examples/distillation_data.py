@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 
 from dual_sampling import EngineOptions, SamplingOptions
+from dual_sampling.datagen import RunConfig, run_generation
 from dual_sampling.datagen.report import write_report
-from dual_sampling.datagen.run import RunConfig, run_generation
 
 HERE = Path(__file__).parent
 

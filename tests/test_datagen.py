@@ -20,15 +20,11 @@ import pytest
 
 from dual_sampling.api import derive_seed
 from dual_sampling.cli import _load_config_file, build_parser, main
-from dual_sampling.datagen.run import (
-    RunConfig,
-    load_rows,
-    read_journal,
-    read_records,
-    record_schema,
-    run_generation,
-    shard_of,
-)
+from dual_sampling.datagen.inputs import load_rows, shard_of
+from dual_sampling.datagen.run import run_generation
+from dual_sampling.datagen.run_config import RunConfig
+from dual_sampling.datagen.schema import record_schema
+from dual_sampling.datagen.sinks import read_journal, read_records
 from dual_sampling.lockstep import SESSION_PREFIX, SessionLayout, SyncSession
 from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleRecord
 
@@ -182,7 +178,7 @@ def test_shards_are_stable_and_balanced():
     assert all(800 < sizes[k] < 1200 for k in range(3))
     # The shard of an id depends on the id alone: not on the order, the process or the other ids.
     assert [shard_of(i, 3) for i in reversed(ids)] == [shard_of(i, 3) for i in ids][::-1]
-    script = "from dual_sampling.datagen.run import shard_of; print([shard_of(f'row-{i}', 3) for i in range(50)])"
+    script = "from dual_sampling.datagen.inputs import shard_of; print([shard_of(f'row-{i}', 3) for i in range(50)])"
     other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert other.strip() == str([shard_of(f"row-{i}", 3) for i in range(50)])
 

@@ -22,7 +22,8 @@ import pytest
 import dual_sampling.datagen.ray_stage
 from dual_sampling.api import derive_seed
 from dual_sampling.datagen.ray_stage import DualSamplingStage, _run_config
-from dual_sampling.datagen.run import read_records, run_generation
+from dual_sampling.datagen.run import run_generation
+from dual_sampling.datagen.sinks import read_records
 from dual_sampling.lockstep import SESSION_PREFIX, listing_dir
 from tests.test_datagen import ScriptedSampler, all_pairs, cli_flags, problems, tiny_config
 

@@ -38,16 +38,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from dual_sampling.datagen.run import (
-    Outcome,
-    RunConfig,
-    WorkItem,
-    model_fingerprint,
-    plan_items,
-    records_table,
-    sample_items,
-    select_rows,
-)
+# Ray is imported inside the functions that use it: it is optional and heavy, and run.py imports this module.
+from dual_sampling.datagen.draw import Outcome, sample_items
+from dual_sampling.datagen.inputs import model_fingerprint, select_rows
+from dual_sampling.datagen.plan import WorkItem, plan_items
+from dual_sampling.datagen.run_config import RunConfig
+from dual_sampling.datagen.schema import records_table
 
 __all__ = ["DualSamplingStage", "ray_resources", "sample_on_ray"]
 
@@ -71,7 +67,7 @@ class DualSamplingStage:
     planned by ``dual-sampling generate --ray``.
 
     ``emit="records"`` (the default) gives one row per complete, verified sample, in the
-    Parquet schema of a local run (:func:`dual_sampling.datagen.run.record_schema`: ``models``,
+    Parquet schema of a local run (:func:`dual_sampling.datagen.schema.record_schema`: ``models``,
     ``sampling`` and ``alpha_config`` as JSON text); failed samples are left out.
     ``emit="outcomes"`` gives one row per drawn sample, failed ones included, with the
     replica's sync statistics (what the command line writes and counts).

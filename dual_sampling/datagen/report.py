@@ -20,7 +20,7 @@ __all__ = ["load_records", "write_report"]
 
 def load_records(path: str | Path) -> list[dict]:
     """Records written by ``dual-sampling generate`` (records format): a .jsonl or .parquet file, or a directory."""
-    from dual_sampling.datagen.run import read_records
+    from dual_sampling.datagen.sinks import read_records
 
     records = read_records(str(path))
     if records and "alpha" not in records[0]:

@@ -1,0 +1,157 @@
+"""Drawing the samples of planned work items with one dual engine, and sorting each into an :class:`Outcome`: a
+record (training data), a failure, or a left-out answer. :func:`sample_here` draws a whole run on this machine;
+:mod:`dual_sampling.datagen.ray_stage` draws it on Ray replicas with the same :func:`sample_items`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dual_sampling.datagen.plan import WorkItem
+from dual_sampling.datagen.run_config import RunConfig
+from dual_sampling.datagen.schema import Message, MessagesRecord, Record
+
+__all__ = ["Outcome", "sample_here", "sample_items"]
+
+
+@dataclass
+class Outcome:
+    """What one drawn sample leaves: a record (training data), a failure, or a left-out answer; and its numbers."""
+
+    id: str
+    sample_index: int
+    record: dict[str, Any] | None
+    """A :class:`Record` or :class:`MessagesRecord` as a dict."""
+    failure: dict[str, Any] | None
+    left_out: dict[str, Any] | None
+    """A complete answer that is not training data (cut off at max_tokens, format "messages", not keep_truncated):
+    logged, so that --resume does not draw it again."""
+    stats: dict[str, float]
+    """What the run summary needs, whatever the format: tokens; for a record also alpha_sum, alpha_sq,
+    log_w_theta and truncated (1.0 if cut off at max_tokens)."""
+
+
+def sample_items(sampler: Any, cfg: RunConfig, items: list[WorkItem], models: dict) -> list[Outcome]:
+    """Draw the missing samples of ``items`` (seeds from (seed, id, sample_index)); one outcome per sample."""
+    out = sampler.generate(
+        [i.theta_prompt for i in items],
+        teacher_prompts=[i.teacher_prompt for i in items],
+        prompt_keys=[i.id for i in items],
+        sampling=cfg.sampling,
+        use_tqdm=False,
+    )
+    outcomes = []
+    for item, request in zip(items, out.requests):
+        for j in item.missing:
+            sample = request.samples[j]
+            tokens = {"tokens": len(sample.token_ids)}
+            # Only complete, verified samples with finite numbers are training data; a failed one is logged and
+            # drawn again on --resume.
+            error = _non_finite(sample) if sample.ok else sample.error
+            if not sample.ok or error is not None:
+                outcomes.append(Outcome(item.id, j, None, _failure(item, j, sample, error), None, tokens))
+            elif cfg.format == "messages" and sample.finish_reason == "length" and not cfg.keep_truncated:
+                outcomes.append(Outcome(item.id, j, None, None, _failure(item, j, sample, None), tokens))
+            else:
+                stats = {
+                    **tokens,
+                    "alpha_sum": math.fsum(sample.alpha),
+                    "alpha_sq": math.fsum(a * a for a in sample.alpha),
+                    "log_w_theta": sample.log_w_theta,
+                    "truncated": float(sample.finish_reason == "length"),
+                }
+                outcomes.append(Outcome(item.id, j, _record(cfg, item, j, sample, models), None, None, stats))
+    return outcomes
+
+
+def _non_finite(sample: Any) -> str | None:
+    """The error of a sample with a non-finite α, log π or log q (JSON cannot hold one, and it is no data); None."""
+    for name in ("alpha", "logp_teacher", "logp_theta", "logq"):
+        for position, value in enumerate(getattr(sample, name)):
+            if not math.isfinite(value):
+                return f"non_finite_record at token {position}: {name} is {value}"
+    return None
+
+
+def _record(cfg: RunConfig, item: WorkItem, j: int, sample, models: dict) -> dict[str, Any]:
+    if cfg.format == "messages":
+        messages = [Message(role="system", content=cfg.system_prompt_theta)] if cfg.system_prompt_theta else []
+        messages += [Message(role="user", content=item.theta_user), Message(role="assistant", content=sample.text)]
+        return dataclasses.asdict(MessagesRecord(item.id, j, messages, truncated=sample.finish_reason == "length"))
+    engine = cfg.engine
+    by_string = isinstance(sample.stop_reason, str)
+    record = Record(
+        id=item.id,
+        sample_index=j,
+        seed=sample.seed,
+        teacher_prompt=item.teacher_prompt,
+        theta_prompt=item.theta_prompt,
+        response=sample.text,
+        token_ids=sample.token_ids,
+        finish_reason=sample.finish_reason,
+        stop_reason=sample.stop_reason if by_string else None,
+        stop_token_id=None if by_string or sample.stop_reason is None else int(sample.stop_reason),
+        error=sample.error,
+        num_tokens=len(sample.token_ids),
+        alpha=sample.alpha,
+        logp_teacher=sample.logp_teacher,
+        logp_theta=sample.logp_theta,
+        logq=sample.logq,
+        sum_alpha=math.fsum(sample.alpha),
+        sum_logp_teacher=math.fsum(sample.logp_teacher),
+        sum_logp_theta=math.fsum(sample.logp_theta),
+        sum_logq=math.fsum(sample.logq),
+        log_w_theta=sample.log_w_theta,
+        log_w_teacher=sample.log_w_teacher,
+        models=models,
+        sampling={
+            **dataclasses.asdict(cfg.sampling),
+            "logit_bias": [[t, b] for t, b in cfg.sampling.logit_bias.items()],
+        },
+        alpha_config={"method": engine.alpha_method, **engine.alpha_kwargs},
+    )
+    return dataclasses.asdict(record)
+
+
+def _failure(item: WorkItem, j: int, sample, error: str | None) -> dict[str, Any]:
+    """What a failed (or left-out) sample leaves behind: enough to see why, nothing to train on."""
+    return {
+        "id": item.id,
+        "sample_index": j,
+        "seed": sample.seed,
+        "finish_reason": sample.finish_reason,
+        "error": error,
+        "num_tokens": len(sample.token_ids),
+    }
+
+
+def sample_here(cfg: RunConfig, items: list[WorkItem], models: dict, sampler: Any, commit) -> dict:
+    """Draw every sample on this machine, ``batch_size`` problems per generate() call; return the sync statistics."""
+    from tqdm.auto import tqdm
+
+    from dual_sampling.api import OptimalSamplingDual
+
+    own = sampler is None
+    if own:
+        sampler = OptimalSamplingDual(cfg.teacher, cfg.theta, **{**dataclasses.asdict(cfg.engine), "use_tqdm": False})
+    try:
+        bar = tqdm(
+            total=sum(len(i.missing) for i in items), desc="samples", unit="sample", disable=not cfg.engine.use_tqdm
+        )
+        generating, tokens, failed = time.monotonic(), 0, 0
+        for start in range(0, len(items), cfg.batch_size):
+            outcomes = sample_items(sampler, cfg, items[start : start + cfg.batch_size], models)
+            commit(outcomes)
+            tokens += sum(int(o.stats["tokens"]) for o in outcomes)
+            failed += sum(o.failure is not None for o in outcomes)
+            bar.set_postfix(tok_s=f"{tokens / max(time.monotonic() - generating, 1e-9):.1f}", failed=failed)
+            bar.update(len(outcomes))
+        bar.close()
+        return sampler.get_sync_statistics()
+    finally:
+        if own:
+            sampler.close()

@@ -1,0 +1,56 @@
+"""Planning a run: for each selected problem with samples still missing (a resumed run skips those done), both
+rendered prompts, or a reject when a prompt does not fit the context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dual_sampling.datagen.run_config import RunConfig
+from dual_sampling.prompts import Renderer
+
+__all__ = ["WorkItem", "plan_items"]
+
+
+@dataclass
+class WorkItem:
+    """One problem to sample: both rendered prompts, and the sample indices still missing."""
+
+    id: str
+    teacher_user: str
+    theta_user: str
+    teacher_prompt: str
+    theta_prompt: str
+    missing: list[int]
+
+
+def plan_items(
+    cfg: RunConfig, selected: list[tuple[int, dict, str]], done: set, tokenizer: Any, max_model_len: int
+) -> tuple[list[WorkItem], list[dict]]:
+    """Render the prompts of every problem with samples still missing; reject those too long for the context."""
+    renderer = Renderer(tokenizer, cfg.teacher_template, cfg.theta_template, cfg.chat_template)
+    items, rejects = [], []
+    for number, row, row_id in selected:
+        missing = [j for j in range(cfg.sampling.n) if (row_id, j) not in done]
+        if not missing:
+            continue
+        hint = None if cfg.hint_field is None else row[cfg.hint_field]
+        t_user, th_user = renderer.user_messages(row[cfg.prompt_field], hint, row)
+        item = WorkItem(
+            row_id,
+            t_user,
+            th_user,
+            renderer.prompt(t_user, cfg.system_prompt_teacher),
+            renderer.prompt(th_user, cfg.system_prompt_theta),
+            missing,
+        )
+        longest = max(
+            len(tokenizer(p, add_special_tokens=True)["input_ids"]) for p in (item.teacher_prompt, item.theta_prompt)
+        )
+        if longest + 1 > max_model_len:
+            reason = f"prompt has {longest} tokens; max_model_len is {max_model_len}"
+            rejects.append({"id": row_id, "row": number, "reason": reason})
+            continue
+        items.append(item)
+    return items, rejects

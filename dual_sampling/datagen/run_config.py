@@ -1,0 +1,161 @@
+"""The configuration of a data-generation run: :class:`RunConfig`, its flat keys (CLI flags, run.yaml) and the
+settings that decide what its records contain (its identity, which ``--resume`` compares).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dual_sampling.options import EngineOptions, SamplingOptions
+
+__all__ = ["RunConfig"]
+
+
+# Settings that do not change what a record contains (so --resume may change them).
+_NOT_IDENTITY = {
+    "ray",
+    "replicas",
+    "cpus_per_replica",
+    "gpus_per_replica",
+    "ray_max_retries",
+    "resume",
+    "batch_size",
+    "use_tqdm",
+    "output",
+    "sync_timeout",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "cpu_binding",
+    "enforce_eager",
+    "enable_prefix_caching",
+    "kv_cache_memory_bytes",
+}
+
+
+@dataclass
+class RunConfig:
+    """One data-generation run.
+
+    It composes :class:`SamplingOptions` (how to sample) and :class:`EngineOptions` (how to
+    run the engines). On the command line and in ``--config run.yaml`` every field of all
+    three is one flat key (``--max-tokens 128``, ``alpha_method: ess_balance``); see
+    :meth:`from_settings`.
+    """
+
+    input: str
+    """Problems: a .jsonl or .parquet file, or a local Hugging Face datasets folder."""
+    output: str
+    """Records: a .jsonl or .parquet file, or a directory (Parquet parts, for runs of any size)."""
+    teacher: str | None = None
+    """Teacher model folder; None: the local SmolLM2-135M-Instruct."""
+    theta: str | None = None
+    """Theta (student) model folder, same tokenizer as the teacher; None: the 24-layer pruned SmolLM2."""
+    prompt_field: str = "problem"
+    """Field holding the problem text."""
+    hint_field: str | None = None
+    """Field holding the reference solution shown to the teacher only (e.g. "solution")."""
+    id_field: str | None = None
+    """Field holding a unique id; None uses the row number."""
+    chat_template: bool = True
+    """Wrap prompts in each model's chat template; False for base models."""
+    system_prompt_teacher: str | None = None
+    """System message for the teacher's chat."""
+    system_prompt_theta: str | None = None
+    """System message for theta's chat."""
+    teacher_template: str | None = None
+    """Jinja template (string or file) of the teacher's user message; sees problem, hint, row."""
+    theta_template: str | None = None
+    """Jinja template (string or file) of theta's user message; sees problem, hint, row."""
+    format: str = "records"
+    """"records" (everything) or "messages" (a TRL-ready chat view)."""
+    keep_truncated: bool = False
+    """With format "messages": keep answers cut off at max_tokens (finish_reason "length") as training targets,
+    marked ``truncated``; by default they are left out, logged to OUT.truncated.jsonl and counted in the summary."""
+    shard: str = "0/1"
+    """"i/N": this machine's deterministic share of the dataset."""
+    resume: bool = False
+    """Continue an interrupted run in place (failed samples are drawn again)."""
+    batch_size: int = 32
+    """Problems per generate() call (with --ray: per replica batch); records are fsync'd after each."""
+    ray: bool = False
+    """Draw the samples on a Ray cluster (RAY_ADDRESS, or a local one started for the run) with Ray Data."""
+    replicas: int = 1
+    """With --ray: dual engines running at once, one per Ray actor."""
+    cpus_per_replica: float = 2.0
+    """With --ray: CPUs each replica reserves (its two engines' model threads share them)."""
+    gpus_per_replica: float = 0.0
+    """With --ray: GPUs each replica reserves (2 puts each engine on its own GPU)."""
+    ray_max_retries: int = 3
+    """With --ray: how often a batch whose replica died is drawn again (on the restarted replica); after that its
+    samples fail as replica_crashed (drawn again by --resume), so a batch that always kills its replica ends."""
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    """How to sample; its fields are flat keys of the run (n, max_tokens, temperature, seed, ...)."""
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    """How to run the engines; its fields are flat keys of the run (alpha_method, max_num_seqs, ...)."""
+
+    def __post_init__(self) -> None:
+        if self.teacher is None or self.theta is None:
+            from dual_sampling import models
+
+            self.teacher = self.teacher or str(models.smollm2())
+            self.theta = self.theta or str(models.smollm2_pruned())
+        if self.format not in ("records", "messages"):
+            raise ValueError(f"format must be 'records' or 'messages', got {self.format!r}")
+        if self.keep_truncated and self.format != "messages":
+            raise ValueError("keep_truncated applies to format 'messages' only; records keep every answer")
+        if Path(self.output).suffix not in (".jsonl", ".parquet", ""):
+            raise ValueError(f"output must be a .jsonl or .parquet file, or a directory, got {self.output!r}")
+        self.shard_index, self.shard_count = _parse_shard(self.shard)
+        for name, least in (("batch_size", 1), ("replicas", 1), ("ray_max_retries", 0)):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        for name in ("cpus_per_replica", "gpus_per_replica"):
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(self, name, float(value))
+            if not (isinstance(getattr(self, name), float) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any]) -> RunConfig:
+        """Build from flat keys (CLI flags, run.yaml): each goes to the run, its sampling or its engine options."""
+        parts: dict[str, dict[str, Any]] = {"run": {}, "sampling": {}, "engine": {}}
+        for key, value in settings.items():
+            part = _FLAT_KEYS.get(key)
+            if part is None:
+                raise ValueError(f"unknown setting {key!r}; known: {sorted(_FLAT_KEYS)}")
+            parts[part][key] = value
+        return cls(
+            **parts["run"], sampling=SamplingOptions(**parts["sampling"]), engine=EngineOptions(**parts["engine"])
+        )
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting as one flat mapping (the inverse of :meth:`from_settings`)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("sampling", "engine")}
+        return {**out, **dataclasses.asdict(self.sampling), **dataclasses.asdict(self.engine)}
+
+    def identity(self) -> dict[str, Any]:
+        """The settings that decide what the records contain (compared on --resume)."""
+        return {k: v for k, v in self.flat().items() if k not in _NOT_IDENTITY}
+
+
+_FLAT_KEYS = {
+    **{f.name: "run" for f in dataclasses.fields(RunConfig) if f.name not in ("sampling", "engine")},
+    **{f.name: "sampling" for f in dataclasses.fields(SamplingOptions)},
+    **{f.name: "engine" for f in dataclasses.fields(EngineOptions)},
+}
+"""Which part of a run each flat key belongs to."""
+
+
+def _parse_shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in str(text).split("/"))
+    except ValueError:
+        raise ValueError(f"shard must look like 'i/N', got {text!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise ValueError(f"shard must satisfy 0 <= i < N, got {text!r}")
+    return i, n

@@ -1,0 +1,239 @@
+"""Where a run's files go: the layout of an output (a JSONL or Parquet file, or a folder of Parquet parts, and the
+files beside it), the lock that keeps a second run off it, the JSONL journal (torn tails repaired), the Parquet
+parts, and :func:`read_records`, which reads any of them back as the same dicts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from dual_sampling.datagen.durable import dumps, replace_durably, write_text_durably
+from dual_sampling.datagen.run_config import RunConfig
+from dual_sampling.datagen.schema import records_table, table_records
+
+__all__ = [
+    "Journal",
+    "open_sink",
+    "output_lock",
+    "output_paths",
+    "read_journal",
+    "read_records",
+    "write_rejects",
+]
+
+
+def output_paths(cfg: RunConfig) -> dict[str, Path]:
+    """Every file of a run by its role: the output (with its journal or parts), manifest, logs, summary and lock."""
+    out = Path(cfg.output)
+    if out.suffix not in (".jsonl", ".parquet"):  # a directory of Parquet parts
+        return {
+            "output": out,
+            "parts": out,
+            "manifest": out / "manifest.json",
+            "rejects": out / "rejects.jsonl",
+            "failed": out / "failed.jsonl",
+            "truncated": out / "truncated.jsonl",
+            "summary": out / "summary.json",
+            "lock": out.with_name(out.name + ".lock"),
+        }
+    journal = out if out.suffix == ".jsonl" else out.with_name(out.name + ".journal.jsonl")
+    return {
+        "output": out,
+        "journal": journal,
+        "manifest": out.with_name(out.name + ".manifest.json"),
+        "rejects": out.with_name(out.stem + ".rejects.jsonl"),
+        "failed": out.with_name(out.stem + ".failed.jsonl"),
+        "truncated": out.with_name(out.stem + ".truncated.jsonl"),
+        "summary": out.with_name(out.name + ".summary.json"),
+        "lock": out.with_name(out.name + ".lock"),
+    }
+
+
+@contextmanager
+def output_lock(cfg: RunConfig, paths: dict[str, Path]) -> Iterator[None]:
+    """Hold the output's lock for the whole run: two writers would write samples twice, and one's torn-tail repair
+    could cut off the other's record. A second run fails at once instead of waiting."""
+    from filelock import FileLock, Timeout
+
+    path = paths["lock"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(path, timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise FileExistsError(
+            f"{cfg.output} is being written by another run: its lock file {path} is held; wait for that run to end"
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def read_journal(path: Path, repair: bool = True) -> list[dict[str, Any]]:
+    """Records of a JSONL journal. A torn last line (no newline, or not JSON) is cut off when
+    ``repair``; a bad line anywhere else is corruption and raises ValueError naming it."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    keep = len(data)
+    lines = data.split(b"\n")
+    tail = lines.pop()  # bytes after the last newline: empty unless the last line is torn
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines) and not tail:
+                keep = len(data) - len(line) - 1
+                break
+            raise ValueError(f"{path}:{number} is not a complete JSON record; the file is damaged") from None
+    if tail:
+        keep = min(keep, len(data) - len(tail))
+    if keep < len(data):
+        if not repair:
+            raise ValueError(f"{path} ends in a torn record")
+        with path.open("r+b") as f:
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+    return records
+
+
+class Journal:
+    """Append-only JSONL of lines keyed by (id, sample_index), one fsync per batch.
+
+    Resuming reads it first (cutting a torn last line, which an append would otherwise glue
+    to the next record) and remembers the pairs it holds; a new run starts it empty.
+    """
+
+    def __init__(self, path: Path, resume: bool) -> None:
+        self.path = path
+        self.done = {(r["id"], r["sample_index"]) for r in read_journal(path)} if resume else set()
+        self.file = path.open("a" if resume else "w", encoding="utf-8")
+
+    def write(self, records: Iterable[dict[str, Any]], unique: bool = True) -> list[dict[str, Any]]:
+        """Append ``records`` (if ``unique``, only pairs not written yet: a retried batch may repeat some); return
+        those appended."""
+        fresh = _fresh(records, self.done) if unique else list(records)
+        if fresh:
+            self.file.write("".join(dumps(r) + "\n" for r in fresh))
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        return fresh
+
+    def close(self) -> None:
+        if not self.file.closed:
+            self.file.close()
+
+
+class _JournalSink:
+    """Records as whole JSONL lines, fsync'd per batch; a .parquet output is written from the journal at the end."""
+
+    def __init__(self, paths: dict[str, Path], resume: bool, fmt: str) -> None:
+        self.journal, self.output, self.format = Journal(paths["journal"], resume), paths["output"], fmt
+        self.done = self.journal.done
+
+    def write(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Append the records not written yet (a retried batch may repeat some); return them."""
+        return self.journal.write(records)
+
+    def finish(self) -> None:
+        self.close()
+        if self.output.suffix == ".parquet":
+            _write_parquet(self.journal.path, self.output, self.format)
+
+    def close(self) -> None:
+        self.journal.close()
+
+
+class _PartsSink:
+    """Records as Parquet part files in a directory, for runs of any size.
+
+    Each batch becomes one part, written under a temporary name, fsync'd, then renamed into
+    place; a part left half-written by a crash keeps its temporary name and is never read.
+    """
+
+    def __init__(self, paths: dict[str, Path], resume: bool, fmt: str) -> None:
+        import pyarrow.parquet as pq
+
+        self.format = fmt
+        self.folder = paths["parts"]
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for tmp in self.folder.glob("part-*.tmp"):
+            tmp.unlink()
+        parts = sorted(self.folder.glob("part-*.parquet"))
+        self.done = set()
+        if resume:
+            for part in parts:
+                table = pq.read_table(part, columns=["id", "sample_index"])
+                self.done |= set(zip(table.column("id").to_pylist(), table.column("sample_index").to_pylist()))
+        self.next = 1 + max((int(p.stem.split("-")[1]) for p in parts), default=-1)
+
+    def write(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Write the records not written yet as one part; return them."""
+        import pyarrow.parquet as pq
+
+        fresh = _fresh(records, self.done)
+        if fresh:
+            final = self.folder / f"part-{self.next:06d}.parquet"
+            tmp = final.with_name(final.name + ".tmp")
+            pq.write_table(records_table(fresh, self.format), tmp)
+            replace_durably(tmp, final)
+            self.next += 1
+        return fresh
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _fresh(records: list[dict[str, Any]], done: set) -> list[dict[str, Any]]:
+    """The records whose (id, sample_index) is not written yet; marks them written."""
+    fresh = []
+    for r in records:
+        key = (r["id"], r["sample_index"])
+        if key not in done:
+            done.add(key)
+            fresh.append(r)
+    return fresh
+
+
+def open_sink(paths: dict[str, Path], resume: bool, fmt: str) -> _JournalSink | _PartsSink:
+    return _PartsSink(paths, resume, fmt) if "parts" in paths else _JournalSink(paths, resume, fmt)
+
+
+def read_records(output: str) -> list[dict[str, Any]]:
+    """Every record of a run's output (a .jsonl or .parquet file, or a directory of parts), as the same dicts."""
+    import pyarrow.parquet as pq
+
+    path = Path(output)
+    if path.suffix == ".jsonl":
+        return read_journal(path, repair=False)
+    parts = [path] if path.suffix == ".parquet" else sorted(path.glob("part-*.parquet"))
+    return [r for part in parts for r in table_records(pq.read_table(part))]
+
+
+def write_rejects(path: Path, rejects: list[dict]) -> None:
+    """Rejects follow from the dataset and configuration alone, so each invocation rewrites them whole."""
+    if not rejects:
+        path.unlink(missing_ok=True)
+        return
+    write_text_durably(path, "".join(dumps(r) + "\n" for r in rejects))
+
+
+def _write_parquet(journal: Path, output: Path, fmt: str) -> None:
+    import pyarrow.parquet as pq
+
+    tmp = output.with_name(output.name + ".tmp")
+    pq.write_table(records_table(read_journal(journal), fmt), tmp)
+    replace_durably(tmp, output)
