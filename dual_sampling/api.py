@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import math
 import signal
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -19,7 +18,7 @@ from typing import Any
 
 from dual_sampling.driver.dual_scheduler import DualRequest, DualScheduler, SampleDelta
 from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, SamplingOptions, model_config
-from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleRecord
+from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleRecord, best_of_score
 from dual_sampling.vocab import check_tokenizers_match
 
 __all__ = ["OptimalSamplingDual", "context_length", "derive_seed"]
@@ -136,7 +135,7 @@ class OptimalSamplingDual:
         for i, (t, th) in enumerate(zip(teacher_ids, theta_ids)):
             mine = [next(it) for _ in range(opts.draws)]
             if opts.best_of:
-                mine = sorted(mine, key=lambda s: -_score(s, opts.best_of_score))[: opts.n]
+                mine = sorted(mine, key=lambda s: -best_of_score(s, opts.best_of_score))[: opts.n]
             out.append(RequestRecord(i, list(t), list(th), mine))
         return DualGenerationOutput(out)
 
@@ -300,8 +299,3 @@ def _exit_on_sigterm() -> None:
 
 def _raise_exit(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
-
-
-def _score(sample: SampleRecord, name: str) -> float:
-    values = {"logq": sample.logq, "logp_theta": sample.logp_theta, "logp_teacher": sample.logp_teacher}[name]
-    return math.fsum(values) if sample.error is None and sample.finish_reason != "abort" else -math.inf

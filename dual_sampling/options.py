@@ -25,6 +25,7 @@ __all__ = [
     "MAX_COUNT",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_CHARS",
+    "NEUTRAL_PENALTIES",
     "UNSUPPORTED_SAMPLING",
     "DualEngineConfig",
     "EngineOptions",
@@ -47,7 +48,9 @@ MIN_TEMPERATURE = 1e-2
 """The smallest non-zero temperature: below it the tempered log q overflows float32 (0 is greedy)."""
 MAX_TEMPERATURE = 100.0
 """The largest temperature: past it q is uniform over the kept tokens to float32 precision."""
-UNSUPPORTED_SAMPLING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words")
+NEUTRAL_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+"""vLLM's penalties and the value at which each does nothing: any other value is refused by name."""
+UNSUPPORTED_SAMPLING = (*NEUTRAL_PENALTIES, "bad_words")
 """vLLM options that would act after the token is forced; refused by name."""
 
 
@@ -274,12 +277,18 @@ class EngineOptions:
     use_tqdm: bool = True
     """Show a progress bar over samples in generate()."""
 
+    @property
+    def alpha_kwargs(self) -> dict[str, Any]:
+        """The alpha computer's keyword arguments: ``alpha_min``, ``alpha_max`` and :attr:`alpha_config`, assembled here
+        once for the engines, the validation and the records."""
+        return {"alpha_min": self.alpha_min, "alpha_max": self.alpha_max, **self.alpha_config}
+
     def __post_init__(self) -> None:
         for name in ("alpha_min", "alpha_max", "sync_timeout"):  # 30 and 30.0 configure (and hash) the same run
             if _is_int(getattr(self, name)):
                 setattr(self, name, float(getattr(self, name)))
         # Building the computer validates the method name and its bounds, naming the bad value.
-        get_alpha_computer(self.alpha_method, alpha_min=self.alpha_min, alpha_max=self.alpha_max, **self.alpha_config)
+        get_alpha_computer(self.alpha_method, **self.alpha_kwargs)
         _need(
             _is_number(self.sync_timeout) and self.sync_timeout > 0,
             f"sync_timeout must be a positive number of seconds, got {self.sync_timeout!r}",

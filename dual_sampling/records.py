@@ -6,7 +6,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-__all__ = ["DualGenerationOutput", "RequestRecord", "SampleRecord", "effective_sample_size"]
+__all__ = ["DualGenerationOutput", "RequestRecord", "SampleRecord", "best_of_score", "effective_sample_size"]
 
 
 def effective_sample_size(log_weights: list[float]) -> float:
@@ -60,6 +60,15 @@ class SampleRecord:
     def log_w_teacher(self) -> float:
         """Σ (log π_t − log q): the sequence's log importance weight towards the teacher."""
         return math.fsum(a - b for a, b in zip(self.logp_teacher, self.logq))
+
+
+def best_of_score(sample: SampleRecord, name: str) -> float:
+    """A sample's best_of score: ``name`` (logq, logp_theta or logp_teacher) summed over its tokens.
+
+    -inf for a sample that failed or was aborted, so it ranks below every complete one.
+    """
+    values = {"logq": sample.logq, "logp_theta": sample.logp_theta, "logp_teacher": sample.logp_teacher}[name]
+    return math.fsum(values) if sample.error is None and sample.finish_reason != "abort" else -math.inf
 
 
 @dataclass

@@ -149,7 +149,7 @@ class EnginePair:
                     "session": self.session_name,
                     "sync_timeout": self.sync_timeout,
                     "alpha_method": cfg.alpha_method,
-                    "alpha_config": {"alpha_min": cfg.alpha_min, "alpha_max": cfg.alpha_max, **cfg.alpha_config},
+                    "alpha_config": cfg.alpha_kwargs,
                     # Theta's CPUs idle while the teacher decides; the teacher borrows them (see processors.teacher).
                     "mix_helper_cpus": helper_cpus,
                 }
