@@ -1,0 +1,211 @@
+"""The package map holds: imports point one way, and no two modules import each other.
+
+Every ``import`` of our own code is read from the source with ``ast`` (imports inside
+functions too, so a lazy import cannot hide an upward edge or a cycle). Each module belongs
+to one component, and each component to one layer; a module may import its own component
+or a component of a lower layer, never a higher layer nor a sibling on its layer.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("alpha", "processors", "dual_sampling")
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # Leaves: pure math, text, vocabularies, model folders, records and prompts.
+    (
+        "alpha",
+        "dual_sampling.text",
+        "dual_sampling.vocab",
+        "dual_sampling.models",
+        "dual_sampling.records",
+        "dual_sampling.prompts",
+    ),
+    ("dual_sampling.lockstep", "dual_sampling.decision"),
+    ("processors",),  # the vLLM plugins
+    ("dual_sampling.options",),
+    ("dual_sampling.driver",),
+    ("dual_sampling.api",),
+    ("dual_sampling.server", "dual_sampling.datagen", "dual_sampling.testing"),
+    ("dual_sampling.cli",),
+)
+"""Components from the bottom up. The package ``dual_sampling`` itself (its ``__init__``) names
+its public classes by string and loads them on first use; it imports nothing."""
+
+
+def component(module: str) -> str:
+    """The longest component of :data:`LAYERS` that ``module`` is, or lies inside."""
+    names = [c for layer in LAYERS for c in layer if module == c or module.startswith(c + ".")]
+    if not names:
+        return module
+    return max(names, key=len)
+
+
+def layer(name: str) -> int:
+    return next(i for i, names in enumerate(LAYERS) if name in names)
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """module → our modules it imports (anywhere in its code)."""
+    sources = {module_name(p, root): p for pkg in packages for p in (root / pkg).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in sources.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `from a import b` imports module a.b when there is one, else a name of a
+                targets = [
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in sources else node.module
+                    for a in node.names
+                ]
+            else:
+                continue
+            for target in targets:
+                while target and target not in sources:  # `import a.b.c` of a name: the module that holds it
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def layering_errors(graph: dict[str, set[str]]) -> list[str]:
+    errors = []
+    for source, targets in sorted(graph.items()):
+        if source == "dual_sampling":
+            if targets:
+                errors.append(f"dual_sampling/__init__ imports {sorted(targets)}: it must name its exports lazily")
+            continue
+        mine = component(source)
+        if mine not in {c for names in LAYERS for c in names}:
+            errors.append(f"{source} belongs to no component of LAYERS")
+            continue
+        for target in sorted(targets):
+            theirs = component(target)
+            if theirs == mine or target == "dual_sampling":
+                continue
+            if theirs not in {c for names in LAYERS for c in names}:
+                errors.append(f"{target} (imported by {source}) belongs to no component of LAYERS")
+            elif layer(theirs) >= layer(mine):
+                errors.append(f"{source} imports {target}: {theirs} is not below {mine}")
+    return errors
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                found.append(sorted(scc))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_imports_point_down_the_layers_and_form_no_cycle():
+    graph = import_graph(ROOT, PACKAGES)
+    assert len(graph) > 30  # the walk found the packages
+    assert layering_errors(graph) == []
+    assert cycles(graph) == []
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        # a plugin reaching up into the driver, from inside a function
+        (
+            {"processors/teacher.py": "def f():\n    from dual_sampling.driver.pair import EnginePair\n"},
+            "processors.teacher imports dual_sampling.driver.pair",
+        ),
+        # two siblings on one layer
+        (
+            {"dual_sampling/server/app.py": "from dual_sampling.datagen.run import x\n"},
+            "dual_sampling.server.app imports dual_sampling.datagen.run",
+        ),
+        # `from package import module` names the module
+        ({"alpha/base.py": "from dual_sampling import api\n"}, "alpha.base imports dual_sampling.api"),
+        (
+            {"dual_sampling/__init__.py": "from dual_sampling.api import OptimalSamplingDual\n"},
+            "dual_sampling/__init__",
+        ),
+        ({"dual_sampling/stray.py": "import alpha\n"}, "dual_sampling.stray belongs to no component"),
+    ],
+)
+def test_the_layering_check_sees_an_upward_import(tmp_path, files, expected):
+    base = {
+        "alpha/__init__.py": "",
+        "alpha/base.py": "",
+        "processors/__init__.py": "",
+        "processors/teacher.py": "",
+        "dual_sampling/__init__.py": "",
+        "dual_sampling/api.py": "",
+        "dual_sampling/driver/__init__.py": "",
+        "dual_sampling/driver/pair.py": "import processors.teacher\n",
+        "dual_sampling/datagen/__init__.py": "",
+        "dual_sampling/datagen/run.py": "x = 1\n",
+        "dual_sampling/server/__init__.py": "",
+        "dual_sampling/server/app.py": "",
+    }
+    _write(tmp_path, base)
+    assert layering_errors(import_graph(tmp_path, PACKAGES)) == []
+    _write(tmp_path, files)
+    errors = layering_errors(import_graph(tmp_path, PACKAGES))
+    assert any(expected in e for e in errors), errors
+
+
+def test_the_cycle_check_sees_a_cycle_through_a_lazy_import(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "dual_sampling/__init__.py": "",
+            "dual_sampling/datagen/__init__.py": "",
+            "dual_sampling/datagen/run.py": "def f():\n    from dual_sampling.datagen.ray_stage import g\n",
+            "dual_sampling/datagen/ray_stage.py": "from dual_sampling.datagen.run import f\n",
+        },
+    )
+    assert cycles(import_graph(tmp_path, ("dual_sampling",))) == [
+        ["dual_sampling.datagen.ray_stage", "dual_sampling.datagen.run"]
+    ]
