@@ -13,10 +13,12 @@ import contextlib
 import hashlib
 import signal
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from dual_sampling.driver.dual_scheduler import DualRequest, DualScheduler, SampleDelta
+from dual_sampling.driver.dual_scheduler import DualRequest, DualScheduler, SampleDelta, check_update
+from dual_sampling.driver.weights import WeightsCheck, prepared_weights, reload_from
 from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, SamplingOptions, model_config
 from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleRecord, best_of_score
 from dual_sampling.vocab import check_tokenizers_match
@@ -75,6 +77,7 @@ class OptimalSamplingDual:
         )
         if not self.eos_token_ids:
             raise ValueError("neither model nor the tokenizer defines an EOS token id")
+        self._weights_checks: dict[str, WeightsCheck] = {}
         _exit_on_sigterm()
         self.scheduler = DualScheduler(
             lambda session_name: EnginePair(cfg, session_name, self.max_model_len, cfg.sync_timeout),
@@ -156,6 +159,60 @@ class OptimalSamplingDual:
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------------ new weights
+
+    def update_theta(
+        self, weights: Mapping[str, Any] | str | Path, *, version: str | None = None, mode: str = "wait"
+    ) -> str:
+        """Give the theta engine new weights without a restart; returns their version label.
+
+        ``weights`` is a state dict (tensor name → tensor, e.g. ``model.state_dict()`` of the
+        transformers model) or a folder of safetensors files. It is checked against the
+        checkpoint the engine started from before anything changes: a missing, extra, wrongly
+        shaped or non-finite tensor is refused with a ValueError naming it, and the engines
+        serve on unchanged. ``mode`` says what happens to the requests in flight: ``"wait"``
+        lets them finish on the old weights, ``"abort"`` ends them (``finish_reason="abort"``,
+        ``stop_reason="weight_update"``). Either way no sample mixes two versions; every sample
+        drawn after this returns comes from the new weights and records ``version`` (default:
+        the count of theta's updates) as its ``theta_version``. Thread-safe.
+        """
+        return self._update("theta", weights, version, mode)
+
+    def update_teacher(
+        self, weights: Mapping[str, Any] | str | Path, *, version: str | None = None, mode: str = "wait"
+    ) -> str:
+        """The same as :meth:`update_theta`, for the teacher (self-distillation, EMA teachers)."""
+        return self._update("teacher", weights, version, mode)
+
+    async def update_theta_async(
+        self, weights: Mapping[str, Any] | str | Path, *, version: str | None = None, mode: str = "wait"
+    ) -> str:
+        """:meth:`update_theta` from any asyncio loop (the checks and the staging run in a thread)."""
+        return await asyncio.to_thread(self._update, "theta", weights, version, mode)
+
+    async def update_teacher_async(
+        self, weights: Mapping[str, Any] | str | Path, *, version: str | None = None, mode: str = "wait"
+    ) -> str:
+        """:meth:`update_teacher` from any asyncio loop."""
+        return await asyncio.to_thread(self._update, "teacher", weights, version, mode)
+
+    @property
+    def weight_versions(self) -> dict[str, str]:
+        """The version of each engine's weights now: {"teacher": ..., "theta": ...} ("0" as started)."""
+        return dict(self.scheduler.versions)
+
+    def _update(self, role: str, weights: Any, version: str | None, mode: str) -> str:
+        self._check_open()
+        check_update(role, mode, version)
+        check = self._weights_checks.get(role)
+        if check is None:
+            folder = self.config.model_teacher if role == "teacher" else self.config.model_theta
+            check = self._weights_checks[role] = WeightsCheck(folder)
+        with prepared_weights(check, weights, role) as folder:
+            return self.scheduler.call(
+                self.scheduler.update_weights(role, reload_from(folder), mode=mode, version=version)
+            )
 
     # ------------------------------------------------------------------ asyncio API
 

@@ -44,7 +44,12 @@ class SampleRecord:
     """Why the sample failed, as "<code> at step <n>" (sync_timeout, bad_logits, preempted, diverged, ...);
     None if it did not."""
     stop_reason: str | int | None = None
-    """The stop string, or the stop token id, that ended the sample."""
+    """The stop string, or the stop token id, that ended the sample; "weight_update" for a sample aborted
+    because its engines took new weights."""
+    teacher_version: str = "0"
+    """The teacher's weight version that drew every token ("0": the weights it started with)."""
+    theta_version: str = "0"
+    """Theta's weight version that drew every token: the policy whose π_θ the importance weights refer to."""
 
     @property
     def ok(self) -> bool:

@@ -20,6 +20,14 @@ process exits, or vLLM declares it dead: ``EngineDeadError``), or a session in w
 engine makes progress for ``sync_timeout + 30`` seconds, fails every request in flight or
 queued with :class:`SyncError` and closes the scheduler for good (:attr:`DualScheduler.failure`).
 
+:meth:`DualScheduler.update_weights` gives one engine new weights while both stay in
+lockstep: no slot is handed out meanwhile, the requests in flight finish on the old weights
+(``mode="wait"``) or end with ``finish_reason="abort"`` and ``stop_reason="weight_update"``
+(``mode="abort"``), and only with no request on either engine does the engine load the
+weights (vLLM's pause, ``reload_weights`` and ``reset_prefix_cache``, then resume). So every
+sample is drawn from one version of each model, and it records which
+(:attr:`DualScheduler.versions`).
+
 One module over 500 lines: :class:`DualScheduler` is one object whose slots, flights and loop
 every method touches; its helpers are a few lines each.
 """
@@ -56,11 +64,13 @@ from dual_sampling.lockstep import (
 from dual_sampling.records import SampleRecord
 from dual_sampling.text import sample_text
 
-__all__ = ["DualRequest", "DualScheduler", "SampleDelta"]
+__all__ = ["UPDATE_MODES", "DualRequest", "DualScheduler", "SampleDelta", "check_update"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+UPDATE_MODES = ("wait", "abort")
+"""What a weight update does with the requests in flight: let them finish on the old weights, or abort them."""
 _SLOT_POLL_S = 0.005
 """How often a request waiting for a slot looks again (slots free up as the engines release them)."""
 _WATCH_S = 0.5
@@ -116,6 +126,8 @@ class _Flight:
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     """Deltas (or the exception that ended the request) for the caller's stream."""
     task: asyncio.Task | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+    """The weight version of each engine when the request was launched (it cannot change before it ends)."""
 
 
 class DualScheduler:
@@ -151,12 +163,15 @@ class DualScheduler:
                 for name in [
                     "requests",
                     "tokens",
+                    "teacher_updates",
+                    "theta_updates",
                     *(f"finished_{r}" for r in ("stop", "length", "abort", "error")),
                     *(f"failed_{c.label}" for c in ErrorCode if c != ErrorCode.NONE),
                 ]
             }
         )
-        """Requests submitted, finished by reason, failed by error code, and tokens generated (all keys present)."""
+        """Requests submitted, finished by reason, failed by error code, tokens generated, and weight updates per
+        engine (all keys present)."""
         self._keys = itertools.count(1)
         self._ids = itertools.count(1)
         self._flights: dict[str, _Flight] = {}
@@ -167,6 +182,12 @@ class DualScheduler:
         self._slot_feeder: asyncio.Task | None = None
         self._aborted_before_launch: set[str] = set()
         """Requests aborted after a slot was handed to them but before they reached the engines."""
+        self.versions: dict[str, str] = {"teacher": "0", "theta": "0"}
+        """Each engine's weight version: "0" as started, then the label of each update (:meth:`update_weights`)."""
+        self._updating = False
+        """While set, no slot is handed out: an update waits for the engines to run no request."""
+        self._update_aborts: set[str] = set()
+        """Requests aborted by an update, so their samples say why."""
         self._closing = False
         self._engines_lock = threading.Lock()
         self._engines_closed = False
@@ -181,6 +202,7 @@ class DualScheduler:
             raise
 
     async def _start(self, engine_factory: Callable[[str], Any]) -> Any:
+        self._update_lock = asyncio.Lock()
         engines = engine_factory(self.session.name)
         self._watch_task = asyncio.create_task(self._watch())
         return engines
@@ -233,6 +255,12 @@ class DualScheduler:
         finally:
             task.cancel()
 
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` on the scheduler's loop from any asyncio loop; cancelling the caller cancels it."""
+        if asyncio.get_running_loop() is self.loop:
+            return await coro
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
     # ------------------------------------------------------------------ requests
 
     async def stream(self, request: DualRequest) -> AsyncIterator[SampleDelta]:
@@ -282,7 +310,7 @@ class DualScheduler:
     def _launch(self, request: DualRequest, slot: int, request_id: str) -> _Flight:
         """Open ``slot`` for ``request`` and start the task that talks to both engines (no await: atomic)."""
         key = next(self._keys)
-        flight = _Flight(request_id, slot, key, request)
+        flight = _Flight(request_id, slot, key, request, versions=dict(self.versions))
         self._flights[flight.request_id] = flight
         self.counters["requests"] += 1
         self.session.open_slot(slot, key, len(request.teacher_prompt_ids), len(request.theta_prompt_ids))
@@ -385,6 +413,57 @@ class DualScheduler:
         """Request ids submitted to the engines (holding a slot) now."""
         return list(self._flights)
 
+    # ------------------------------------------------------------------ weights
+
+    async def update_weights(
+        self,
+        role: str,
+        load: Callable[[Any], Coroutine[Any, Any, None]],
+        *,
+        mode: str = "wait",
+        version: str | None = None,
+    ) -> str:
+        """Give the ``role`` engine new weights; returns its new version (on the scheduler's loop).
+
+        ``load(engine)`` loads them (the caller checked them first). Until it returns no slot is
+        handed out; the requests in flight finish first (``mode="wait"``) or are aborted
+        (``mode="abort"``), so the engine loads with no request on either engine, between
+        vLLM's pause and resume, and its prefix cache is reset after. Requests that wait for a
+        slot meanwhile are drawn from the new weights. ``version`` labels the new weights (the
+        default counts updates: "1", "2", ...). A ``load`` that raises leaves the engine's
+        weights unknown: the scheduler fails for good rather than sample from them.
+        """
+        check_update(role, mode, version)
+        self._check_alive()
+        async with self._update_lock:
+            self._updating = True
+            try:
+                await self._quiesce(mode)
+                engine = getattr(self.engines, role)
+                try:
+                    await engine.pause_generation(mode="keep", clear_cache=False)  # nothing runs: nothing to keep
+                    await load(engine)
+                    await engine.reset_prefix_cache()  # no KV of the old weights is reused
+                    await engine.resume_generation()
+                except Exception as exc:
+                    raise self._fail(f"loading new {role} weights failed, so its weights are unknown: {exc!r}") from exc
+                self.counters[f"{role}_updates"] += 1
+                self.versions[role] = version if version is not None else str(self.counters[f"{role}_updates"])
+                return self.versions[role]
+            finally:
+                self._updating = False
+
+    async def _quiesce(self, mode: str) -> None:
+        """Wait until no slot is held (no request on either engine), aborting those in flight in ``mode="abort"``."""
+        while self._held:
+            self._check_alive()
+            if mode == "abort":
+                for request_id in list(self._flights):
+                    if request_id not in self._update_aborts:
+                        self._update_aborts.add(request_id)
+                        self._abort(request_id)
+            await asyncio.sleep(_SLOT_POLL_S)
+
     # ------------------------------------------------------------------ internals
 
     def _check_alive(self) -> None:
@@ -426,7 +505,7 @@ class DualScheduler:
 
     async def _acquire_slot(self, waiter: asyncio.Future) -> int | None:
         """A free slot, first come first served; None if the request was aborted meanwhile (``waiter`` set to None)."""
-        slot = None if self._slot_waiters else self._free_slot()
+        slot = None if self._slot_waiters or self._updating else self._free_slot()
         if slot is not None:
             self._held.add(slot)
             return slot
@@ -450,7 +529,7 @@ class DualScheduler:
         while self._slot_waiters:
             while self._slot_waiters and self._slot_waiters[0].done():
                 self._slot_waiters.popleft()  # cancelled while waiting
-            slot = self._free_slot() if self._slot_waiters else None
+            slot = self._free_slot() if self._slot_waiters and not self._updating else None
             if slot is None:
                 await asyncio.sleep(_SLOT_POLL_S)
                 continue
@@ -474,6 +553,8 @@ class DualScheduler:
             seed=flight.request.sampling.seed,
             teacher_token_ids=list(tokens),
             theta_token_ids=theta_tokens,
+            teacher_version=flight.versions["teacher"],
+            theta_version=flight.versions["theta"],
         )
         if code == ErrorCode.NONE and (
             theta_tokens != tokens or recorded != tokens or int(control[Slot.NUM_RECORDS]) < len(tokens)
@@ -497,6 +578,10 @@ class DualScheduler:
             else None
         )
         sample.stop_reason = stop if stop is not None else (tokens[-1] if finish == Finish.STOP and tokens else None)
+        if flight.request_id in self._update_aborts:
+            self._update_aborts.discard(flight.request_id)
+            if sample.finish_reason == "abort":
+                sample.stop_reason = "weight_update"
         sample.text = sample_text(self.tokenizer, tokens, stop, stop_token=finish == Finish.STOP)
         self.counters[f"finished_{sample.finish_reason}"] += 1
         return sample
@@ -621,6 +706,16 @@ class DualScheduler:
         for task in tasks:
             task.cancel()
         await asyncio.wait(tasks, timeout=5) if tasks else None
+
+
+def check_update(role: str, mode: str, version: str | None) -> None:
+    """Refuse, naming the argument, a weight update :meth:`DualScheduler.update_weights` cannot do."""
+    if role not in ("teacher", "theta"):
+        raise ValueError(f"role must be 'teacher' or 'theta', got {role!r}")
+    if mode not in UPDATE_MODES:
+        raise ValueError(f"mode must be one of {UPDATE_MODES}, got {mode!r}")
+    if version is not None and (not isinstance(version, str) or not version or len(version) > 256):
+        raise ValueError(f"version must be a non-empty string of at most 256 characters, got {version!r}")
 
 
 async def _run(function: Callable[..., T], *args: Any) -> T:

@@ -1,0 +1,141 @@
+"""New weights for a running engine: checked against the model's checkpoint, then handed over by path.
+
+vLLM's worker reloads weights in place (``reload_weights(weights_path=...)`` through
+``collective_rpc``). Tensors passed straight through that RPC arrive as lists on the CPU
+build, so a state dict travels as one safetensors file in a private temporary folder that
+the engine loads by path; the folder is removed once it has.
+
+Every update is checked before anything changes: each tensor's name and shape must be those
+of the checkpoint the engine was started from (read from its safetensors headers, no weights
+loaded), none may be missing, none extra, and every value must be finite. The error names the
+tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+from collections.abc import Callable, Coroutine, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["WeightsCheck", "prepared_weights", "reload_from", "staged_weights"]
+
+_TIED_OUTPUT = "lm_head.weight"
+"""The output projection, which a checkpoint with tied word embeddings does not store."""
+
+
+class WeightsCheck:
+    """The tensor names and shapes of one model folder's checkpoint, to check new weights against."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.shapes = _checkpoint_shapes(self.folder)
+        config = json.loads((self.folder / "config.json").read_text()) if (self.folder / "config.json").exists() else {}
+        self.tied = bool(config.get("tie_word_embeddings", False))
+
+    def check_state_dict(self, state: Mapping[str, Any], role: str) -> dict[str, Any]:
+        """The tensors to write (a tied output projection dropped); ValueError naming the first bad tensor."""
+        import torch
+
+        if not isinstance(state, Mapping) or not state:
+            raise ValueError(f"the new {role} weights must be a non-empty mapping of tensor names to tensors")
+        out = {}
+        for name, tensor in state.items():
+            if name not in self.shapes:
+                if name == _TIED_OUTPUT and self.tied:
+                    continue  # state_dict() lists the tied projection; the checkpoint and the engine share it
+                raise ValueError(f"{role} weights: {name!r} is not a tensor of the {role} model")
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{role} weights: {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
+            if tuple(tensor.shape) != self.shapes[name]:
+                raise ValueError(
+                    f"{role} weights: {name!r} has shape {tuple(tensor.shape)}, the model's is {self.shapes[name]}"
+                )
+            if not tensor.is_floating_point():
+                raise ValueError(f"{role} weights: {name!r} has dtype {tensor.dtype}, not a floating-point type")
+            if not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"{role} weights: {name!r} holds a NaN or an infinity")
+            out[name] = tensor
+        missing = sorted(set(self.shapes) - set(out))
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise ValueError(f"{role} weights: {missing[0]!r}{more} missing")
+        return out
+
+    def check_folder(self, folder: str | Path, role: str) -> None:
+        """A folder of new weights must hold exactly the checkpoint's tensors with their shapes (headers only)."""
+        shapes = _checkpoint_shapes(Path(folder))
+        for name in sorted(shapes):
+            if name not in self.shapes:
+                raise ValueError(f"{role} weights in {folder}: {name!r} is not a tensor of the {role} model")
+            if shapes[name] != self.shapes[name]:
+                raise ValueError(
+                    f"{role} weights in {folder}: {name!r} has shape {shapes[name]}, the model's is {self.shapes[name]}"
+                )
+        missing = sorted(set(self.shapes) - set(shapes))
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise ValueError(f"{role} weights in {folder}: {missing[0]!r}{more} missing")
+
+
+@contextlib.contextmanager
+def staged_weights(tensors: Mapping[str, Any]) -> Iterator[Path]:
+    """A private temporary folder holding ``tensors`` as one safetensors file, removed on exit."""
+    from safetensors.torch import save_file
+
+    folder = Path(tempfile.mkdtemp(prefix="dual-sampling-weights-"))  # mode 0700
+    try:
+        seen: set[int] = set()
+        plain = {}
+        for name, tensor in tensors.items():
+            t = tensor.detach().to("cpu").contiguous()
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:  # safetensors refuses tensors that share memory
+                t = t.clone()
+            seen.add(t.untyped_storage().data_ptr())
+            plain[name] = t
+        save_file(plain, str(folder / "model.safetensors"))
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name → shape over every safetensors file of ``folder`` (headers only)."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder} holds no .safetensors files")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has keys(), no iteration)
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+@contextlib.contextmanager
+def prepared_weights(check: WeightsCheck, weights: Any, role: str) -> Iterator[Path]:
+    """The folder an engine loads ``weights`` from: a folder as given, or a state dict staged in a temporary one.
+
+    Either is checked against ``check`` first (ValueError naming the tensor; nothing written).
+    """
+    if isinstance(weights, (str, Path)):
+        check.check_folder(weights, role)
+        yield Path(weights).resolve()
+        return
+    with staged_weights(check.check_state_dict(weights, role)) as folder:
+        yield folder
+
+
+def reload_from(folder: Path) -> Callable[[Any], Coroutine[Any, Any, None]]:
+    """The load step of an update: the engine's workers reload their weights in place from ``folder``."""
+
+    async def load(engine: Any) -> None:
+        await engine.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+
+    return load

@@ -1,0 +1,190 @@
+"""New weights without a restart, on real CPU engines (tiny models), checked by re-scoring in transformers.
+
+The oracle for "a sample comes from one version" is teacher-forced re-scoring: a sample's
+records must match the transformers model of the version it names, at every token, so a
+sample drawn half from one θ and half from another fails it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from dual_sampling import OptimalSamplingDual
+from dual_sampling.records import RequestRecord
+from tests.oracles import assert_records_match_rescoring, rescore
+
+pytestmark = pytest.mark.engine
+
+LONG_PROMPT = " ".join(f"item {i} costs {3 * i + 1} coins;" for i in range(30))  # several KV blocks
+
+
+@pytest.fixture(scope="module")
+def live(tiny_same):
+    """An engine of its own: these tests change its weights (each puts theta's back)."""
+    teacher, theta = tiny_same
+    with OptimalSamplingDual(teacher, theta, max_num_seqs=4, max_model_len=512, sync_timeout=30, use_tqdm=False) as s:
+        yield s
+
+
+@pytest.fixture
+def restore(live, tiny_same):
+    yield live
+    teacher, theta = tiny_same
+    live.update_teacher(str(teacher))
+    live.update_theta(str(theta))
+
+
+def one(s: OptimalSamplingDual, prompt: str, **options) -> RequestRecord:
+    return s.generate([prompt], **options).requests[0]
+
+
+def assert_drawn_from(request: RequestRecord, hf_teacher, hf_theta, vocab: int) -> int:
+    """Every record of ``request`` against float64 re-scoring by these two models; tokens checked.
+
+    With one model on both sides every α gives q = π, so α has no root to compare with: then
+    log π_t, log π_θ and log q must all equal the model's re-scored log π.
+    """
+    if hf_teacher is not hf_theta:
+        return assert_records_match_rescoring(request, hf_teacher, hf_theta, vocab, "kl_symmetry")
+    for sample in request.samples:
+        assert sample.error is None, sample.error
+        logp = rescore(hf_teacher, request.teacher_prompt_token_ids, sample.token_ids, vocab)
+        expected = logp.gather(-1, torch.tensor(sample.token_ids).unsqueeze(-1)).squeeze(-1)
+        for name in ("logp_teacher", "logp_theta", "logq"):
+            got = torch.tensor(getattr(sample, name), dtype=torch.float64)
+            torch.testing.assert_close(got, expected, atol=2e-4, rtol=0, msg=name)
+        assert all(0.0 <= a <= 1.0 for a in sample.alpha)
+    return sum(len(x.token_ids) for x in request.samples)
+
+
+def test_theta_given_the_teachers_weights_scores_as_the_teacher(restore, hf_models, tiny_same):
+    s = restore
+    hf_teacher, hf_theta = hf_models
+    old_version = s.weight_versions["theta"]
+    before = one(s, "The recipe says", max_tokens=24, seed=3)
+    assert before.samples[0].theta_version == old_version
+    version = s.update_theta(str(tiny_same[0]), version="copy-of-teacher")
+    assert version == "copy-of-teacher" == s.weight_versions["theta"]
+    after = one(s, "The recipe says", max_tokens=24, seed=3)
+    sample = after.samples[0]
+    assert sample.error is None and sample.theta_version == "copy-of-teacher"
+    assert sample.teacher_version == s.weight_versions["teacher"]
+    # Both engines now hold the same model: log π_θ = log π_t at every token, and q = π at any α.
+    assert max(abs(a - b) for a, b in zip(sample.logp_theta, sample.logp_teacher)) < 1e-5
+    assert len(sample.token_ids) > 0
+    # α, log q and both log π against float64 re-scoring with the new θ (the teacher's model).
+    assert assert_drawn_from(after, hf_teacher, hf_teacher, s.vocab) > 0
+    assert assert_drawn_from(before, hf_teacher, hf_theta, s.vocab) > 0
+
+
+def test_a_state_dict_update_and_the_teacher_update_use_the_new_weights(restore, hf_models):
+    s = restore
+    hf_teacher, hf_theta = hf_models
+    version = s.update_theta(hf_teacher.state_dict())  # a transformers state dict, tied names and all
+    assert version == s.weight_versions["theta"]
+    sample = one(s, "Once upon a time", max_tokens=16, seed=5).samples[0]
+    assert sample.theta_version == version
+    assert max(abs(a - b) for a, b in zip(sample.logp_theta, sample.logp_teacher)) < 1e-5
+    s.update_teacher(hf_theta.state_dict(), version="teacher-as-theta")
+    s.update_theta(hf_theta.state_dict())
+    request = one(s, "Once upon a time", max_tokens=16, seed=5)
+    assert request.samples[0].teacher_version == "teacher-as-theta"
+    assert assert_drawn_from(request, hf_theta, hf_theta, s.vocab) > 0
+
+
+def test_a_prompt_cached_before_the_update_is_scored_by_the_new_weights(restore, hf_models, tiny_same):
+    """The theta engine's prefix cache is reset: KV computed with the old weights is never reused."""
+    s = restore
+    hf_teacher, hf_theta = hf_models
+    before = one(s, LONG_PROMPT, max_tokens=8, seed=11, n=2)  # the prompt's blocks are now cached on both engines
+    assert assert_drawn_from(before, hf_teacher, hf_theta, s.vocab) > 0
+    s.update_theta(str(tiny_same[0]))
+    after = one(s, LONG_PROMPT, max_tokens=8, seed=11, n=2)
+    assert assert_drawn_from(after, hf_teacher, hf_teacher, s.vocab) > 0
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda sd: sd.pop("model.layers.1.self_attn.o_proj.weight"), "model.layers.1.self_attn.o_proj.weight"),
+        (lambda sd: sd.__setitem__("model.layers.9.mlp.up_proj.weight", torch.zeros(2, 2)), "layers.9.mlp.up_proj"),
+        (lambda sd: sd.__setitem__("model.norm.weight", torch.ones(7)), "model.norm.weight"),
+        (lambda sd: sd["model.layers.0.mlp.down_proj.weight"].__setitem__((0, 0), math.nan), "down_proj.weight"),
+        (lambda sd: sd.__setitem__("model.embed_tokens.weight", sd["model.embed_tokens.weight"].long()), "embed"),
+    ],
+    ids=["missing", "extra", "shape", "nan", "integer"],
+)
+def test_a_refused_update_names_the_tensor_and_changes_nothing(live, hf_models, change, named):
+    s = live
+    versions = s.weight_versions
+    before = one(s, "Count to ten:", max_tokens=12, seed=2).samples[0]
+    state = {k: v.clone() for k, v in hf_models[0].state_dict().items()}
+    change(state)
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        s.update_theta(state)
+    assert s.weight_versions == versions
+    after = one(s, "Count to ten:", max_tokens=12, seed=2).samples[0]
+    assert after.token_ids == before.token_ids and after.logp_theta == before.logp_theta and after.logq == before.logq
+
+
+def test_a_folder_of_another_model_and_bad_arguments_are_refused_by_name(live, tmp_path):
+    s = live
+    with pytest.raises(ValueError, match="holds no .safetensors"):
+        s.update_theta(str(tmp_path))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        s.update_theta({}, mode="keep")
+    with pytest.raises(ValueError, match="version must be"):
+        s.update_theta({}, version="")
+    with pytest.raises(ValueError, match="non-empty mapping"):
+        s.update_theta({})
+
+
+@pytest.mark.parametrize("mode", ["wait", "abort"])
+def test_an_update_with_requests_in_flight_never_mixes_versions(restore, hf_models, tiny_same, mode):
+    s = restore
+    hf_teacher, hf_theta = hf_models
+    prompts = [f"Story {i}: the {w} went" for i, w in enumerate(["cat", "dog", "fox", "owl", "bee", "elk"])]
+    counters_before = s.get_sync_statistics()
+    old_version = s.weight_versions["theta"]  # theta's own weights, whatever earlier tests labelled them
+
+    async def run():
+        # At least 150 steps each, so requests are surely in flight (and two wait for a slot) when the update starts.
+        first = [
+            asyncio.create_task(s.complete(p, max_tokens=200, min_tokens=150, seed=i, sample_key=i))
+            for i, p in enumerate(prompts)
+        ]
+        while not s.scheduler.in_flight():
+            await asyncio.sleep(0.01)
+        version = await s.update_theta_async(str(tiny_same[0]), mode=mode, version="new")
+        later = [asyncio.create_task(s.complete(p, max_tokens=16, seed=7, sample_key=9)) for p in prompts[:2]]
+        return version, await asyncio.gather(*first), await asyncio.gather(*later)
+
+    version, first, later = asyncio.run(run())
+    assert version == "new"
+    samples = [*first, *later]
+    assert {x.theta_version for x in samples} <= {old_version, "new"}
+    assert all(x.theta_version == "new" for x in later)
+    old = [x for x in first if x.theta_version == old_version]
+    assert old, "no request was in flight when the update began"
+    if mode == "abort":
+        assert all(x.finish_reason == "abort" and x.stop_reason == "weight_update" for x in old)
+    else:
+        assert all(x.finish_reason in ("stop", "length") for x in old)
+    for i, x in enumerate(samples):
+        assert x.error is None, x.error
+        if not x.token_ids:
+            continue
+        prompt = prompts[i] if i < len(first) else prompts[i - len(first)]
+        ids = s.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        request = RequestRecord(i, ids, ids, [x])
+        hf_new_or_old = hf_teacher if x.theta_version == "new" else hf_theta
+        assert assert_drawn_from(request, hf_teacher, hf_new_or_old, s.vocab) > 0
+    stats = s.get_sync_statistics()
+    failed = {k: stats[k] - counters_before[k] for k in stats if k.startswith("failed_")}
+    assert set(failed.values()) == {0}, failed
+    assert stats["in_flight"] == 0 and stats["queued"] == 0
+    assert all(s.session.slot_free(slot) for slot in range(s.session.layout.slots))
