@@ -2,88 +2,104 @@
 
 ``generate`` takes every setting of a run (:class:`dual_sampling.datagen.run_config.RunConfig`, its
 :class:`SamplingOptions` and its :class:`EngineOptions`) as a flag (``--max-tokens 128``)
-or as a key of ``--config run.yaml`` (``max_tokens: 128``); flags win over the file. The
-flags and their help are derived from the dataclasses, so they can never disagree.
+or as a key of ``--config run.yaml`` (``max_tokens: 128``); flags win over the file. ``serve`` takes
+:class:`ServeOptions` and :class:`EngineOptions` as flags. :class:`transformers.HfArgumentParser` makes the
+flags from the dataclasses' fields and their help from the docstring under each field, so the flags, the
+file's keys and the dataclasses can never disagree.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
-import itertools
+import functools
 import json
 import sys
-from collections.abc import Sequence
+import typing
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["build_parser", "main"]
 
 
-def _field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each dataclass field, by field name."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(getattr(nxt, "value", None), ast.Constant)
-        ):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
+def _field_help(cls: type) -> dict[str, str]:
+    """The docstring written under each field of ``cls``, by field name: the one source of the ``--help`` text."""
+    import docstring_parser
+
+    docs = docstring_parser.parse_from_object(cls).params
+    # argparse formats help with %, so a literal one is doubled
+    return {p.arg_name: " ".join((p.description or "").split()).replace("%", "%%") for p in docs}
 
 
-def _config_classes() -> list[type]:
-    from dual_sampling.datagen.run_config import RunConfig
-    from dual_sampling.options import EngineOptions, SamplingOptions
+def _flags(cls: type) -> type:
+    """The fields of ``cls`` that are flags, as the dataclass :class:`HfArgumentParser` reads.
 
-    return [RunConfig, SamplingOptions, EngineOptions]
-
-
-def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    docs = _field_docs(cls)
+    The parser is handed this copy, not ``cls``: it rewrites the fields it reads (their types), and it
+    would make a flag of a composed dataclass (``RunConfig.sampling``).
+    Each field carries its docstring as ``metadata["help"]`` and no default: a flag not given is left
+    out, so the ``--config`` file and then the dataclass supply it.
+    """
+    hints = typing.get_type_hints(cls)
+    docs = _field_help(cls)
+    specs = []
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
-            continue  # a composed config: its own fields are flags
-        flag = "--" + f.name.replace("_", "-")
-        kind = str(f.type)
-        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": docs.get(f.name, "")}
-        if kind == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-        elif kind.startswith("list["):
-            parser.add_argument(flag, nargs="*", metavar="VALUE", type=int if kind == "list[int]" else str, **kwargs)
-        elif kind.startswith("dict["):
-            parser.add_argument(flag, type=json.loads, metavar="JSON", **kwargs)
-        else:
-            base = kind.split("|")[0].strip()
-            parser.add_argument(flag, type={"int": int, "float": float}.get(base, str), **kwargs)
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):  # a composed config: its own fields are the flags
+            continue
+        metadata: dict[str, Any] = {"help": docs.get(f.name, "")}
+        if typing.get_origin(kind) is dict:  # HfArgumentParser cannot parse a dict: it is given as JSON
+            kind, metadata["metavar"] = json.loads, "JSON"
+        elif typing.get_origin(kind) is list:  # its lists take 1+ values; `--stop` alone stays the empty list
+            kind, metadata["nargs"] = typing.get_args(kind)[0], "*"
+        specs.append((f.name, kind, dataclasses.field(default=argparse.SUPPRESS, metadata=metadata)))
+    return dataclasses.make_dataclass(cls.__name__, specs)
 
 
-def _load_config_file(path: str) -> dict[str, Any]:
+def _add_command(sub: Any, name: str, classes: Iterable[type], **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand whose flags are the fields of ``classes``; a name two of them share fails here (argparse's
+    conflicting option string), never silently resolved."""
+    views = [_flags(cls) for cls in classes]
+    parser = sub.add_parser(name, dataclass_types=views, **kwargs)
+    # HfArgumentParser adds --no-x only to a flag whose default is True; every boolean has --x and --no-x.
+    for view in views:
+        for f in dataclasses.fields(view):
+            if f.type is bool:
+                no = [f"--no_{f.name}", f"--no-{f.name.replace('_', '-')}"]
+                parser.add_argument(
+                    *no, action="store_false", dest=f.name, default=argparse.SUPPRESS, help=f"set {f.name} to false"
+                )
+    return parser
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    """The settings of a ``--config`` file, its keys spelled as fields (``max-tokens`` is ``max_tokens``).
+
+    Read here rather than by ``HfArgumentParser.parse_yaml_file``, which builds the dataclasses from the file
+    alone: a run's settings are the file's and the flags' together (see :func:`_run_settings`)."""
     import yaml
 
     data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a mapping of run settings, got {type(data).__name__}")
-    data = {str(k).replace("-", "_"): v for k, v in data.items()}
-    known = {f.name for cls in _config_classes() for f in dataclasses.fields(cls)} - {"sampling", "engine"}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"{path}: unknown settings {unknown}; known: {sorted(known)}")
-    return data
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def _run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """A run's flat settings: the ``--config`` file's, then the flags given (which win).
+
+    A key that is no setting is refused by :meth:`RunConfig.from_settings`, naming it."""
+    given = {k: v for k, v in vars(args).items() if k not in ("config", "run", "command")}
+    return {**(_read_config(args.config) if args.config else {}), **given}
 
 
 def _generate(args: argparse.Namespace) -> int:
     from dual_sampling.datagen.run import run_generation
     from dual_sampling.datagen.run_config import RunConfig
 
-    settings = _load_config_file(args.config) if args.config else {}
-    settings.update({k: v for k, v in vars(args).items() if k not in ("config", "run", "command")})
-    missing = [name for name in ("input", "output") if name not in settings]
+    settings = _run_settings(args)
+    required = [f.name for f in dataclasses.fields(RunConfig) if f.default is f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in settings]
     if missing:
         raise SystemExit(f"dual-sampling generate: missing {', '.join('--' + m for m in missing)} (flag or config key)")
     summary = run_generation(RunConfig.from_settings(settings))
@@ -127,19 +143,27 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from transformers import HfArgumentParser
+
+    from dual_sampling.datagen.run_config import RunConfig
+    from dual_sampling.options import EngineOptions, SamplingOptions
+    from dual_sampling.server.serve_options import ServeOptions
+
     parser = argparse.ArgumentParser(
         prog="dual-sampling", description="Sample from the geometric mixture of two models."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    # HfArgumentParser's own formatter adds "(default: ...)", which the flags (none has a parser default) never show
+    commands = functools.partial(HfArgumentParser, formatter_class=argparse.HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=commands)
 
-    g = sub.add_parser(
+    g = _add_command(
+        sub,
         "generate",
+        (RunConfig, SamplingOptions, EngineOptions),
         help="run (or resume) a distillation data-generation run",
         description="Generate one record per (problem, sample) from the teacher/theta mixture.",
     )
     g.add_argument("--config", help="YAML file with the same keys as the flags (flags override it)")
-    for cls in _config_classes():
-        _add_config_flags(g, cls)
     g.set_defaults(run=_generate)
 
     r = sub.add_parser("report", help="plots and a Markdown summary of a records file")
@@ -147,19 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out-dir", help="where to write (default: RECORDS.report/)")
     r.set_defaults(run=_report)
 
-    s = sub.add_parser(
+    s = _add_command(
+        sub,
         "serve",
+        (ServeOptions, EngineOptions),
         help="serve the mixture behind an OpenAI-compatible HTTP API",
         description="Serve the teacher/theta mixture: /v1/completions, /v1/chat/completions, "
         "/v1/models, /health, /metrics.",
     )
     s.add_argument("--teacher", help="teacher model folder (default: the local SmolLM2-135M-Instruct)")
     s.add_argument("--theta", help="theta model folder (default: the 24-layer pruned SmolLM2)")
-    from dual_sampling.options import EngineOptions
-    from dual_sampling.server.serve_options import ServeOptions
-
-    for cls in (ServeOptions, EngineOptions):
-        _add_config_flags(s, cls)
     s.set_defaults(run=_serve)
 
     m = sub.add_parser("models", help="build the default SmolLM2 teacher and pruned theta folders (no download)")

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dual_sampling.api import derive_seed
-from dual_sampling.cli import _load_config_file, build_parser, main
+from dual_sampling.cli import _run_settings, build_parser, main
 from dual_sampling.datagen.inputs import load_rows, shard_of
 from dual_sampling.datagen.run import run_generation
 from dual_sampling.datagen.run_config import RunConfig
@@ -222,9 +222,7 @@ def test_config_file_and_flags_merge_and_flags_win(tiny_same, tmp_path):
             '{"11": -5}',
         ]
     )
-    settings = _load_config_file(args.config)
-    settings.update({k: v for k, v in vars(args).items() if k not in ("config", "run", "command")})
-    run = RunConfig.from_settings(settings)
+    run = RunConfig.from_settings(_run_settings(args))
     assert run.sampling.temperature == 0.7 and run.sampling.max_tokens == 99 and run.sampling.stop == ["END"]
     assert run.sampling.stop_token_ids == [5, 7] and run.sampling.logit_bias == {11: -5}
     assert run.engine.alpha_method == "ess_balance" and run.chat_template is False
