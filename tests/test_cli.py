@@ -1,0 +1,130 @@
+"""The ``dual-sampling`` command line: its flags are the config dataclasses' fields, its help their docstrings.
+
+No engine starts here: the behaviours are the help text, the exit code and the settings a run is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import subprocess
+import sys
+import typing
+from dataclasses import dataclass
+
+import pytest
+from transformers import HfArgumentParser
+
+from dual_sampling import cli
+from dual_sampling.datagen.run_config import RunConfig
+from dual_sampling.options import EngineOptions, SamplingOptions
+from dual_sampling.server.serve_options import ServeOptions
+
+COMMANDS = {"generate": (RunConfig, SamplingOptions, EngineOptions), "serve": (ServeOptions, EngineOptions)}
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dual_sampling.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, str]:
+    """Each command's ``--help``, its whitespace made single spaces (argparse wraps the lines)."""
+    out = {}
+    for command in COMMANDS:
+        done = run_cli(command, "--help")
+        assert done.returncode == 0, done.stderr
+        out[command] = " ".join(done.stdout.split())
+    return out
+
+
+def has_flag(help_text: str, flag: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text) is not None
+
+
+@pytest.mark.parametrize(
+    ("command", "owner", "text"),
+    [
+        ("generate", RunConfig, "Field holding the problem text."),
+        ("generate", SamplingOptions, "Nucleus filter on the tempered q, in (0, 1]; 1 is off."),
+        ("generate", EngineOptions, "Seconds an engine waits for its partner before failing the requests it waits on."),
+        ("serve", ServeOptions, "Largest n (and best_of) a request may ask for."),
+        ("serve", EngineOptions, "Lower clamp on the teacher weight α."),
+    ],
+)
+def test_help_is_the_docstring_under_each_field(helps, command, owner, text):
+    assert text in helps[command], f"{owner.__name__}'s field docstring {text!r} is not in `{command} --help`"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_field_is_a_flag_and_a_composed_config_is_not(helps, command):
+    for cls in COMMANDS[command]:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            if dataclasses.is_dataclass(hints[f.name]):  # RunConfig.sampling / .engine: their fields are flags
+                assert not has_flag(helps[command], flag), f"{flag} is a composed config, not a flag"
+                continue
+            assert has_flag(helps[command], flag), f"{cls.__name__}.{f.name} has no {flag} in `{command}`"
+            if hints[f.name] is bool:  # every boolean can be turned off as well as on
+                assert has_flag(helps[command], "--no-" + flag[2:]), f"no --no-{flag[2:]} in `{command}`"
+
+
+def test_unknown_flag_and_unknown_config_key_exit_2_naming_them(tmp_path):
+    # Were a flag taken, the settings given with it stop the command before it loads or starts a model.
+    paths = ["--input", "x", "--output", "y.jsonl", "--teacher", "t", "--theta", "th"]
+    done = run_cli("generate", *paths, "--shard", "2/2", "--max-tokenz", "3")
+    assert done.returncode == 2 and "--max-tokenz" in done.stderr, done.stderr
+    done = run_cli("serve", "--teacher", "t", "--theta", "th", "--port", "0", "--max-queue-size", "3")
+    assert done.returncode == 2 and "--max-queue-size" in done.stderr, done.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_tokens: 8\nmax_tokenz: 3\n")
+    done = run_cli("generate", "--config", str(bad), "--input", "x", "--output", "y.jsonl")
+    assert done.returncode == 2 and "unknown setting 'max_tokenz'" in done.stderr, done.stderr
+
+
+def test_a_missing_input_exits_1_naming_it():
+    done = run_cli("generate", "--output", "y.jsonl")
+    assert done.returncode == 1 and "missing --input" in done.stderr, done.stderr
+
+
+def test_flags_win_over_the_config_file(tmp_path, monkeypatch):
+    """main() hands the run the file's settings with the flags given on top (the run itself is stubbed)."""
+    import dual_sampling.datagen.run as run_module
+
+    seen: list[RunConfig] = []
+    monkeypatch.setattr(run_module, "run_generation", lambda config: seen.append(config) or {"failed_samples": 0})
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        "max_tokens: 99\ntemperature: 0.5\nstop: [END]\nresume: true\nalpha-method: ess_balance\n"
+        "teacher_engine_kwargs: {seed: 3}\n"
+    )
+    flags = ["--input", "in.jsonl", "--output", "o.jsonl", "--teacher", "t", "--theta", "th"]
+    overrides = ["--temperature", "0.7", "--stop", "--no-resume", "--teacher-engine-kwargs", '{"seed": 4}']
+    assert cli.main(["generate", "--config", str(cfg), *flags, *overrides]) == 0
+    (run,) = seen
+    assert run.sampling.temperature == 0.7 and run.sampling.max_tokens == 99  # the flag won, the file filled in
+    assert run.sampling.stop == [] and run.resume is False  # `--stop` alone empties a list; --no-x turns x off
+    assert run.engine.teacher_engine_kwargs == {"seed": 4} and run.engine.alpha_method == "ess_balance"
+    assert run.teacher == "t" and run.chat_template is True  # a setting given nowhere keeps its default
+
+
+def test_a_name_two_configs_share_fails_when_the_parser_is_built():
+    @dataclass
+    class One:
+        top_k: int = 1
+        """One's top_k."""
+
+    @dataclass
+    class Two:
+        top_k: int = 2
+        """Two's top_k."""
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(parser_class=HfArgumentParser)
+    with pytest.raises(argparse.ArgumentError, match="conflicting option strings?: --top_k"):
+        cli._add_command(sub, "both", (One, Two))
+    assert cli._add_command(sub, "one", (One,)).parse_args(["--top-k", "5"]).top_k == 5  # alone it builds
