@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,3 +189,81 @@ def test_an_update_with_requests_in_flight_never_mixes_versions(restore, hf_mode
     assert set(failed.values()) == {0}, failed
     assert stats["in_flight"] == 0 and stats["queued"] == 0
     assert all(s.session.slot_free(slot) for slot in range(s.session.layout.slots))
+
+
+# ---------------------------------------------------------------------- vLLM's RL routes on the server
+
+
+@pytest.fixture
+def weights_server(restore, tiny_same, tmp_path):
+    from dual_sampling.server.app import build_app
+    from dual_sampling.server.serve_options import ServeOptions
+    from tests.test_serve import KEY, Server
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "teacher").symlink_to(tiny_same[0])  # inside by name, but it resolves outside: refused
+    copy = allowed / "teacher-copy"
+    copy.mkdir()
+    for f in Path(tiny_same[0]).glob("*.safetensors"):
+        (copy / f.name).write_bytes(f.read_bytes())
+    server = Server(build_app(restore, ServeOptions(api_key=KEY, weights_dirs=[str(allowed)])))
+    yield server, KEY, allowed
+    server.stop()
+
+
+def test_the_rl_routes_need_the_key_and_update_theta_from_an_allowed_folder(weights_server, tiny_same):
+    import httpx
+
+    server, key, allowed = weights_server
+    auth = {"Authorization": f"Bearer {key}"}
+    body = {"update_info": {"weights_path": str(allowed / "teacher-copy")}, "weight_version": "step-1"}
+    for method, path in [
+        ("POST", "/pause"),
+        ("POST", "/resume"),
+        ("GET", "/is_paused"),
+        ("POST", "/update_weights"),
+        ("POST", "/update_weight_version"),
+        ("GET", "/weight_info"),
+    ]:
+        assert httpx.request(method, server.url + path, json=body, timeout=30).status_code == 401, path
+    post = lambda path, **kw: httpx.post(server.url + path, headers=auth, timeout=60, **kw)
+    get = lambda path: httpx.get(server.url + path, headers=auth, timeout=60).json()
+
+    old = get("/weight_info")["weight_version"]
+    for bad, param, status in [
+        ({"update_info": {"weights_path": str(tiny_same[0])}}, "update_info.weights_path", 403),  # outside
+        ({"update_info": {"weights_path": str(allowed / "teacher")}}, "update_info.weights_path", 403),  # symlink
+        ({"update_info": {"weights_path": str(allowed / "..")}}, "update_info.weights_path", 403),
+        ({"update_info": {"weights_path": str(allowed)}}, "update_info.weights_path", 400),  # no safetensors
+        ({"update_info": {}}, "update_info.weights_path", 400),
+        ({"update_info": {"weights_path": str(allowed / "teacher-copy")}, "mode": "keep"}, "mode", 400),
+        ({"update_info": {"weights_path": str(allowed / "teacher-copy")}, "weight_version": ""}, "weight_version", 400),
+        ({**body, "extra": 1}, "extra", 400),
+    ]:
+        response = post("/update_weights", json=bad)
+        assert response.status_code == status, (bad, response.text)
+        assert response.json()["error"]["param"] == param, response.text
+    assert post("/pause", params={"mode": "keep"}).json()["error"]["param"] == "mode"
+    assert get("/weight_info")["weight_version"] == old
+
+    assert post("/pause", params={"mode": "wait"}).json() == {"status": "paused"}
+    assert get("/is_paused") == {"is_paused": True}
+    assert post("/update_weights", json=body).json() == {"message": "Weights updated", "weight_version": "step-1"}
+    assert get("/is_paused") == {"is_paused": True}  # an update inside a pause leaves it paused
+    assert post("/resume").json() == {"status": "resumed"}
+    assert post("/update_weight_version", json={"new_version": "step-1b"}).json() == {
+        "success": True,
+        "new_version": "step-1b",
+    }
+    assert get("/weight_info") == {
+        "weight_version": "step-1b",
+        "teacher_weight_version": get("/weight_info")["teacher_weight_version"],
+    }
+    reply = post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "seed": 1}).json()
+    records = reply["choices"][0]["dual_sampling"]
+    assert records["theta_version"] == "step-1b"
+    # theta holds the teacher's weights now: its log-probabilities are the teacher's
+    assert max(abs(a - b) for a, b in zip(records["logp_theta"], records["logp_teacher"])) < 1e-5
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    assert 'dual_sampling_weight_version_info{role="theta",version="step-1b"} 1.0' in metrics

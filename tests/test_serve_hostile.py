@@ -197,6 +197,9 @@ def test_credentials_and_content_types(server, dual_engine):
     ]:
         r = httpx.post(url, content=body, headers=headers, timeout=60)
         assert r.status_code == status, (headers, r.text)
+    # Without a body a POST needs no type when the server has a key (the key makes a browser ask first): vLLM's
+    # clients send /pause and /resume so. The empty body then fails as JSON, not as a type.
+    assert httpx.post(url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60).status_code == 400
     # Every route but the public three needs the key, including ones the router does not know.
     assert httpx.get(server.url + "/v1/models").status_code == 401
     assert httpx.get(server.url + "/v2/anything").status_code == 401
@@ -204,6 +207,20 @@ def test_credentials_and_content_types(server, dual_engine):
         assert httpx.get(server.url + public).status_code == 200
     with pytest.raises(ValueError, match="api_key"):
         ServeOptions(api_key="")
+
+
+def test_a_keyless_server_wants_json_even_without_a_body(dual_engine):
+    """Without a key nothing makes a browser ask first: a bodiless cross-site POST must still be refused."""
+    import asyncio
+
+    app = build_app(dual_engine, ServeOptions())
+
+    async def post() -> int:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            return (await client.post("/pause")).status_code
+
+    assert asyncio.run(post()) == 415
 
 
 def test_a_mount_prefix_does_not_open_the_routes(dual_engine):

@@ -64,7 +64,7 @@ from dual_sampling.lockstep import (
 from dual_sampling.records import SampleRecord
 from dual_sampling.text import sample_text
 
-__all__ = ["UPDATE_MODES", "DualRequest", "DualScheduler", "SampleDelta", "check_update"]
+__all__ = ["UPDATE_MODES", "DualRequest", "DualScheduler", "SampleDelta", "as_coroutine", "check_update"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -186,6 +186,8 @@ class DualScheduler:
         """Each engine's weight version: "0" as started, then the label of each update (:meth:`update_weights`)."""
         self._updating = False
         """While set, no slot is handed out: an update waits for the engines to run no request."""
+        self.paused = False
+        """Set by :meth:`pause` until :meth:`resume`: no slot is handed out (requests wait for one)."""
         self._update_aborts: set[str] = set()
         """Requests aborted by an update, so their samples say why."""
         self._closing = False
@@ -383,7 +385,7 @@ class DualScheduler:
             return self._abort(request_id)
         if not self.loop.is_running():
             return False
-        future = asyncio.run_coroutine_threadsafe(_run(self._abort, request_id), self.loop)
+        future = asyncio.run_coroutine_threadsafe(as_coroutine(self._abort, request_id), self.loop)
         while True:
             with contextlib.suppress(concurrent.futures.TimeoutError):
                 return future.result(_ABORT_POLL_S)
@@ -453,6 +455,33 @@ class DualScheduler:
             finally:
                 self._updating = False
 
+    async def pause(self, mode: str = "wait") -> None:
+        """Hand out no slot until :meth:`resume`; returns once no request runs on either engine.
+
+        The requests in flight finish (``mode="wait"``) or are aborted (``mode="abort"``, their
+        samples say ``stop_reason="weight_update"``); those that wait for a slot keep waiting.
+        Updates while paused load at once, and the pause outlasts them.
+        """
+        check_update("theta", mode, None)
+        self._check_alive()
+        self.paused = True
+        await self._quiesce(mode)
+
+    def resume(self) -> None:
+        """Hand out slots again after :meth:`pause` (requests that waited start now)."""
+        self.paused = False
+
+    def set_version(self, role: str, version: str) -> None:
+        """Label ``role``'s current weights ``version`` without changing them (samples launched from now carry it)."""
+        check_update(role, "wait", version)
+        if version is None:
+            raise ValueError("version must be a non-empty string of at most 256 characters, got None")
+        self.versions[role] = version
+
+    @property
+    def _gate_closed(self) -> bool:
+        return self._updating or self.paused
+
     async def _quiesce(self, mode: str) -> None:
         """Wait until no slot is held (no request on either engine), aborting those in flight in ``mode="abort"``."""
         while self._held:
@@ -505,7 +534,7 @@ class DualScheduler:
 
     async def _acquire_slot(self, waiter: asyncio.Future) -> int | None:
         """A free slot, first come first served; None if the request was aborted meanwhile (``waiter`` set to None)."""
-        slot = None if self._slot_waiters or self._updating else self._free_slot()
+        slot = None if self._slot_waiters or self._gate_closed else self._free_slot()
         if slot is not None:
             self._held.add(slot)
             return slot
@@ -529,7 +558,7 @@ class DualScheduler:
         while self._slot_waiters:
             while self._slot_waiters and self._slot_waiters[0].done():
                 self._slot_waiters.popleft()  # cancelled while waiting
-            slot = self._free_slot() if self._slot_waiters and not self._updating else None
+            slot = self._free_slot() if self._slot_waiters and not self._gate_closed else None
             if slot is None:
                 await asyncio.sleep(_SLOT_POLL_S)
                 continue
@@ -718,7 +747,7 @@ def check_update(role: str, mode: str, version: str | None) -> None:
         raise ValueError(f"version must be a non-empty string of at most 256 characters, got {version!r}")
 
 
-async def _run(function: Callable[..., T], *args: Any) -> T:
+async def as_coroutine(function: Callable[..., T], *args: Any) -> T:
     """``function(*args)`` as a coroutine, to run it on the scheduler's loop from another thread."""
     return function(*args)
 

@@ -19,6 +19,7 @@ from dual_sampling.lockstep import SyncError
 from dual_sampling.server.guard import Guard
 from dual_sampling.server.serve_options import API_KEY_ENV, ServeOptions
 from dual_sampling.server.serving import DualService, Reservation
+from dual_sampling.server.weights_routes import add_weight_routes
 from dual_sampling.server.wire import BadRequest, error_body, error_response
 
 __all__ = ["build_app", "serve"]
@@ -206,7 +207,16 @@ def build_app(dual: Any, options: ServeOptions | None = None, on_engine_death: C
     async def metrics():
         return PlainTextResponse(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    _add_request_schemas(app, [protocol.DualChatCompletionRequest, protocol.DualCompletionRequest])
+    add_weight_routes(app, dual, options, body_of)
+    _add_request_schemas(
+        app,
+        [
+            protocol.DualChatCompletionRequest,
+            protocol.DualCompletionRequest,
+            protocol.UpdateWeightsRequest,
+            protocol.UpdateWeightVersionRequest,
+        ],
+    )
     return app
 
 

@@ -62,8 +62,10 @@ class Guard:
             media = headers.get("content-type", "").split(";")[0].strip().lower()
             if length is not None and length.isdigit() and int(length) > self.options.max_body_bytes:
                 refusal = BadRequest(f"the request body exceeds {self.options.max_body_bytes} bytes", None, 413)
-            elif media != "application/json":
-                # A browser page may POST text/plain to localhost without asking first; JSON it must ask for.
+            elif media != "application/json" and not (self.options.api_key and _bodiless(headers)):
+                # A browser page may POST text/plain to localhost without asking first; JSON it must ask for. With a
+                # key, the Authorization header makes a browser ask first anyway, so a POST without a body (vLLM's
+                # clients send /pause and /resume so) needs no type.
                 refusal = BadRequest(
                     f"Content-Type must be application/json, got {media or 'none'!r}",
                     "Content-Type",
@@ -86,3 +88,8 @@ class Guard:
             # connection to uvicorn, which closes it (the response cannot be completed).
             self.metrics.send_timeouts.inc()
             logger.warning("%s %s: %s; request aborted", scope["method"], scope["path"], exc)
+
+
+def _bodiless(headers: Any) -> bool:
+    """A request that announces no body: no Content-Length (or 0) and no Transfer-Encoding."""
+    return headers.get("content-length", "0") == "0" and "transfer-encoding" not in headers

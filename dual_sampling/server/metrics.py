@@ -103,3 +103,14 @@ class _EngineCollector:
         yield CounterMetricFamily(
             "dual_sampling_rejected_requests", "Requests refused with 429", value=self.service.metrics.rejected
         )
+        updates = CounterMetricFamily("dual_sampling_weight_updates", "Weight updates per engine", labels=["role"])
+        versions = GaugeMetricFamily(
+            "dual_sampling_weight_version_info",
+            "Each engine's weight version now (the label is the version)",
+            labels=["role", "version"],
+        )
+        for role, version in scheduler.versions.items():
+            updates.add_metric([role], stats.get(f"{role}_updates", 0))
+            versions.add_metric([role, version], 1.0)
+        yield updates
+        yield versions

@@ -8,9 +8,9 @@ Everything else of a request is vLLM's own field, checked by vLLM's own validato
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -40,6 +40,9 @@ __all__ = [
     "DualRecords",
     "ErrorInfo",
     "ErrorResponse",
+    "UpdateWeightVersionRequest",
+    "UpdateWeightsRequest",
+    "WeightsFromPath",
 ]
 
 _HINT_DOC = (
@@ -96,6 +99,18 @@ DualRecords = create_model(
         Field(default=None, description="On a sample's last chunk: Σ(log π_θ − log q), the sequence log-weight."),
     ),
     error=(str | None, Field(default=None, description="On a sample's last chunk: why it failed, if it did.")),
+    teacher_version=(
+        str | None,
+        Field(default=None, description="On a sample's last chunk: the teacher's weight version that drew it."),
+    ),
+    theta_version=(
+        str | None,
+        Field(
+            default=None,
+            description="On a sample's last chunk: theta's weight version that drew it (the policy the "
+            "importance weights refer to).",
+        ),
+    ),
 )
 
 
@@ -129,3 +144,35 @@ class DualChatCompletionResponse(ChatCompletionResponse):
 
 class DualChatCompletionStreamResponse(ChatCompletionStreamResponse):
     choices: list[DualChatCompletionStreamChoice]  # type: ignore[valid-type]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+_VERSION = Field(min_length=1, max_length=256)
+
+
+class WeightsFromPath(_Strict):
+    """Where the new weights are: a folder of safetensors files under one of the server's ``weights_dirs``."""
+
+    weights_path: str = Field(min_length=1, max_length=4096, description="Folder of the new safetensors files.")
+
+
+class UpdateWeightsRequest(_Strict):
+    """``POST /update_weights``: new weights for the theta engine. vLLM's route takes ``update_info`` for its
+    weight-transfer engine; here it names a folder."""
+
+    update_info: WeightsFromPath
+    weight_version: Annotated[str, _VERSION] | None = Field(
+        default=None, description="The new weights' version label (default: the count of updates)."
+    )
+    mode: Literal["wait", "abort"] = Field(
+        default="wait", description="Requests in flight finish on the old weights (wait) or are aborted (abort)."
+    )
+
+
+class UpdateWeightVersionRequest(_Strict):
+    """``POST /update_weight_version``: a new label for theta's current weights (vLLM's route and body)."""
+
+    new_version: Annotated[str, _VERSION]

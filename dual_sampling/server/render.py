@@ -114,6 +114,7 @@ def token_records(token_ids: Sequence[int], records: np.ndarray, sample: SampleR
     if sample is not None:
         out["log_w_theta"] = sample.log_w_theta if sample.error is None else None
         out["error"] = sample.error
+        out["teacher_version"], out["theta_version"] = sample.teacher_version, sample.theta_version
     return out
 
 

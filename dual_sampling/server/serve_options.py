@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["API_KEY_ENV", "ServeOptions"]
 
@@ -40,6 +40,9 @@ class ServeOptions:
     """Seconds a request may run in all; past it, it is aborted on both engines (504, or an error event)."""
     max_connections: int = 1024
     """Connections served at once (uvicorn's limit_concurrency); past it a connection gets 503."""
+    weights_dirs: list[str] = field(default_factory=list)
+    """Folders from which ``POST /update_weights`` may load theta's new weights (a path is resolved, symlinks
+    followed, before it is checked); none: weight updates over HTTP are refused."""
 
     def __post_init__(self) -> None:
         for name in ("port", "max_queue", "max_n", "max_body_bytes", "max_connections"):
