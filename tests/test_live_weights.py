@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dual_sampling import OptimalSamplingDual
+from dual_sampling.lockstep import listing_dir
 from dual_sampling.records import RequestRecord
 from tests.oracles import assert_records_match_rescoring, rescore
 
@@ -87,6 +88,7 @@ def test_a_state_dict_update_and_the_teacher_update_use_the_new_weights(restore,
     hf_teacher, hf_theta = hf_models
     version = s.update_theta(hf_teacher.state_dict())  # a transformers state dict, tied names and all
     assert version == s.weight_versions["theta"]
+    assert not list(listing_dir().glob("weights-*")), "the staged weights were left behind"
     sample = one(s, "Once upon a time", max_tokens=16, seed=5).samples[0]
     assert sample.theta_version == version
     assert max(abs(a - b) for a, b in zip(sample.logp_theta, sample.logp_teacher)) < 1e-5

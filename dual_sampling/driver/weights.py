@@ -2,8 +2,8 @@
 
 vLLM's worker reloads weights in place (``reload_weights(weights_path=...)`` through
 ``collective_rpc``). Tensors passed straight through that RPC arrive as lists on the CPU
-build, so a state dict travels as one safetensors file in a private temporary folder that
-the engine loads by path; the folder is removed once it has.
+build, so a state dict travels as one safetensors file in a private folder (in /dev/shm when it
+has room) that the engine loads by path; the folder is removed once it has.
 
 Every update is checked before anything changes: each tensor's name and shape must be those
 of the checkpoint the engine was started from (read from its safetensors headers, no weights
@@ -20,6 +20,9 @@ import tempfile
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from dual_sampling.lockstep import SHM_DIR
+from dual_sampling.lockstep.janitor import staging_dir
 
 __all__ = ["WeightsCheck", "prepared_weights", "reload_from", "staged_weights"]
 
@@ -86,7 +89,13 @@ def staged_weights(tensors: Mapping[str, Any]) -> Iterator[Path]:
     """A private temporary folder holding ``tensors`` as one safetensors file, removed on exit."""
     from safetensors.torch import save_file
 
-    folder = Path(tempfile.mkdtemp(prefix="dual-sampling-weights-"))  # mode 0700
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    # In /dev/shm when it has room (no disk write, and a cleanup finds it if this process dies), else in the
+    # temporary directory; private (mode 0700) either way.
+    if shutil.disk_usage(SHM_DIR).free > 2 * size:
+        folder = staging_dir()
+    else:
+        folder = Path(tempfile.mkdtemp(prefix="dual-sampling-weights-"))
     try:
         seen: set[int] = set()
         plain = {}

@@ -16,6 +16,8 @@ import json
 import logging
 import os
 import re
+import secrets
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from stat import S_IMODE, S_ISDIR, S_ISLNK, S_ISREG
@@ -29,6 +31,8 @@ logger = logging.getLogger(__name__)
 _LISTING_DIR_PREFIX = "dual-sampling."
 """This user's listing directory is ``<shm dir>/dual-sampling.<uid>`` (no session name starts so)."""
 _SESSION_NAME = re.compile(re.escape(SESSION_PREFIX) + r"(?P<pid>\d+)-[0-9a-f]+")
+STAGING_PREFIX = "weights-"
+_STAGING_NAME = re.compile(re.escape(STAGING_PREFIX) + r"(?P<pid>\d+)-[0-9a-f]+")
 _LISTING_NAME = re.compile(r"(?P<session>" + _SESSION_NAME.pattern + r")\.segments(?P<tmp>\.tmp)?")
 _LISTED_NAME = re.compile(
     r"psm_[0-9A-Za-z_]+"  # multiprocessing.shared_memory (vLLM's message queues and buffers)
@@ -93,6 +97,11 @@ def cleanup_stale_sessions(shm_dir: Path = SHM_DIR) -> list[str]:
     listed: set[str] = set()  # sessions whose listing stays (a file it names is still mapped)
     private = _private_dir_if_safe(shm_dir)
     listings = sorted(private.iterdir()) if private else []
+    for path in listings:  # weights staged for an engine by a process that died before removing them
+        m = _STAGING_NAME.fullmatch(path.name)
+        if m and _own_dir(path) and not pid_alive(int(m["pid"])):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
     for path in [*listings, *sorted(shm_dir.glob(SESSION_PREFIX + "*.segments*"))]:
         m = _LISTING_NAME.fullmatch(path.name)
         if not m or not _own_file(path) or not stale(m["session"], int(m["pid"])):
@@ -165,6 +174,26 @@ def _own_stat(path: Path, st: os.stat_result) -> bool:
         logger.warning("%s is left to its owner, uid %d (this is uid %d)", path, st.st_uid, os.getuid())
         return False
     return True
+
+
+def _own_dir(path: Path) -> bool:
+    """Whether ``path`` is a directory of this user (not a symlink to one)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+
+
+def staging_dir(shm_dir: Path = SHM_DIR) -> Path:
+    """A new private folder in this user's :func:`listing_dir` for weights on their way into an engine.
+
+    Named ``weights-<pid>-<hex>``, so a cleanup removes it once this process is gone, should it die
+    before removing it itself.
+    """
+    path = listing_dir(shm_dir) / f"{STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+    os.mkdir(path, 0o700)
+    return path
 
 
 def _own_file(path: Path) -> bool:
