@@ -114,4 +114,3 @@ def add_weight_routes(
     async def weight_info():
         versions = scheduler.versions
         return JSONResponse({"weight_version": versions["theta"], "teacher_weight_version": versions["teacher"]})
-
