@@ -21,7 +21,11 @@ through the session's shared memory (``dual_sampling.lockstep``):
   next plan: aborts (from the driver, or vLLM's own aborts, which are turned into lockstep
   ones instead of ending one engine early), stop strings, and failed requests. Stop strings
   are watched per request (``dual_sampling.text.StopStringWatch``, dropped with the request);
-  a check that raises fails its request alone (``decision_error``).
+  a check that raises fails its request alone (``decision_error``). Each role ends a
+  request in one method, ``_end``, given a :class:`Finish` (vLLM's status follows from its
+  reason): the leader's records the end in the slot, then ends the request in its engine;
+  the follower's ends what the leader recorded, or fails a request it cannot run, whose
+  error in the slot the leader then ends on its side.
 - **Preemption** cannot happen with the KV cache the driver verifies; if vLLM preempts
   anyway, the request fails (``preempted``) instead of silently diverging.
 
@@ -95,6 +99,11 @@ _STATUS_OF_REASON = {
 """vLLM's request status for each finish reason of :class:`Finish` (vLLM maps a status back to its reason)."""
 
 
+def _status_of(finish: Finish) -> RequestStatus:
+    """vLLM's request status for ``finish``; aborted for an ending without a reason (none is ever recorded)."""
+    return _STATUS_OF_REASON.get(finish.reason, RequestStatus.FINISHED_ABORTED)
+
+
 def plan_entry(slot: int, key: int) -> int:
     """One plan word: the request's key and its slot."""
     return (key << 16) | slot
@@ -124,7 +133,7 @@ class _Ticket:
 
 
 class LockstepScheduler(Scheduler):
-    """What both sides share: tickets, arrival, ending requests, queue masking, the parent watch."""
+    """What both sides share: tickets, arrival, finishing requests in vLLM, queue masking, the parent watch."""
 
     role: ClassVar[str] = ""
     writer: ClassVar[Writer]
@@ -194,33 +203,54 @@ class LockstepScheduler(Scheduler):
     def after_step(self, scheduler_output: SchedulerOutput, outputs: dict[int, EngineCoreOutputs]) -> None:
         """Called after vLLM processed a step's output."""
 
+    def _end(
+        self,
+        request: Request,
+        ticket: _Ticket,
+        finish: Finish,
+        *,
+        error: ErrorCode = ErrorCode.NONE,
+        stop_index: int = -1,
+    ) -> None:
+        """This role's one way to end a lockstep request, for ``finish`` (with ``error`` if it failed)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ helpers
 
-    def end(self, request: Request, status: RequestStatus, stop_reason: str | None = None, emit: bool = True) -> None:
-        """End ``request`` in this engine now; with ``emit``, its frontend hears of it with the next outputs."""
-        ticket = self.tickets.pop(request.request_id, None)
-        Scheduler.finish_requests(self, request.request_id, status)
-        if ticket is not None and not ticket.scheduled:
-            self.session.release(ticket.slot, ticket.key, self.released_word)  # no processor ever saw it
-        if emit:
-            self._ending_outputs.append(
-                (
-                    request.client_index,
-                    EngineCoreOutput(
-                        request_id=request.request_id,
-                        new_token_ids=[],
-                        finish_reason=RequestStatus.get_finished_reason(status),
-                        stop_reason=stop_reason,
-                    ),
-                )
-            )
+    def _end_in_vllm(
+        self,
+        request: Request,
+        ticket: _Ticket,
+        finish: Finish,
+        stop_index: int = -1,
+        output: EngineCoreOutput | None = None,
+    ) -> None:
+        """Finish ``request`` in this engine now, with vLLM's status for ``finish``.
 
-    def fail(self, request: Request, code: ErrorCode) -> None:
-        """Record ``code`` in the request's slot (the processors abandon its rows) and end it here."""
-        ticket = self.tickets.get(request.request_id)
-        if ticket is not None:
-            self.session.fail_slot(ticket.slot, ticket.key, code, request.num_output_tokens, self.writer)
-        self.end(request, RequestStatus.FINISHED_ERROR)
+        Its frontend hears of it through ``output`` (its output of this step) if given, else with the next
+        step's outputs. Only the roles' ``_end`` call this: it records nothing in the slot.
+        """
+        status = _status_of(finish)
+        stop_reason = ticket.stops[stop_index] if 0 <= stop_index < len(ticket.stops) else None
+        self.tickets.pop(request.request_id, None)
+        Scheduler.finish_requests(self, request.request_id, status)
+        if not ticket.scheduled:
+            self.session.release(ticket.slot, ticket.key, self.released_word)  # no processor ever saw it
+        if output is not None:
+            output.finish_reason = RequestStatus.get_finished_reason(status)
+            output.stop_reason = stop_reason
+            return
+        self._ending_outputs.append(
+            (
+                request.client_index,
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=RequestStatus.get_finished_reason(status),
+                    stop_reason=stop_reason,
+                ),
+            )
+        )
 
     def live_requests(self) -> list[tuple[Request, _Ticket]]:
         """Every lockstep request this engine holds and has not ended, running or waiting."""
@@ -251,12 +281,15 @@ class LockstepScheduler(Scheduler):
             if ticket is not None:
                 ticket.scheduled = True
 
-    def refuse_preemptions(self, scheduler_output: SchedulerOutput) -> None:
-        """A preempted request would restart on one engine only: fail it instead."""
+    def refuse_preemptions(self, scheduler_output: SchedulerOutput) -> int:
+        """A preempted request would restart on one engine only: fail it instead. Return how many were."""
+        refused = 0
         for rid in scheduler_output.preempted_req_ids or ():
-            request = self.requests.get(rid)
-            if request is not None and not request.is_finished() and rid in self.tickets:
-                self.fail(request, ErrorCode.PREEMPTED)
+            request, ticket = self.requests.get(rid), self.tickets.get(rid)
+            if request is not None and not request.is_finished() and ticket is not None:
+                self._end(request, ticket, Finish.ERROR, error=ErrorCode.PREEMPTED)
+                refused += 1
+        return refused
 
 
 class TeacherLockstepScheduler(LockstepScheduler):
@@ -280,7 +313,9 @@ class TeacherLockstepScheduler(LockstepScheduler):
             admit = self._await_admissible()
         with self.queue_only(admit):
             out = super().schedule(throttle_prefills)
-        self.refuse_preemptions(out)
+        refused = self.refuse_preemptions(out)
+        if refused:
+            self.session.add_stat(Stat.PREEMPTIONS_REFUSED, refused)
         self._end_unscheduled(out)
         self.mark_scheduled(out)
         if out.num_scheduled_tokens:
@@ -296,9 +331,9 @@ class TeacherLockstepScheduler(LockstepScheduler):
             if request is None or request.is_finished():
                 # vLLM's stop checks ended it; theta's identical checks end it at the same step.
                 reason = output.finish_reason if output is not None else None
-                self._record_end(ticket, (reason is not None and Finish.of_reason(str(reason))) or Finish.STOP)
+                self._end(request, ticket, (reason is not None and Finish.of_reason(str(reason))) or Finish.STOP)
             elif self.session.error(ticket.slot)[0] != ErrorCode.NONE:
-                self._end_here(request, ticket, Finish.ERROR, output)
+                self._end(request, ticket, Finish.ERROR, output=output)
             elif ticket.stops and request.num_output_tokens >= ticket.min_tokens:
                 try:
                     ticket.watch = ticket.watch or StopStringWatch(self.tokenizer, ticket.stops)
@@ -306,12 +341,10 @@ class TeacherLockstepScheduler(LockstepScheduler):
                 except Exception:
                     # This request's stop strings (or its tokens) broke the check: it fails, the engine goes on.
                     logger.exception("checking the stop strings of request %s failed; it fails alone", rid)
-                    code = ErrorCode.DECISION_ERROR
-                    self.session.fail_slot(ticket.slot, ticket.key, code, request.num_output_tokens, self.writer)
-                    self._end_here(request, ticket, Finish.ERROR, output)
+                    self._end(request, ticket, Finish.ERROR, error=ErrorCode.DECISION_ERROR, output=output)
                     continue
                 if index is not None:
-                    self._end_here(request, ticket, Finish.STOP_STRING, output, stop_index=index)
+                    self._end(request, ticket, Finish.STOP_STRING, stop_index=index, output=output)
 
     # ------------------------------------------------------------------ admission
 
@@ -366,52 +399,47 @@ class TeacherLockstepScheduler(LockstepScheduler):
         """End what was aborted, or failed on either side, before the next plan."""
         for request, ticket in self.live_requests():
             if self.session.abort_requested(ticket.slot, ticket.key):
-                self._end_here(request, ticket, Finish.ABORT)
+                self._end(request, ticket, Finish.ABORT)
             elif request.status == RequestStatus.RUNNING and self.session.error(ticket.slot)[0] != ErrorCode.NONE:
-                self._end_here(request, ticket, Finish.ERROR)
+                self._end(request, ticket, Finish.ERROR)
 
     def _end_unscheduled(self, out: SchedulerOutput) -> None:
         """A running request left out of a step would run one step behind theta's copy: fail it."""
         for request in list(self.running):
-            if request.request_id not in out.num_scheduled_tokens and request.request_id in self.tickets:
-                self._fail_here(request, ErrorCode.DIVERGED)
+            ticket = self.tickets.get(request.request_id)
+            if ticket is not None and request.request_id not in out.num_scheduled_tokens:
+                self._end(request, ticket, Finish.ERROR, error=ErrorCode.DIVERGED)
 
-    def _fail_here(self, request: Request, code: ErrorCode) -> None:
-        ticket = self.tickets[request.request_id]
-        self.session.fail_slot(ticket.slot, ticket.key, code, request.num_output_tokens, self.writer)
-        self._end_here(request, ticket, Finish.ERROR)
-
-    def refuse_preemptions(self, scheduler_output: SchedulerOutput) -> None:
-        for rid in scheduler_output.preempted_req_ids or ():
-            request = self.requests.get(rid)
-            if request is not None and not request.is_finished() and rid in self.tickets:
-                self.session.add_stat(Stat.PREEMPTIONS_REFUSED, 1)
-                self._fail_here(request, ErrorCode.PREEMPTED)
-
-    def _end_here(
+    def _end(
         self,
-        request: Request,
+        request: Request | None,
         ticket: _Ticket,
         finish: Finish,
-        output: EngineCoreOutput | None = None,
+        *,
+        error: ErrorCode = ErrorCode.NONE,
         stop_index: int = -1,
+        output: EngineCoreOutput | None = None,
     ) -> None:
-        """End ``request`` on both engines: here now, on theta before the next plan."""
-        stop_reason = ticket.stops[stop_index] if stop_index >= 0 else None
-        self._record_end(ticket, finish, stop_index)
-        self.session.add_stat(Stat.LEADER_ENDED, 1)
-        if output is not None:  # it has an output this step: that output carries the ending
-            output.finish_reason = RequestStatus.get_finished_reason(_STATUS_OF_REASON[finish.reason])
-            output.stop_reason = stop_reason
-        self.end(request, _STATUS_OF_REASON[finish.reason], stop_reason, emit=output is None)
+        """The leader's one ending: record ``finish`` in the request's slot, then end it here.
 
-    def _record_end(self, ticket: _Ticket, finish: Finish, stop_index: int = -1) -> None:
+        With ``error`` the request failed here: the code goes to its slot first, so its processors
+        abandon its rows. The record (FINISH, STOP_INDEX and FINISH_PLAN, announced by PHASE) is what
+        the follower ends the request by, before running plan FINISH_PLAN, and what the driver reports.
+        A request that vLLM's own stop checks ended (``request`` None or finished) is only recorded:
+        theta's identical checks end it there at the same step. ``output``, the request's output of
+        this step if it has one, carries the ending to the frontend.
+        """
+        if error != ErrorCode.NONE:
+            self.session.fail_slot(ticket.slot, ticket.key, error, request.num_output_tokens, self.writer)
         c = self.session.control[ticket.slot]
-        if int(c[Slot.KEY]) != ticket.key or int(c[Slot.PHASE]) == Phase.FINISHED:
+        if int(c[Slot.KEY]) == ticket.key and int(c[Slot.PHASE]) != Phase.FINISHED:
+            c[Slot.FINISH], c[Slot.STOP_INDEX], c[Slot.FINISH_PLAN] = finish, stop_index, self.plans_published
+            c[Slot.PHASE] = Phase.FINISHED  # last: it announces the fields above
+            self.session.ring(Bell.PLAN, self.writer)
+        if request is None or request.is_finished():
             return
-        c[Slot.FINISH], c[Slot.STOP_INDEX], c[Slot.FINISH_PLAN] = finish, stop_index, self.plans_published
-        c[Slot.PHASE] = Phase.FINISHED  # last: it announces the fields above
-        self.session.ring(Bell.PLAN, self.writer)
+        self.session.add_stat(Stat.LEADER_ENDED, 1)
+        self._end_in_vllm(request, ticket, finish, stop_index, output)
 
 
 class ThetaLockstepScheduler(LockstepScheduler):
@@ -460,8 +488,8 @@ class ThetaLockstepScheduler(LockstepScheduler):
                 self._follow_endings(number)
                 now = time.monotonic()
                 if s.is_shut_down:
-                    for request, _ in self.live_requests():
-                        self.fail(request, ErrorCode.SHUTDOWN)
+                    for request, ticket in self.live_requests():
+                        self._end(request, ticket, Finish.ERROR, error=ErrorCode.SHUTDOWN)
                     return None
                 if not self.running:
                     if now - start >= IDLE_WAIT_S:
@@ -476,7 +504,9 @@ class ThetaLockstepScheduler(LockstepScheduler):
                         len(self.running),
                     )
                     for request in list(self.running):
-                        self.fail(request, ErrorCode.SYNC_TIMEOUT)
+                        ticket = self.tickets.get(request.request_id)
+                        if ticket is not None:
+                            self._end(request, ticket, Finish.ERROR, error=ErrorCode.SYNC_TIMEOUT)
                     return None
                 s.wait_bell(Bell.PLAN, seen, min(deadline - now, WAIT_CAP_S))
         finally:
@@ -490,9 +520,7 @@ class ThetaLockstepScheduler(LockstepScheduler):
             if int(c[Slot.KEY]) != ticket.key or int(c[Slot.PHASE]) != Phase.FINISHED:
                 continue
             if int(c[Slot.ADMIT_PLAN]) < 0 or int(c[Slot.FINISH_PLAN]) <= number:
-                finish, index = Finish(int(c[Slot.FINISH])), int(c[Slot.STOP_INDEX])
-                stop_reason = ticket.stops[index] if 0 <= index < len(ticket.stops) else None
-                self.end(request, _STATUS_OF_REASON.get(finish.reason, RequestStatus.FINISHED_ABORTED), stop_reason)
+                self._end(request, ticket, Finish(int(c[Slot.FINISH])), stop_index=int(c[Slot.STOP_INDEX]))
 
     def _apply_plan(self, number: int, plan: list[int]) -> list[Request]:
         """End running requests the plan leaves out; return the waiting requests it admits."""
@@ -501,20 +529,23 @@ class ThetaLockstepScheduler(LockstepScheduler):
         for request in list(self.running):
             ticket = self.tickets.get(request.request_id)
             if ticket is not None and ticket.entry not in members:
-                self._diverged(request)  # the leader ended it, but said nothing before this plan
-        by_entry = {t.entry: self.requests.get(rid) for rid, t in self.tickets.items()}
+                # The leader ended it, but said nothing before this plan.
+                self.session.add_stat(Stat.FOLLOWER_DIVERGED, 1)
+                self._end(request, ticket, Finish.ERROR, error=ErrorCode.DIVERGED)
+        by_entry = {t.entry: (self.requests.get(rid), t) for rid, t in self.tickets.items()}
         running = {id(r) for r in self.running}
         admit = []
         for entry in plan:
-            request = by_entry.get(entry)
+            request, ticket = by_entry.get(entry, (None, None))
             if request is not None and id(request) in running:
                 continue
             if request is None or request.status != RequestStatus.WAITING:
+                # Not here, or not waiting: its slot gets the error even when this engine holds no request for it.
                 slot, key = split_plan_entry(entry)
                 self.session.fail_slot(slot, key, ErrorCode.DIVERGED, 0, self.writer)
                 self.session.add_stat(Stat.FOLLOWER_DIVERGED, 1)
                 if request is not None:
-                    self.end(request, RequestStatus.FINISHED_ERROR)
+                    self._end(request, ticket, Finish.ERROR)
                 continue
             admit.append(request)
         return admit
@@ -525,11 +556,28 @@ class ThetaLockstepScheduler(LockstepScheduler):
         scheduled = {self.tickets[rid].entry for rid in out.num_scheduled_tokens if rid in self.tickets}
         for request, ticket in self.live_requests():
             if ticket.entry in members and ticket.entry not in scheduled:
-                self._diverged(request)
+                self.session.add_stat(Stat.FOLLOWER_DIVERGED, 1)
+                self._end(request, ticket, Finish.ERROR, error=ErrorCode.DIVERGED)
 
-    def _diverged(self, request: Request) -> None:
-        self.session.add_stat(Stat.FOLLOWER_DIVERGED, 1)
-        self.fail(request, ErrorCode.DIVERGED)
+    # ------------------------------------------------------------------ endings
+
+    def _end(
+        self,
+        request: Request,
+        ticket: _Ticket,
+        finish: Finish,
+        *,
+        error: ErrorCode = ErrorCode.NONE,
+        stop_index: int = -1,
+    ) -> None:
+        """The follower's one ending: end ``request`` here as the leader recorded it (``finish``, ``stop_index``).
+
+        With ``error`` (and ``Finish.ERROR``) it failed on this side: the code goes to its slot first,
+        and the leader, seeing it, ends the request on the teacher engine and records the end.
+        """
+        if error != ErrorCode.NONE:
+            self.session.fail_slot(ticket.slot, ticket.key, error, request.num_output_tokens, self.writer)
+        self._end_in_vllm(request, ticket, finish, stop_index)
 
 
 def _watch_parent(session: SyncSession) -> None:

@@ -254,7 +254,9 @@ WRITERS: dict[Slot, tuple[str, ...]] = {
     Slot.KEY: ("driver",),
     Slot.TEACHER_PROMPT_LEN: ("driver",),
     Slot.THETA_PROMPT_LEN: ("driver",),
-    Slot.ABORT: ("driver", "teacher scheduler", "theta scheduler"),  # all store the same key
+    # The driver's aborts and vLLM's own (which reach one engine's scheduler only) take one route,
+    # SyncSession.request_abort, so the leader ends every abort in one place; all store the same key.
+    Slot.ABORT: ("driver", "teacher scheduler", "theta scheduler"),
     Slot.TEACHER_ARRIVED: ("teacher scheduler",),
     Slot.THETA_ARRIVED: ("theta scheduler",),
     Slot.PHASE: ("teacher scheduler",),
@@ -266,11 +268,21 @@ WRITERS: dict[Slot, tuple[str, ...]] = {
     Slot.TEACHER_STEP: ("teacher processor",),
     Slot.TOKEN: ("teacher processor",),
     Slot.NUM_RECORDS: ("teacher processor",),
-    Slot.ERROR: ("teacher processor", "theta processor", "teacher scheduler", "theta scheduler"),  # one store each
-    Slot.TEACHER_RELEASED: ("teacher processor", "teacher scheduler"),  # never both for one key
+    # A request fails where its failure is seen: a processor in its row's work (bad logits, a timeout,
+    # an exception), a scheduler in its batch (divergence, preemption, a stop-string check, no plan, a
+    # shutdown), mostly inside its role's one ending. Every write is SyncSession.fail_slot: one store of
+    # code and step, kept only if none is recorded.
+    Slot.ERROR: ("teacher processor", "theta processor", "teacher scheduler", "theta scheduler"),
+    # On each side, the processor releases a request that reached the model runner, the scheduler one that
+    # never did: never both for one key.
+    Slot.TEACHER_RELEASED: ("teacher processor", "teacher scheduler"),
     Slot.THETA_RELEASED: ("theta processor", "theta scheduler"),
 }
-"""Which role writes each slot word. Words with several writers are written by single stores of values that agree."""
+"""Which role writes each slot word. Words with several writers are written by single stores of values that agree.
+
+Besides these, the driver resets every word of a free slot (:meth:`SyncSession.open_slot`) before it announces
+the slot's next request.
+"""
 
 
 def check_host() -> None:

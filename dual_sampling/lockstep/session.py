@@ -346,12 +346,13 @@ class SyncSession:
     def fail_slot(self, slot: int, key: int, code: ErrorCode, step: int, writer: Writer) -> None:
         """Record an error of request ``key`` unless one is recorded (one store of code and step); wake both processors.
 
-        Of the four writers, an engine's processor and scheduler never run at once (its EngineCore
-        schedules only once the step it executes is done; async scheduling is refused), so only the
-        two engines can race: both may read 0 and both store, and the later store stays (numpy has
-        no compare-and-swap). Every reader still agrees: the processors and schedulers only ask
-        whether an error is recorded, and the driver reads the code once, after both engines have
-        ended the request, when nothing stores to the word any more.
+        The one way :attr:`Slot.ERROR` is written. Of its four writers (:data:`WRITERS`), an engine's
+        processor and scheduler never run at once (its EngineCore schedules only once the step it
+        executes is done; async scheduling is refused), so only the two engines can race: both may
+        read 0 and both store, and the later store stays (numpy has no compare-and-swap). Every
+        reader still agrees: the processors and schedulers only ask whether an error is recorded,
+        and the driver reads the code once, after both engines have ended the request, when nothing
+        stores to the word any more.
         """
         c = self.control[slot]
         if int(c[Slot.KEY]) == key and int(c[Slot.ERROR]) == 0:
