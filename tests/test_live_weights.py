@@ -117,9 +117,10 @@ def test_a_prompt_cached_before_the_update_is_scored_by_the_new_weights(restore,
         (lambda sd: sd.__setitem__("model.layers.9.mlp.up_proj.weight", torch.zeros(2, 2)), "layers.9.mlp.up_proj"),
         (lambda sd: sd.__setitem__("model.norm.weight", torch.ones(7)), "model.norm.weight"),
         (lambda sd: sd["model.layers.0.mlp.down_proj.weight"].__setitem__((0, 0), math.nan), "down_proj.weight"),
+        (lambda sd: sd["model.layers.1.mlp.gate_proj.weight"].__setitem__((3, 5), -math.inf), "gate_proj.weight"),
         (lambda sd: sd.__setitem__("model.embed_tokens.weight", sd["model.embed_tokens.weight"].long()), "embed"),
     ],
-    ids=["missing", "extra", "shape", "nan", "integer"],
+    ids=["missing", "extra", "shape", "nan", "-inf", "integer"],
 )
 def test_a_refused_update_names_the_tensor_and_changes_nothing(live, hf_models, change, named):
     s = live
