@@ -126,7 +126,7 @@ class _Flight:
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     """Deltas (or the exception that ended the request) for the caller's stream."""
     task: asyncio.Task | None = None
-    versions: dict[str, str] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=lambda: {"teacher": "0", "theta": "0"})
     """The weight version of each engine when the request was launched (it cannot change before it ends)."""
 
 
