@@ -10,9 +10,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from functools import cached_property
 from pathlib import Path
-from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -26,7 +24,7 @@ from dual_sampling.datagen.run_config import RunConfig
 from dual_sampling.datagen.schema import record_schema
 from dual_sampling.datagen.sinks import read_journal, read_records
 from dual_sampling.lockstep import SESSION_PREFIX, SessionLayout, SyncSession
-from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleRecord
+from dual_sampling.testing.scripted import ScriptedSampler
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "math_problems.jsonl"
 
@@ -97,57 +95,6 @@ class FailingSampler:
                 if sample.seed % 3 == 0:
                     sample.finish_reason, sample.error = "error", "sync_timeout at step 1"
         return out
-
-
-class ScriptedSampler:
-    """OptimalSamplingDual's stand-in for runs without engines.
-
-    Every sample is made up from its seed (three tokens, finite numbers, ended by token id 2);
-    ``script(prompt_key, sample_index)`` returns fields to change (a NaN, a stop string, a cut-off answer).
-    ``drawn`` lists every (prompt_key, sample_index) drawn.
-    """
-
-    def __init__(self, models, script=None):
-        teacher, theta = models
-        self.config = SimpleNamespace(model_teacher=str(teacher), model_theta=str(theta))
-        self.script = script or (lambda key, j: {})
-        self.drawn: list[tuple[str, int]] = []
-
-    @cached_property
-    def tokenizer(self):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.config.model_teacher)
-
-    def generate(self, prompts, teacher_prompts, prompt_keys, sampling, use_tqdm):
-        requests = []
-        for index, key in enumerate(prompt_keys):
-            samples = []
-            for j in range(sampling.n):
-                seed = derive_seed(sampling.seed, key, j)
-                sample = SampleRecord(
-                    text=f"answer {key}/{j}",
-                    token_ids=[17 + (seed >> k) % 40 for k in range(3)],
-                    finish_reason="stop",
-                    seed=seed,
-                    alpha=[0.25, 0.5, 0.75],
-                    logp_teacher=[-1.0, -2.0, -0.5],
-                    logp_theta=[-1.5, -1.0, -0.25],
-                    logq=[-1.25, -1.5, -0.375],
-                    stop_reason=2,
-                )
-                for name, value in self.script(key, j).items():
-                    setattr(sample, name, value)
-                samples.append(sample)
-                self.drawn.append((key, j))
-            requests.append(RequestRecord(index, [], [], samples))
-        return DualGenerationOutput(requests)
-
-    def get_sync_statistics(self):
-        return {"requests": len(self.drawn)}
-
-    def close(self):
-        pass
 
 
 def strict_json(text: str):
