@@ -26,6 +26,7 @@ __all__ = [
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_CHARS",
     "NEUTRAL_PENALTIES",
+    "RUNTIME_ONLY",
     "UNSUPPORTED_SAMPLING",
     "DualEngineConfig",
     "EngineOptions",
@@ -52,6 +53,9 @@ NEUTRAL_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetit
 """vLLM's penalties and the value at which each does nothing: any other value is refused by name."""
 UNSUPPORTED_SAMPLING = (*NEUTRAL_PENALTIES, "bad_words")
 """vLLM options that would act after the token is forced; refused by name."""
+RUNTIME_ONLY = {"changes_records": False}
+"""Field metadata of a setting that changes how samples are drawn (speed, memory, progress, where), never which:
+a data run leaves it out of its identity, so ``--resume`` may change it."""
 
 
 def _need(ok: bool, message: str) -> None:
@@ -251,30 +255,30 @@ class EngineOptions:
     """Upper clamp on the teacher weight α."""
     alpha_config: dict[str, Any] = field(default_factory=dict)
     """Further fields of the alpha method (for example ``{"alpha": 0.3}`` for fixed)."""
-    sync_timeout: float = 60.0
+    sync_timeout: float = field(default=60.0, metadata=RUNTIME_ONLY)
     """Seconds an engine waits for its partner before failing the requests it waits on."""
-    max_num_seqs: int = 8
+    max_num_seqs: int = field(default=8, metadata=RUNTIME_ONLY)
     """Requests each engine runs at once (equal on both sides)."""
     max_model_len: int | None = None
     """Prompt plus generated tokens per request; None: min(model limit, 2048)."""
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int | None = field(default=None, metadata=RUNTIME_ONLY)
     """Tokens per engine step (prefills included); None: max(max_model_len, 2048). At least max_model_len."""
     dtype: str = "float32"
     """Model dtype; float32 is about 2x faster than bfloat16 on CPUs without bf16."""
-    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_bytes: int | None = field(default=None, metadata=RUNTIME_ONLY)
     """KV cache per engine; None sizes it for max_num_seqs full contexts, so nothing is ever preempted."""
-    enforce_eager: bool = True
+    enforce_eager: bool = field(default=True, metadata=RUNTIME_ONLY)
     """Skip graph compilation (engine start in seconds rather than minutes)."""
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = field(default=True, metadata=RUNTIME_ONLY)
     """Share the KV of common prompt prefixes (the n samples of one prompt)."""
-    cpu_binding: str = "split"
+    cpu_binding: str = field(default="split", metadata=RUNTIME_ONLY)
     """CPU backend only. "split": each engine's model gets its own half of the CPUs, so both run at once;
     "vllm": vLLM's own binding (both models on the same cores)."""
     teacher_engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra vLLM engine arguments for the teacher; settings that would break lockstep are refused after start."""
     theta_engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra vLLM engine arguments for theta."""
-    use_tqdm: bool = True
+    use_tqdm: bool = field(default=True, metadata=RUNTIME_ONLY)
     """Show a progress bar over samples in generate()."""
 
     @property

@@ -9,30 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dual_sampling.options import EngineOptions, SamplingOptions
+from dual_sampling.options import RUNTIME_ONLY, EngineOptions, SamplingOptions
 
 __all__ = ["RunConfig"]
-
-
-# Settings that do not change what a record contains (so --resume may change them).
-_NOT_IDENTITY = {
-    "ray",
-    "replicas",
-    "cpus_per_replica",
-    "gpus_per_replica",
-    "ray_max_retries",
-    "resume",
-    "batch_size",
-    "use_tqdm",
-    "output",
-    "sync_timeout",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "cpu_binding",
-    "enforce_eager",
-    "enable_prefix_caching",
-    "kv_cache_memory_bytes",
-}
 
 
 @dataclass
@@ -47,7 +26,7 @@ class RunConfig:
 
     input: str
     """Problems: a .jsonl or .parquet file, or a local Hugging Face datasets folder."""
-    output: str
+    output: str = field(metadata=RUNTIME_ONLY)
     """Records: a .jsonl or .parquet file, or a directory (Parquet parts, for runs of any size)."""
     teacher: str | None = None
     """Teacher model folder; None: the local SmolLM2-135M-Instruct."""
@@ -76,19 +55,19 @@ class RunConfig:
     marked ``truncated``; by default they are left out, logged to OUT.truncated.jsonl and counted in the summary."""
     shard: str = "0/1"
     """"i/N": this machine's deterministic share of the dataset."""
-    resume: bool = False
+    resume: bool = field(default=False, metadata=RUNTIME_ONLY)
     """Continue an interrupted run in place (failed samples are drawn again)."""
-    batch_size: int = 32
+    batch_size: int = field(default=32, metadata=RUNTIME_ONLY)
     """Problems per generate() call (with --ray: per replica batch); records are fsync'd after each."""
-    ray: bool = False
+    ray: bool = field(default=False, metadata=RUNTIME_ONLY)
     """Draw the samples on a Ray cluster (RAY_ADDRESS, or a local one started for the run) with Ray Data."""
-    replicas: int = 1
+    replicas: int = field(default=1, metadata=RUNTIME_ONLY)
     """With --ray: dual engines running at once, one per Ray actor."""
-    cpus_per_replica: float = 2.0
+    cpus_per_replica: float = field(default=2.0, metadata=RUNTIME_ONLY)
     """With --ray: CPUs each replica reserves (its two engines' model threads share them)."""
-    gpus_per_replica: float = 0.0
+    gpus_per_replica: float = field(default=0.0, metadata=RUNTIME_ONLY)
     """With --ray: GPUs each replica reserves (2 puts each engine on its own GPU)."""
-    ray_max_retries: int = 3
+    ray_max_retries: int = field(default=3, metadata=RUNTIME_ONLY)
     """With --ray: how often a batch whose replica died is drawn again (on the restarted replica); after that its
     samples fail as replica_crashed (drawn again by --resume), so a batch that always kills its replica ends."""
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
@@ -143,12 +122,32 @@ class RunConfig:
         return {k: v for k, v in self.flat().items() if k not in _NOT_IDENTITY}
 
 
-_FLAT_KEYS = {
-    **{f.name: "run" for f in dataclasses.fields(RunConfig) if f.name not in ("sampling", "engine")},
-    **{f.name: "sampling" for f in dataclasses.fields(SamplingOptions)},
-    **{f.name: "engine" for f in dataclasses.fields(EngineOptions)},
-}
+def _flat_keys(parts: dict[str, type]) -> dict[str, str]:
+    """Which part of a run each flat key belongs to; a name two parts share is refused (a flag, a run.yaml key and
+    the manifest could not tell them apart)."""
+    owner: dict[str, str] = {}
+    for part, cls in parts.items():
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(f.default_factory):  # a composed part: its own fields are the keys
+                continue
+            if f.name in owner:
+                raise TypeError(
+                    f"setting {f.name!r} is a field of both the {owner[f.name]} and the {part} options; "
+                    "a flat key must name one setting"
+                )
+            owner[f.name] = part
+    return owner
+
+
+_FLAT_KEYS = _flat_keys({"run": RunConfig, "sampling": SamplingOptions, "engine": EngineOptions})
 """Which part of a run each flat key belongs to."""
+_NOT_IDENTITY = frozenset(
+    f.name
+    for cls in (RunConfig, SamplingOptions, EngineOptions)
+    for f in dataclasses.fields(cls)
+    if not f.metadata.get("changes_records", True)
+)
+"""Settings that do not change what a record contains (so --resume may change them): those marked RUNTIME_ONLY."""
 
 
 def _parse_shard(text: str) -> tuple[int, int]:

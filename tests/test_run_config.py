@@ -1,0 +1,36 @@
+"""A run's settings: which ones make its identity, and its flat keys, both derived from the dataclasses' fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from dual_sampling.datagen.run_config import _NOT_IDENTITY, RunConfig, _flat_keys
+from dual_sampling.options import EngineOptions, SamplingOptions
+from tests.test_datagen import tiny_config
+
+
+def test_identity_leaves_out_exactly_the_settings_marked_runtime_only(tiny_same, tmp_path):
+    # The list that was kept by hand before the field metadata: the manifests of existing runs depend on it.
+    assert {
+        "ray", "replicas", "cpus_per_replica", "gpus_per_replica", "ray_max_retries", "resume", "batch_size",
+        "use_tqdm", "output", "sync_timeout", "max_num_seqs", "max_num_batched_tokens", "cpu_binding",
+        "enforce_eager", "enable_prefix_caching", "kv_cache_memory_bytes",
+    } == _NOT_IDENTITY  # fmt: skip
+    cfg = tiny_config(tiny_same, tmp_path)
+    assert set(cfg.identity()) == set(cfg.flat()) - _NOT_IDENTITY
+    assert tiny_config(tiny_same, tmp_path, max_num_seqs=2, batch_size=3).identity() == cfg.identity()
+    assert tiny_config(tiny_same, tmp_path, max_tokens=5).identity() != cfg.identity()
+
+
+def test_a_flat_key_two_parts_share_is_refused():
+    assert _flat_keys({"run": RunConfig, "sampling": SamplingOptions, "engine": EngineOptions})["seed"] == "sampling"
+
+    @dataclass
+    class Clashing:
+        max_tokens: int = 3
+        inner: SamplingOptions = field(default_factory=SamplingOptions)  # a composed part is not a key
+
+    with pytest.raises(TypeError, match="'max_tokens' is a field of both the sampling and the run options"):
+        _flat_keys({"sampling": SamplingOptions, "run": Clashing})
