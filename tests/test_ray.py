@@ -250,7 +250,7 @@ class DyingSampler(ScriptedSampler):
 class DyingStage(DualSamplingStage):
     """The command line's stage with a :class:`DyingSampler` instead of engines."""
 
-    def __init__(self, settings=None, emit="records", attempts=None):
+    def __init__(self, settings=None, emit="records", attempts=None, models=None):
         self.cfg = _run_config(settings or {})
         self.emit, self.attempts, self.replica, self.models = emit, attempts, str(os.getpid()), {}
         self.sampler = DyingSampler((self.cfg.teacher, self.cfg.theta))

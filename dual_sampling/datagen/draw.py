@@ -8,9 +8,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from dual_sampling.datagen.inputs import batched
 from dual_sampling.datagen.plan import WorkItem
 from dual_sampling.datagen.run_config import RunConfig
 from dual_sampling.datagen.schema import Message, MessagesRecord, Record
@@ -129,8 +131,11 @@ def _failure(item: WorkItem, j: int, sample, error: str | None) -> dict[str, Any
     }
 
 
-def sample_here(cfg: RunConfig, items: list[WorkItem], models: dict, sampler: Any, commit) -> dict:
-    """Draw every sample on this machine, ``batch_size`` problems per generate() call; return the sync statistics."""
+def sample_here(
+    cfg: RunConfig, items: Iterable[WorkItem], models: dict, sampler: Any, commit, total: int | None = None
+) -> dict:
+    """Draw every sample on this machine, ``batch_size`` problems per generate() call, as the plan streams in; return
+    the sync statistics. ``total`` (samples expected) only sizes the progress bar."""
     from tqdm.auto import tqdm
 
     from dual_sampling.api import OptimalSamplingDual
@@ -139,12 +144,10 @@ def sample_here(cfg: RunConfig, items: list[WorkItem], models: dict, sampler: An
     if own:
         sampler = OptimalSamplingDual(cfg.teacher, cfg.theta, **{**dataclasses.asdict(cfg.engine), "use_tqdm": False})
     try:
-        bar = tqdm(
-            total=sum(len(i.missing) for i in items), desc="samples", unit="sample", disable=not cfg.engine.use_tqdm
-        )
+        bar = tqdm(total=total, desc="samples", unit="sample", disable=not cfg.engine.use_tqdm)
         generating, tokens, failed = time.monotonic(), 0, 0
-        for start in range(0, len(items), cfg.batch_size):
-            outcomes = sample_items(sampler, cfg, items[start : start + cfg.batch_size], models)
+        for batch in batched(items, cfg.batch_size):
+            outcomes = sample_items(sampler, cfg, batch, models)
             commit(outcomes)
             tokens += sum(int(o.stats["tokens"]) for o in outcomes)
             failed += sum(o.failure is not None for o in outcomes)

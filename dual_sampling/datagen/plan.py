@@ -1,16 +1,18 @@
 """Planning a run: for each selected problem with samples still missing (a resumed run skips those done), both
-rendered prompts, or a reject when a prompt does not fit the context.
+rendered prompts, or a reject when a prompt does not fit the context; as a stream, so that no run holds its whole
+plan in memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from dual_sampling.datagen.run_config import RunConfig
 from dual_sampling.prompts import Renderer
 
-__all__ = ["WorkItem", "plan_items"]
+__all__ = ["WorkItem", "iter_items", "plan_items"]
 
 
 @dataclass
@@ -25,12 +27,17 @@ class WorkItem:
     missing: list[int]
 
 
-def plan_items(
-    cfg: RunConfig, selected: list[tuple[int, dict, str]], done: set, tokenizer: Any, max_model_len: int
-) -> tuple[list[WorkItem], list[dict]]:
-    """Render the prompts of every problem with samples still missing; reject those too long for the context."""
+def iter_items(
+    cfg: RunConfig,
+    selected: Iterable[tuple[int, dict, str]],
+    done: Container,
+    tokenizer: Any,
+    max_model_len: int,
+    rejects: list[dict],
+) -> Iterator[WorkItem]:
+    """The work items of ``selected`` rows as they come: both prompts rendered for every problem with samples not in
+    ``done``; a problem too long for the context goes to ``rejects`` instead."""
     renderer = Renderer(tokenizer, cfg.teacher_template, cfg.theta_template, cfg.chat_template)
-    items, rejects = [], []
     for number, row, row_id in selected:
         missing = [j for j in range(cfg.sampling.n) if (row_id, j) not in done]
         if not missing:
@@ -52,5 +59,13 @@ def plan_items(
             reason = f"prompt has {longest} tokens; max_model_len is {max_model_len}"
             rejects.append({"id": row_id, "row": number, "reason": reason})
             continue
-        items.append(item)
+        yield item
+
+
+def plan_items(
+    cfg: RunConfig, selected: Iterable[tuple[int, dict, str]], done: Container, tokenizer: Any, max_model_len: int
+) -> tuple[list[WorkItem], list[dict]]:
+    """Render the prompts of every problem with samples still missing; reject those too long for the context."""
+    rejects: list[dict] = []
+    items = list(iter_items(cfg, selected, done, tokenizer, max_model_len, rejects))
     return items, rejects

@@ -3,12 +3,15 @@
 From Python, as a stage of your own pipeline::
 
     import ray
-    from dual_sampling.datagen.ray_stage import DualSamplingStage
+    from dual_sampling.datagen.ray_stage import DualSamplingStage, stage_kwargs
 
     ds = ray.data.read_parquet("problems.parquet")
-    out = ds.map_batches(DualSamplingStage, fn_constructor_kwargs={"settings": {"hint_field": "solution", "n": 4}},
+    out = ds.map_batches(DualSamplingStage, fn_constructor_kwargs=stage_kwargs({"hint_field": "solution", "n": 4}),
                          concurrency=8, batch_size=64, num_cpus=2)      # on GPUs: num_gpus=2
     out.write_parquet("runs/math/")
+
+``stage_kwargs`` runs in the driver: it provisions the default models (if the settings name none) and hashes both
+once, so that no replica builds, dequantises or hashes a model.
 
 From the command line, with the crash safety of a single-machine run::
 
@@ -18,7 +21,8 @@ From the command line, with the crash safety of a single-machine run::
 One replica is one :class:`OptimalSamplingDual` (a teacher and a theta engine on one node;
 the shared memory stays on that node). Ray Data schedules the batches, retries a batch whose
 actor died (the actor is restarted), and applies backpressure. On the command line this
-process plans the work (the same prompt rendering, seeds and rejects as a local run),
+process plans the work (the same prompt rendering, seeds and rejects as a local run, put
+into the object store a batch at a time) and fingerprints the models once for every replica,
 receives every replica's outcomes in a stream, and writes each (id, sample_index) exactly
 once through the same journal or Parquet parts as a local run: a batch that Ray retries can
 only repeat samples already written, which are skipped. A batch whose replica died more
@@ -35,17 +39,17 @@ import json
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 # Ray is imported inside the functions that use it: it is optional and heavy, and run.py imports this module.
 from dual_sampling.datagen.draw import Outcome, sample_items
-from dual_sampling.datagen.inputs import model_fingerprint, select_rows
+from dual_sampling.datagen.inputs import batched, model_fingerprints, select_rows
 from dual_sampling.datagen.plan import WorkItem, plan_items
 from dual_sampling.datagen.run_config import RunConfig
 from dual_sampling.datagen.schema import records_table
 
-__all__ = ["DualSamplingStage", "ray_resources", "sample_on_ray"]
+__all__ = ["DualSamplingStage", "ray_resources", "sample_on_ray", "stage_kwargs"]
 
 _REPLICA_EXIT_S = 60.0
 """How long the driver of a cluster it started waits for its replicas and their engines to exit after stopping it."""
@@ -54,8 +58,25 @@ _OBJECT_STORE_BYTES = 256 << 20
 
 
 def _run_config(settings: dict[str, Any]) -> RunConfig:
-    """A run configuration from a stage's settings (input and output are the pipeline's business)."""
+    """A run configuration from a stage's settings (input and output are the pipeline's business).
+
+    Both model folders must be named: a RunConfig without them would provision the default models, which a
+    replica never does (:func:`stage_kwargs` resolves them in the driver)."""
+    missing = [name for name in ("teacher", "theta") if settings.get(name) is None]
+    if missing:
+        raise ValueError(
+            f"a DualSamplingStage's settings must name {' and '.join(missing)}: replicas never provision models; "
+            "build the stage's arguments with stage_kwargs(settings), which resolves the default models once"
+        )
     return RunConfig.from_settings({"input": "-", "output": "-", **settings})
+
+
+def stage_kwargs(settings: dict[str, Any] | None = None, emit: str = "records") -> dict[str, Any]:
+    """The ``fn_constructor_kwargs`` of a :class:`DualSamplingStage`, made in the driver: the model folders resolved
+    (the default ones provisioned if the settings name none) and fingerprinted here, once for every replica."""
+    cfg = RunConfig.from_settings({"input": "-", "output": "-", **(settings or {})})
+    resolved = {**(settings or {}), "teacher": cfg.teacher, "theta": cfg.theta}
+    return {"settings": resolved, "emit": emit, "models": model_fingerprints(cfg)}
 
 
 class DualSamplingStage:
@@ -72,13 +93,18 @@ class DualSamplingStage:
     ``emit="outcomes"`` gives one row per drawn sample, failed ones included, with the
     replica's sync statistics (what the command line writes and counts).
 
+    ``models`` are the fingerprints every record holds (:func:`stage_kwargs` and the command line compute them once,
+    in the driver); without them each replica hashes the model folders itself.
+
     ``attempts`` (given by the command line) is a :class:`_Attempts` actor: with it a batch
     drawn more than ``ray_max_retries`` times before (each time its replica died) is not
     drawn again, and its samples fail as ``replica_crashed``. Without it Ray retries the
     batch as long as it is told to (by default without limit).
     """
 
-    def __init__(self, settings: dict[str, Any] | None = None, emit: str = "records", attempts: Any = None) -> None:
+    def __init__(
+        self, settings: dict[str, Any] | None = None, emit: str = "records", attempts: Any = None, models: Any = None
+    ) -> None:
         from dual_sampling.api import OptimalSamplingDual
 
         if emit not in ("records", "outcomes"):
@@ -87,7 +113,7 @@ class DualSamplingStage:
         self.emit = emit
         self.attempts = attempts
         self.replica = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-        self.models = {"teacher": model_fingerprint(self.cfg.teacher), "theta": model_fingerprint(self.cfg.theta)}
+        self.models = models if models is not None else model_fingerprints(self.cfg)
         engine = {**dataclasses.asdict(self.cfg.engine), "use_tqdm": False}
         self.sampler = OptimalSamplingDual(self.cfg.teacher, self.cfg.theta, **engine)
 
@@ -111,9 +137,9 @@ class DualSamplingStage:
 
     def _draw(self, items: list[WorkItem]) -> list[Outcome]:
         """The batch's outcomes; failures without drawing if its replica died on every one of its allowed attempts."""
-        import ray
-
         if self.attempts is not None:
+            import ray
+
             key = hashlib.sha256(json.dumps([[i.id, i.missing] for i in items]).encode()).hexdigest()
             attempt = ray.get(self.attempts.start.remote(key))
             allowed = self.cfg.ray_max_retries + 1
@@ -189,8 +215,13 @@ def ray_resources(cpus_per_replica: float, gpus_per_replica: float) -> dict[str,
     return {"num_cpus": cpus_per_replica, **({"num_gpus": gpus_per_replica} if gpus_per_replica else {})}
 
 
-def sample_on_ray(cfg: RunConfig, items: list[WorkItem], models: dict, commit: Callable[[list[Outcome]], None]) -> dict:
+def sample_on_ray(
+    cfg: RunConfig, items: Iterable[WorkItem], models: dict, commit: Callable[[list[Outcome]], None]
+) -> dict:
     """Draw ``items`` on Ray Data replicas, committing each output batch as it arrives; return summed sync statistics.
+
+    The plan goes into the object store a batch at a time as it streams in (Ray spills it to disk past the store's
+    size), so this process never holds it whole; the replicas get ``models``, the fingerprints made here.
 
     Uses the cluster RAY_ADDRESS names, or starts a local one (this machine's CPUs, a small
     object store, no dashboard) and stops it afterwards.
@@ -218,16 +249,23 @@ def sample_on_ray(cfg: RunConfig, items: list[WorkItem], models: dict, commit: C
             raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS={address!r}: {exc}") from None
     latest: dict[str, dict] = {}
     try:
-        if items:
+        import pyarrow as pa
+
+        # One block per batch: Ray Data hands an actor whole blocks, so a larger block would go to one replica whole
+        # and come back only when all of it is drawn.
+        blocks = [
+            ray.put(pa.Table.from_pylist([dataclasses.asdict(item) for item in chunk]))
+            for chunk in batched(items, cfg.batch_size)
+        ]
+        if blocks:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            settings = {k: v for k, v in cfg.flat().items() if k not in ("input", "output", "resume", "ray")}
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             attempts = ray.remote(_Attempts).options(num_cpus=0, scheduling_strategy=here).remote()
-            dataset = ray.data.from_items([dataclasses.asdict(item) for item in items])
+            dataset = ray.data.from_arrow_refs(blocks)
             out = dataset.map_batches(
                 DualSamplingStage,
-                fn_constructor_kwargs={"settings": settings, "emit": "outcomes", "attempts": attempts},
+                fn_constructor_kwargs=_driver_stage_kwargs(cfg, models, attempts),
                 concurrency=cfg.replicas,
                 batch_size=cfg.batch_size,
                 batch_format="pyarrow",
@@ -250,6 +288,13 @@ def sample_on_ray(cfg: RunConfig, items: list[WorkItem], models: dict, commit: C
             _wait_for_exit(replicas, _REPLICA_EXIT_S)
         cleanup_stale_sessions()
     return _sum_statistics(latest.values())
+
+
+def _driver_stage_kwargs(cfg: RunConfig, models: dict, attempts: Any) -> dict[str, Any]:
+    """What the command line's replicas are built with: the run's settings (its model folders resolved here) and the
+    fingerprints made here, so that no replica provisions or hashes a model."""
+    settings = {k: v for k, v in cfg.flat().items() if k not in ("input", "output", "resume", "ray")}
+    return {"settings": settings, "emit": "outcomes", "attempts": attempts, "models": models}
 
 
 def _local_replicas() -> list[Any]:

@@ -19,6 +19,13 @@ Crash safety
 - Sample seeds derive from (seed, id, sample_index), so a resumed sample is drawn with the
   same seed as it would have been in an uninterrupted run.
 
+Runs of any size
+----------------
+No step holds the input or the records: the input is read a batch at a time, twice (to check every
+row, then to plan and draw); a resume reads only the (id, sample_index) keys; a batch is committed
+in time proportional to it; a Parquet file is written from its journal a row group at a time. What
+grows with a run is its ids and keys, and one float per sample (for the ESS).
+
 Only complete, verified samples with finite numbers are training data: a sample that
 failed (or was aborted, or has a non-finite α, log π or log q) goes to ``OUT.failed.jsonl``
 with its error, never to the output, and is drawn again by ``--resume``. The summary counts
@@ -30,6 +37,7 @@ This module only orchestrates: it runs the parts (``inputs``, ``manifest``, ``pl
 
 from __future__ import annotations
 
+import array
 import collections
 import json
 import math
@@ -41,9 +49,9 @@ from typing import Any
 from dual_sampling.datagen import ray_stage
 from dual_sampling.datagen.draw import Outcome, sample_here
 from dual_sampling.datagen.durable import write_text_durably
-from dual_sampling.datagen.inputs import input_fingerprint, load_rows, model_fingerprint, select_rows
+from dual_sampling.datagen.inputs import input_fingerprint, iter_rows, iter_selected, model_fingerprints
 from dual_sampling.datagen.manifest import check_manifest
-from dual_sampling.datagen.plan import plan_items
+from dual_sampling.datagen.plan import iter_items
 from dual_sampling.datagen.run_config import RunConfig
 from dual_sampling.datagen.sinks import Journal, open_sink, output_lock, output_paths, write_rejects
 from dual_sampling.records import effective_sample_size
@@ -69,10 +77,12 @@ def _run(cfg: RunConfig, sampler: Any, paths: dict[str, Path], started: float) -
 
     from dual_sampling.api import context_length
 
-    rows = load_rows(cfg.input)
+    # A first pass checks every row (fields, unique ids) before anything is written; the second, below, plans and
+    # draws batch by batch. Neither holds the input.
+    rejects: list[dict] = []
+    selected = sum(1 for _ in iter_selected(cfg, iter_rows(cfg.input), rejects))
     inputs = input_fingerprint(cfg.input)
-    selected, rejects = select_rows(cfg, rows)
-    models = {"teacher": model_fingerprint(cfg.teacher), "theta": model_fingerprint(cfg.theta)}
+    models = model_fingerprints(cfg)
     check_manifest(cfg, paths, models, inputs)
     if sampler is not None:
         for role, wanted, running in (
@@ -90,13 +100,16 @@ def _run(cfg: RunConfig, sampler: Any, paths: dict[str, Path], started: float) -
         already = len(sink.done) + len(writer.left_out.done)
         tokenizer = sampler.tokenizer if sampler is not None else AutoTokenizer.from_pretrained(cfg.teacher)
         max_model_len = context_length(cfg.teacher, cfg.theta, cfg.engine.max_model_len)
-        items, too_long = plan_items(cfg, selected, sink.done | writer.left_out.done, tokenizer, max_model_len)
-        rejects += too_long
-        write_rejects(paths["rejects"], rejects)
+        rows = iter_selected(cfg, iter_rows(cfg.input), [], unique=False)  # its rejects were counted above
+        too_long: list[dict] = []
+        items = iter_items(cfg, rows, _Done(sink.done, writer.left_out.done), tokenizer, max_model_len, too_long)
         if cfg.ray:
             sync = ray_stage.sample_on_ray(cfg, items, models, writer.commit)
         else:
-            sync = sample_here(cfg, items, models, sampler, writer.commit)
+            total = max(selected * cfg.sampling.n - already, 0)
+            sync = sample_here(cfg, items, models, sampler, writer.commit, total)
+        rejects += too_long
+        write_rejects(paths["rejects"], rejects)
         sink.finish()
         for log in logs:
             log.close()
@@ -109,6 +122,16 @@ def _run(cfg: RunConfig, sampler: Any, paths: dict[str, Path], started: float) -
         sink.close()
         for log in logs:
             log.close()
+
+
+class _Done:
+    """(id, sample_index) pairs done: in the sink or left out. Asks each set in turn; a union would copy them."""
+
+    def __init__(self, *done: set) -> None:
+        self.done = done
+
+    def __contains__(self, key: object) -> bool:
+        return any(key in d for d in self.done)
 
 
 class _Writer:
@@ -133,7 +156,7 @@ class _Tally:
     def __init__(self) -> None:
         self.written = self.tokens = self.alpha_n = self.truncated = self.left_out = 0
         self.alpha_sum = self.alpha_sq = 0.0
-        self.log_w: list[float] = []
+        self.log_w = array.array("d")  # 8 bytes a sample, for the ESS at the end
         self.failures: collections.Counter = collections.Counter()
 
     def add(self, outcome: Outcome, new: bool = True) -> None:

@@ -13,11 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from dual_sampling.datagen.durable import dumps, replace_durably, write_text_durably
+from dual_sampling.datagen.inputs import batched
 from dual_sampling.datagen.run_config import RunConfig
-from dual_sampling.datagen.schema import records_table, table_records
+from dual_sampling.datagen.schema import record_schema, records_table, table_records
 
 __all__ = [
+    "KEY_COLUMNS",
     "Journal",
+    "iter_journal",
+    "journal_keys",
     "open_sink",
     "output_lock",
     "output_paths",
@@ -25,6 +29,12 @@ __all__ = [
     "read_records",
     "write_rejects",
 ]
+
+
+KEY_COLUMNS = ("id", "sample_index")
+"""What identifies a record: a resume reads these columns of the parts and nothing else."""
+ROWS_PER_GROUP = 1024
+"""Records per row group of a Parquet file written from its journal: what is held in memory at a time."""
 
 
 def output_paths(cfg: RunConfig) -> dict[str, Path]:
@@ -75,36 +85,49 @@ def output_lock(cfg: RunConfig, paths: dict[str, Path]) -> Iterator[None]:
         lock.release()
 
 
-def read_journal(path: Path, repair: bool = True) -> list[dict[str, Any]]:
-    """Records of a JSONL journal. A torn last line (no newline, or not JSON) is cut off when
-    ``repair``; a bad line anywhere else is corruption and raises ValueError naming it."""
+def iter_journal(path: Path, repair: bool = True) -> Iterator[dict[str, Any]]:
+    """Records of a JSONL journal, read line by line. A torn last line (no newline, or not JSON) is cut off when
+    ``repair`` (once every record is read); a bad line anywhere else is corruption and raises ValueError naming it."""
     if not path.exists():
-        return []
-    data = path.read_bytes()
-    keep = len(data)
-    lines = data.split(b"\n")
-    tail = lines.pop()  # bytes after the last newline: empty unless the last line is torn
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if number == len(lines) and not tail:
-                keep = len(data) - len(line) - 1
+        return
+    bad: tuple[int, int] | None = None  # (line number, offset) of a line that is not JSON: only the last may be
+    cut = None
+    offset = 0
+    with path.open("rb") as f:
+        for number, line in enumerate(f, 1):
+            start, offset = offset, offset + len(line)
+            if bad is not None:
+                raise ValueError(f"{path}:{bad[0]} is not a complete JSON record; the file is damaged")
+            if not line.endswith(b"\n"):  # bytes after the last newline: a record the kill tore
+                cut = start
                 break
-            raise ValueError(f"{path}:{number} is not a complete JSON record; the file is damaged") from None
-    if tail:
-        keep = min(keep, len(data) - len(tail))
-    if keep < len(data):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line[:-1])
+            except ValueError:  # not JSON, or not even text (zeros a crash left)
+                bad = (number, start)
+                continue
+            yield record
+    if bad is not None:
+        cut = bad[1]
+    if cut is not None:
         if not repair:
             raise ValueError(f"{path} ends in a torn record")
         with path.open("r+b") as f:
-            f.truncate(keep)
+            f.truncate(cut)
             f.flush()
             os.fsync(f.fileno())
-    return records
+
+
+def read_journal(path: Path, repair: bool = True) -> list[dict[str, Any]]:
+    """Every record of a JSONL journal (see :func:`iter_journal`)."""
+    return list(iter_journal(path, repair))
+
+
+def journal_keys(path: Path) -> set[tuple[str, int]]:
+    """The (id, sample_index) pairs of a journal, its torn tail cut off: what a resume needs of it, and all it keeps."""
+    return {(r["id"], r["sample_index"]) for r in iter_journal(path)}
 
 
 class Journal:
@@ -116,7 +139,7 @@ class Journal:
 
     def __init__(self, path: Path, resume: bool) -> None:
         self.path = path
-        self.done = {(r["id"], r["sample_index"]) for r in read_journal(path)} if resume else set()
+        self.done = journal_keys(path) if resume else set()
         self.file = path.open("a" if resume else "w", encoding="utf-8")
 
     def write(self, records: Iterable[dict[str, Any]], unique: bool = True) -> list[dict[str, Any]]:
@@ -173,8 +196,8 @@ class _PartsSink:
         self.done = set()
         if resume:
             for part in parts:
-                table = pq.read_table(part, columns=["id", "sample_index"])
-                self.done |= set(zip(table.column("id").to_pylist(), table.column("sample_index").to_pylist()))
+                table = pq.read_table(part, columns=list(KEY_COLUMNS))  # the keys alone, not the records
+                self.done.update(zip(table.column("id").to_pylist(), table.column("sample_index").to_pylist()))
         self.next = 1 + max((int(p.stem.split("-")[1]) for p in parts), default=-1)
 
     def write(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -232,8 +255,11 @@ def write_rejects(path: Path, rejects: list[dict]) -> None:
 
 
 def _write_parquet(journal: Path, output: Path, fmt: str) -> None:
+    """The Parquet file of a journal's records, written a row group at a time (never the whole journal at once)."""
     import pyarrow.parquet as pq
 
     tmp = output.with_name(output.name + ".tmp")
-    pq.write_table(records_table(read_journal(journal), fmt), tmp)
+    with pq.ParquetWriter(tmp, record_schema(fmt)) as writer:
+        for chunk in batched(iter_journal(journal), ROWS_PER_GROUP):
+            writer.write_table(records_table(chunk, fmt))
     replace_durably(tmp, output)
