@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint install models bench bench-gemma bench-alpha bench-ray clean
+.PHONY: demo test test-fast lint install models bench bench-gemma bench-alpha bench-ray bench-datagen clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,10 @@ bench-alpha: $(STAMP)
 # Ray's overhead on this machine: the same run without Ray and on one replica (ray_vs_local).
 bench-ray: models
 	$(PY) examples/bench_ray.py --output bench-out/ray.json
+
+# A data run's own cost per record (no engines: a scripted sampler), at 10k and 100k rows; it must grow linearly.
+bench-datagen: $(STAMP)
+	$(PY) examples/bench_datagen.py --output bench-out/datagen.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
