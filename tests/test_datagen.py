@@ -200,7 +200,7 @@ def test_bad_config_values_are_named(tiny_same, tmp_path):
 def test_stop_strings_and_stop_tokens_share_one_schema_in_jsonl_parquet_and_parts(tiny_same, tmp_path):
     def script(key, j):
         if key in ("p4", "p5"):  # their batch's part holds no stop at all: its columns are typed all the same
-            return {"finish_reason": "length", "stop_reason": None}
+            return {"finish_reason": "length", "stop_reason": None, "theta_version": "step-3"}
         return {"stop_reason": "\n\n"} if j == 0 else {}
 
     outputs = [tmp_path / "out.jsonl", tmp_path / "out.parquet", tmp_path / "parts"]
@@ -214,6 +214,10 @@ def test_stop_strings_and_stop_tokens_share_one_schema_in_jsonl_parquet_and_part
         expected = (None, None) if key in ("p4", "p5") else ("\n\n", None) if j == 0 else (None, 2)
         assert (r["stop_reason"], r["stop_token_id"]) == expected, (key, j)
     assert by_key[1][("p0", 0)]["models"]["teacher"]["blake2b"]  # JSON-text columns come back as the same objects
+    # Each record names the weights that drew it (a trainer's importance weights depend on them).
+    assert {k: (r["teacher_version"], r["theta_version"]) for k, r in by_key[0].items()} == {
+        (key, j): ("0", "step-3" if key in ("p4", "p5") else "0") for key, j in all_pairs()
+    }
     schema = record_schema("records")
     parts = sorted((tmp_path / "parts").glob("part-*.parquet"))
     assert len(parts) == 3

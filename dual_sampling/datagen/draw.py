@@ -109,6 +109,8 @@ def _record(cfg: RunConfig, item: WorkItem, j: int, sample, models: dict) -> dic
         sum_logq=math.fsum(sample.logq),
         log_w_theta=sample.log_w_theta,
         log_w_teacher=sample.log_w_teacher,
+        teacher_version=sample.teacher_version,
+        theta_version=sample.theta_version,
         models=models,
         sampling={
             **dataclasses.asdict(cfg.sampling),

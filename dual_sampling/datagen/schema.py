@@ -59,6 +59,10 @@ class Record:
     """Σ (log π_θ − log q): the sequence's log importance weight towards theta."""
     log_w_teacher: float
     """Σ (log π_t − log q): likewise towards the teacher."""
+    teacher_version: str
+    """The teacher's weight version that drew the sample ("0": the weights its engine started with)."""
+    theta_version: str
+    """Theta's weight version that drew the sample: the policy whose π_θ ``log_w_theta`` refers to."""
     models: dict[str, Any]
     """Path and content hash of the teacher and theta model folders."""
     sampling: dict[str, Any]
