@@ -390,6 +390,10 @@ def test_a_cancelled_handler_aborts_its_request_on_both_engines(dual_engine):
 
     app = build_app(dual_engine, ServeOptions())
     service = app.state.service
+    deadline = time.monotonic() + 60
+    while dual_engine.scheduler.in_flight():  # an earlier test's request ending now would look like this one's
+        assert time.monotonic() < deadline, "an earlier request still runs"
+        time.sleep(0.01)
     before = dict(dual_engine.scheduler.counters)
 
     async def run() -> None:
@@ -397,7 +401,6 @@ def test_a_cancelled_handler_aborts_its_request_on_both_engines(dual_engine):
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as c:
             body = completion(prompt="a long story", max_tokens=200, min_tokens=200)
             task = asyncio.ensure_future(c.post("/v1/completions", content=body, headers=AUTH))
-            deadline = time.monotonic() + 60
             while not dual_engine.scheduler.in_flight():
                 assert time.monotonic() < deadline and not task.done(), "the request never reached the engines"
                 await asyncio.sleep(0.01)
@@ -410,8 +413,9 @@ def test_a_cancelled_handler_aborts_its_request_on_both_engines(dual_engine):
     asyncio.run(run())
     after = dual_engine.scheduler.counters
     # Run to its end, it would have finished as "length" with 200 tokens counted.
-    assert after["finished_length"] == before.get("finished_length", 0)
     assert after["tokens"] - before.get("tokens", 0) < 200
+    assert after["finished_length"] == before.get("finished_length", 0)
+    assert after["finished_abort"] == before.get("finished_abort", 0) + 1
     assert service.held == 0
 
 
