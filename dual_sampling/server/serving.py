@@ -124,8 +124,11 @@ class DualService:
         """The whole response of a non-streaming request, as JSON bytes (a DualCompletionResponse or
         DualChatCompletionResponse)."""
         deltas: dict[int, list[SampleDelta]] = {}
-        async for index, delta in self.samples(job):
-            deltas.setdefault(index, []).append(delta)
+        # aclosing: a cancelled handler aborts its samples before it returns, not whenever the loop gets round to
+        # finalising the abandoned generator (under load in CI the request then ran to its end).
+        async with contextlib.aclosing(self.samples(job)) as samples:
+            async for index, delta in samples:
+                deltas.setdefault(index, []).append(delta)
         samples = [(i, ds) for i, ds in sorted(deltas.items())]
         if job.sampling.best_of:
             samples.sort(key=lambda item: -best_of_score(item[1][-1].sample, job.sampling.best_of_score))
