@@ -462,7 +462,7 @@ class DualScheduler:
         samples say ``stop_reason="weight_update"``); those that wait for a slot keep waiting.
         Updates while paused load at once, and the pause outlasts them.
         """
-        check_update("theta", mode, None)
+        check_update(mode=mode)
         self._check_alive()
         self.paused = True
         await self._quiesce(mode)
@@ -473,9 +473,9 @@ class DualScheduler:
 
     def set_version(self, role: str, version: str) -> None:
         """Label ``role``'s current weights ``version`` without changing them (samples launched from now carry it)."""
-        check_update(role, "wait", version)
         if version is None:
             raise ValueError("version must be a non-empty string of at most 256 characters, got None")
+        check_update(role=role, version=version)
         self.versions[role] = version
 
     @property
@@ -737,11 +737,14 @@ class DualScheduler:
         await asyncio.wait(tasks, timeout=5) if tasks else None
 
 
-def check_update(role: str, mode: str, version: str | None) -> None:
-    """Refuse, naming the argument, a weight update :meth:`DualScheduler.update_weights` cannot do."""
-    if role not in ("teacher", "theta"):
+def check_update(role: str | None = None, mode: str | None = None, version: str | None = None) -> None:
+    """Refuse, naming the argument, a role, update mode or version label the weight operations cannot take.
+
+    Each argument left None is not checked (a version of None asks for the default label).
+    """
+    if role is not None and role not in ("teacher", "theta"):
         raise ValueError(f"role must be 'teacher' or 'theta', got {role!r}")
-    if mode not in UPDATE_MODES:
+    if mode is not None and mode not in UPDATE_MODES:
         raise ValueError(f"mode must be one of {UPDATE_MODES}, got {mode!r}")
     if version is not None and (not isinstance(version, str) or not version or len(version) > 256):
         raise ValueError(f"version must be a non-empty string of at most 256 characters, got {version!r}")

@@ -45,44 +45,37 @@ class WeightsCheck:
 
         if not isinstance(state, Mapping) or not state:
             raise ValueError(f"the new {role} weights must be a non-empty mapping of tensor names to tensors")
-        out = {}
-        for name, tensor in state.items():
-            if name not in self.shapes:
-                if name == _TIED_OUTPUT and self.tied:
-                    continue  # state_dict() lists the tied projection; the checkpoint and the engine share it
-                raise ValueError(f"{role} weights: {name!r} is not a tensor of the {role} model")
+        # state_dict() lists a tied projection that the checkpoint leaves out (the engine shares the embedding).
+        out = {
+            name: t for name, t in state.items() if not (name == _TIED_OUTPUT and self.tied and name not in self.shapes)
+        }
+        for name, tensor in out.items():
             if not isinstance(tensor, torch.Tensor):
                 raise ValueError(f"{role} weights: {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
-            if tuple(tensor.shape) != self.shapes[name]:
-                raise ValueError(
-                    f"{role} weights: {name!r} has shape {tuple(tensor.shape)}, the model's is {self.shapes[name]}"
-                )
+        self._check_shapes({name: tuple(t.shape) for name, t in out.items()}, f"{role} weights", role)
+        for name, tensor in out.items():
             if not tensor.is_floating_point():
                 raise ValueError(f"{role} weights: {name!r} has dtype {tensor.dtype}, not a floating-point type")
             # The extremes are NaN if any value is, and ±inf if any is: two reductions, no tensor-sized mask.
             if tensor.numel() and not bool(torch.isfinite(torch.stack([tensor.amax(), tensor.amin()])).all()):
                 raise ValueError(f"{role} weights: {name!r} holds a NaN or an infinity")
-            out[name] = tensor
-        missing = sorted(set(self.shapes) - set(out))
-        if missing:
-            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-            raise ValueError(f"{role} weights: {missing[0]!r}{more} missing")
         return out
 
     def check_folder(self, folder: str | Path, role: str) -> None:
         """A folder of new weights must hold exactly the checkpoint's tensors with their shapes (headers only)."""
-        shapes = _checkpoint_shapes(Path(folder))
+        self._check_shapes(_checkpoint_shapes(Path(folder)), f"{role} weights in {folder}", role)
+
+    def _check_shapes(self, shapes: Mapping[str, tuple[int, ...]], where: str, role: str) -> None:
+        """No tensor missing, none extra, each of the checkpoint's shape; ValueError naming the first that is not."""
         for name in sorted(shapes):
             if name not in self.shapes:
-                raise ValueError(f"{role} weights in {folder}: {name!r} is not a tensor of the {role} model")
+                raise ValueError(f"{where}: {name!r} is not a tensor of the {role} model")
             if shapes[name] != self.shapes[name]:
-                raise ValueError(
-                    f"{role} weights in {folder}: {name!r} has shape {shapes[name]}, the model's is {self.shapes[name]}"
-                )
+                raise ValueError(f"{where}: {name!r} has shape {shapes[name]}, the model's is {self.shapes[name]}")
         missing = sorted(set(self.shapes) - set(shapes))
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-            raise ValueError(f"{role} weights in {folder}: {missing[0]!r}{more} missing")
+            raise ValueError(f"{where}: {missing[0]!r}{more} missing")
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from typing import Any
 from dual_sampling.options import NEUTRAL_PENALTIES, SamplingOptions
 from dual_sampling.prompts import DEFAULT_TEACHER_TEMPLATE, user_template
 from dual_sampling.server.serve_options import ServeOptions
-from dual_sampling.server.wire import BadRequest, parse_body
+from dual_sampling.server.wire import BadRequest, invalid_field, parse_body
 
 __all__ = ["Job", "Translator"]
 
@@ -107,9 +107,7 @@ class Translator:
         try:
             req = model_cls.model_validate(body)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-            raise BadRequest(f"{param or 'request'}: {first.get('msg', 'invalid value')}", param) from None
+            raise invalid_field(exc) from None
         except (VLLMClientError, TypeError, KeyError, AttributeError) as exc:
             # vLLM's own request checks raise their own errors, and its "before" validators meet the raw body
             # (``"messages": null``): the client's input all the same.

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from dual_sampling.driver.dual_scheduler import as_coroutine
 from dual_sampling.lockstep import SyncError
 from dual_sampling.server.serve_options import ServeOptions
-from dual_sampling.server.wire import BadRequest, error_response, parse_body
+from dual_sampling.server.wire import BadRequest, error_response, invalid_field, parse_body
 
 __all__ = ["add_weight_routes", "allowed_weights_path"]
 
@@ -55,9 +55,7 @@ def add_weight_routes(
         except BadRequest as exc:
             return error_response(exc)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            param = ".".join(str(p) for p in first.get("loc", ())) or None
-            return error_response(BadRequest(f"{param or 'request'}: {first.get('msg', 'invalid value')}", param))
+            return error_response(invalid_field(exc))
         except SyncError as exc:
             return error_response(BadRequest(str(exc), None, 503, "service_unavailable"))
         except ValueError as exc:  # the weights themselves: a tensor missing, extra, misshapen or not finite

@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-__all__ = ["MAX_JSON_DEPTH", "BadRequest", "error_body", "error_response", "parse_body"]
+__all__ = ["MAX_JSON_DEPTH", "BadRequest", "error_body", "error_response", "invalid_field", "parse_body"]
 
 MAX_JSON_DEPTH = 32
 """Nesting of a request body's arrays and objects at most (the deepest valid request nests about 6)."""
@@ -26,6 +26,13 @@ class BadRequest(Exception):
 def error_body(message: str, status: int, kind: str, param: str | None = None) -> dict[str, Any]:
     """vLLM's ``ErrorResponse`` shape."""
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def invalid_field(exc: Any) -> BadRequest:
+    """The refusal for a pydantic ValidationError: its first error, naming the field's path in the body."""
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    return BadRequest(f"{param or 'request'}: {first.get('msg', 'invalid value')}", param)
 
 
 def error_response(exc: BadRequest) -> JSONResponse:
