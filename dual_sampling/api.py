@@ -86,6 +86,7 @@ class OptimalSamplingDual:
             max_model_len=self.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
             sync_timeout=cfg.sync_timeout,
+            max_dense_logprobs=cfg.max_dense_logprobs,
         )
 
     # ------------------------------------------------------------------ blocking API
@@ -196,6 +197,11 @@ class OptimalSamplingDual:
     ) -> str:
         """:meth:`update_teacher` from any asyncio loop."""
         return await asyncio.to_thread(self._update, "teacher", weights, version, mode)
+
+    @property
+    def max_dense_logprobs(self) -> int:
+        """The largest ``dense_logprobs`` a request may ask for (the engine option of that name)."""
+        return self.config.max_dense_logprobs
 
     @property
     def weight_versions(self) -> dict[str, str]:

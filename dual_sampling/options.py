@@ -125,6 +125,10 @@ class SamplingOptions:
     """Seed of the call; sample j of prompt i is drawn with a seed derived from (seed, prompt key, j)."""
     top_logprobs: int = 0
     """Also record, per token, this many of q's most likely tokens with their log-probabilities (0-20)."""
+    dense_logprobs: int = 0
+    """Also record, per token, the teacher's k most likely tokens with log π_t and theta's k most likely with log π_θ
+    (untempered, unfiltered: the models' own distributions at that position); at most the engine's
+    ``max_dense_logprobs``. The dense signal of a distillation loss."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -209,6 +213,10 @@ class SamplingOptions:
             _is_int(self.top_logprobs) and 0 <= self.top_logprobs <= TOP_LOGPROBS_MAX,
             f"top_logprobs must be an integer in [0, {TOP_LOGPROBS_MAX}], got {self.top_logprobs!r}",
         )
+        _need(
+            _is_int(self.dense_logprobs) and self.dense_logprobs >= 0,
+            f"dense_logprobs must be a non-negative integer, got {self.dense_logprobs!r}",
+        )
 
     def row(self, seed: int, masked_before_min_tokens: Sequence[int] = ()) -> RowSampling:
         """The engine-side settings of one sample: the one mapping from these options.
@@ -278,6 +286,9 @@ class EngineOptions:
     """Extra vLLM engine arguments for the teacher; settings that would break lockstep are refused after start."""
     theta_engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra vLLM engine arguments for theta."""
+    max_dense_logprobs: int = field(default=0, metadata=RUNTIME_ONLY)
+    """The largest ``dense_logprobs`` a request may ask for. Shared memory holds 16·k bytes per token of every slot's
+    context (k = 64: 1 KiB per token, 2 MiB per slot at 2,048 tokens); 0 refuses dense log-probabilities."""
     use_tqdm: bool = field(default=True, metadata=RUNTIME_ONLY)
     """Show a progress bar over samples in generate()."""
 
@@ -314,6 +325,10 @@ class EngineOptions:
             self.kv_cache_memory_bytes is None
             or (_is_int(self.kv_cache_memory_bytes) and self.kv_cache_memory_bytes > 0),
             f"kv_cache_memory_bytes must be a positive integer, got {self.kv_cache_memory_bytes!r}",
+        )
+        _need(
+            _is_int(self.max_dense_logprobs) and self.max_dense_logprobs >= 0,
+            f"max_dense_logprobs must be a non-negative integer, got {self.max_dense_logprobs!r}",
         )
         _need(self.cpu_binding in ("split", "vllm"), f"cpu_binding must be 'split' or 'vllm', got {self.cpu_binding!r}")
         for name in ("teacher_engine_kwargs", "theta_engine_kwargs"):

@@ -6,6 +6,8 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+import numpy as np
+
 __all__ = ["DualGenerationOutput", "RequestRecord", "SampleRecord", "best_of_score", "effective_sample_size"]
 
 
@@ -16,6 +18,10 @@ def effective_sample_size(log_weights: list[float]) -> float:
     top = max(log_weights)
     w = [math.exp(x - top) for x in log_weights]
     return math.fsum(w) ** 2 / math.fsum(x * x for x in w)
+
+
+DENSE_ROLES = ("teacher", "theta")
+"""The order of the role axis of :attr:`SampleRecord.dense_ids` and :attr:`SampleRecord.dense_logp`."""
 
 
 @dataclass
@@ -50,6 +56,11 @@ class SampleRecord:
     """The teacher's weight version that drew every token ("0": the weights it started with)."""
     theta_version: str = "0"
     """Theta's weight version that drew every token: the policy whose π_θ the importance weights refer to."""
+    dense_ids: np.ndarray | None = None
+    """``[n, 2, k]`` int32 for a sample asked with dense_logprobs k (None otherwise): before each generated token,
+    the teacher's k most likely tokens (``[:, 0]``) and theta's (``[:, 1]``), most likely first."""
+    dense_logp: np.ndarray | None = None
+    """``[n, 2, k]`` float32: log π_t of the teacher's top tokens and log π_θ of theta's, untempered and unfiltered."""
 
     @property
     def ok(self) -> bool:

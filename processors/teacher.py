@@ -14,10 +14,11 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
+import numpy as np
 import torch
 
 from alpha import get_alpha_computer
-from dual_sampling.decision.pipeline import Decision, decide
+from dual_sampling.decision.pipeline import Decision, decide, dense_top
 from dual_sampling.lockstep import Bell, ErrorCode, Header, Slot, Stat, Writer
 from processors.base import BaseSyncLogitsProcessor, TrackedRow
 
@@ -89,11 +90,14 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
 
         # Every part uses the same k, so the parts' top-k tensors join.
         top_logprobs = max(row.sampling.top_logprobs for _, row in ready)
+        dense_k = max(row.sampling.dense_logprobs for _, row in ready)
 
         def run(lo: int, hi: int) -> Decision:
             part = ready[lo:hi]
             warm = torch.tensor([row.alpha for _, row in part], dtype=torch.float32, device=teacher.device)
-            return decide(
+            if dense_k:  # before decide(), which may work in the rows in place
+                dense = dense_top(teacher[lo:hi], theta[lo:hi], dense_k, theta_normalized=True)
+            d = decide(
                 teacher[lo:hi],
                 theta[lo:hi],
                 [row.step for _, row in part],
@@ -103,6 +107,9 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
                 theta_normalized=True,
                 top_logprobs=top_logprobs,
             )
+            if dense_k:
+                d.dense_ids, d.dense_logp = dense
+            return d
 
         n = len(ready)
         if self._helper is None or n < _MIN_ROWS_TO_SPLIT:
@@ -211,12 +218,15 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         )
         control = s.control
         top = None if d.top_ids is None else (d.top_ids.cpu().numpy(), d.top_logq.cpu().numpy())
+        dense = None if d.dense_ids is None else (d.dense_ids.cpu().numpy(), d.dense_logp.cpu().numpy())
         for k, ((i, row), tok, a, lt, lth, lq, row_ok) in enumerate(rows_out):
             decided[i] = row.filler
             if not row_ok or row.step >= s.layout.max_steps:
                 s.fail_slot(row.slot, row.key, ErrorCode.BAD_LOGITS, row.step, self.writer)
                 continue
-            if not all(map(math.isfinite, (a, lt, lth, lq))):
+            if not all(map(math.isfinite, (a, lt, lth, lq))) or (
+                dense is not None and not np.isfinite(dense[1][k, :, : row.sampling.dense_logprobs]).all()
+            ):
                 # Never training data: a NaN log q once came with a wrong token and ok=True.
                 s.fail_slot(row.slot, row.key, ErrorCode.NON_FINITE, row.step, self.writer)
                 continue
@@ -226,6 +236,10 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
                     n = row.sampling.top_logprobs
                     s.top_ids[row.slot, row.step, :n] = top[0][k, :n]
                     s.top_logq[row.slot, row.step, :n] = top[1][k, :n]
+                if dense is not None and row.sampling.dense_logprobs:
+                    n = row.sampling.dense_logprobs
+                    s.dense_ids[row.slot, row.step, :, :n] = dense[0][k, :, :n]
+                    s.dense_logp[row.slot, row.step, :, :n] = dense[1][k, :, :n]
             except Exception:
                 self._fail_row(row, "recording its token")
                 continue

@@ -40,7 +40,9 @@ def dual_engine(tiny_same):
     from dual_sampling import OptimalSamplingDual
 
     teacher, theta = tiny_same
-    with OptimalSamplingDual(teacher, theta, max_num_seqs=4, max_model_len=256, sync_timeout=30, use_tqdm=False) as s:
+    with OptimalSamplingDual(
+        teacher, theta, max_num_seqs=4, max_model_len=256, sync_timeout=30, use_tqdm=False, max_dense_logprobs=16
+    ) as s:
         yield s
 
 

@@ -7,6 +7,7 @@ import math
 import os
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,6 +39,37 @@ def test_streams_identical_and_records_match_offline_rescoring(dual_engine, hf_m
         checked += assert_records_match_rescoring(req, *hf_models, dual_engine.vocab, "kl_symmetry")
     assert checked >= 4 * 10
     assert out.alpha_stats["std"] > 0.0  # α really varies token by token
+
+
+def test_dense_logprobs_are_each_models_own_top_k(dual_engine, hf_models):
+    """The per-token top k of π_t and of π_θ, untempered and unfiltered, against transformers re-scoring."""
+    k = 16
+    out = dual_engine.generate(PROMPTS[1:3], max_tokens=10, temperature=0.7, top_k=5, seed=11, dense_logprobs=k)
+    assert_three_streams_agree(out)
+    for req in out.requests:
+        s = req.samples[0]
+        assert s.dense_ids.shape == s.dense_logp.shape == (len(s.token_ids), 2, k)
+        assert s.dense_ids.dtype == np.int32 and np.isfinite(s.dense_logp).all()
+        for role, (model, prompt) in enumerate(
+            zip(hf_models, (req.teacher_prompt_token_ids, req.theta_prompt_token_ids))
+        ):
+            rows = rescore(model, prompt, s.token_ids, dual_engine.vocab)
+            ids = torch.from_numpy(s.dense_ids[:, role].astype(np.int64))
+            got = torch.from_numpy(s.dense_logp[:, role]).double()
+            # Each recorded value is the model's log-probability of its token, and no token outside the set is
+            # more likely than the set's least likely (ties at float32 resolution aside).
+            assert torch.allclose(got, rows.gather(1, ids), atol=2e-5)
+            kth = rows.topk(k, dim=-1).values[:, -1]
+            assert (got[:, -1] >= kth - 2e-5).all() and (got[:, :-1] >= got[:, 1:] - 1e-6).all()
+        # The sampled token's own records agree with the dense rows wherever it is among the top k.
+        for t, token in enumerate(s.token_ids):
+            hit = np.flatnonzero(s.dense_ids[t, 0] == token)
+            if hit.size:
+                assert abs(s.dense_logp[t, 0, hit[0]] - s.logp_teacher[t]) < 1e-5
+    plain = dual_engine.generate(PROMPTS[1:2], max_tokens=4, seed=11)
+    assert plain.requests[0].samples[0].dense_ids is None
+    with pytest.raises(ValueError, match="dense_logprobs"):
+        dual_engine.generate(PROMPTS[1:2], max_tokens=4, dense_logprobs=k + 1)
 
 
 def test_temperature_and_top_k_shape_the_recorded_logq(dual_engine, hf_models):

@@ -17,6 +17,7 @@ import httpx
 import psutil
 import pytest
 
+from dual_sampling.lockstep import RECORD_FIELDS
 from dual_sampling.server.app import build_app
 from dual_sampling.server.serve_options import ServeOptions
 
@@ -195,6 +196,38 @@ def test_logprobs_report_log_q_and_its_alternatives(client):
     lp = legacy.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert lp.token_logprobs == pytest.approx(legacy.choices[0].model_extra["dual_sampling"]["logq"], abs=1e-6)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_dense_logprobs_carry_each_models_top_k(dual_engine, client, stream):
+    k = 5
+    kwargs = dict(model="dual", prompt="one two three", max_tokens=6, seed=9, extra_body={"dense_logprobs": k})
+    fields = ["token_ids", *RECORD_FIELDS, *(f"{r}_top_{p}" for r in ("teacher", "theta") for p in ("ids", "logprobs"))]
+    if stream:
+        parts = [c.choices[0].model_extra["dual_sampling"] for c in client.completions.create(stream=True, **kwargs)]
+        extra = {key: [v for p in parts if p and p.get(key) for v in p[key]] for key in fields}
+    else:
+        extra = client.completions.create(**kwargs).choices[0].model_extra["dual_sampling"]
+    assert len(extra["token_ids"]) == 6
+    for role, own in (("teacher", "logp_teacher"), ("theta", "logp_theta")):
+        ids, logp = extra[f"{role}_top_ids"], extra[f"{role}_top_logprobs"]
+        assert len(ids) == len(logp) == 6 and all(len(row) == k for row in ids + logp)
+        assert all(row == sorted(row, reverse=True) and row[0] <= 0 for row in logp)
+        # Where the drawn token is among a model's top k, its dense value is that model's record of it.
+        for token, top_ids, top_logp, value in zip(extra["token_ids"], ids, logp, extra[own]):
+            if token in top_ids:
+                assert top_logp[top_ids.index(token)] == pytest.approx(value, abs=1e-6)
+            else:
+                assert value <= top_logp[-1] + 1e-6
+    plain = client.completions.create(model="dual", prompt="one", max_tokens=2, seed=9)
+    assert plain.choices[0].model_extra["dual_sampling"].get("teacher_top_ids") is None
+    limit = dual_engine.max_dense_logprobs
+    r = httpx.post(
+        str(client.base_url) + "completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"prompt": "one", "max_tokens": 2, "dense_logprobs": limit + 1},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "dense_logprobs", r.text
 
 
 def test_models_health_and_metrics(server, client):

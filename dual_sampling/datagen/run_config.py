@@ -87,6 +87,11 @@ class RunConfig:
             raise ValueError("keep_truncated applies to format 'messages' only; records keep every answer")
         if Path(self.output).suffix not in (".jsonl", ".parquet", ""):
             raise ValueError(f"output must be a .jsonl or .parquet file, or a directory, got {self.output!r}")
+        if self.sampling.dense_logprobs:
+            # Refused rather than dropped: a run's records have no column for them yet.
+            raise ValueError(
+                "dense_logprobs is not written by data runs; ask for it through the Python API or the server"
+            )
         self.shard_index, self.shard_count = _parse_shard(self.shard)
         for name, least in (("batch_size", 1), ("replicas", 1), ("ray_max_retries", 0)):
             value = getattr(self, name)

@@ -85,6 +85,8 @@ class RowSampling:
     teacher_support_top_p: float = 1.0
     top_logprobs: int = 0
     """How many of q's most likely tokens to record with their log-probabilities (0: none)."""
+    dense_logprobs: int = 0
+    """How many of each model's own most likely tokens to record with log π_t and log π_θ (0: none)."""
 
     def __post_init__(self) -> None:
         # Plain Python numbers of the declared kinds: the settings cross to the engines as JSON-like data.
@@ -273,6 +275,10 @@ class Decision:
     """``[b, k]``: the k most likely tokens of the final distribution (when asked for)."""
     top_logq: Tensor | None = None
     """``[b, k]``: their log-probabilities."""
+    dense_ids: Tensor | None = None
+    """``[b, 2, k]``: the k most likely tokens of π_t (``[:, 0]``) and of π_θ (``[:, 1]``), when asked for."""
+    dense_logp: Tensor | None = None
+    """``[b, 2, k]``: log π_t of the teacher's and log π_θ of theta's (untempered, unfiltered)."""
 
     @classmethod
     def concatenate(cls, parts: Sequence[Decision]) -> Decision:
@@ -283,6 +289,20 @@ class Decision:
                 for f in dataclasses.fields(cls)
             )
         )
+
+
+def dense_top(
+    teacher_logits: Tensor, theta_logits: Tensor, k: int, theta_normalized: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Each model's own k most likely tokens: (ids ``[b, 2, k]`` int64, log-probabilities ``[b, 2, k]``), the teacher
+    at ``[:, 0]`` and theta at ``[:, 1]``, most likely first. Untempered and unfiltered: the loss of a distillation
+    trainer needs the models' distributions, not the one sampled from."""
+    k = min(k, teacher_logits.shape[-1])
+    teacher = teacher_logits.topk(k, dim=-1)
+    theta = theta_logits.topk(k, dim=-1)
+    teacher_logp = teacher.values - teacher_logits.logsumexp(dim=-1, keepdim=True)
+    theta_logp = theta.values if theta_normalized else theta.values - theta_logits.logsumexp(dim=-1, keepdim=True)
+    return torch.stack([teacher.indices, theta.indices], dim=1), torch.stack([teacher_logp, theta_logp], dim=1)
 
 
 def decide(

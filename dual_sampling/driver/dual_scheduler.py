@@ -112,6 +112,9 @@ class SampleDelta:
     """Set on the last delta only: the whole sample, checked against both engines."""
     top: tuple[np.ndarray, np.ndarray] | None = None
     """For requests with top_logprobs k: (token ids, log q) ``[len(token_ids), k]`` of q's k most likely tokens."""
+    dense: tuple[np.ndarray, np.ndarray] | None = None
+    """For requests with dense_logprobs k: (token ids, log-probabilities) ``[r, 2, k]``, the teacher's own top k at
+    ``[:, 0]`` and theta's at ``[:, 1]`` (see :attr:`SampleRecord.dense_ids`)."""
 
 
 @dataclass
@@ -146,12 +149,17 @@ class DualScheduler:
         max_num_seqs: int,
         sync_timeout: float,
         slots: int | None = None,
+        max_dense_logprobs: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.sync_timeout = sync_timeout
         layout = SessionLayout(
-            vocab=vocab, slots=slots or 2 * max_num_seqs + 2, max_steps=max_model_len, plan_width=max_num_seqs
+            vocab=vocab,
+            slots=slots or 2 * max_num_seqs + 2,
+            max_steps=max_model_len,
+            plan_width=max_num_seqs,
+            dense_k=max_dense_logprobs,
         )
         self.session = SyncSession.create(layout)
         self.engines: Any = None
@@ -345,13 +353,14 @@ class DualScheduler:
                     k = request.sampling.top_logprobs
                     records = s.records[slot, start:end].copy()
                     top = (s.top_ids[slot, start:end, :k].copy(), s.top_logq[slot, start:end, :k].copy()) if k else None
+                    dense = self._dense(slot, start, end, request.sampling.dense_logprobs)
                     if out.finished:
                         theta_out = await theta_task
                         sample = self._collect(flight, list(theta_out.outputs[0].token_ids), completion.finish_reason)
-                        flight.outbox.put_nowait(SampleDelta(new, records, sample, top))
+                        flight.outbox.put_nowait(SampleDelta(new, records, sample, top, dense))
                         return
                     if new:
-                        flight.outbox.put_nowait(SampleDelta(new, records, top=top))
+                        flight.outbox.put_nowait(SampleDelta(new, records, top=top, dense=dense))
                 raise SyncError("the teacher engine ended a request without a final output")
             finally:
                 if not theta_task.done():
@@ -505,6 +514,11 @@ class DualScheduler:
         longest = max(len(request.teacher_prompt_ids), len(request.theta_prompt_ids))
         if not request.teacher_prompt_ids or not request.theta_prompt_ids:
             raise ValueError("both prompts must hold at least one token")
+        dense_max = self.session.layout.dense_k
+        if request.sampling.dense_logprobs > dense_max:
+            raise ValueError(
+                f"dense_logprobs={request.sampling.dense_logprobs} exceeds this engine's max_dense_logprobs={dense_max}"
+            )
         if request.max_tokens < 1 or longest + request.max_tokens > self.max_model_len:
             raise ValueError(
                 f"a prompt of {longest} tokens and max_tokens={request.max_tokens} exceed "
@@ -565,6 +579,14 @@ class DualScheduler:
             self._held.add(slot)
             self._slot_waiters.popleft().set_result(slot)
 
+    def _dense(self, slot: int, start: int, end: int, k: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Copies of a slot's dense top-k records for tokens [start, end), or None when k is 0."""
+        if not k:
+            return None
+        return self.session.dense_ids[slot, start:end, :, :k].copy(), self.session.dense_logp[
+            slot, start:end, :, :k
+        ].copy()
+
     def _collect(self, flight: _Flight, theta_tokens: list[int], teacher_finish: str | None) -> SampleRecord:
         """The verified sample of a request both engines have ended."""
         s, slot, tokens = self.session, flight.slot, flight.tokens
@@ -600,6 +622,9 @@ class DualScheduler:
             sample.alpha, sample.logp_teacher, sample.logp_theta, sample.logq = (
                 records[:, k].tolist() for k in range(len(RECORD_FIELDS))
             )
+            dense = self._dense(slot, 0, len(tokens), flight.request.sampling.dense_logprobs)
+            if dense is not None:
+                sample.dense_ids, sample.dense_logp = dense
             self.counters["tokens"] += len(tokens)
         stop = (
             flight.request.stop[stop_index]

@@ -34,6 +34,7 @@ Cleanup after a crash is :mod:`dual_sampling.lockstep.janitor`.
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 from dataclasses import dataclass
 from enum import IntEnum
@@ -79,6 +80,8 @@ class Header(IntEnum):
     """Inode of the driver's PID namespace: OWNER_PID means nothing in another namespace. 0 in older versions' files."""
     OWNER_BOOT = 12
     """The first 60 bits of the boot id the driver ran under."""
+    DENSE_K = 13
+    """Top-k log-probabilities of each model's own distribution recorded per token at most (0: none)."""
 
 
 STATS_BASE = 16
@@ -308,12 +311,19 @@ class SessionLayout:
     """Generated tokens recorded per request (at least max_model_len)."""
     plan_width: int
     """Requests per engine step at most (max_num_seqs)."""
+    dense_k: int = 0
+    """Per token, the teacher's and theta's own k most likely tokens recorded at most (0: no such region)."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab", "slots", "max_steps", "plan_width"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for f in dataclasses.fields(self):
+            value, least = getattr(self, f.name), 0 if f.name == "dense_k" else 1
+            if not (isinstance(value, int) and value >= least):
+                raise ValueError(f"{f.name} must be an integer >= {least}, got {value!r}")
+
+    @staticmethod
+    def header_word(name: str) -> Header:
+        """The header word that holds field ``name`` (its name in capitals)."""
+        return Header[name.upper()]
 
     @property
     def offsets(self) -> dict[str, int]:
@@ -328,6 +338,9 @@ class SessionLayout:
             ("records", 4 * len(RECORD_FIELDS) * self.max_steps * self.slots),
             ("top_ids", 4 * TOP_LOGPROBS_MAX * self.max_steps * self.slots),
             ("top_logq", 4 * TOP_LOGPROBS_MAX * self.max_steps * self.slots),
+            # [slot, step, role (0 teacher, 1 theta), k]
+            ("dense_ids", 4 * 2 * self.dense_k * self.max_steps * self.slots),
+            ("dense_logp", 4 * 2 * self.dense_k * self.max_steps * self.slots),
         ]
         out, pos = {}, 0
         for name, size in sizes:

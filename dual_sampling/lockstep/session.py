@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import itertools
 import logging
@@ -131,6 +132,9 @@ class SyncSession:
         k = TOP_LOGPROBS_MAX
         self.top_ids = np.frombuffer(buf, np.int32, k * t * s, off["top_ids"]).reshape(s, t, k)
         self.top_logq = np.frombuffer(buf, np.float32, k * t * s, off["top_logq"]).reshape(s, t, k)
+        d = 2 * layout.dense_k
+        self.dense_ids = np.frombuffer(buf, np.int32, d * t * s, off["dense_ids"]).reshape(s, t, 2, layout.dense_k)
+        self.dense_logp = np.frombuffer(buf, np.float32, d * t * s, off["dense_logp"]).reshape(s, t, 2, layout.dense_k)
         self._bell_anchor = ctypes.c_char.from_buffer(mm, off["bells"])
         self._bell_base = ctypes.addressof(self._bell_anchor)
         self._ring_lock = threading.Lock()
@@ -162,8 +166,9 @@ class SyncSession:
             session = cls(name, layout, mm, owner=True, shm_dir=shm_dir)
             try:
                 h = session.header
-                h[Header.VOCAB], h[Header.SLOTS], h[Header.MAX_STEPS] = layout.vocab, layout.slots, layout.max_steps
-                h[Header.PLAN_WIDTH], h[Header.OWNER_PID] = layout.plan_width, os.getpid()
+                for f in dataclasses.fields(layout):
+                    h[layout.header_word(f.name)] = getattr(layout, f.name)
+                h[Header.OWNER_PID] = os.getpid()
                 h[Header.OWNER_BOOT], h[Header.OWNER_PID_NS], h[Header.OWNER_START] = owner_tag()
                 session.plans[:, 0] = -1
                 h[Header.MAGIC] = MAGIC  # last: an attacher never sees a half-initialised header
@@ -191,7 +196,7 @@ class SyncSession:
             mm.close()
             raise SyncError(f"shared-memory file {path} is not a session of this dual-sampling version")
         layout = SessionLayout(
-            *(int(header[w]) for w in (Header.VOCAB, Header.SLOTS, Header.MAX_STEPS, Header.PLAN_WIDTH))
+            **{f.name: int(header[SessionLayout.header_word(f.name)]) for f in dataclasses.fields(SessionLayout)}
         )
         del header
         return cls(name, layout, mm, owner=False, shm_dir=shm_dir)
@@ -218,7 +223,7 @@ class SyncSession:
             self._final_statistics = self._read_statistics()
             self._closed = True
             del self.header, self.bells, self.plans, self.control, self.theta_logprobs, self.tokens, self.records
-            del self.top_ids, self.top_logq
+            del self.top_ids, self.top_logq, self.dense_ids, self.dense_logp
             del self._bell_anchor
             with contextlib.suppress(BufferError):  # a view is still alive somewhere; the mapping goes with the process
                 self._mm.close()

@@ -8,7 +8,7 @@ Everything else of a request is vLLM's own field, checked by vLLM's own validato
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from vllm.entrypoints.openai.chat_completion.protocol import (
@@ -29,6 +29,7 @@ from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, Ope
 from vllm.renderers.chat_utils import ChatCompletionMessageParam
 
 from dual_sampling.lockstep import RECORD_FIELDS
+from dual_sampling.records import DENSE_ROLES
 
 __all__ = [
     "DualChatCompletionRequest",
@@ -51,6 +52,16 @@ _HINT_DOC = (
 )
 
 
+def _dense_logprobs_field() -> Any:
+    return Field(
+        default=None,
+        ge=0,
+        description="Per token, also return the teacher's k most likely tokens with log π_t and theta's k most likely "
+        "with log π_θ (the models' own distributions, untempered and unfiltered), under `dual_sampling`; at most the "
+        "server's --max-dense-logprobs.",
+    )
+
+
 class DualCompletionRequest(CompletionRequest):
     """vLLM's completion request, plus the teacher's own prompt or a hint for it."""
 
@@ -58,6 +69,7 @@ class DualCompletionRequest(CompletionRequest):
         default=None, description="The teacher's prompt (text or token ids); default: the same prompt as theta's."
     )
     hint: str | None = Field(default=None, description=_HINT_DOC)
+    dense_logprobs: int | None = _dense_logprobs_field()
     best_of: int | None = Field(
         default=None,
         ge=1,
@@ -79,6 +91,7 @@ class DualChatCompletionRequest(ChatCompletionRequest):
         default=None, description="The teacher's conversation; default: the same messages as theta's."
     )
     hint: str | None = Field(default=None, description=_HINT_DOC)
+    dense_logprobs: int | None = _dense_logprobs_field()
 
     @model_validator(mode="after")
     def _one_teacher_view(self) -> DualChatCompletionRequest:
@@ -99,6 +112,18 @@ DualRecords = create_model(
         Field(default=None, description="On a sample's last chunk: Σ(log π_θ − log q), the sequence log-weight."),
     ),
     error=(str | None, Field(default=None, description="On a sample's last chunk: why it failed, if it did.")),
+    **{
+        f"{role}_top_{part}": (
+            list[list[kind]] | None,
+            Field(
+                default=None,
+                description=f"With dense_logprobs k: per token, {what} of {role}'s k most likely tokens, most likely "
+                "first.",
+            ),
+        )
+        for role in DENSE_ROLES
+        for part, kind, what in (("ids", int, "the ids"), ("logprobs", float, "the log-probabilities"))
+    },
     teacher_version=(
         str | None,
         Field(default=None, description="On a sample's last chunk: the teacher's weight version that drew it."),

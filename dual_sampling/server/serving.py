@@ -152,7 +152,7 @@ class DualService:
             # aclosing: however this stream ends, its samples are aborted before the caller releases their room.
             async with contextlib.aclosing(self.samples(job)) as samples:
                 async for index, delta in samples:
-                    extra = render.token_records(delta.token_ids, delta.records, delta.sample)
+                    extra = render.token_records(delta.token_ids, delta.records, delta.sample, delta.dense)
                     logprobs = render.logprobs_block(job, delta.token_ids, delta.records, delta.top, self.piece)
                     if delta.sample is None:
                         piece = texts[index].push(delta.token_ids)

@@ -38,6 +38,7 @@ _COMMON_FIELDS = {
     "presence_penalty",
     "repetition_penalty",
     "hint",
+    "dense_logprobs",
 }
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages",
@@ -148,6 +149,12 @@ class Translator:
         logprobs = self._logprobs(req, kind)
         n = 1 if req.n is None else req.n
         best_of = req.best_of if kind == "completion" else None
+        dense = req.dense_logprobs or 0
+        if dense > self.dual.max_dense_logprobs:
+            raise BadRequest(
+                f"dense_logprobs={dense} exceeds this server's --max-dense-logprobs={self.dual.max_dense_logprobs}",
+                "dense_logprobs",
+            )
         for name, value in (("n", n), ("best_of", best_of)):
             if value is not None and value > self.options.max_n:
                 raise BadRequest(f"{name}={value} exceeds this server's limit of {self.options.max_n}", name)
@@ -169,6 +176,7 @@ class Translator:
                 logit_bias=_token_bias(req.logit_bias),
                 seed=secrets.randbits(62) if req.seed is None else req.seed,
                 top_logprobs=logprobs or 0,
+                dense_logprobs=dense,
             )
             sampling.check_vocab(self.dual.vocab, self.dual.eos_token_ids)
         except ValueError as exc:
