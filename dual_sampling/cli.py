@@ -1,8 +1,9 @@
-"""The ``dual-sampling`` command line: ``generate``, ``serve``, ``report`` and ``models``.
+"""The ``dual-sampling`` command line: ``generate``, ``distill``, ``serve``, ``report`` and ``models``.
 
 ``generate`` takes every setting of a run (:class:`dual_sampling.datagen.run_config.RunConfig`, its
 :class:`SamplingOptions` and its :class:`EngineOptions`) as a flag (``--max-tokens 128``)
-or as a key of ``--config run.yaml`` (``max_tokens: 128``); flags win over the file. ``serve`` takes
+or as a key of ``--config run.yaml`` (``max_tokens: 128``); flags win over the file. ``distill`` does the same
+with :class:`dual_sampling.distill.DistillConfig`. ``serve`` takes
 :class:`ServeOptions` and :class:`EngineOptions` as flags. :class:`transformers.HfArgumentParser` makes the
 flags from the dataclasses' fields and their help from the docstring under each field, so the flags, the
 file's keys and the dataclasses can never disagree.
@@ -107,6 +108,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0 if summary["failed_samples"] == 0 else 3
 
 
+def _distill(args: argparse.Namespace) -> int:
+    from dual_sampling.distill import DistillConfig, run_distillation
+
+    settings = _run_settings(args)
+    required = [
+        f.name for f in dataclasses.fields(DistillConfig) if f.default is f.default_factory is dataclasses.MISSING
+    ]
+    missing = [name for name in required if name not in settings]
+    if missing:
+        raise SystemExit(f"dual-sampling distill: missing {', '.join('--' + m for m in missing)} (flag or config key)")
+    rows = run_distillation(DistillConfig.from_settings(settings))
+    print(json.dumps(rows[-1], indent=1))
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     from dual_sampling.datagen.report import write_report
 
@@ -146,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     from transformers import HfArgumentParser
 
     from dual_sampling.datagen.run_config import RunConfig
+    from dual_sampling.distill import DistillConfig
     from dual_sampling.options import EngineOptions, SamplingOptions
     from dual_sampling.server.serve_options import ServeOptions
 
@@ -165,6 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--config", help="YAML file with the same keys as the flags (flags override it)")
     g.set_defaults(run=_generate)
+
+    d = _add_command(
+        sub,
+        "distill",
+        (DistillConfig, SamplingOptions, EngineOptions),
+        help="run (or resume) on-policy distillation: sample from q, train θ, push its weights, evaluate",
+        description="Each round samples from the mixture with the current θ, trains θ on the samples (importance "
+        "weights π_θ/q), pushes the new weights into the theta engine without a restart and evaluates on held-out "
+        "prompts. Writes metrics.jsonl, a checkpoint per round and plot.png to --output.",
+    )
+    d.add_argument("--config", help="YAML file with the same keys as the flags (flags override it)")
+    d.set_defaults(run=_distill)
 
     r = sub.add_parser("report", help="plots and a Markdown summary of a records file")
     r.add_argument("records", help="a .jsonl or .parquet records file written by generate")

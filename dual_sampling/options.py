@@ -32,6 +32,7 @@ __all__ = [
     "EngineOptions",
     "SamplingOptions",
     "default_kv_cache_bytes",
+    "flat_keys",
     "kv_cache_bytes_needed",
     "model_config",
 ]
@@ -379,3 +380,20 @@ def default_kv_cache_bytes(
 ) -> int:
     """The cache an engine gets when none is given: the need at vLLM's CPU block size, plus 10 %."""
     return int(kv_cache_bytes_needed(model_path, max_num_seqs, max_model_len, dtype, block_size) * 1.1)
+
+
+def flat_keys(parts: dict[str, type]) -> dict[str, str]:
+    """Which part of a composed config each flat key (CLI flag, YAML key) belongs to; a name two parts share is
+    refused (a flag, a YAML key and a manifest could not tell them apart)."""
+    owner: dict[str, str] = {}
+    for part, cls in parts.items():
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(f.default_factory):  # a composed part: its own fields are the keys
+                continue
+            if f.name in owner:
+                raise TypeError(
+                    f"setting {f.name!r} is a field of both the {owner[f.name]} and the {part} options; "
+                    "a flat key must name one setting"
+                )
+            owner[f.name] = part
+    return owner

@@ -18,10 +18,15 @@ from transformers import HfArgumentParser
 
 from dual_sampling import cli
 from dual_sampling.datagen.run_config import RunConfig
+from dual_sampling.distill import DistillConfig
 from dual_sampling.options import EngineOptions, SamplingOptions
 from dual_sampling.server.serve_options import ServeOptions
 
-COMMANDS = {"generate": (RunConfig, SamplingOptions, EngineOptions), "serve": (ServeOptions, EngineOptions)}
+COMMANDS = {
+    "generate": (RunConfig, SamplingOptions, EngineOptions),
+    "distill": (DistillConfig, SamplingOptions, EngineOptions),
+    "serve": (ServeOptions, EngineOptions),
+}
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -51,6 +56,7 @@ def has_flag(help_text: str, flag: str) -> bool:
         ("generate", RunConfig, "Field holding the problem text."),
         ("generate", SamplingOptions, "Nucleus filter on the tempered q, in (0, 1]; 1 is off."),
         ("generate", EngineOptions, "Seconds an engine waits for its partner before failing the requests it waits on."),
+        ("distill", DistillConfig, "Optimizer steps per round; each takes an equal share of the round's samples."),
         ("serve", ServeOptions, "Largest n (and best_of) a request may ask for."),
         ("serve", EngineOptions, "Lower clamp on the teacher weight α."),
     ],
@@ -128,3 +134,61 @@ def test_a_name_two_configs_share_fails_when_the_parser_is_built():
     with pytest.raises(argparse.ArgumentError, match="conflicting option strings?: --top_k"):
         cli._add_command(sub, "both", (One, Two))
     assert cli._add_command(sub, "one", (One,)).parse_args(["--top-k", "5"]).top_k == 5  # alone it builds
+
+
+def test_distill_runs_from_a_config_file_and_resumes(tmp_path, tiny_same):
+    """The whole command on the tiny pair: one round, then --resume with two; then a missing flag is named."""
+    import json
+
+    teacher, theta = tiny_same
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question": f"Count to {i}."}) + "\n" for i in range(12)))
+    config = tmp_path / "distill.yaml"
+    config.write_text(
+        f"prompts: {prompts}\nteacher: {teacher}\ntheta: {theta}\nchat_template: false\neval_prompts: 2\n"
+        "eval_max_tokens: 4\nprompts_per_round: 4\nsteps_per_round: 2\nmax_tokens: 6\nloss_top_k: 4\n"
+        "max_num_seqs: 2\nmax_model_len: 128\nplot: false\n"
+    )
+    out = tmp_path / "run"
+    first = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dual_sampling.cli",
+            "distill",
+            "--config",
+            str(config),
+            "--output",
+            str(out),
+            "--rounds",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert json.loads(first.stdout)["round"] == 1 and "round 1: KL" in first.stderr
+    again = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dual_sampling.cli",
+            "distill",
+            "--config",
+            str(config),
+            "--output",
+            str(out),
+            "--rounds",
+            "2",
+            "--resume",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    rounds = [json.loads(x)["round"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rounds == [0, 1, 2]
+    missing = run_cli("distill", "--output", str(tmp_path / "other"))
+    assert missing.returncode != 0 and "--prompts" in missing.stderr

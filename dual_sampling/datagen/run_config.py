@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dual_sampling.options import RUNTIME_ONLY, EngineOptions, SamplingOptions
+from dual_sampling.options import RUNTIME_ONLY, EngineOptions, SamplingOptions, flat_keys
 
 __all__ = ["RunConfig"]
 
@@ -127,24 +127,7 @@ class RunConfig:
         return {k: v for k, v in self.flat().items() if k not in _NOT_IDENTITY}
 
 
-def _flat_keys(parts: dict[str, type]) -> dict[str, str]:
-    """Which part of a run each flat key belongs to; a name two parts share is refused (a flag, a run.yaml key and
-    the manifest could not tell them apart)."""
-    owner: dict[str, str] = {}
-    for part, cls in parts.items():
-        for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(f.default_factory):  # a composed part: its own fields are the keys
-                continue
-            if f.name in owner:
-                raise TypeError(
-                    f"setting {f.name!r} is a field of both the {owner[f.name]} and the {part} options; "
-                    "a flat key must name one setting"
-                )
-            owner[f.name] = part
-    return owner
-
-
-_FLAT_KEYS = _flat_keys({"run": RunConfig, "sampling": SamplingOptions, "engine": EngineOptions})
+_FLAT_KEYS = flat_keys({"run": RunConfig, "sampling": SamplingOptions, "engine": EngineOptions})
 """Which part of a run each flat key belongs to."""
 _NOT_IDENTITY = frozenset(
     f.name

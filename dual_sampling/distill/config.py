@@ -1,0 +1,133 @@
+"""The configuration of an on-policy distillation run: :class:`DistillConfig`, which composes the
+:class:`SamplingOptions` of each round's samples and the :class:`EngineOptions` of the dual engine."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from dual_sampling.distill.loss import WEIGHTINGS
+from dual_sampling.options import RUNTIME_ONLY, EngineOptions, SamplingOptions, flat_keys
+
+__all__ = ["DistillConfig"]
+
+
+@dataclass
+class DistillConfig:
+    """One distillation run: each round samples from q with the current θ, trains θ on those samples, pushes the new
+    weights into the theta engine and evaluates on held-out prompts.
+
+    On the command line and in ``--config distill.yaml`` every field of this class, of :class:`SamplingOptions` and of
+    :class:`EngineOptions` is one flat key (``--rounds 8``, ``alpha_method: ess_balance``).
+    """
+
+    prompts: str
+    """Training problems: a .jsonl file with one object per line (its last ``eval_prompts`` rows are held out)."""
+    output: str = field(metadata=RUNTIME_ONLY)
+    """Run directory: metrics.jsonl, config.json, the held-out set, checkpoints/round-N/ and the plot."""
+    teacher: str | None = None
+    """Teacher model folder; None: the local SmolLM2-135M-Instruct."""
+    theta: str | None = None
+    """Student model folder to start from (same tokenizer); None: the 24-layer pruned SmolLM2."""
+    prompt_field: str = "question"
+    """Field holding the problem text."""
+    hint_field: str | None = None
+    """Field holding a reference solution shown to the teacher only while sampling (held-out metrics use none)."""
+    chat_template: bool = True
+    """Wrap prompts in the chat template; False for base models."""
+    eval_prompts: int = 16
+    """Held-out problems (the file's last rows), never trained on."""
+    eval_max_tokens: int = 64
+    """Tokens of the teacher's reference answers and of the student's greedy answers on the held-out problems."""
+    rounds: int = 4
+    """Sample-train-update rounds."""
+    prompts_per_round: int = 16
+    """Problems sampled per round (one sample each, n > 1 for more); the file is walked in a seeded order."""
+    steps_per_round: int = 4
+    """Optimizer steps per round; each takes an equal share of the round's samples."""
+    learning_rate: float = 5e-5
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient norm clip per step."""
+    weighting: str = "sequence_mean"
+    """How importance weights π_θ/q enter the loss: none, token, sequence_mean or sequence (docs/theory.md)."""
+    max_weight: float = 5.0
+    """Clip of the self-normalised state weights (truncated importance sampling)."""
+    loss_top_k: int = 64
+    """The teacher's top k per token (recorded while sampling) on which the forward KL runs, plus a rest bucket."""
+    resume: bool = field(default=False, metadata=RUNTIME_ONLY)
+    """Continue the run in ``output`` from its last complete round (same settings; ``rounds`` may grow)."""
+    plot: bool = field(default=True, metadata=RUNTIME_ONLY)
+    """Write plot.png (held-out metrics against round and wall time) at the end; needs matplotlib."""
+    sampling: SamplingOptions = field(default_factory=lambda: SamplingOptions(max_tokens=128))
+    """How each round samples; ``dense_logprobs`` is set to ``loss_top_k``. Its fields are flat keys."""
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    """How the dual engine runs; its fields are flat keys."""
+
+    def __post_init__(self) -> None:
+        if self.teacher is None or self.theta is None:
+            from dual_sampling import models
+
+            self.teacher = self.teacher or str(models.smollm2())
+            self.theta = self.theta or str(models.smollm2_pruned())
+        for name, least in (
+            ("eval_prompts", 1),
+            ("eval_max_tokens", 1),
+            ("rounds", 1),
+            ("prompts_per_round", 1),
+            ("steps_per_round", 1),
+            ("loss_top_k", 1),
+        ):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        for name in ("learning_rate", "weight_decay", "max_grad_norm", "max_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+            setattr(self, name, float(value))
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+        if self.prompts_per_round * self.sampling.n < self.steps_per_round:
+            raise ValueError(
+                f"steps_per_round={self.steps_per_round} exceeds the {self.prompts_per_round * self.sampling.n} "
+                "samples of a round (prompts_per_round × n)"
+            )
+        self.sampling = dataclasses.replace(self.sampling, dense_logprobs=self.loss_top_k)
+        self.engine = dataclasses.replace(
+            self.engine, max_dense_logprobs=max(self.engine.max_dense_logprobs, self.loss_top_k)
+        )
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any]) -> DistillConfig:
+        """Build from flat keys (CLI flags, distill.yaml): each goes to the run, its sampling or its engine options."""
+        parts: dict[str, dict[str, Any]] = {"run": {}, "sampling": {"max_tokens": 128}, "engine": {}}
+        for key, value in settings.items():
+            part = _FLAT_KEYS.get(key)
+            if part is None:
+                raise ValueError(f"unknown setting {key!r}; known: {sorted(_FLAT_KEYS)}")
+            parts[part][key] = value
+        return cls(
+            **parts["run"], sampling=SamplingOptions(**parts["sampling"]), engine=EngineOptions(**parts["engine"])
+        )
+
+    def identity(self) -> dict[str, Any]:
+        """The settings a resumed run must share with the run it continues (all but the runtime ones and rounds)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("sampling", "engine")}
+        flat = {**out, **dataclasses.asdict(self.sampling), **dataclasses.asdict(self.engine)}
+        return {k: v for k, v in flat.items() if k not in _NOT_IDENTITY}
+
+
+_FLAT_KEYS = flat_keys({"run": DistillConfig, "sampling": SamplingOptions, "engine": EngineOptions})
+_NOT_IDENTITY = frozenset(
+    ["rounds"]
+    + [
+        f.name
+        for cls in (DistillConfig, SamplingOptions, EngineOptions)
+        for f in dataclasses.fields(cls)
+        if not f.metadata.get("changes_records", True)
+    ]
+)

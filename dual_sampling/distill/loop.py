@@ -1,0 +1,328 @@
+"""The on-policy distillation loop: sample from q with the current θ, train θ on the samples, push the new weights
+into the theta engine (no restart), evaluate on held-out prompts; checkpoint every round.
+
+Why not TRL's ``DistillationTrainer``: its loss runs the teacher model inside the trainer and reduces its chunked
+divergence to one number, so per-token importance weights cannot enter it without rewriting ``_compute_loss``, and
+its rollouts come from its own generation (transformers, or a vLLM server synchronised over NCCL), which a subclass
+would replace wholesale. Here the teacher's signal is already in the records (``dense_logprobs``) and the rollouts
+come from the dual engine, so the trainer is the few lines of :meth:`Distiller._train`; TRL's trainer is the outside
+peer in ``examples/distill_experiment.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dual_sampling.distill.config import DistillConfig
+from dual_sampling.distill.evaluate import EvalSet, build_eval_set, evaluate
+from dual_sampling.distill.loss import ess_fraction, state_weights, top_k_forward_kl
+from dual_sampling.records import SampleRecord
+
+__all__ = ["Distiller", "plot_run", "run_distillation"]
+
+METRICS = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
+
+
+def run_distillation(config: DistillConfig) -> list[dict[str, Any]]:
+    """Run (or resume) ``config`` with a dual engine of its own; the per-round summaries."""
+    from dual_sampling.api import OptimalSamplingDual
+
+    settings = {**dataclasses.asdict(config.engine), "use_tqdm": False}
+    with OptimalSamplingDual(config.teacher, config.theta, **settings) as dual:
+        return Distiller(config, dual).run()
+
+
+class Distiller:
+    """One run of :class:`DistillConfig` on an open dual engine (whose teacher is ``config.teacher``).
+
+    The engine's theta weights are set to the run's student when the run starts or resumes, so one engine can serve
+    several runs in turn (``examples/distill_experiment.py`` does). ``eval_set`` reuses a held-out set built before.
+    """
+
+    def __init__(self, config: DistillConfig, dual: Any, eval_set: EvalSet | None = None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from dual_sampling.prompts import Renderer
+
+        self.config, self.dual = config, dual
+        self.out = Path(config.output)
+        self.vocab = dual.vocab
+        self.eos_ids = sorted(dual.eos_token_ids)
+        rows = [json.loads(line) for line in Path(config.prompts).read_text(encoding="utf-8").splitlines() if line]
+        if len(rows) <= config.eval_prompts:
+            raise ValueError(f"prompts has {len(rows)} rows: none left after eval_prompts={config.eval_prompts}")
+        missing = [i for i, r in enumerate(rows) if config.prompt_field not in r]
+        if missing:
+            raise ValueError(f"prompts row {missing[0]} has no field {config.prompt_field!r}")
+        renderer = Renderer(dual.tokenizer, None, None, config.chat_template)
+        self._render = lambda row, hint: tuple(
+            renderer.prompt(user, None) for user in renderer.user_messages(row[config.prompt_field], hint, row)
+        )
+        self.train_rows = rows[: -config.eval_prompts]
+        self.order = list(range(len(self.train_rows)))
+        random.Random(config.sampling.seed).shuffle(self.order)
+        held_out = rows[-config.eval_prompts :]
+        self.teacher = AutoModelForCausalLM.from_pretrained(config.teacher, dtype=torch.float32).eval()
+        self.student = AutoModelForCausalLM.from_pretrained(config.theta, dtype=torch.float32)
+        self.optimizer = torch.optim.AdamW(
+            self.student.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
+        )
+        self.eval_set = eval_set or build_eval_set(
+            self.teacher,
+            [dual.tokenizer.encode(self._render(r, None)[1], add_special_tokens=False) for r in held_out],
+            config.eval_max_tokens,
+            self.eos_ids,
+        )
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> list[dict[str, Any]]:
+        """All rounds not yet done; returns every round's summary (round 0: the starting student)."""
+        from tqdm.auto import tqdm
+
+        cfg = self.config
+        done = self._start()
+        rows = self._metrics()
+        bar = tqdm(total=cfg.rounds, initial=done, desc="distill", unit="round", file=sys.stderr)
+        try:
+            for r in range(done + 1, cfg.rounds + 1):
+                row = self._round(r, wall_before=rows[-1]["wall_s"])
+                rows.append(row)
+                bar.update(1)
+                bar.write(_summary_line(row))
+        finally:
+            bar.close()
+        if cfg.plot:
+            plot_run(rows, self.out / "plot.png")
+        return rows
+
+    def _start(self) -> int:
+        """Prepare ``output`` (fresh or resumed); the last round done. The engine gets the student's weights."""
+        cfg = self.config
+        identity = json.loads(json.dumps(cfg.identity(), default=str))
+        saved = self.out / "config.json"
+        if cfg.resume and saved.exists():
+            before = json.loads(saved.read_text())
+            changed = sorted(k for k in set(before) | set(identity) if before.get(k) != identity.get(k))
+            if changed:
+                raise ValueError(f"--resume with other settings than the run in {self.out}: {changed}")
+            done = self._last_checkpoint()
+            if done > 0:
+                folder = self._checkpoint(done)
+                state = torch.load(folder / "trainer_state.pt", weights_only=True)
+                loaded = type(self.student).from_pretrained(folder, dtype=torch.float32)
+                self.student.load_state_dict(loaded.state_dict())
+                self.optimizer.load_state_dict(state["optimizer"])
+                self.dual.update_theta(folder, version=f"round-{done}")
+            else:
+                self.dual.update_theta(cfg.theta, version="round-0")
+            kept = [row for row in self._metrics() if row["round"] <= done]
+            (self.out / METRICS).write_text("".join(json.dumps(row) + "\n" for row in kept))
+            if kept and kept[-1]["round"] == done:
+                return done
+        elif (self.out / METRICS).exists():
+            raise FileExistsError(f"{self.out} holds a run already; pass --resume to continue it")
+        self.out.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(identity, indent=1))
+        (self.out / "eval_set.json").write_text(json.dumps(dataclasses.asdict(self.eval_set)))
+        self.dual.update_theta(cfg.theta, version="round-0")
+        t0 = time.perf_counter()
+        row = {"round": 0, "theta_version": "round-0", "tokens": 0, **self._evaluate()}
+        row.update(eval_s=time.perf_counter() - t0, wall_s=0.0)
+        self._append(row)
+        return 0
+
+    def _round(self, r: int, wall_before: float) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        samples, prompt_ids = self._sample(r)
+        t1 = time.perf_counter()
+        train = self._train(samples, prompt_ids)
+        t2 = time.perf_counter()
+        version = self.dual.update_theta(self.student.state_dict(), version=f"round-{r}")
+        t3 = time.perf_counter()
+        held_out = self._evaluate()
+        t4 = time.perf_counter()
+        self._save(r)
+        previous = self._metrics()[-1]
+        row = {
+            "round": r,
+            "theta_version": version,
+            "samples": len(samples),
+            "tokens": previous["tokens"] + sum(len(s.token_ids) for s in samples),
+            **train,
+            **held_out,
+            "sample_s": t1 - t0,
+            "train_s": t2 - t1,
+            "update_s": t3 - t2,
+            "eval_s": t4 - t3,
+        }
+        row["wall_s"] = wall_before + (time.perf_counter() - t0)
+        self._append(row)
+        return row
+
+    # ------------------------------------------------------------------ the parts of a round
+
+    def _sample(self, r: int) -> tuple[list[SampleRecord], list[list[int]]]:
+        """Round ``r``'s samples from q (complete ones only) and each one's theta prompt ids."""
+        cfg = self.config
+        n = cfg.prompts_per_round
+        picks = [self.order[((r - 1) * n + i) % len(self.order)] for i in range(n)]
+        pairs = [self._render(self.train_rows[i], self._hint(self.train_rows[i])) for i in picks]
+        sampling = dataclasses.replace(cfg.sampling, seed=cfg.sampling.seed + r)
+        out = self.dual.generate(
+            [theta for _, theta in pairs],
+            teacher_prompts=[teacher for teacher, _ in pairs],
+            sampling=sampling,
+            prompt_keys=[str(i) for i in picks],
+            use_tqdm=False,
+        )
+        samples, prompt_ids = [], []
+        for req in out.requests:
+            for s in req.samples:
+                if s.ok and s.token_ids:
+                    samples.append(s)
+                    prompt_ids.append(list(req.theta_prompt_token_ids))
+        if not samples:
+            raise RuntimeError(
+                f"round {r}: no sample completed (errors: {[s.error for q in out.requests for s in q.samples]})"
+            )
+        return samples, prompt_ids
+
+    def _hint(self, row: dict[str, Any]) -> str | None:
+        return row.get(self.config.hint_field) if self.config.hint_field else None
+
+    def _train(self, samples: list[SampleRecord], prompt_ids: list[list[int]]) -> dict[str, float]:
+        """``steps_per_round`` AdamW steps on equal shares of the samples; the round's loss and weight statistics."""
+        cfg = self.config
+        student = self.student
+        student.train()
+        log_w = [
+            torch.tensor(s.logp_theta, dtype=torch.float64) - torch.tensor(s.logq, dtype=torch.float64) for s in samples
+        ]
+        losses, used = [], []
+        steps = min(cfg.steps_per_round, len(samples))
+        for batch in (range(k, len(samples), steps) for k in range(steps)):
+            batch = list(batch)
+            weights = state_weights([log_w[i] for i in batch], cfg.weighting, cfg.max_weight)
+            used += weights
+            tokens = sum(len(samples[i].token_ids) for i in batch)
+            total = 0.0
+            for i, c in zip(batch, weights):
+                s, prompt = samples[i], prompt_ids[i]
+                ids = torch.tensor([prompt + list(s.token_ids)])
+                logits = student(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(s.token_ids), : self.vocab]
+                top_ids = torch.from_numpy(s.dense_ids[:, 0].astype("int64"))
+                top_logp = torch.from_numpy(s.dense_logp[:, 0])
+                kl = top_k_forward_kl(logits, top_ids, top_logp)
+                loss = (c.to(kl.dtype) * kl).sum() / tokens
+                loss.backward()
+                total += float(loss.detach())
+            torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            losses.append(total)
+        alphas = [a for s in samples for a in s.alpha]
+        return {
+            "loss": statistics.fmean(losses),
+            "mean_alpha": statistics.fmean(alphas),
+            "ess_token": statistics.fmean(ess_fraction(w) for w in log_w),
+            "ess_sequence": ess_fraction(torch.stack([w.sum() for w in log_w])),
+            "ess_used": ess_fraction(torch.log(torch.cat(used))),
+            "mean_log_w_per_token": float(torch.cat(log_w).mean()),
+        }
+
+    def _evaluate(self) -> dict[str, float]:
+        return evaluate(self.student, self.teacher, self.eval_set, self.vocab, self.config.eval_max_tokens)
+
+    # ------------------------------------------------------------------ files
+
+    def _checkpoint(self, r: int) -> Path:
+        return self.out / CHECKPOINTS / f"round-{r}"
+
+    def _last_checkpoint(self) -> int:
+        """The last round whose checkpoint is complete (0 if none)."""
+        done = [
+            int(p.name.split("-")[1])
+            for p in (self.out / CHECKPOINTS).glob("round-*")
+            if p.name.split("-")[1].isdigit() and (p / "trainer_state.pt").exists()
+        ]
+        return max(done, default=0)
+
+    def _save(self, r: int) -> None:
+        """Round ``r``'s student, tokenizer and optimizer state, written whole before the previous one goes: a kill at
+        any moment leaves one complete checkpoint (its trainer_state.pt is written last)."""
+        final = self._checkpoint(r)
+        partial = final.with_name(final.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        self.student.save_pretrained(partial)
+        self.dual.tokenizer.save_pretrained(partial)
+        torch.save({"optimizer": self.optimizer.state_dict(), "round": r}, partial / "trainer_state.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        for old in (self.out / CHECKPOINTS).glob("round-*"):
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _metrics(self) -> list[dict[str, Any]]:
+        path = self.out / METRICS
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+    def _append(self, row: dict[str, Any]) -> None:
+        bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad:
+            raise FloatingPointError(f"round {row['round']}: non-finite {bad}; the run stops before writing them")
+        with open(self.out / METRICS, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _summary_line(row: dict[str, Any]) -> str:
+    return (
+        f"round {row['round']}: KL(t‖θ) {row['kl_teacher_student']:.4f}  KL(θ‖t) {row['kl_student_teacher']:.4f}  "
+        f"teacher logp/token {row['teacher_logp_of_greedy']:.3f}  repetition {row['repetition_rate']:.3f}  "
+        f"loss {row['loss']:.4f}  α {row['mean_alpha']:.3f}  ESS/n {row['ess_sequence']:.2f}  "
+        f"sample {row['sample_s']:.1f}s train {row['train_s']:.1f}s update {row['update_s']:.2f}s"
+    )
+
+
+PLOTTED = {
+    "kl_teacher_student": "KL(π_t ‖ π_θ) per token",
+    "kl_student_teacher": "KL(π_θ ‖ π_t) per token",
+    "teacher_logp_of_greedy": "teacher log-prob / token of θ's greedy answers",
+    "repetition_rate": "repeated 4-grams in θ's greedy answers",
+}
+
+
+def plot_run(rows: list[dict[str, Any]], path: Path) -> None:
+    """The held-out metrics against round (top) and wall time (bottom), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(PLOTTED), figsize=(4 * len(PLOTTED), 6.5), squeeze=False)
+    for j, (key, title) in enumerate(PLOTTED.items()):
+        for i, x in enumerate(("round", "wall_s")):
+            ax = axes[i][j]
+            ax.plot([row[x] for row in rows], [row[key] for row in rows], marker="o")
+            ax.set_xlabel("round" if x == "round" else "wall time (s)")
+            ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,157 @@
+"""The distillation loop: its loss and weights against float64 NumPy references, and two rounds on the tiny pair
+(a random student learning a fixed random teacher) in which the held-out KL must fall."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dual_sampling.distill import DistillConfig, Distiller
+from dual_sampling.distill.loss import ess_fraction, state_weights, top_k_forward_kl
+from dual_sampling.options import EngineOptions, SamplingOptions
+
+
+def test_top_k_forward_kl_is_the_coarsened_kl_and_bounds_the_full_one():
+    rng = np.random.default_rng(0)
+    n, vocab, k = 6, 50, 7
+    teacher = rng.normal(0, 3, (n, vocab))
+    student = rng.normal(0, 1, (n, vocab))
+    lt = teacher - np.log(np.exp(teacher).sum(-1, keepdims=True))
+    ls = student - np.log(np.exp(student).sum(-1, keepdims=True))
+    ids = np.argsort(-lt, axis=-1)[:, :k]
+    got = top_k_forward_kl(
+        torch.tensor(student, dtype=torch.float64), torch.tensor(ids), torch.tensor(np.take_along_axis(lt, ids, -1))
+    )
+    for i in range(n):
+        pt, ps = np.exp(lt[i, ids[i]]), np.exp(ls[i, ids[i]])
+        rest_t, rest_s = 1 - pt.sum(), 1 - ps.sum()
+        want = (pt * np.log(pt / ps)).sum() + rest_t * math.log(rest_t / rest_s)
+        full = (np.exp(lt[i]) * (lt[i] - ls[i])).sum()
+        assert got[i].item() == pytest.approx(want, rel=1e-5)
+        assert got[i].item() <= full + 1e-9
+    # With the whole vocabulary as the top k, it is the full KL (no rest bucket, no 0·log 0).
+    all_ids = np.argsort(-lt, axis=-1)
+    whole = top_k_forward_kl(
+        torch.tensor(student), torch.tensor(all_ids), torch.tensor(np.take_along_axis(lt, all_ids, -1))
+    )
+    full = (np.exp(lt) * (lt - ls)).sum(-1)
+    assert np.allclose(whole.numpy(), full, rtol=1e-4, atol=1e-6)
+
+
+def test_state_weights_follow_their_definitions():
+    rng = np.random.default_rng(1)
+    log_w = [rng.normal(0, 0.5, m) for m in (3, 5, 4)]
+    as_t = [torch.tensor(x) for x in log_w]
+    lengths = [len(x) for x in log_w]
+
+    def normalised(per_token):
+        flat = np.concatenate(per_token)
+        return [x / flat.mean() for x in per_token]
+
+    want = {
+        "none": normalised([np.ones(m) for m in lengths]),
+        "token": normalised([np.exp(x) for x in log_w]),
+        "sequence_mean": normalised([np.full(len(x), np.exp(x.mean())) for x in log_w]),
+        "sequence": normalised([np.full(len(x), np.exp(x.sum())) for x in log_w]),
+    }
+    for mode, expected in want.items():
+        got = state_weights(as_t, mode)
+        for g, e in zip(got, expected):
+            assert np.allclose(g.numpy(), e, rtol=1e-12), mode
+    clipped = state_weights(as_t, "sequence", max_weight=1.2)
+    assert max(float(c.max()) for c in clipped) <= 1.2
+    # Log-weights far beyond float64's exp range keep their ratios.
+    huge = state_weights([torch.tensor([800.0]), torch.tensor([799.0])], "sequence")
+    assert float(huge[0] / huge[1]) == pytest.approx(math.e)
+    with pytest.raises(ValueError, match="weighting"):
+        state_weights(as_t, "sqrt")
+    w = np.exp(rng.normal(0, 1, 20))
+    assert ess_fraction(torch.tensor(np.log(w))) == pytest.approx(w.sum() ** 2 / (20 * (w**2).sum()))
+    assert ess_fraction(torch.zeros(5)) == pytest.approx(1.0)
+
+
+def test_config_names_the_bad_field(tmp_path):
+    with pytest.raises(ValueError, match="weighting"):
+        DistillConfig(prompts="p.jsonl", output=str(tmp_path), teacher="t", theta="s", weighting="sqrt")
+    with pytest.raises(ValueError, match="steps_per_round"):
+        DistillConfig(
+            prompts="p.jsonl", output=str(tmp_path), teacher="t", theta="s", prompts_per_round=2, steps_per_round=3
+        )
+    with pytest.raises(ValueError, match="unknown setting 'round'"):
+        DistillConfig.from_settings({"prompts": "p", "output": "o", "round": 3})
+    cfg = DistillConfig.from_settings(
+        {
+            "prompts": "p",
+            "output": "o",
+            "teacher": "t",
+            "theta": "s",
+            "loss_top_k": 8,
+            "alpha_method": "fixed",
+            "temperature": 0.9,
+        }
+    )
+    assert cfg.sampling.dense_logprobs == 8 and cfg.engine.max_dense_logprobs >= 8
+    assert cfg.engine.alpha_method == "fixed" and cfg.sampling.temperature == 0.9 and cfg.sampling.max_tokens == 128
+
+
+WORDS = ["apple", "river", "stone", "cloud", "green", "seven", "window", "music", "paper", "light", "orange", "winter"]
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    rng = np.random.default_rng(3)
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"question": " ".join(rng.choice(WORDS, 6)), "answer": "x"} for _ in range(40)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_two_rounds_make_the_held_out_kl_fall_and_a_run_resumes(dual_engine, tiny_same, prompts_file, tmp_path):
+    teacher, theta = tiny_same
+    settings = dict(
+        prompts=str(prompts_file),
+        output=str(tmp_path / "run"),
+        teacher=str(teacher),
+        theta=str(theta),
+        chat_template=False,
+        eval_prompts=4,
+        eval_max_tokens=12,
+        rounds=1,
+        prompts_per_round=16,
+        steps_per_round=2,
+        learning_rate=1e-3,
+        loss_top_k=16,
+        plot=True,
+        sampling=SamplingOptions(max_tokens=16),
+        engine=EngineOptions(max_dense_logprobs=16),
+    )
+    try:
+        rows = Distiller(DistillConfig(**settings), dual_engine).run()
+        assert [r["round"] for r in rows] == [0, 1]
+        assert dual_engine.weight_versions["theta"] == "round-1"
+        # Resumed with more rounds: round 1's checkpoint is the start, round 2 follows; a stale partial is ignored.
+        (tmp_path / "run" / "checkpoints" / "round-2.partial").mkdir()
+        rows = Distiller(DistillConfig(**{**settings, "rounds": 2, "resume": True}), dual_engine).run()
+        assert [r["round"] for r in rows] == [0, 1, 2]
+        kl = [r["kl_teacher_student"] for r in rows]
+        assert kl[2] < kl[1] < kl[0], kl
+        assert rows[2]["kl_student_teacher"] < rows[0]["kl_student_teacher"]
+        assert rows[2]["tokens"] > rows[1]["tokens"] > 0 and rows[2]["wall_s"] > rows[1]["wall_s"]
+        for r in rows[1:]:
+            assert 0 < r["ess_sequence"] <= 1 and 0 < r["ess_token"] <= 1 and 0 <= r["mean_alpha"] <= 1
+            assert r["theta_version"] == f"round-{r['round']}" and r["update_s"] > 0
+        saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+        assert saved == ["round-2", "round-2.partial"] or saved == ["round-2"]
+        assert (tmp_path / "run" / "plot.png").stat().st_size > 0
+        lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(x)["round"] for x in lines] == [0, 1, 2]
+        with pytest.raises(ValueError, match="learning_rate"):
+            Distiller(DistillConfig(**{**settings, "learning_rate": 1e-2, "resume": True}), dual_engine).run()
+        with pytest.raises(FileExistsError):
+            Distiller(DistillConfig(**settings), dual_engine).run()
+    finally:
+        dual_engine.update_theta(str(theta), version="0")
