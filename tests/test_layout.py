@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dual_sampling.options",),
     ("dual_sampling.driver",),
     ("dual_sampling.api",),
-    ("dual_sampling.server", "dual_sampling.datagen", "dual_sampling.testing"),
+    ("dual_sampling.server", "dual_sampling.datagen", "dual_sampling.distill", "dual_sampling.testing"),
     ("dual_sampling.cli",),
 )
 """Components from the bottom up. The package ``dual_sampling`` itself (its ``__init__``) names
