@@ -64,6 +64,19 @@ def assert_clean(run, *, allow_errors: frozenset = frozenset(), engine_aborts: b
         check_records(sample, run.requests[index])
 
 
+def assert_same_batches(run) -> None:
+    """Lockstep seen from outside the plugins: at every step both engines' vLLM schedulers ran the same requests.
+
+    The logs are each scheduler's own output (request ids and tokens per step), written by the simulated engine
+    loops, not by the plugins under test. Token counts differ only where prefill does: the prompts differ."""
+    teacher, theta = run.batches["teacher"], run.batches["theta"]
+    assert len(teacher) == len(theta), f"{len(teacher)} teacher steps against {len(theta)} theta steps"
+    for step, (a, b) in enumerate(zip(teacher, theta)):
+        assert [rid for rid, _ in a] == [rid for rid, _ in b], f"step {step}: teacher ran {a}, theta ran {b}"
+    decode = sum(all(n == 1 for _, n in a) for a in teacher)
+    assert len(teacher) > 10 and decode > len(teacher) // 2
+
+
 def stream_errors(scheduler, requests, timeout: float) -> list[str]:
     """Stream every request at once; each one's SyncError message, or "no error"."""
 
@@ -90,6 +103,7 @@ def test_long_teacher_prompts_and_short_theta_prompts_stay_in_lockstep(seed):
     assert all(s.finish_reason in ("stop", "length") for s in run.samples)
     assert run.stats["split_steps"] == 0 and run.stats["follower_diverged"] == 0
     assert run.stats["leader_admitted"] == 24
+    assert_same_batches(run)
 
 
 def test_theta_deliveries_late_and_many_seats():
@@ -98,6 +112,7 @@ def test_theta_deliveries_late_and_many_seats():
     )
     assert_clean(run)
     assert run.stats["split_steps"] == 0
+    assert_same_batches(run)
 
 
 def test_stop_strings_end_both_engines_at_the_same_token_after_min_tokens():

@@ -123,6 +123,9 @@ class SimEngineCore(threading.Thread):
         self.on_death = lambda: None
         """Called once when ``Adversity.engine_dead`` strikes this engine (its frontend's ``die``)."""
         self.dead = False
+        self.batches: list[tuple[tuple[str, int], ...]] = []
+        """An observer outside the plugins: each step's scheduled (request id, tokens), in step order, as vLLM's
+        scheduler output gives them (steps that schedule nothing are left out)."""
 
     # ------------------------------------------------------------------ input, with delays
 
@@ -176,6 +179,8 @@ class SimEngineCore(threading.Thread):
 
     def _step(self) -> None:
         so = self.scheduler.schedule()
+        if so.total_num_scheduled_tokens:
+            self.batches.append(tuple(sorted(so.num_scheduled_tokens.items())))
         mro = self._execute(so)
         outputs = self.scheduler.update_from_output(so, mro)
         for eco in outputs.values():
@@ -439,6 +444,8 @@ class SimRun:
     """Indices of requests the driver aborted."""
     stats: dict
     leaked_slots: list
+    batches: dict
+    """Per side, the observed batches of every step (:attr:`SimEngineCore.batches`)."""
 
 
 _TOKENIZER = None
@@ -565,9 +572,11 @@ def run_simulation(
         while leaked and time.monotonic() < deadline:
             time.sleep(0.02)
             leaked = [s for s in range(scheduler.session.layout.slots) if not scheduler.session.slot_free(s)]
-        return SimRun(samples, requests, aborted, scheduler.statistics(), leaked)
+        stats = scheduler.statistics()
+        cores = scheduler.engines.cores
     finally:
         scheduler.close()
+    return SimRun(samples, requests, aborted, stats, leaked, {side: cores[side].batches for side in cores})
 
 
 async def _drain(stream) -> Any:
