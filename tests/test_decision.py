@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -73,7 +75,11 @@ def test_counter_uniform_is_uniform_and_reproducible():
     u = np.array([counter_uniform(7, s) for s in range(20000)])
     assert u.min() >= 0.0 and u.max() < 1.0
     assert abs(u.mean() - 0.5) < 0.01 and abs(u.var() - 1 / 12) < 0.005
-    assert counter_uniform(7, 3) == counter_uniform(7, 3) != counter_uniform(8, 3)
+    assert counter_uniform(7, 3) != counter_uniform(8, 3)
+    # Reproducible means in another process too (a resumed run draws its remaining samples there).
+    code = "from dual_sampling.decision.pipeline import counter_uniform as c; print([c(7, s) for s in (0, 3, 19999)])"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert other.strip() == str([float(u[0]), float(u[3]), float(u[19999])])
 
 
 def test_top_k_top_p_min_p_masks_match_reference():

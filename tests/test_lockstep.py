@@ -35,6 +35,7 @@ from dual_sampling.lockstep import (
     cleanup_stale_sessions,
     segments_listing,
 )
+from dual_sampling.lockstep.layout import CONTROL_WORDS, HEADER_WORDS, STATS_BASE
 from dual_sampling.options import DualEngineConfig
 
 
@@ -46,31 +47,48 @@ def session():
 
 def test_every_slot_word_has_named_writers_and_no_words_overlap():
     assert set(WRITERS) == set(Slot)
-    assert len({int(w) for w in Slot}) == len(Slot)
-    assert len({int(w) for w in Header} | {int(w) for w in Stat}) == len(Header) + len(Stat)
+    # __members__ holds aliases too (iterating an IntEnum skips them): two names for one word are an overlap.
+    slot_words = [int(w) for w in Slot.__members__.values()]
+    assert len(set(slot_words)) == len(slot_words) and max(slot_words) < CONTROL_WORDS
+    header_words = [int(w) for w in Header.__members__.values()]
+    stat_words = [int(w) for w in Stat.__members__.values()]
+    assert len(set(header_words + stat_words)) == len(header_words) + len(stat_words)
+    assert max(header_words) < STATS_BASE <= min(stat_words) and max(stat_words) < HEADER_WORDS
 
 
 def test_a_bell_rung_by_many_writers_at_once_never_loses_a_wake(session):
-    # Ringing stores a fresh value; a read-modify-write would lose increments between writers.
-    seen = session.bell_value(Bell.TO_LEADER)
-    woke = threading.Event()
+    """Three waiters and two ringers, 100 rounds: in each, every waiter has read the bell before either rings, and
+    each must wake. A lost wake leaves a waiter asleep (its wait is 60 s) and breaks the round's barrier."""
+    waiters, rounds = 3, 100
+    start, done = threading.Barrier(waiters + 1, timeout=30), threading.Barrier(waiters + 1, timeout=30)
+    woken = [0] * waiters
 
-    def waiter() -> None:
-        session.wait_bell(Bell.TO_LEADER, seen, 10.0)
-        woke.set()
+    def waiter(k: int) -> None:
+        for _ in range(rounds):
+            seen = session.bell_value(Bell.TO_LEADER)
+            start.wait()
+            while session.bell_value(Bell.TO_LEADER) == seen:  # it may return early; it must not sleep through
+                session.wait_bell(Bell.TO_LEADER, seen, 60.0)
+            woken[k] += 1
+            done.wait()
 
-    t = threading.Thread(target=waiter)
-    t.start()
-    writers = [
-        threading.Thread(target=lambda w=w: [session.ring(Bell.TO_LEADER, w) for _ in range(200)])
-        for w in (Writer.DRIVER, Writer.THETA_SCHEDULER)
-    ]
-    for w in writers:
-        w.start()
-    for w in writers:
-        w.join()
-    assert woke.wait(5) and session.bell_value(Bell.TO_LEADER) != seen
-    t.join()
+    threads = [threading.Thread(target=waiter, args=(k,)) for k in range(waiters)]
+    for t in threads:
+        t.start()
+    for r in range(rounds):
+        start.wait()
+        ringers = [
+            threading.Thread(target=session.ring, args=(Bell.TO_LEADER, w))
+            for w in ((Writer.DRIVER, Writer.THETA_SCHEDULER) if r % 2 else (Writer.THETA_SCHEDULER, Writer.DRIVER))
+        ]
+        for t in ringers:
+            t.start()
+        for t in ringers:
+            t.join()
+        done.wait()  # BrokenBarrierError after 30 s if a waiter slept through the rings
+    for t in threads:
+        t.join()
+    assert woken == [rounds] * waiters
 
 
 def test_wait_returns_on_the_cap_without_a_ring(session):
