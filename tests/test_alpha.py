@@ -13,62 +13,7 @@ from hypothesis import strategies as st
 
 import alpha.registry
 from alpha import AlphaComputer, available_alpha_methods, geometric_mix, get_alpha_computer
-
-# ---------------------------------------------------------------- NumPy reference
-
-
-def np_log_softmax(x: np.ndarray) -> np.ndarray:
-    m = np.max(x[np.isfinite(x)])
-    return x - (m + np.log(np.sum(np.exp(x - m))))
-
-
-def np_mix(lth: np.ndarray, lt: np.ndarray, a: float) -> np.ndarray:
-    """Normalised q_a on the joint support (probabilities, float64)."""
-    joint = np.isfinite(lth) & np.isfinite(lt)
-    x = np.full_like(lth, -np.inf)
-    x[joint] = (1 - a) * lth[joint] + a * lt[joint]
-    return np.exp(np_log_softmax(x))
-
-
-def np_kl(p: np.ndarray, logr: np.ndarray) -> float:
-    m = p > 0
-    return float(np.sum(p[m] * (np.log(p[m]) - logr[m])))
-
-
-def np_kl_residual(lth, lt, a) -> float:
-    """KL(q‖π_θ) − KL(q‖π_t) at a."""
-    q = np_mix(lth, lt, a)
-    return np_kl(q, lth) - np_kl(q, lt)
-
-
-def np_ess_log_ratio(lth, lt, a) -> float:
-    """log(Σ π_t²/q / Σ π_θ²/q) at a, over the support of q."""
-    q = np_mix(lth, lt, a)
-    m = q > 0
-    return float(np.log(np.sum(np.exp(2 * lt[m]) / q[m])) - np.log(np.sum(np.exp(2 * lth[m]) / q[m])))
-
-
-def np_bisect(f, lo=0.0, hi=1.0, iters=200) -> float:
-    """Root of an increasing f on [lo, hi], clamped to the ends."""
-    if f(lo) >= 0:
-        return lo
-    if f(hi) <= 0:
-        return hi
-    for _ in range(iters):
-        mid = 0.5 * (lo + hi)
-        if f(mid) > 0:
-            hi = mid
-        else:
-            lo = mid
-    return 0.5 * (lo + hi)
-
-
-def np_alpha_kl(lth, lt) -> float:
-    return np_bisect(lambda a: np_kl_residual(lth, lt, a))
-
-
-def np_alpha_ess(lth, lt) -> float:
-    return np_bisect(lambda a: -np_ess_log_ratio(lth, lt, a))
+from tests.oracles import np_alpha_ess, np_alpha_kl, np_ess_log_ratio, np_kl_residual, np_mix
 
 
 def logp(probs, dtype=torch.float64) -> torch.Tensor:

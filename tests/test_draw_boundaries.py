@@ -23,16 +23,10 @@ from alpha import get_alpha_computer
 from dual_sampling.decision import pipeline
 from dual_sampling.decision.kernel import decide_fused
 from dual_sampling.decision.pipeline import RowSampling, decide
-from tests.test_alpha import np_alpha_kl
+from tests.oracles import np_alpha_kl, np_log_softmax
 
 VOCAB = 700  # two full 256-token blocks and a partial one of 188
 MARGIN = 1e-6
-
-
-def np_log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max()
-    return x - m - np.log(np.exp(x - m).sum())
 
 
 def pair(seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -45,7 +39,7 @@ def reference_cdf(
     teacher: np.ndarray, theta: np.ndarray, alpha: float, masked=(), bias: dict[int, float] | None = None
 ) -> np.ndarray:
     """q's CDF in float64, normalised to end at 1."""
-    log_q = (1 - alpha) * np_log_softmax(theta) + alpha * np_log_softmax(teacher)
+    log_q = (1 - alpha) * np_log_softmax(theta.astype(np.float64)) + alpha * np_log_softmax(teacher.astype(np.float64))
     for token, value in (bias or {}).items():
         log_q[token] += value
     log_q[list(masked)] = -np.inf
@@ -111,7 +105,9 @@ def test_kernel_draw_at_the_solved_alpha_with_masked_tokens():
     )
     alpha = float(out[0, 1])
     # The kernel's α against the float64 bisection: the float32 solve's own tolerance.
-    oracle = np_alpha_kl(np_log_softmax(theta)[None], np_log_softmax(teacher)[None])
+    oracle = np_alpha_kl(
+        np_log_softmax(theta.astype(np.float64))[None], np_log_softmax(teacher.astype(np.float64))[None]
+    )
     assert 0.05 < alpha < 0.95 and abs(alpha - oracle) < 1e-5
     assert_boundaries_drawn(kernel_draw(teacher, theta, computer, masked), reference_cdf(teacher, theta, alpha, masked))
 
