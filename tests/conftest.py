@@ -16,6 +16,7 @@ import pytest
 from hypothesis import settings
 
 from dual_sampling.testing import tiny_models
+from tests import processes  # noqa: F401  (tags every process this session starts, before any starts)
 
 settings.register_profile("default", derandomize=True, deadline=None)
 settings.register_profile("explore", derandomize=False, deadline=None, print_blob=True)

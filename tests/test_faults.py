@@ -20,37 +20,16 @@ import psutil
 import pytest
 
 from dual_sampling.lockstep import SESSION_PREFIX, SessionLayout, SyncSession, listing_dir, mapped_shm_files
+from tests import processes
 
 pytestmark = pytest.mark.engine
 
 SETTLE_S = 30.0
 
 
-def snapshot() -> tuple[set[int], set[str]]:
-    """Live processes that could be ours (a Python interpreter or a vLLM process), and the /dev/shm listing.
-
-    Kernel threads, shells and other programs on the machine come and go on their own.
-    """
-    procs = set()
-    for p in psutil.process_iter(["status", "name", "cmdline"]):
-        text = " ".join([p.info["name"] or "", *(p.info["cmdline"] or [])])
-        if p.info["status"] != psutil.STATUS_ZOMBIE and ("python" in text or "VLLM" in text):
-            procs.add(p.pid)
-    return procs, set(os.listdir("/dev/shm"))
-
-
 def settled(before: tuple[set[int], set[str]], timeout: float = SETTLE_S) -> tuple[set[str], set[str]]:
-    """New processes (as "pid name") and new /dev/shm files, once they are gone or ``timeout`` passed."""
-    deadline = time.monotonic() + timeout
-    while True:
-        procs, files = snapshot()
-        new = set()
-        for pid in procs - before[0] - {os.getpid()}:
-            with contextlib.suppress(psutil.Error):  # gone meanwhile
-                new.add(f"{pid} {' '.join(psutil.Process(pid).cmdline())[:80]}")
-        if (not new and not files - before[1]) or time.monotonic() > deadline:
-            return new, files - before[1]
-        time.sleep(0.2)
+    """This session's new processes and shared-memory files (tests/processes.py), once gone or at ``timeout``."""
+    return processes.settled(before, timeout)
 
 
 def start_driver(mode: str, tiny_same) -> tuple[subprocess.Popen, dict]:
@@ -69,7 +48,7 @@ def start_driver(mode: str, tiny_same) -> tuple[subprocess.Popen, dict]:
 
 @pytest.mark.parametrize("mode", ["normal", "exception"])
 def test_exit_leaves_nothing(tiny_same, mode):
-    before = snapshot()
+    before = processes.snapshot()
     proc, _ = start_driver(mode, tiny_same)
     code = proc.wait(timeout=300)
     assert code == (0 if mode == "normal" else 1), proc.stderr.read()[-3000:]
@@ -78,7 +57,7 @@ def test_exit_leaves_nothing(tiny_same, mode):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_driver_interrupted_or_terminated_leaves_nothing(tiny_same, sig):
-    before = snapshot()
+    before = processes.snapshot()
     proc, info = start_driver("hold", tiny_same)
     time.sleep(3)  # mid-generation
     proc.send_signal(sig)
@@ -88,7 +67,7 @@ def test_driver_interrupted_or_terminated_leaves_nothing(tiny_same, sig):
 
 
 def test_driver_killed_engines_exit_by_themselves_and_next_session_cleans(tiny_same):
-    before = snapshot()
+    before = processes.snapshot()
     proc, info = start_driver("hold", tiny_same)
     time.sleep(3)
     proc.send_signal(signal.SIGKILL)
@@ -105,7 +84,7 @@ def test_driver_killed_engines_exit_by_themselves_and_next_session_cleans(tiny_s
 
 @pytest.mark.parametrize("victim", ["teacher", "theta"])
 def test_engine_killed_fails_fast_names_it_and_leaves_nothing(tiny_same, victim):
-    before = snapshot()
+    before = processes.snapshot()
     proc, info = start_driver("hold", tiny_same)
     time.sleep(3)
     killed_at = time.monotonic()
@@ -129,7 +108,7 @@ def test_driver_killed_while_engines_start_leaves_nothing_after_the_next_session
     they make after it, each engine removes itself when it sees its driver gone.
     """
     teacher, theta = tiny_same
-    before = snapshot()
+    before = processes.snapshot()
     out = tmp_path / "driver.out"
     with out.open("w") as stdout:
         proc = subprocess.Popen(
@@ -177,7 +156,7 @@ def test_an_exception_inside_a_live_engine_core_fails_everything_at_once(tiny_sa
 
     teacher, theta = tiny_same
     resource_tracker.ensure_running()  # this test process's own, which outlives the test by design
-    before = snapshot()
+    before = processes.snapshot()
     dual = OptimalSamplingDual(teacher, theta, max_num_seqs=2, max_model_len=256, sync_timeout=10, use_tqdm=False)
     try:
         outcome: dict = {}

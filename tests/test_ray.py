@@ -25,6 +25,7 @@ from dual_sampling.datagen.ray_stage import DualSamplingStage, _run_config
 from dual_sampling.datagen.run import run_generation
 from dual_sampling.datagen.sinks import read_records
 from dual_sampling.lockstep import SESSION_PREFIX, cleanup_stale_sessions, listing_dir
+from tests import processes
 from tests.test_datagen import ScriptedSampler, all_pairs, cli_flags, problems, tiny_config
 
 pytestmark = pytest.mark.engine
@@ -38,26 +39,9 @@ def ray_env() -> dict[str, str]:
     return env
 
 
-def our_processes() -> set[int]:
-    """Python, vLLM and Ray processes alive now."""
-    out = set()
-    for p in psutil.process_iter(["status", "name", "cmdline"]):
-        text = " ".join([p.info["name"] or "", *(p.info["cmdline"] or [])])
-        if p.info["status"] != psutil.STATUS_ZOMBIE and any(
-            w in text for w in ("python", "VLLM", "ray", "raylet", "gcs")
-        ):
-            out.add(p.pid)
-    return out
-
-
-def settle(before_procs: set[int], before_shm: set[str], timeout: float = 60) -> tuple[set[int], set[str]]:
-    deadline = time.monotonic() + timeout
-    while True:
-        procs = {p for p in our_processes() - before_procs - {os.getpid()} if psutil.pid_exists(p)}
-        shm = set(os.listdir("/dev/shm")) - before_shm
-        if (not procs and not shm) or time.monotonic() > deadline:
-            return procs, shm
-        time.sleep(0.5)
+def settle(before: tuple[set[int], set[str]], timeout: float = 60) -> tuple[set[str], set[str]]:
+    """This session's new processes (Ray's included) and shared-memory files, once gone or at ``timeout``."""
+    return processes.settled(before, timeout)
 
 
 def records_by_key(path: Path) -> dict:
@@ -96,7 +80,7 @@ def test_two_replicas_with_one_killed_give_the_local_records_exactly_once(dual_e
     run_generation(
         tiny_config(tiny_same, tmp_path, input=str(src), output=str(local), max_tokens=16), sampler=dual_engine
     )
-    before = (our_processes(), set(os.listdir("/dev/shm")))
+    before = processes.snapshot()
     out = tmp_path / "ray-run"  # a directory of Parquet parts
     flags = cli_flags(tiny_same, input=src, output=out, n=2, max_tokens=16, seed=7, batch_size=2)
     cmd = [
@@ -144,7 +128,7 @@ def test_two_replicas_with_one_killed_give_the_local_records_exactly_once(dual_e
     written = records_by_key(out)
     assert summary["generated_tokens"] == sum(r["num_tokens"] for r in written.values())
     assert_same_records(records_by_key(local), written)
-    assert settle(*before) == (set(), set())
+    assert settle(before) == (set(), set())
 
 
 def test_driver_killed_then_resumed_is_exactly_once(dual_engine, tiny_same, tmp_path):
@@ -152,7 +136,7 @@ def test_driver_killed_then_resumed_is_exactly_once(dual_engine, tiny_same, tmp_
     out = tmp_path / "run.jsonl"
     flags = cli_flags(tiny_same, input=src, output=out, n=2, max_tokens=16, seed=7, batch_size=2)
     cmd = [sys.executable, "-m", "dual_sampling.cli", "generate", *flags, "--ray", "--replicas", "1"]
-    before = (our_processes(), set(os.listdir("/dev/shm")))
+    before = processes.snapshot()
     proc = subprocess.Popen(
         cmd, env=ray_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
     )
@@ -175,9 +159,9 @@ def test_driver_killed_then_resumed_is_exactly_once(dual_engine, tiny_same, tmp_
     # The killed cluster's raylet and workers were in the killed group. Their sessions go with the next session's
     # cleanup: the resumed run's, or, if a worker of the killed cluster still lived when that ran (CI saw it under
     # load), the one after, as docs/reliability.md promises. Nothing may be left that such a cleanup would not remove.
-    settle(*before)
+    settle(before)
     cleanup_stale_sessions()
-    assert settle(*before)[1] == set()
+    assert settle(before)[1] == set()
 
 
 def test_bad_input_and_an_unreachable_cluster_are_named(tiny_same, tmp_path):
@@ -186,7 +170,7 @@ def test_bad_input_and_an_unreachable_cluster_are_named(tiny_same, tmp_path):
     base = [sys.executable, "-m", "dual_sampling.cli", "generate", "--ray"]
     (tmp_path / "missing.jsonl").write_text(lines[0] + "\n" + json.dumps({"id": "x", "question": "?"}) + "\n")
     (tmp_path / "dup.jsonl").write_text(lines[0] + "\n" + lines[0] + "\n")
-    before = (our_processes(), set(os.listdir("/dev/shm")))
+    before = processes.snapshot()
     cases = [
         ("missing.jsonl", ray_env(), "row 1 has no field 'problem'"),
         ("dup.jsonl", ray_env(), "share the id 'p0'"),
@@ -200,7 +184,7 @@ def test_bad_input_and_an_unreachable_cluster_are_named(tiny_same, tmp_path):
         flags = cli_flags(tiny_same, input=tmp_path / name, output=tmp_path / f"out-{name}", n=1, max_tokens=4)
         done = subprocess.run([*base, *flags], env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
-    assert settle(*before, timeout=30) == (set(), set())
+    assert settle(before, timeout=30) == (set(), set())
 
 
 def test_the_stage_in_a_users_own_pipeline(tiny_same, tmp_path):
