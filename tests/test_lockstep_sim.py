@@ -64,7 +64,7 @@ def assert_clean(run, *, allow_errors: frozenset = frozenset(), engine_aborts: b
         check_records(sample, run.requests[index])
 
 
-def assert_same_batches(run) -> None:
+def assert_same_batches(run, busy: bool = True) -> None:
     """Lockstep seen from outside the plugins: at every step both engines' vLLM schedulers ran the same requests.
 
     The logs are each scheduler's own output (request ids and tokens per step), written by the simulated engine
@@ -73,8 +73,9 @@ def assert_same_batches(run) -> None:
     assert len(teacher) == len(theta), f"{len(teacher)} teacher steps against {len(theta)} theta steps"
     for step, (a, b) in enumerate(zip(teacher, theta)):
         assert [rid for rid, _ in a] == [rid for rid, _ in b], f"step {step}: teacher ran {a}, theta ran {b}"
-    decode = sum(all(n == 1 for _, n in a) for a in teacher)
-    assert len(teacher) > 10 and decode > len(teacher) // 2
+    if busy:  # the run had something to compare: many steps, most of them decode steps
+        decode = sum(all(n == 1 for _, n in a) for a in teacher)
+        assert len(teacher) > 10 and decode > len(teacher) // 2
 
 
 def stream_errors(scheduler, requests, timeout: float) -> list[str]:
@@ -272,7 +273,8 @@ def test_engines_that_compute_without_serving_rows_are_not_a_stall(monkeypatch):
         check_records(s, request)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+# Derandomized or not by the profile (conftest): HYPOTHESIS_PROFILE=explore searches new examples here too.
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),
     max_num_seqs=st.integers(1, 6),
@@ -281,9 +283,11 @@ def test_engines_that_compute_without_serving_rows_are_not_a_stall(monkeypatch):
     teacher_delay=st.sampled_from([0.0, 0.02]),
     theta_delay=st.sampled_from([0.0, 0.02]),
     one_sided=st.sampled_from([0.0, 0.2]),
+    budget=st.sampled_from([None, 120, 200]),
+    min_tokens=st.sampled_from([0, 3]),
 )
 def test_property_every_request_completes_or_is_aborted(
-    seed, max_num_seqs, count, abort_rate, teacher_delay, theta_delay, one_sided
+    seed, max_num_seqs, count, abort_rate, teacher_delay, theta_delay, one_sided, budget, min_tokens
 ):
     run = run_simulation(
         seed,
@@ -291,11 +295,15 @@ def test_property_every_request_completes_or_is_aborted(
         max_num_seqs=max_num_seqs,
         abort_rate=abort_rate,
         stops=("7",),
+        budget=budget,
+        min_tokens=min_tokens,
         adversity=Adversity(delay_s={"teacher": teacher_delay, "theta": theta_delay}, one_sided_abort_rate=one_sided),
     )
     assert_clean(run, engine_aborts=one_sided > 0)
     assert all(s.finish_reason in ("stop", "length", "abort") for s in run.samples)
     assert run.stats["follower_diverged"] == 0
+    if not abort_rate and not one_sided:
+        assert_same_batches(run, busy=False)
 
 
 def test_no_session_file_left_behind():
@@ -581,7 +589,7 @@ class _CountingTokenizer:
         return self.inner.decode(ids, **kwargs)
 
 
-@settings(max_examples=60, deadline=None, derandomize=True)
+@settings(max_examples=60, deadline=None)
 @given(
     # Single characters, spaces, words, and the three byte tokens of 😀 (10813, 242, 218), in any order.
     ids=st.lists(st.sampled_from([17, 18, 33, 34, 65, 66, 216, 253, 260, 10813, 242, 218]), min_size=1, max_size=60),
