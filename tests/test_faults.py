@@ -87,13 +87,12 @@ def test_engine_killed_fails_fast_names_it_and_leaves_nothing(tiny_same, victim)
     before = processes.snapshot()
     proc, info = start_driver("hold", tiny_same)
     time.sleep(3)
-    killed_at = time.monotonic()
     os.kill(info["pids"][victim][0], signal.SIGKILL)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     failed = [line for line in out.splitlines() if line.startswith("FAILED ")]
-    assert failed and f"the {victim} engine failed" in failed[0]
-    assert time.monotonic() - killed_at < 10 + 20  # sync_timeout plus shutdown
+    # Named as the engine's death, by the driver's watch on its processes, not found later as a sync timeout.
+    assert failed and f"the {victim} engine failed" in failed[0] and "sync_timeout" not in failed[0]
     assert settled(before) == (set(), set())
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX) and info["session"] in f]
 
