@@ -31,10 +31,13 @@ __all__ = [
     "DualEngineConfig",
     "EngineOptions",
     "SamplingOptions",
+    "compose_settings",
     "default_kv_cache_bytes",
     "flat_keys",
+    "flat_settings",
     "kv_cache_bytes_needed",
     "model_config",
+    "runtime_only",
 ]
 
 BEST_OF_SCORES = ("logq", "logp_theta", "logp_teacher")
@@ -397,3 +400,31 @@ def flat_keys(parts: dict[str, type]) -> dict[str, str]:
                 )
             owner[f.name] = part
     return owner
+
+
+def compose_settings(
+    cls: type, settings: dict[str, Any], owner: dict[str, str], sampling_defaults: dict[str, Any] | None = None
+) -> Any:
+    """``cls`` (a run's config, composing ``sampling`` and ``engine``) from flat keys (CLI flags, a YAML file): each
+    key goes to the part ``owner`` (:func:`flat_keys`) names; ``sampling_defaults`` are the run's own defaults for
+    its sampling options. An unknown key is refused by name."""
+    parts: dict[str, dict[str, Any]] = {"run": {}, "sampling": dict(sampling_defaults or {}), "engine": {}}
+    for key, value in settings.items():
+        part = owner.get(key)
+        if part is None:
+            raise ValueError(f"unknown setting {key!r}; known: {sorted(owner)}")
+        parts[part][key] = value
+    return cls(**parts["run"], sampling=SamplingOptions(**parts["sampling"]), engine=EngineOptions(**parts["engine"]))
+
+
+def flat_settings(config: Any) -> dict[str, Any]:
+    """Every setting of a composed config as one flat mapping (the inverse of :func:`compose_settings`)."""
+    out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in ("sampling", "engine")}
+    return {**out, **dataclasses.asdict(config.sampling), **dataclasses.asdict(config.engine)}
+
+
+def runtime_only(*classes: type) -> frozenset[str]:
+    """The fields of ``classes`` marked :data:`RUNTIME_ONLY` (they change nothing a run produces)."""
+    return frozenset(
+        f.name for cls in classes for f in dataclasses.fields(cls) if not f.metadata.get("changes_records", True)
+    )

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from dual_sampling.datagen.run_config import _NOT_IDENTITY, RunConfig, _flat_keys
-from dual_sampling.options import EngineOptions, SamplingOptions
+from dual_sampling.datagen.run_config import _NOT_IDENTITY, RunConfig
+from dual_sampling.options import EngineOptions, SamplingOptions, flat_keys
 from tests.test_datagen import tiny_config
 
 
@@ -16,7 +16,7 @@ def test_identity_leaves_out_exactly_the_settings_marked_runtime_only(tiny_same,
     assert {
         "ray", "replicas", "cpus_per_replica", "gpus_per_replica", "ray_max_retries", "resume", "batch_size",
         "use_tqdm", "output", "sync_timeout", "max_num_seqs", "max_num_batched_tokens", "cpu_binding",
-        "enforce_eager", "enable_prefix_caching", "kv_cache_memory_bytes",
+        "enforce_eager", "enable_prefix_caching", "kv_cache_memory_bytes", "max_dense_logprobs",
     } == _NOT_IDENTITY  # fmt: skip
     cfg = tiny_config(tiny_same, tmp_path)
     assert set(cfg.identity()) == set(cfg.flat()) - _NOT_IDENTITY
@@ -25,7 +25,7 @@ def test_identity_leaves_out_exactly_the_settings_marked_runtime_only(tiny_same,
 
 
 def test_a_flat_key_two_parts_share_is_refused():
-    assert _flat_keys({"run": RunConfig, "sampling": SamplingOptions, "engine": EngineOptions})["seed"] == "sampling"
+    assert flat_keys({"run": RunConfig, "sampling": SamplingOptions, "engine": EngineOptions})["seed"] == "sampling"
 
     @dataclass
     class Clashing:
@@ -33,4 +33,4 @@ def test_a_flat_key_two_parts_share_is_refused():
         inner: SamplingOptions = field(default_factory=SamplingOptions)  # a composed part is not a key
 
     with pytest.raises(TypeError, match="'max_tokens' is a field of both the sampling and the run options"):
-        _flat_keys({"sampling": SamplingOptions, "run": Clashing})
+        flat_keys({"sampling": SamplingOptions, "run": Clashing})

@@ -4,12 +4,19 @@ settings that decide what its records contain (its identity, which ``--resume`` 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dual_sampling.options import RUNTIME_ONLY, EngineOptions, SamplingOptions, flat_keys
+from dual_sampling.options import (
+    RUNTIME_ONLY,
+    EngineOptions,
+    SamplingOptions,
+    compose_settings,
+    flat_keys,
+    flat_settings,
+    runtime_only,
+)
 
 __all__ = ["RunConfig"]
 
@@ -107,20 +114,11 @@ class RunConfig:
     @classmethod
     def from_settings(cls, settings: dict[str, Any]) -> RunConfig:
         """Build from flat keys (CLI flags, run.yaml): each goes to the run, its sampling or its engine options."""
-        parts: dict[str, dict[str, Any]] = {"run": {}, "sampling": {}, "engine": {}}
-        for key, value in settings.items():
-            part = _FLAT_KEYS.get(key)
-            if part is None:
-                raise ValueError(f"unknown setting {key!r}; known: {sorted(_FLAT_KEYS)}")
-            parts[part][key] = value
-        return cls(
-            **parts["run"], sampling=SamplingOptions(**parts["sampling"]), engine=EngineOptions(**parts["engine"])
-        )
+        return compose_settings(cls, settings, _FLAT_KEYS)
 
     def flat(self) -> dict[str, Any]:
         """Every setting as one flat mapping (the inverse of :meth:`from_settings`)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("sampling", "engine")}
-        return {**out, **dataclasses.asdict(self.sampling), **dataclasses.asdict(self.engine)}
+        return flat_settings(self)
 
     def identity(self) -> dict[str, Any]:
         """The settings that decide what the records contain (compared on --resume)."""
@@ -129,12 +127,7 @@ class RunConfig:
 
 _FLAT_KEYS = flat_keys({"run": RunConfig, "sampling": SamplingOptions, "engine": EngineOptions})
 """Which part of a run each flat key belongs to."""
-_NOT_IDENTITY = frozenset(
-    f.name
-    for cls in (RunConfig, SamplingOptions, EngineOptions)
-    for f in dataclasses.fields(cls)
-    if not f.metadata.get("changes_records", True)
-)
+_NOT_IDENTITY = runtime_only(RunConfig, SamplingOptions, EngineOptions)
 """Settings that do not change what a record contains (so --resume may change them): those marked RUNTIME_ONLY."""
 
 

@@ -8,7 +8,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dual_sampling.distill.loss import WEIGHTINGS
-from dual_sampling.options import RUNTIME_ONLY, EngineOptions, SamplingOptions, flat_keys
+from dual_sampling.options import (
+    RUNTIME_ONLY,
+    EngineOptions,
+    SamplingOptions,
+    compose_settings,
+    flat_keys,
+    flat_settings,
+    runtime_only,
+)
 
 __all__ = ["DistillConfig"]
 
@@ -104,30 +112,12 @@ class DistillConfig:
     @classmethod
     def from_settings(cls, settings: dict[str, Any]) -> DistillConfig:
         """Build from flat keys (CLI flags, distill.yaml): each goes to the run, its sampling or its engine options."""
-        parts: dict[str, dict[str, Any]] = {"run": {}, "sampling": {"max_tokens": 128}, "engine": {}}
-        for key, value in settings.items():
-            part = _FLAT_KEYS.get(key)
-            if part is None:
-                raise ValueError(f"unknown setting {key!r}; known: {sorted(_FLAT_KEYS)}")
-            parts[part][key] = value
-        return cls(
-            **parts["run"], sampling=SamplingOptions(**parts["sampling"]), engine=EngineOptions(**parts["engine"])
-        )
+        return compose_settings(cls, settings, _FLAT_KEYS, sampling_defaults={"max_tokens": 128})
 
     def identity(self) -> dict[str, Any]:
         """The settings a resumed run must share with the run it continues (all but the runtime ones and rounds)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("sampling", "engine")}
-        flat = {**out, **dataclasses.asdict(self.sampling), **dataclasses.asdict(self.engine)}
-        return {k: v for k, v in flat.items() if k not in _NOT_IDENTITY}
+        return {k: v for k, v in flat_settings(self).items() if k not in _NOT_IDENTITY}
 
 
 _FLAT_KEYS = flat_keys({"run": DistillConfig, "sampling": SamplingOptions, "engine": EngineOptions})
-_NOT_IDENTITY = frozenset(
-    ["rounds"]
-    + [
-        f.name
-        for cls in (DistillConfig, SamplingOptions, EngineOptions)
-        for f in dataclasses.fields(cls)
-        if not f.metadata.get("changes_records", True)
-    ]
-)
+_NOT_IDENTITY = runtime_only(DistillConfig, SamplingOptions, EngineOptions) | {"rounds"}
