@@ -191,11 +191,12 @@ def test_vllm_aborts_reaching_one_engine_become_lockstep_aborts():
     assert len(ended) >= 3 and all(s.teacher_token_ids == s.theta_token_ids for s in ended)
 
 
-def test_a_preemption_attempt_fails_its_request_alone():
-    # Theta's KV cache holds 4 usable blocks of 16 tokens, less than 4 seats need: vLLM would preempt a
+@pytest.mark.parametrize("side", ["theta", "teacher"])
+def test_a_preemption_attempt_fails_its_request_alone(side):
+    # One side's KV cache holds 4 usable blocks of 16 tokens, less than 4 seats need: vLLM would preempt a
     # running request (refused: it fails as "preempted") or fail to admit a planned one (it fails as
-    # "diverged"). Start-up refuses such a cache on real engines; here the refusal paths run.
-    run = run_simulation(14, count=16, max_num_seqs=4, adversity=Adversity(kv_blocks={"theta": 5}))
+    # "diverged"). Start-up refuses such a cache on real engines; here the refusal paths run, on either side.
+    run = run_simulation(14, count=16, max_num_seqs=4, adversity=Adversity(kv_blocks={side: 5}))
     assert_clean(run, allow_errors=frozenset({"preempted", "diverged"}))
     errors = [s.error for s in run.samples if s.error]
     assert any(e.startswith("preempted") for e in errors)
