@@ -136,6 +136,7 @@ def test_a_name_two_configs_share_fails_when_the_parser_is_built():
     assert cli._add_command(sub, "one", (One,)).parse_args(["--top-k", "5"]).top_k == 5  # alone it builds
 
 
+@pytest.mark.engine
 def test_distill_runs_from_a_config_file_and_resumes(tmp_path, tiny_same):
     """The whole command on the tiny pair: one round, then --resume with two; then a missing flag is named."""
     import json
