@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint install models bench bench-gemma bench-alpha bench-ray bench-datagen clean
+.PHONY: demo test test-fast lint install models bench bench-gemma bench-alpha bench-ray bench-datagen bench-dense experiment-distill clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,13 @@ bench-ray: models
 # A data run's own cost per record (no engines: a scripted sampler), at 10k and 100k rows; it must grow linearly.
 bench-datagen: $(STAMP)
 	$(PY) examples/bench_datagen.py --output bench-out/datagen.json
+
+# The distillation experiment of docs/distillation.md (about an hour on 2 cores); results.json and distillation.png.
+experiment-distill: models
+	$(PY) examples/distill_experiment.py --output bench-out/distill --seeds 0,1 --rounds 3
+
+bench-dense: models
+	$(PY) examples/bench_dense.py --output bench-out/dense.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
