@@ -80,6 +80,9 @@ class Distiller:
         self.optimizer = torch.optim.AdamW(
             self.student.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
         )
+        saved_eval = self.out / "eval_set.json"
+        if eval_set is None and config.resume and saved_eval.exists():  # the held-out set of the run resumed
+            eval_set = EvalSet(**json.loads(saved_eval.read_text()))
         self.eval_set = eval_set or build_eval_set(
             self.teacher,
             [dual.tokenizer.encode(self._render(r, None)[1], add_special_tokens=False) for r in held_out],
@@ -120,19 +123,24 @@ class Distiller:
             if changed:
                 raise ValueError(f"--resume with other settings than the run in {self.out}: {changed}")
             done = self._last_checkpoint()
-            if done > 0:
-                folder = self._checkpoint(done)
-                state = torch.load(folder / "trainer_state.pt", weights_only=True)
-                loaded = type(self.student).from_pretrained(folder, dtype=torch.float32)
-                self.student.load_state_dict(loaded.state_dict())
-                self.optimizer.load_state_dict(state["optimizer"])
-                self.dual.update_theta(folder, version=f"round-{done}")
-            else:
-                self.dual.update_theta(cfg.theta, version="round-0")
+            # A round's metrics line is written before its checkpoint: lines past the last checkpoint are dropped
+            # (those rounds run again), and a checkpoint always has its line.
             kept = [row for row in self._metrics() if row["round"] <= done]
-            (self.out / METRICS).write_text("".join(json.dumps(row) + "\n" for row in kept))
             if kept and kept[-1]["round"] == done:
+                if done > 0:
+                    folder = self._checkpoint(done)
+                    state = torch.load(folder / "trainer_state.pt", weights_only=True)
+                    loaded = type(self.student).from_pretrained(folder, dtype=torch.float32)
+                    self.student.load_state_dict(loaded.state_dict())
+                    self.optimizer.load_state_dict(state["optimizer"])
+                    self.dual.update_theta(folder, version=f"round-{done}")
+                else:
+                    self.dual.update_theta(cfg.theta, version="round-0")
+                (self.out / METRICS).write_text("".join(json.dumps(row) + "\n" for row in kept))
                 return done
+            if done > 0:
+                raise ValueError(f"{self.out}: metrics.jsonl has no line for round {done}, its last checkpoint")
+            (self.out / METRICS).unlink(missing_ok=True)  # killed before round 0 was written: start afresh
         elif (self.out / METRICS).exists():
             raise FileExistsError(f"{self.out} holds a run already; pass --resume to continue it")
         self.out.mkdir(parents=True, exist_ok=True)
@@ -155,7 +163,6 @@ class Distiller:
         t3 = time.perf_counter()
         held_out = self._evaluate()
         t4 = time.perf_counter()
-        self._save(r)
         previous = self._metrics()[-1]
         row = {
             "round": r,
@@ -170,7 +177,8 @@ class Distiller:
             "eval_s": t4 - t3,
         }
         row["wall_s"] = wall_before + (time.perf_counter() - t0)
-        self._append(row)
+        self._append(row)  # before the checkpoint: a resume never meets a checkpoint without its line
+        self._save(r)
         return row
 
     # ------------------------------------------------------------------ the parts of a round
