@@ -167,7 +167,10 @@ def summarise(results: dict[str, list[list[dict]]]) -> dict[str, dict[str, Any]]
             values = [r[key] for run in runs for r in run[1:] if key in r]
             if values:
                 row[key + "_per_round"] = statistics.fmean(values)
-        row["wall_s"] = statistics.fmean(run[-1]["wall_s"] for run in runs)
+        # Wall time of the rounds without the held-out evaluations (TRL's runs record it so already).
+        row["wall_s_without_eval"] = statistics.fmean(
+            run[-1]["wall_s"] - (sum(r["eval_s"] for r in run[1:]) if "sample_s" in run[-1] else 0.0) for run in runs
+        )
         table[arm] = row
     return table
 
@@ -202,6 +205,35 @@ def plot(results: dict[str, list[list[dict]]], path: Path) -> None:
     plt.close(fig)
 
 
+def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
+    """The headline table: each arm's final-round median over seeds, its range, and the mean time per round."""
+    head = (
+        "| arm | KL(π_t‖π_θ) | KL(π_θ‖π_t) | teacher log-prob / token of θ's greedy | repetition | mean α | ESS/n "
+        "| sample / train / update s per round | wall s, all rounds (no eval) |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+
+    def cell(row: dict[str, Any], key: str, digits: int = 3) -> str:
+        if key not in row:
+            return "–"
+        v = row[key]
+        return f"{v['median']:.{digits}f} ({v['min']:.{digits}f}–{v['max']:.{digits}f})"
+
+    for arm, row in summary.items():
+        split = "–"
+        if "train_s_per_round" in row:
+            split = (
+                f"{row['sample_s_per_round']:.1f} / {row['train_s_per_round']:.1f} / {row['update_s_per_round']:.2f}"
+            )
+        rows.append(
+            f"| {arm} | {cell(row, 'kl_teacher_student')} | {cell(row, 'kl_student_teacher')} "
+            f"| {cell(row, 'teacher_logp_of_greedy')} | {cell(row, 'repetition_rate')} | {cell(row, 'mean_alpha', 2)} "
+            f"| {cell(row, 'ess_sequence', 2)} | {split} | {row['wall_s_without_eval']:.0f} |"
+        )
+    return head + "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the tiny random pair and a few prompts")
@@ -214,7 +246,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--learning-rate", type=float, default=5e-5)
     parser.add_argument("--keep-layers", type=int, default=24, help="layers of the pruned SmolLM2 student")
+    parser.add_argument("--table", metavar="RESULTS", help="print the Markdown table of a results.json, run nothing")
     args = parser.parse_args()
+    if args.table:
+        print(markdown_table(json.loads(Path(args.table).read_text())["summary"]))
+        return
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -263,9 +299,7 @@ def main() -> None:
     }
     (out / "results.json").write_text(json.dumps(report, indent=1))
     plot(results, out / "distillation.png")
-    for arm, row in summary.items():
-        cells = "  ".join(f"{k} {row[k]['median']:.4f}" for k in HEADLINE if k in row)
-        print(f"{arm:12s} {cells}")
+    print(markdown_table(summary))
 
 
 if __name__ == "__main__":
