@@ -249,7 +249,7 @@ def main() -> None:
     parser.add_argument("--table", metavar="RESULTS", help="print the Markdown table of a results.json, run nothing")
     args = parser.parse_args()
     if args.table:
-        print(markdown_table(json.loads(Path(args.table).read_text())["summary"]))
+        print(markdown_table(summarise(json.loads(Path(args.table).read_text())["runs"])))
         return
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
