@@ -105,7 +105,7 @@ class Distiller:
                 row = self._round(r, wall_before=rows[-1]["wall_s"])
                 rows.append(row)
                 bar.update(1)
-                bar.write(_summary_line(row))
+                bar.write(_summary_line(row), file=sys.stderr)  # stdout is for results
         finally:
             bar.close()
         if cfg.plot:
