@@ -30,7 +30,7 @@ from dual_sampling.distill.evaluate import EvalSet, build_eval_set, evaluate
 from dual_sampling.distill.loss import ess_fraction, state_weights, top_k_forward_kl
 from dual_sampling.records import SampleRecord
 
-__all__ = ["Distiller", "plot_run", "run_distillation"]
+__all__ = ["Distiller", "check_resume", "plot_run", "run_distillation"]
 
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
@@ -40,9 +40,25 @@ def run_distillation(config: DistillConfig) -> list[dict[str, Any]]:
     """Run (or resume) ``config`` with a dual engine of its own; the per-round summaries."""
     from dual_sampling.api import OptimalSamplingDual
 
+    check_resume(config)  # before the engines start: a refused resume costs nothing
     settings = {**dataclasses.asdict(config.engine), "use_tqdm": False}
     with OptimalSamplingDual(config.teacher, config.theta, **settings) as dual:
         return Distiller(config, dual).run()
+
+
+def _identity(config: DistillConfig) -> dict[str, Any]:
+    return json.loads(json.dumps(config.identity(), default=str))
+
+
+def check_resume(config: DistillConfig) -> None:
+    """With ``resume``, refuse settings other than those of the run in ``output`` (naming them)."""
+    saved = Path(config.output) / "config.json"
+    if not (config.resume and saved.exists()):
+        return
+    before, now = json.loads(saved.read_text()), _identity(config)
+    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    if changed:
+        raise ValueError(f"--resume with other settings than the run in {config.output}: {changed}")
 
 
 class Distiller:
@@ -115,13 +131,10 @@ class Distiller:
     def _start(self) -> int:
         """Prepare ``output`` (fresh or resumed); the last round done. The engine gets the student's weights."""
         cfg = self.config
-        identity = json.loads(json.dumps(cfg.identity(), default=str))
+        identity = _identity(cfg)
         saved = self.out / "config.json"
         if cfg.resume and saved.exists():
-            before = json.loads(saved.read_text())
-            changed = sorted(k for k in set(before) | set(identity) if before.get(k) != identity.get(k))
-            if changed:
-                raise ValueError(f"--resume with other settings than the run in {self.out}: {changed}")
+            check_resume(cfg)
             done = self._last_checkpoint()
             # A round's metrics line is written before its checkpoint: lines past the last checkpoint are dropped
             # (those rounds run again), and a checkpoint always has its line.
