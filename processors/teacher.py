@@ -95,8 +95,6 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         def run(lo: int, hi: int) -> Decision:
             part = ready[lo:hi]
             warm = torch.tensor([row.alpha for _, row in part], dtype=torch.float32, device=teacher.device)
-            if dense_k:  # before decide(), which may work in the rows in place
-                dense = dense_top(teacher[lo:hi], theta[lo:hi], dense_k, theta_normalized=True)
             d = decide(
                 teacher[lo:hi],
                 theta[lo:hi],
@@ -108,7 +106,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
                 top_logprobs=top_logprobs,
             )
             if dense_k:
-                d.dense_ids, d.dense_logp = dense
+                d.dense_ids, d.dense_logp = dense_top(teacher[lo:hi], theta[lo:hi], dense_k, theta_normalized=True)
             return d
 
         n = len(ready)

@@ -583,9 +583,8 @@ class DualScheduler:
         """Copies of a slot's dense top-k records for tokens [start, end), or None when k is 0."""
         if not k:
             return None
-        return self.session.dense_ids[slot, start:end, :, :k].copy(), self.session.dense_logp[
-            slot, start:end, :, :k
-        ].copy()
+        s = self.session
+        return s.dense_ids[slot, start:end, :, :k].copy(), s.dense_logp[slot, start:end, :, :k].copy()
 
     def _collect(self, flight: _Flight, theta_tokens: list[int], teacher_finish: str | None) -> SampleRecord:
         """The verified sample of a request both engines have ended."""
