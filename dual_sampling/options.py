@@ -241,7 +241,8 @@ class SamplingOptions:
         return self.best_of or self.n
 
     def check_vocab(self, vocab: int, eos_token_ids: Sequence[int] = ()) -> None:
-        """Refuse token ids outside the shared vocabulary, and stop ids that leave no token to generate.
+        """Refuse token ids outside the shared vocabulary, more dense log-probabilities than it has tokens, and stop
+        ids that leave no token to generate.
 
         With every token a stop token, a row that fails has no token left to be forced with (the engines' last
         resort), so such a request is refused here, naming the field.
@@ -249,6 +250,10 @@ class SamplingOptions:
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias))):
             bad = [t for t in ids if t >= vocab]
             _need(not bad, f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        _need(
+            self.dense_logprobs <= vocab,
+            f"dense_logprobs={self.dense_logprobs} exceeds the vocabulary of {vocab} tokens",
+        )
         _need(
             len(set(self.stop_token_ids) | set(eos_token_ids)) < vocab,
             f"stop_token_ids and the EOS ids cover the whole vocabulary of {vocab} tokens: none is left to generate",

@@ -81,6 +81,9 @@ def test_config_names_the_bad_field(tmp_path):
         DistillConfig(
             prompts="p.jsonl", output=str(tmp_path), teacher="t", theta="s", prompts_per_round=2, steps_per_round=3
         )
+    for name, value in (("max_weight", 0), ("learning_rate", math.inf), ("weight_decay", math.nan)):
+        with pytest.raises(ValueError, match=name):
+            DistillConfig(prompts="p.jsonl", output=str(tmp_path), teacher="t", theta="s", **{name: value})
     with pytest.raises(ValueError, match="unknown setting 'round'"):
         DistillConfig.from_settings({"prompts": "p", "output": "o", "round": 3})
     cfg = DistillConfig.from_settings(

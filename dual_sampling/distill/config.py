@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,10 +93,18 @@ class DistillConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-        for name in ("learning_rate", "weight_decay", "max_grad_norm", "max_weight"):
+        # max_weight may be inf (no clip) but not 0; the optimizer's settings must be finite.
+        for name, least, finite in (
+            ("learning_rate", 0.0, True),
+            ("weight_decay", 0.0, True),
+            ("max_grad_norm", 0.0, False),
+            ("max_weight", math.ulp(0.0), False),
+        ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= least:
+                raise ValueError(f"{name} must be a number {'> 0' if least else '>= 0'}, got {value!r}")
+            if finite and not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value!r}")
             setattr(self, name, float(value))
         if self.weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")

@@ -80,9 +80,11 @@ class Distiller:
         rows = [json.loads(line) for line in Path(config.prompts).read_text(encoding="utf-8").splitlines() if line]
         if len(rows) <= config.eval_prompts:
             raise ValueError(f"prompts has {len(rows)} rows: none left after eval_prompts={config.eval_prompts}")
-        missing = [i for i, r in enumerate(rows) if config.prompt_field not in r]
+        missing = [
+            i for i, r in enumerate(rows) if not isinstance(r, dict) or not isinstance(r.get(config.prompt_field), str)
+        ]
         if missing:
-            raise ValueError(f"prompts row {missing[0]} has no field {config.prompt_field!r}")
+            raise ValueError(f"prompts row {missing[0]} has no text field {config.prompt_field!r}")
         renderer = Renderer(dual.tokenizer, None, None, config.chat_template)
         self._render = lambda row, hint: tuple(
             renderer.prompt(user, None) for user in renderer.user_messages(row[config.prompt_field], hint, row)
@@ -118,7 +120,7 @@ class Distiller:
         bar = tqdm(total=cfg.rounds, initial=done, desc="distill", unit="round", file=sys.stderr)
         try:
             for r in range(done + 1, cfg.rounds + 1):
-                row = self._round(r, wall_before=rows[-1]["wall_s"])
+                row = self._round(r, previous=rows[-1])
                 rows.append(row)
                 bar.update(1)
                 bar.write(_summary_line(row), file=sys.stderr)  # stdout is for results
@@ -166,7 +168,8 @@ class Distiller:
         self._append(row)
         return 0
 
-    def _round(self, r: int, wall_before: float) -> dict[str, Any]:
+    def _round(self, r: int, previous: dict[str, Any]) -> dict[str, Any]:
+        """Round ``r`` after the round summarised by ``previous``; its summary, written before its checkpoint."""
         t0 = time.perf_counter()
         samples, prompt_ids = self._sample(r)
         t1 = time.perf_counter()
@@ -176,7 +179,6 @@ class Distiller:
         t3 = time.perf_counter()
         held_out = self._evaluate()
         t4 = time.perf_counter()
-        previous = self._metrics()[-1]
         row = {
             "round": r,
             "theta_version": version,
@@ -189,7 +191,7 @@ class Distiller:
             "update_s": t3 - t2,
             "eval_s": t4 - t3,
         }
-        row["wall_s"] = wall_before + (time.perf_counter() - t0)
+        row["wall_s"] = previous["wall_s"] + (time.perf_counter() - t0)
         self._append(row)  # before the checkpoint: a resume never meets a checkpoint without its line
         self._save(r)
         return row
