@@ -33,6 +33,7 @@ from dual_sampling.lockstep import (
     Writer,
 )
 from dual_sampling.testing.sim_engines import (
+    MOMENTS,
     VOCAB,
     Adversity,
     SimEnginePair,
@@ -61,7 +62,7 @@ def assert_clean(run, *, allow_errors: frozenset = frozenset(), engine_aborts: b
         assert sample.teacher_token_ids == sample.theta_token_ids == sample.token_ids
         if sample.finish_reason == "abort" and not engine_aborts:
             assert index in run.aborted
-        check_records(sample, run.requests[index])
+        check_records(sample, run.requests[index], run.token_steps)
 
 
 def assert_same_batches(run, busy: bool = True) -> None:
@@ -99,7 +100,7 @@ def stream_errors(scheduler, requests, timeout: float) -> list[str]:
 def test_long_teacher_prompts_and_short_theta_prompts_stay_in_lockstep(seed):
     # One engine alone would admit one long teacher prompt per step but many short theta
     # prompts; deliveries to the teacher lag by up to 30 ms. The leader admits for both.
-    run = run_simulation(seed, count=24, max_num_seqs=4, adversity=Adversity(delay_s={"teacher": 0.03, "theta": 0.0}))
+    run = run_simulation(seed, count=24, max_num_seqs=4, adversity=Adversity(delay_turns={"teacher": 3, "theta": 0}))
     assert_clean(run)
     assert all(s.finish_reason in ("stop", "length") for s in run.samples)
     assert run.stats["split_steps"] == 0 and run.stats["follower_diverged"] == 0
@@ -109,7 +110,7 @@ def test_long_teacher_prompts_and_short_theta_prompts_stay_in_lockstep(seed):
 
 def test_theta_deliveries_late_and_many_seats():
     run = run_simulation(
-        7, count=30, max_num_seqs=8, adversity=Adversity(delay_s={"teacher": 0.0, "theta": 0.05}), budget=200
+        7, count=30, max_num_seqs=8, adversity=Adversity(delay_turns={"teacher": 0, "theta": 5}), budget=200
     )
     assert_clean(run)
     assert run.stats["split_steps"] == 0
@@ -125,7 +126,7 @@ def test_stop_strings_end_both_engines_at_the_same_token_after_min_tokens():
         max_num_seqs=4,
         stops=stops,
         min_tokens=3,
-        adversity=Adversity(delay_s={"teacher": 0.01, "theta": 0.02}),
+        adversity=Adversity(delay_turns={"teacher": 1, "theta": 2}),
     )
     assert_clean(run)
     by_string = [s for s in run.samples if isinstance(s.stop_reason, str)]
@@ -155,27 +156,29 @@ def test_stop_strings_end_both_engines_at_the_same_token_after_min_tokens():
 
 
 def test_aborts_while_queued_in_prefill_and_in_decode_end_only_their_request():
+    # Each abort acts by its request's state: waiting for a slot, while the teacher engine computes its prefill (the
+    # abort lands inside that step), or after a drawn number of streamed tokens.
     run = run_simulation(
-        11,
-        count=40,
-        max_num_seqs=4,
-        abort_rate=0.5,
-        act_within_s=0.05,
-        adversity=Adversity(delay_s={"teacher": 0.02, "theta": 0.02}),
+        11, count=40, max_num_seqs=4, abort_rate=0.5, adversity=Adversity(delay_turns={"teacher": 2, "theta": 2})
     )
     assert_clean(run)
-    aborted = [i for i, s in enumerate(run.samples) if s.finish_reason == "abort"]
-    assert len(aborted) >= 5 and set(aborted) <= run.aborted
-    assert any(not s.token_ids for s in run.samples if s.finish_reason == "abort"), "no abort caught a queued request"
-    assert any(s.token_ids for s in run.samples if s.finish_reason == "abort"), "no abort caught a running request"
-    # Every request nobody aborted completed; an aborted one either ended by the abort or finished first.
+    assert_same_batches(run)
+    assert {run.acted[i] for i in run.aborted} == set(MOMENTS), run.acted
+    for i in run.aborted:
+        sample = run.samples[i]
+        if run.acted[i] == "queued":  # it never reached an engine
+            assert sample.finish_reason == "abort" and sample.token_ids == []
+        elif run.acted[i] == "prefill":  # at most the token its prefill computed
+            assert sample.finish_reason == "abort" and len(sample.token_ids) <= 1, (i, sample.token_ids)
+    # Every request nobody aborted completed; one aborted in decode ended by the abort or finished first.
     assert all(s.finish_reason in ("stop", "length") for i, s in enumerate(run.samples) if i not in run.aborted)
 
 
 def test_callers_walking_away_free_their_slots():
     run = run_simulation(12, count=30, max_num_seqs=4, cancel_rate=0.4, slots=6)
     assert_clean(run)
-    assert sum(s is None for s in run.samples) >= 5
+    assert set(run.acted.values()) == set(MOMENTS), run.acted
+    assert all(run.samples[i] is None for i in run.acted if run.acted[i] != "decode")
     assert sum(s is not None and s.finish_reason in ("stop", "length") for s in run.samples) >= 10
 
 
@@ -184,11 +187,48 @@ def test_vllm_aborts_reaching_one_engine_become_lockstep_aborts():
         13,
         count=40,
         max_num_seqs=4,
-        adversity=Adversity(one_sided_abort_rate=0.4, delay_s={"teacher": 0.01, "theta": 0.03}),
+        adversity=Adversity(one_sided_abort_rate=0.4, delay_turns={"teacher": 1, "theta": 3}),
     )
     assert_clean(run, engine_aborts=True)
+    assert_same_batches(run)
     ended = [s for s in run.samples if s.finish_reason == "abort"]
     assert len(ended) >= 3 and all(s.teacher_token_ids == s.theta_token_ids for s in ended)
+
+
+@pytest.mark.parametrize("side", ["teacher", "theta"])
+def test_prefix_cache_hits_on_one_side_only_keep_lockstep(side):
+    # That side's prompts share 48 tokens (3 blocks) and only its vLLM caches prefixes: its prefills schedule fewer
+    # tokens than the prompt, the other side's the whole prompt. The leader plans as if nothing were cached.
+    run = run_simulation(
+        15, count=16, max_num_seqs=4, shared_prefix={side: 48}, adversity=Adversity(prefix_caching=frozenset({side}))
+    )
+    assert_clean(run)
+    assert_same_batches(run)
+    other = "theta" if side == "teacher" else "teacher"
+    first = {s: {} for s in (side, other)}
+    for s in first:
+        for batch in run.batches[s]:
+            for rid, tokens in batch:
+                first[s].setdefault(rid, tokens)
+    length = lambda s, rid: len(getattr(run.requests[int(rid[1:])], f"{s}_prompt_ids"))
+    hits = [rid for rid, n in first[side].items() if n < length(side, rid)]
+    assert len(hits) >= 8, f"{len(hits)} prefix cache hits on the {side} side"
+    assert all(n == length(other, rid) for rid, n in first[other].items())
+
+
+def test_contexts_that_fill_max_model_len_end_on_both_sides_at_the_same_token():
+    # Half the requests leave 1 to 4 tokens of room on one side or the other; their max_tokens is that room.
+    run = run_simulation(16, count=24, max_num_seqs=4, near_full=0.5, min_tokens=1)
+    assert_clean(run)
+    assert_same_batches(run, busy=False)  # most steps are prefills here
+    full = 0
+    for sample, request in zip(run.samples, run.requests):
+        longest = max(len(request.teacher_prompt_ids), len(request.theta_prompt_ids))
+        assert longest + len(sample.token_ids) <= 96
+        if longest + request.max_tokens == 96 and sample.finish_reason == "length":
+            full += 1
+            assert longest + len(sample.token_ids) == 96
+    assert full >= 4, f"only {full} samples filled max_model_len"
 
 
 @pytest.mark.parametrize("side", ["theta", "teacher"])
@@ -225,7 +265,7 @@ def test_an_engine_emitting_another_token_fails_that_sample_as_diverged():
         assert s.error == "diverged at step 1" and s.finish_reason == "error" and s.theta_token_ids != s.token_ids
     for s, request in zip(run.samples, run.requests):
         if s.error is None:
-            check_records(s, request)
+            check_records(s, request, run.token_steps)
 
 
 def test_a_stalled_engine_fails_its_requests_and_later_ones_complete():
@@ -238,7 +278,7 @@ def test_a_stalled_engine_fails_its_requests_and_later_ones_complete():
     assert sum(s.error is None for s in run.samples) >= 4
     for s, request in zip(run.samples, run.requests):
         if s.error is None:
-            check_records(s, request)
+            check_records(s, request, run.token_steps)
 
 
 def test_engines_that_stop_answering_fail_every_request_running_or_queued(monkeypatch):
@@ -271,7 +311,7 @@ def test_engines_that_compute_without_serving_rows_are_not_a_stall(monkeypatch):
     assert [s.error for s in run.samples] == [None] * 6
     assert run.leaked_slots == []
     for s, request in zip(run.samples, run.requests):
-        check_records(s, request)
+        check_records(s, request, run.token_steps)
 
 
 # Derandomized or not by the profile (conftest): HYPOTHESIS_PROFILE=explore searches new examples here too.
@@ -281,14 +321,16 @@ def test_engines_that_compute_without_serving_rows_are_not_a_stall(monkeypatch):
     max_num_seqs=st.integers(1, 6),
     count=st.integers(1, 20),
     abort_rate=st.sampled_from([0.0, 0.3]),
-    teacher_delay=st.sampled_from([0.0, 0.02]),
-    theta_delay=st.sampled_from([0.0, 0.02]),
+    teacher_delay=st.integers(0, 4),
+    theta_delay=st.integers(0, 4),
     one_sided=st.sampled_from([0.0, 0.2]),
     budget=st.sampled_from([None, 120, 200]),
     min_tokens=st.sampled_from([0, 3]),
+    caching=st.sampled_from([(), ("teacher",), ("theta",), ("teacher", "theta")]),
+    near_full=st.sampled_from([0.0, 0.3]),
 )
 def test_property_every_request_completes_or_is_aborted(
-    seed, max_num_seqs, count, abort_rate, teacher_delay, theta_delay, one_sided, budget, min_tokens
+    seed, max_num_seqs, count, abort_rate, teacher_delay, theta_delay, one_sided, budget, min_tokens, caching, near_full
 ):
     run = run_simulation(
         seed,
@@ -298,13 +340,18 @@ def test_property_every_request_completes_or_is_aborted(
         stops=("7",),
         budget=budget,
         min_tokens=min_tokens,
-        adversity=Adversity(delay_s={"teacher": teacher_delay, "theta": theta_delay}, one_sided_abort_rate=one_sided),
+        shared_prefix={side: 32 for side in caching},
+        near_full=near_full,
+        adversity=Adversity(
+            delay_turns={"teacher": teacher_delay, "theta": theta_delay},
+            one_sided_abort_rate=one_sided,
+            prefix_caching=frozenset(caching),
+        ),
     )
     assert_clean(run, engine_aborts=one_sided > 0)
     assert all(s.finish_reason in ("stop", "length", "abort") for s in run.samples)
     assert run.stats["follower_diverged"] == 0
-    if not abort_rate and not one_sided:
-        assert_same_batches(run, busy=False)
+    assert_same_batches(run, busy=False)
 
 
 def test_no_session_file_left_behind():
@@ -533,7 +580,7 @@ def test_a_stop_string_check_that_raises_fails_its_request_and_the_engine_serves
                 assert sample.error == "decision_error at step 1" and sample.finish_reason == "error"
             else:
                 assert sample.error is None and sample.teacher_token_ids == sample.theta_token_ids == sample.token_ids
-                check_records(sample, request)
+                check_records(sample, request, scheduler.engines.cores["teacher"].token_steps)
     finally:
         scheduler.close()
 

@@ -5,19 +5,22 @@ vLLM's queues, token budget and KV cache manager), both logits processors, the s
 memory, and the driver (``dual_sampling.driver.dual_scheduler.DualScheduler``). What is simulated:
 
 - the **EngineCore loop** (:class:`SimEngineCore`, one thread per engine): it reads its
-  input with a delivery delay of its own per message, steps when vLLM's scheduler has
-  work, and sends the outputs to its frontend;
+  input with a delivery delay of its own per message, counted in turns of the loop (not in
+  seconds, so a run is a function of its drawn data), steps when vLLM's scheduler has work,
+  and sends the outputs to its frontend;
 - the **model runner**: a persistent batch updated the way vLLM's V1 runner does it
   (finished and unscheduled requests removed, new ones added into holes, rows condensed
   by one-way moves, random SWAPs), ``BatchUpdate``/``apply`` called as vLLM calls them, and
-  logits that are a fixed function of (side, sample seed, step), so a record can be
-  recomputed from scratch;
+  logits that are a fixed function of (side, sample seed, position, engine step), so a
+  record can be recomputed from scratch and a row computed at another step than its
+  partner's is wrong (:func:`sim_logits`);
 - the **frontend** (:class:`SimAsyncEngine`): ``generate()`` as ``AsyncLLM`` has it (DELTA or
   FINAL_ONLY outputs, a vLLM abort when the caller goes away).
 
 Adversity is chosen per run (:class:`Adversity`): uneven delivery delays per side, one
-side's KV cache too small (vLLM then tries to preempt), vLLM-level aborts sent to one
-engine only, a stalled engine, an engine that vLLM declares dead while its process lives on.
+side's KV cache too small (vLLM then tries to preempt), prefix caching on one side only,
+vLLM-level aborts sent to one engine only, a stalled engine, an engine that vLLM declares
+dead while its process lives on.
 
 One module over 500 lines: the simulated core, runner and frontend share one request model
 and one clock of steps.
@@ -63,9 +66,15 @@ NAN_STEP = 2
 """Step at which a sample whose seed is in ``Adversity.nan_seeds`` gets NaN logits."""
 
 
-def sim_logits(side: str, seed: int, step: int) -> torch.Tensor:
-    """The simulated model's logits: a fixed function of (side, sample seed, step)."""
-    g = torch.Generator().manual_seed((seed * 1_000_003 + step * 2 + (side == "theta")) % (1 << 62))
+def sim_logits(side: str, seed: int, position: int, step: int) -> torch.Tensor:
+    """The simulated model's logits: a fixed function of (side, sample seed, position, engine step).
+
+    ``position`` counts the sample's generated tokens; ``step`` is the engine's own count of steps that scheduled
+    tokens (:attr:`SimEngineCore.batches`). Both engines count the same steps only if they run in lockstep, so a
+    row computed one step out of phase with its partner's differs from the one the record oracle recomputes.
+    """
+    key = ((seed * 1_000_003 + position) * 1_000_033 + step) * 2 + (side == "theta")
+    g = torch.Generator().manual_seed(key % (1 << 62))
     return torch.randn(VOCAB, generator=g) * (3.0 if side == "teacher" else 1.5)
 
 
@@ -73,10 +82,14 @@ def sim_logits(side: str, seed: int, step: int) -> torch.Tensor:
 class Adversity:
     """What goes wrong in one simulated run."""
 
-    delay_s: dict[str, float] = field(default_factory=lambda: {"teacher": 0.0, "theta": 0.0})
-    """Largest delivery delay of a message to each engine (each message draws its own)."""
+    delay_turns: dict[str, int] = field(default_factory=lambda: {"teacher": 0, "theta": 0})
+    """Largest delivery delay of a message to each engine, in turns of that engine's loop (each message draws its
+    own). A turn is one step, or one poll of at most 10 ms while the engine has nothing to step."""
     kv_blocks: dict[str, int] = field(default_factory=dict)
     """KV cache blocks per side; missing: enough for every seat at full length."""
+    prefix_caching: frozenset = frozenset()
+    """The sides whose vLLM scheduler has prefix caching on (the others have it off): their prefills may schedule
+    fewer tokens than the other side's for the same step."""
     one_sided_abort_rate: float = 0.0
     """Chance that a request also gets a vLLM-level abort sent to one engine only."""
     nan_seeds: frozenset = frozenset()
@@ -111,32 +124,47 @@ class SimEngineCore(threading.Thread):
             vllm_config, kv, StructuredOutputManager(vllm_config), block_size=BLOCK, hash_block_size=BLOCK
         )
         self.processor = processor_cls(vllm_config, torch.device("cpu"), False)
+        self.block_hasher = None
+        """What EngineCore gives each Request when prefix caching is on: the hashes its cache looks up."""
+        if vllm_config.cache_config.enable_prefix_caching:
+            from vllm.utils.hashing import sha256
+            from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+            init_none_hash(sha256)
+            self.block_hasher = get_request_block_hasher(BLOCK, sha256)
         self._inbox: list = []
         self._inbox_lock = threading.Condition()
         self._seq = itertools.count()
+        self.turns = 0
+        """Turns of this engine's loop so far: the clock of its delivery delays."""
         self.batch: list[str | None] = []
         self.outputs_of: dict[str, list[int]] = {}
         self.params_of: dict[str, SamplingParams] = {}
         self.stop_flag = threading.Event()
         self.error: BaseException | None = None
         self.started_at = time.monotonic()
+        self.on_schedule = lambda scheduler_output: None
+        """Called in this engine's thread with each step's scheduler output, before the model runs."""
         self.on_death = lambda: None
         """Called once when ``Adversity.engine_dead`` strikes this engine (its frontend's ``die``)."""
         self.dead = False
         self.batches: list[tuple[tuple[str, int], ...]] = []
         """An observer outside the plugins: each step's scheduled (request id, tokens), in step order, as vLLM's
         scheduler output gives them (steps that schedule nothing are left out)."""
+        self.token_steps: dict[int, list[int]] = {}
+        """Per sample seed, the index in :attr:`batches` of the step that computed each of its tokens."""
 
     # ------------------------------------------------------------------ input, with delays
 
     def send(self, kind: str, payload: Any) -> None:
-        delay = self.rng.random() * self.adversity.delay_s.get(self.side, 0.0)
         with self._inbox_lock:
-            heapq.heappush(self._inbox, (time.monotonic() + delay, next(self._seq), kind, payload))
+            due = self.turns + self.rng.randint(0, self.adversity.delay_turns.get(self.side, 0))
+            heapq.heappush(self._inbox, (due, next(self._seq), kind, payload))
             self._inbox_lock.notify()
 
     def _read_inputs(self, block: bool) -> None:
         with self._inbox_lock:
+            self.turns += 1
             if block and not self._due():
                 self._inbox_lock.wait(0.01)
             items = []
@@ -149,7 +177,7 @@ class SimEngineCore(threading.Thread):
                 self.scheduler.finish_requests(payload, RequestStatus.FINISHED_ABORTED)  # as EngineCore.abort_requests
 
     def _due(self) -> bool:
-        return bool(self._inbox) and self._inbox[0][0] <= time.monotonic()
+        return bool(self._inbox) and self._inbox[0][0] <= self.turns
 
     # ------------------------------------------------------------------ the loop
 
@@ -181,6 +209,7 @@ class SimEngineCore(threading.Thread):
         so = self.scheduler.schedule()
         if so.total_num_scheduled_tokens:
             self.batches.append(tuple(sorted(so.num_scheduled_tokens.items())))
+        self.on_schedule(so)
         mro = self._execute(so)
         outputs = self.scheduler.update_from_output(so, mro)
         for eco in outputs.values():
@@ -231,8 +260,9 @@ class SimEngineCore(threading.Thread):
         if not self.batch:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={})
         seeds = [self.params_of[rid].extra_args["dual_sampling"]["sampling"]["seed"] for rid in self.batch]
+        step = len(self.batches) - 1  # this step scheduled tokens (the runner is called only then)
         logits = torch.stack(
-            [sim_logits(self.side, seed, len(self.outputs_of[rid])) for seed, rid in zip(seeds, self.batch)]
+            [sim_logits(self.side, seed, len(self.outputs_of[rid]), step) for seed, rid in zip(seeds, self.batch)]
         )
         if self.side == self.adversity.nan_side:
             for i, (seed, rid) in enumerate(zip(seeds, self.batch)):
@@ -246,6 +276,7 @@ class SimEngineCore(threading.Thread):
             if self.side == "theta" and seed in self.adversity.wrong_token_seeds and len(self.outputs_of[rid]) == 1:
                 tokens[-1] = 17 + (tokens[-1] - 16) % (VOCAB - 17)  # a different, ordinary token
             self.outputs_of[rid].append(tokens[-1])
+            self.token_steps.setdefault(seed, []).append(step)
         return ModelRunnerOutput(
             req_ids=list(self.batch),
             req_id_to_index={rid: i for i, rid in enumerate(self.batch)},
@@ -283,7 +314,9 @@ class SimAsyncEngine:
         params = params.clone()
         params._eos_token_id = EOS
         params._all_stop_token_ids = set(params.stop_token_ids or ()) | {EOS}
-        request = Request(request_id, list(prompt["prompt_token_ids"]), params, None)
+        request = Request(
+            request_id, list(prompt["prompt_token_ids"]), params, None, block_hasher=self.core.block_hasher
+        )
         inbox: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = (asyncio.get_running_loop(), inbox)
         self.core.send("add", request)
@@ -373,8 +406,11 @@ class SimEnginePair:
             core.scheduler.shutdown()
 
 
-def sim_configs(max_num_seqs: int, max_model_len: int, budget: int, sync_timeout: float) -> dict:
-    """vLLM configs of both simulated engines (the tiny models' folders; nothing is loaded)."""
+def sim_configs(
+    max_num_seqs: int, max_model_len: int, budget: int, sync_timeout: float, prefix_caching: frozenset = frozenset()
+) -> dict:
+    """vLLM configs of both simulated engines (the tiny models' folders; nothing is loaded); ``prefix_caching``: the
+    sides with vLLM's prefix caching on."""
     from vllm.engine.arg_utils import EngineArgs
 
     from dual_sampling.testing import tiny_models
@@ -393,7 +429,7 @@ def sim_configs(max_num_seqs: int, max_model_len: int, budget: int, sync_timeout
             enforce_eager=True,
             dtype="float32",
             skip_tokenizer_init=True,
-            enable_prefix_caching=False,
+            enable_prefix_caching=side in prefix_caching,
             additional_config={
                 "dual_sampling": {
                     "role": side,
@@ -408,26 +444,29 @@ def sim_configs(max_num_seqs: int, max_model_len: int, budget: int, sync_timeout
     return out
 
 
-def check_records(sample, request=None) -> None:
+def check_records(sample, request, token_steps: dict[int, list[int]]) -> None:
     """Recompute α, log π_t, log π_θ and log q of every token from the fixed logits: a stale row fails here.
 
-    With ``request``, its min_tokens masking of the stop ids is applied to q as well.
+    ``token_steps`` is the *teacher* engine's :attr:`SimEngineCore.token_steps`: both sides' rows are recomputed at the
+    teacher's step, so a theta row computed out of phase fails as stale. The request's min_tokens masking of the stop
+    ids is applied to q as well.
     """
     ac = get_alpha_computer("kl_symmetry")
-    for step, tok in enumerate(sample.token_ids):
-        lt = torch.log_softmax(sim_logits("teacher", sample.seed, step), -1)
-        lth = torch.log_softmax(sim_logits("theta", sample.seed, step), -1)
+    steps = token_steps.get(sample.seed, [])
+    assert len(steps) >= len(sample.token_ids), f"seed {sample.seed}: the teacher engine computed fewer tokens"
+    for position, (tok, step) in enumerate(zip(sample.token_ids, steps)):
+        lt = torch.log_softmax(sim_logits("teacher", sample.seed, position, step), -1)
+        lth = torch.log_softmax(sim_logits("theta", sample.seed, position, step), -1)
         a = ac(lth, lt)
         logq = geometric_mix(lth, lt, a)
-        if request is not None and step < request.sampling.min_tokens:
+        if position < request.sampling.min_tokens:
             logq[[t for t in request.sampling.stop_token_ids if t < VOCAB]] = -math.inf
             logq = torch.log_softmax(logq, -1)
-        assert math.isclose(sample.alpha[step], float(a), abs_tol=1e-5), f"seed {sample.seed} step {step}: alpha"
-        assert math.isclose(sample.logp_theta[step], float(lth[tok]), abs_tol=1e-5), (
-            f"seed {sample.seed} step {step}: stale theta row"
-        )
-        assert math.isclose(sample.logp_teacher[step], float(lt[tok]), abs_tol=1e-5)
-        assert math.isclose(sample.logq[step], float(logq[tok]), abs_tol=1e-5), f"seed {sample.seed} step {step}: log q"
+        where = f"seed {sample.seed} token {position} (teacher step {step})"
+        assert math.isclose(sample.alpha[position], float(a), abs_tol=1e-5), f"{where}: alpha"
+        assert math.isclose(sample.logp_theta[position], float(lth[tok]), abs_tol=1e-5), f"{where}: stale theta row"
+        assert math.isclose(sample.logp_teacher[position], float(lt[tok]), abs_tol=1e-5), f"{where}: teacher row"
+        assert math.isclose(sample.logq[position], float(logq[tok]), abs_tol=1e-5), f"{where}: log q"
 
 
 # ---------------------------------------------------------------------- one simulated run
@@ -446,6 +485,10 @@ class SimRun:
     leaked_slots: list
     batches: dict
     """Per side, the observed batches of every step (:attr:`SimEngineCore.batches`)."""
+    token_steps: dict
+    """The teacher engine's step of every token, per sample seed (:attr:`SimEngineCore.token_steps`)."""
+    acted: dict
+    """Per request index, the moment (:data:`MOMENTS`) at which its abort or cancel acted."""
 
 
 _TOKENIZER = None
@@ -464,20 +507,44 @@ def sim_tokenizer():
 
 
 def make_requests(
-    rng: random.Random, count: int, max_model_len: int, stops: tuple[str, ...] = (), min_tokens: int = 0
+    rng: random.Random,
+    count: int,
+    max_model_len: int,
+    stops: tuple[str, ...] = (),
+    min_tokens: int = 0,
+    *,
+    shared_prefix: dict[str, int] | None = None,
+    near_full: float = 0.0,
 ) -> list:
-    """Long teacher prompts and short theta ones (a hint on one side only), uneven lengths, random stop ids."""
+    """Long teacher prompts and short theta ones (a hint on one side only), uneven lengths, random stop ids.
+
+    ``shared_prefix`` (side: tokens) starts every prompt of that side with the same tokens, so a prefix cache there
+    hits. ``near_full`` is the chance that a request's longer prompt leaves only 1 to 4 tokens of room in
+    max_model_len (its max_tokens capped by that room, as ``OptimalSamplingDual`` caps it).
+    """
     from dual_sampling.decision.pipeline import RowSampling
     from dual_sampling.driver.dual_scheduler import DualRequest
 
+    shared = {side: [rng.randrange(17, VOCAB) for _ in range(n)] for side, n in (shared_prefix or {}).items()}
     out = []
     for _k in range(count):
         teacher_len, theta_len = rng.randint(max_model_len // 4, max_model_len // 2), rng.randint(1, 12)
-        max_tokens = rng.randint(max(1, min_tokens), 24)
+        if rng.random() < near_full:
+            room = rng.randint(1, 4)
+            if rng.random() < 0.5:
+                teacher_len = max_model_len - room
+            else:
+                theta_len = max_model_len - room
+        prompts = {}
+        for side, length in (("teacher", teacher_len), ("theta", theta_len)):
+            head = shared.get(side, [])
+            prompts[side] = head + [rng.randrange(17, VOCAB) for _ in range(max(1, length - len(head)))]
+        room = max_model_len - max(len(p) for p in prompts.values())
+        max_tokens = min(rng.randint(max(1, min_tokens), 24), room)
         out.append(
             DualRequest(
-                [rng.randrange(17, VOCAB) for _ in range(teacher_len)],
-                [rng.randrange(17, VOCAB) for _ in range(theta_len)],
+                prompts["teacher"],
+                prompts["theta"],
                 RowSampling(
                     seed=rng.randrange(1 << 40),
                     min_tokens=min(min_tokens, max_tokens),
@@ -502,7 +569,7 @@ def sim_scheduler(
     """The real driver (``DualScheduler``) on two simulated engines; ``budget`` defaults to max_model_len."""
     from dual_sampling.driver.dual_scheduler import DualScheduler
 
-    configs = sim_configs(max_num_seqs, max_model_len, budget or max_model_len, sync_timeout)
+    configs = sim_configs(max_num_seqs, max_model_len, budget or max_model_len, sync_timeout, adversity.prefix_caching)
     return DualScheduler(
         lambda name: SimEnginePair(name, configs, rng, adversity, max_num_seqs, max_model_len),
         sim_tokenizer(),
@@ -512,6 +579,11 @@ def sim_scheduler(
         sync_timeout=sync_timeout,
         slots=slots,
     )
+
+
+MOMENTS = ("queued", "prefill", "decode")
+"""When an abort or a cancel acts on its request, by state: waiting for a slot, while the teacher engine computes
+its prefill, or once a drawn number of its tokens has streamed."""
 
 
 def run_simulation(
@@ -524,39 +596,70 @@ def run_simulation(
     budget: int | None = None,
     abort_rate: float = 0.0,
     cancel_rate: float = 0.0,
-    act_within_s: float = 0.3,
     stops: tuple[str, ...] = (),
     min_tokens: int = 0,
     sync_timeout: float = 10.0,
     slots: int | None = None,
+    shared_prefix: dict[str, int] | None = None,
+    near_full: float = 0.0,
 ) -> SimRun:
     """Run ``count`` requests through the real plugins and driver on two simulated engines.
 
     ``budget`` (tokens per step, default max_model_len) is small enough that one engine alone
     would admit long teacher prompts and short theta prompts at different steps.
-    ``abort_rate`` aborts requests through the driver at a random moment (queued, in
-    prefill or in decode); ``cancel_rate`` has the caller walk away from the stream; either
-    happens at a uniform moment within ``act_within_s`` of the request's start.
+    ``abort_rate`` aborts requests through the driver, ``cancel_rate`` has the caller walk away
+    from the stream; each acts at a moment of :data:`MOMENTS` drawn per request, by the
+    request's state, never by a timer (``SimRun.acted`` says which moment each reached).
     """
     rng = random.Random(seed)
     adversity = adversity or Adversity()
-    requests = make_requests(rng, count, max_model_len, stops, min_tokens)
+    requests = make_requests(
+        rng, count, max_model_len, stops, min_tokens, shared_prefix=shared_prefix, near_full=near_full
+    )
     scheduler = sim_scheduler(rng, adversity, max_num_seqs, max_model_len, budget, sync_timeout, slots)
     aborted: set = set()
-    plan = [(rng.random() < abort_rate, rng.random() < cancel_rate, rng.random() * act_within_s) for _ in requests]
+    acted: dict[int, str] = {}
+    plan = []
+    for request in requests:
+        abort, cancel = rng.random() < abort_rate, rng.random() < cancel_rate
+        moment, after = rng.choice(MOMENTS), rng.randint(1, max(1, request.max_tokens - 1))
+        plan.append(("abort" if abort else "cancel" if cancel else None, moment, after))
+    at_prefill: dict[str, Any] = {}
+
+    def on_schedule(so) -> None:  # in the teacher engine's thread, between its schedule() and its model
+        for new in so.scheduled_new_reqs:
+            act = at_prefill.pop(new.req_id, None)
+            if act is not None:
+                asyncio.run_coroutine_threadsafe(_call(act), scheduler.loop).result(30)
+
+    scheduler.engines.cores["teacher"].on_schedule = on_schedule
 
     async def one(index: int, request) -> Any:
-        abort, cancel, after = plan[index]
+        action, moment, after = plan[index]
         request.request_id = f"r{index}"
-        task = asyncio.ensure_future(_drain(scheduler.stream(request)))
-        if abort or cancel:
-            await asyncio.sleep(after)
-            if not task.done():
-                if abort:
-                    if scheduler.abort(request.request_id):
-                        aborted.add(index)
-                else:
-                    task.cancel()
+        task = None
+
+        def act(where: str) -> None:
+            if index in acted or task.done():
+                return
+            acted[index] = where
+            if action == "abort":
+                if scheduler.abort(request.request_id):
+                    aborted.add(index)
+            else:
+                task.cancel()
+
+        def on_tokens(streamed: int) -> None:
+            if action and moment == "decode" and streamed >= after:
+                act("decode")
+
+        task = asyncio.ensure_future(_drain(scheduler.stream(request), on_tokens))
+        if action and moment != "decode":
+            await asyncio.sleep(0)  # the stream starts: it holds a slot now, or waits for one
+            if moment == "queued" and request.request_id not in scheduler.in_flight():
+                act("queued")
+            else:
+                at_prefill[request.request_id] = lambda: act("prefill")
         try:
             return await task
         except asyncio.CancelledError:
@@ -576,11 +679,18 @@ def run_simulation(
         cores = scheduler.engines.cores
     finally:
         scheduler.close()
-    return SimRun(samples, requests, aborted, stats, leaked, {side: cores[side].batches for side in cores})
+    batches = {side: cores[side].batches for side in cores}
+    return SimRun(samples, requests, aborted, stats, leaked, batches, cores["teacher"].token_steps, acted)
 
 
-async def _drain(stream) -> Any:
+async def _call(function) -> None:
+    function()
+
+
+async def _drain(stream, on_tokens=lambda streamed: None) -> Any:
     """The final sample of a stream, after checking that the streamed deltas add up to it.
+
+    ``on_tokens`` is called with the number of tokens streamed so far after each delta.
 
     Records too: a sample's streamed records are its own, and a failed sample streams none for the step it failed at
     or later (the slot's rows there may hold an earlier request's values).
@@ -589,6 +699,8 @@ async def _drain(stream) -> Any:
     async for delta in stream:
         streamed += delta.token_ids
         records.append(delta.records)
+        if delta.sample is None:
+            on_tokens(len(streamed))
         if delta.sample is not None:
             sample = delta.sample
             assert streamed == sample.teacher_token_ids, "the streamed tokens differ from the teacher engine's"
