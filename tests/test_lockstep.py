@@ -91,10 +91,11 @@ def test_a_bell_rung_by_many_writers_at_once_never_loses_a_wake(session):
     assert woken == [rounds] * waiters
 
 
+@pytest.mark.timeout(60)  # a wait that ignores its cap hangs: the timeout fails it
 def test_wait_returns_on_the_cap_without_a_ring(session):
     start = time.monotonic()
     session.wait_bell(Bell.PLAN, session.bell_value(Bell.PLAN), 0.05)
-    assert 0.04 <= time.monotonic() - start < 1.0
+    assert time.monotonic() - start >= 0.04, "returned before its cap with no ring"
 
 
 def test_slot_is_reused_only_after_both_sides_released_and_the_driver_read_it(session):

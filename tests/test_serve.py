@@ -402,8 +402,7 @@ def test_load_200_streams_with_disconnects(server, dual_engine):
     # Every disconnect the server sees ends its stream early, aborting the request unless it had just finished.
     assert 0 < disconnects <= outcomes.count("left") and 0 < aborted <= disconnects
     print(f"load: {disconnects:.0f} disconnects seen by the server, {aborted} requests aborted on the engines")
-    assert rss_after < rss_before * 1.10 + 64 * 2**20
-    assert wall < 300
+    assert rss_after < rss_before * 1.10 + 64 * 2**20  # the wall time is printed, not asserted (pytest-timeout)
 
 
 # ---------------------------------------------------------------- a dead engine, a real server process
