@@ -25,6 +25,7 @@ from dual_sampling.datagen.schema import record_schema
 from dual_sampling.datagen.sinks import read_journal, read_records
 from dual_sampling.lockstep import SESSION_PREFIX, SessionLayout, SyncSession
 from dual_sampling.testing.scripted import ScriptedSampler
+from tests.oracles import assert_written_records_match_rescoring
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "math_problems.jsonl"
 
@@ -514,7 +515,9 @@ def test_failed_samples_are_never_training_data_and_resume_draws_them_again(
         assert Counter((r["id"], r["sample_index"]) for r in read_journal(out)) == pairs
 
 
-def test_a_resumed_sample_gets_the_seed_and_tokens_of_an_uninterrupted_run(dual_engine, tiny_same, tmp_path):
+def test_a_resumed_run_draws_each_sample_once_with_its_seed_and_records_that_match_rescoring(
+    dual_engine, hf_models, tiny_same, tmp_path
+):
     whole = tiny_config(tiny_same, tmp_path, output=str(tmp_path / "whole.jsonl"), temperature=0.8)
     run_generation(whole, sampler=dual_engine)
     part = tiny_config(tiny_same, tmp_path, output=str(tmp_path / "part.jsonl"), temperature=0.8)
@@ -530,7 +533,9 @@ def test_a_resumed_sample_gets_the_seed_and_tokens_of_an_uninterrupted_run(dual_
     assert a.keys() == b.keys()
     for key in a:
         assert a[key]["seed"] == b[key]["seed"] == derive_seed(7, key[0], key[1])
-        assert a[key]["token_ids"] == b[key]["token_ids"]
+    # The tokens of the two runs may differ: the resumed samples run in other batches, where vLLM's CPU kernels may
+    # round differently (docs/reliability.md). What holds is that each record is right for its own tokens.
+    assert assert_written_records_match_rescoring(b.values(), dual_engine.tokenizer, *hf_models, dual_engine.vocab) > 0
 
 
 # ---------------------------------------------------------------- the real CLI, killed and resumed
