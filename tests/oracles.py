@@ -8,8 +8,6 @@ import math
 import numpy as np
 import torch
 
-from alpha import get_alpha_computer
-
 # ---------------------------------------------------------------- α in float64 NumPy, by plain bisection
 
 
@@ -69,8 +67,17 @@ def np_alpha_ess(lth, lt) -> float:
     return np_bisect(lambda a: -np_ess_log_ratio(lth, lt, a))
 
 
+def np_alpha_entropy(lth, lt) -> float:
+    """entropy's closed form, H(π_t) / (H(π_θ) + H(π_t)), 0.5 when both are one-hot."""
+    h = lambda logp: float(-np.sum(np.where(np.isfinite(logp), np.exp(logp) * logp, 0.0)))
+    total = h(lth) + h(lt)
+    return h(lt) / total if total > 0 else 0.5
+
+
 BISECTION_ORACLES = {"kl_symmetry": np_alpha_kl, "ess_balance": np_alpha_ess}
 """The methods whose α the float64 bisection solves independently of the alpha package."""
+FLOAT64_ORACLES = {**BISECTION_ORACLES, "entropy": np_alpha_entropy, "fixed": None}
+"""Every built-in method's α in float64 NumPy, none through the alpha package (fixed: its configured constant)."""
 
 
 def rescore(model, prompt_ids: list[int], token_ids: list[int], vocab: int) -> torch.Tensor:
@@ -134,16 +141,16 @@ def reference_logq(
     return torch.stack(out)
 
 
-def oracle_rows(sample, request, hf_teacher, hf_theta, vocab: int, alpha_method: str = "kl_symmetry"):
+def oracle_rows(sample, request, hf_teacher, hf_theta, vocab: int, alpha_method: str = "kl_symmetry", **alpha_config):
     """(log π_t, log π_θ, α) of every generated token by teacher-forced re-scoring, in float64.
 
-    α comes from the float64 bisection for kl_symmetry and ess_balance (independent of the alpha package); the other
-    methods are closed forms, evaluated by the package on the re-scored rows."""
+    α comes from :data:`FLOAT64_ORACLES`, independent of the alpha package (``alpha_config``: fixed's ``alpha``);
+    it is not clamped, so engines run with the default bounds [0, 1]."""
     lt = rescore(hf_teacher, request.teacher_prompt_token_ids, sample.token_ids, vocab)
     lth = rescore(hf_theta, request.theta_prompt_token_ids, sample.token_ids, vocab)
-    solve = BISECTION_ORACLES.get(alpha_method)
-    if solve is None:
-        return lt, lth, get_alpha_computer(alpha_method)(lth, lt)
+    if alpha_method == "fixed":
+        return lt, lth, torch.full((len(sample.token_ids),), float(alpha_config.get("alpha", 0.5)), dtype=torch.float64)
+    solve = FLOAT64_ORACLES[alpha_method]
     alpha = torch.tensor([solve(h.numpy(), t.numpy()) for h, t in zip(lth, lt)], dtype=torch.float64)
     return lt, lth, alpha
 
@@ -174,13 +181,13 @@ def assert_kl_symmetry_alpha(recorded: torch.Tensor, root: torch.Tensor, lth: to
 
 
 def assert_records_match_rescoring(
-    request, hf_teacher, hf_theta, vocab: int, alpha_method: str, atol: float = 1e-4, **sampling
+    request, hf_teacher, hf_theta, vocab: int, alpha_method: str, atol: float = 1e-4, alpha_config=None, **sampling
 ) -> int:
     """Check every sample of ``request`` against the oracle (``sampling``: the options used); return tokens checked."""
     checked = 0
     for sample in request.samples:
         assert sample.error is None, sample.error
-        lt, lth, alpha = oracle_rows(sample, request, hf_teacher, hf_theta, vocab, alpha_method)
+        lt, lth, alpha = oracle_rows(sample, request, hf_teacher, hf_theta, vocab, alpha_method, **(alpha_config or {}))
         if sampling.get("force_first_token"):
             alpha = alpha.clone()
             alpha[0] = 1.0

@@ -220,6 +220,26 @@ def test_bad_generate_arguments_are_named(dual_engine):
         dual_engine.generate(["a"], logit_bias={10**6: 1.0})
     with pytest.raises(ValueError, match="must be a list of prompts"):
         dual_engine.generate("just one string")
+    vocab = dual_engine.vocab
+    with pytest.raises(
+        ValueError, match=rf"prompts\[1\] has token ids outside the vocabulary \[0, {vocab}\): \[{vocab}\]"
+    ):
+        dual_engine.generate([[1, 2], [3, vocab]])
+    with pytest.raises(ValueError, match=r"teacher_prompts\[0\] has token ids outside the vocabulary .*\[-1\]"):
+        dual_engine.generate([[1, 2]], teacher_prompts=[[-1, 2]])
+    with pytest.raises(ValueError, match=rf"stop_token_ids has token ids outside the vocabulary .*\[{vocab}\]"):
+        dual_engine.generate(["a"], stop_token_ids=[5, vocab])
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        dual_engine.generate(["a"], stop_token_ids=[-3])
+
+
+def test_max_tokens_is_capped_by_the_room_the_longer_prompt_leaves(dual_engine):
+    # max_model_len is 256. The longer prompt (either side) leaves 3 tokens: the sample fills the context and stops.
+    long = list(range(100, 353))
+    for prompts, teacher in (([[7, 8]], [long]), ([long], [[7, 8]])):
+        out = dual_engine.generate(prompts, teacher_prompts=teacher, max_tokens=40, seed=1)
+        (sample,) = out.requests[0].samples
+        assert len(sample.token_ids) == 256 - len(long) == 3 and sample.finish_reason == "length"
 
 
 def test_keyboard_interrupt_inside_generate_leaves_the_engine_usable(dual_engine):
@@ -256,7 +276,16 @@ def test_padded_vocab_pair_matches_rescoring_and_cleans_up():
     from transformers import AutoModelForCausalLM
 
     hf = tuple(AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in (teacher, theta))
-    with OptimalSamplingDual(teacher, theta, max_num_seqs=2, max_model_len=128, use_tqdm=False) as s:
+    # Also the one real-engine run of the fixed method: α = 0.3 on every token, whatever the rows.
+    with OptimalSamplingDual(
+        teacher,
+        theta,
+        max_num_seqs=2,
+        max_model_len=128,
+        use_tqdm=False,
+        alpha_method="fixed",
+        alpha_config={"alpha": 0.3},
+    ) as s:
         assert s.vocab == 49152
         name = s.session.name
         assert os.path.exists(f"/dev/shm/{name}")
@@ -264,6 +293,7 @@ def test_padded_vocab_pair_matches_rescoring_and_cleans_up():
         assert_three_streams_agree(out)
         for r in out.requests:
             # The teacher's 128 padding rows never take part: the re-scoring over the tokenizer's V agrees.
-            assert_records_match_rescoring(r, *hf, s.vocab, "kl_symmetry")
+            assert_records_match_rescoring(r, *hf, s.vocab, "fixed", alpha_config={"alpha": 0.3})
+            assert all(a == pytest.approx(0.3, abs=1e-6) for a in r.samples[0].alpha)
             assert rescore(hf[0], r.teacher_prompt_token_ids, r.samples[0].token_ids, s.vocab).shape[-1] == s.vocab
     assert not os.path.exists(f"/dev/shm/{name}")

@@ -277,6 +277,35 @@ def _verify(tiny_same, change) -> str:
             lambda r, c: setattr(c.scheduler_config, "scheduler_cls", None) if r == "theta" else None,
             "theta: scheduler_cls is Scheduler, not ThetaLockstepScheduler",
         ),
+        (
+            lambda r, c: setattr(c.model_config, "max_model_len", 80) if r == "theta" else None,
+            "max_model_len differs between the engines ({'teacher': 96, 'theta': 80})",
+        ),
+        (
+            lambda r, c: setattr(c.parallel_config, "pipeline_parallel_size", 2) if r == "theta" else None,
+            "theta: pipeline_parallel_size=2",
+        ),
+        (
+            lambda r, c: setattr(c.parallel_config, "data_parallel_size", 2) if r == "teacher" else None,
+            "teacher: data_parallel_size=2",
+        ),
+        (
+            lambda r, c: setattr(c, "speculative_config", object()) if r == "theta" else None,
+            "theta: speculative decoding is on",
+        ),
+        (
+            # a property of vLLM's config (from the platform and the environment): this config's class answers True
+            lambda r, c: (
+                setattr(c, "__class__", type("V2", (type(c),), {"use_v2_model_runner": True}))
+                if r == "teacher"
+                else None
+            ),
+            "teacher: Model Runner V2 is on",
+        ),
+        (
+            lambda r, c: setattr(c.scheduler_config, "policy", "priority") if r == "theta" else None,
+            "theta: scheduling_policy is priority, not fcfs",
+        ),
     ],
 )
 def test_settings_that_break_lockstep_are_refused_by_name(tiny_same, change, message):

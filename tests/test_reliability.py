@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -102,17 +103,23 @@ def test_two_instances_in_one_process_do_not_cross_talk(dual_engine, load_engine
             assert assert_records_match_rescoring(req, *hf_models, dual_engine.vocab, method) > 0
 
 
-def test_two_processes_do_not_cross_talk(dual_engine, tiny_same):
+def test_two_processes_do_not_cross_talk(dual_engine, tiny_same, hf_models):
+    # The other process runs the entropy method (its one real-engine run); its records are re-scored here.
     teacher, theta = tiny_same
     script = textwrap.dedent(f"""
         import json
         from dual_sampling import OptimalSamplingDual
         if __name__ == "__main__":
             with OptimalSamplingDual({str(teacher)!r}, {str(theta)!r}, max_num_seqs=2, max_model_len=256,
-                                     sync_timeout=30, use_tqdm=False) as s:
+                                     sync_timeout=30, use_tqdm=False, alpha_method="entropy") as s:
                 out = s.generate(["other process"] * 6, max_tokens=24, seed=9)
+                requests = [{{"teacher_prompt_token_ids": r.teacher_prompt_token_ids,
+                              "theta_prompt_token_ids": r.theta_prompt_token_ids,
+                              "samples": [{{k: getattr(x, k) for k in ("error", "token_ids", "alpha", "logp_teacher",
+                                                                       "logp_theta", "logq")}} for x in r.samples]}}
+                             for r in out.requests]
                 print("RESULT " + json.dumps({{"session": s.session.name, "tokens": out.generated_ids,
-                                               "stats": s.get_sync_statistics()}}))
+                                               "stats": s.get_sync_statistics(), "requests": requests}}))
     """)
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ours = []
@@ -124,6 +131,9 @@ def test_two_processes_do_not_cross_talk(dual_engine, tiny_same):
     assert result["session"] != dual_engine.session.name
     assert result["stats"]["teacher_timeouts"] == result["stats"]["theta_timeouts"] == 0
     assert len(result["tokens"]) == 6 and all(result["tokens"])
+    for r in result["requests"]:
+        request = SimpleNamespace(**{**r, "samples": [SimpleNamespace(**x) for x in r["samples"]]})
+        assert assert_records_match_rescoring(request, *hf_models, dual_engine.vocab, "entropy") > 0
     assert ours  # both ran at the same time
     for out in ours:
         for req in out.requests:
