@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -134,7 +135,6 @@ def test_shards_are_stable_and_balanced():
 def test_inputs_jsonl_parquet_and_datasets_folder(tmp_path):
     src = problems(tmp_path / "p.jsonl", 5)
     rows = load_rows(str(src))
-    import pyarrow as pa
     from datasets import Dataset
 
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
@@ -394,7 +394,9 @@ def test_records_are_complete_and_consistent(dual_engine, tiny_same, tmp_path):
         f.write(json.dumps({"id": "empty", "problem": "  ", "solution": "-"}) + "\n")
         f.write(json.dumps({"id": "long", "problem": "word " * 400, "solution": "-"}) + "\n")
     cfg = tiny_config(tiny_same, tmp_path, input=str(src))
+    started = time.monotonic()
     summary = run_generation(cfg, sampler=dual_engine)
+    elapsed = time.monotonic() - started
     records = read_journal(Path(cfg.output))
     assert Counter((r["id"], r["sample_index"]) for r in records) == Counter(
         (f"p{i}", j) for i in range(6) for j in range(2)
@@ -413,7 +415,17 @@ def test_records_are_complete_and_consistent(dual_engine, tiny_same, tmp_path):
         assert r["models"]["teacher"]["blake2b"] and r["alpha_config"]["method"] == "kl_symmetry"
         assert r["error"] is None and r["finish_reason"] in ("stop", "length")
     assert len({r["seed"] for r in records}) == len(records)
-    assert json.loads((tmp_path / "out.jsonl.summary.json").read_text())["samples_written"] == 12
+    assert json.loads((tmp_path / "out.jsonl.summary.json").read_text()) == summary
+    # The summary's statistics, from the written records in float64 (ESS = (Σw)² / Σw², w = exp(log w_θ)).
+    alphas = np.array([a for r in records for a in r["alpha"]], dtype=np.float64)
+    log_w = np.array([math.fsum(r["logp_theta"]) - math.fsum(r["logq"]) for r in records])
+    w = np.exp(log_w - log_w.max())
+    assert summary["generated_tokens"] == alphas.size
+    assert summary["alpha_mean"] == pytest.approx(alphas.mean(), abs=1e-9)
+    assert summary["alpha_std"] == pytest.approx(alphas.std(), abs=1e-6)
+    assert summary["ess_theta_weights"] == pytest.approx(w.sum() ** 2 / (w**2).sum(), rel=1e-6)
+    assert summary["ess_fraction"] == pytest.approx(summary["ess_theta_weights"] / 12, rel=1e-9)
+    assert 0 < summary["wall_seconds"] <= elapsed
 
 
 def test_parquet_and_messages_outputs_load(dual_engine, tiny_same, tmp_path):

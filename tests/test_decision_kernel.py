@@ -56,7 +56,10 @@ def test_kernel_matches_float64_and_the_reference(vocab, method):
         theta_normalized=True,
     )
     assert (out[:, 5] == 0).all(), "every row here is the kernel's to decide"
-    assert passes >= batch
+    if method == "fixed":
+        assert passes == batch  # one pass a row: nothing to solve
+    else:  # a solve from a cold start: more passes than rows where there is something to solve, a few per row
+        assert (passes == batch) if vocab == 1 else (batch < passes <= 6 * batch), passes
     lt, lth = torch.log_softmax(teacher.double(), -1), theta.double()
     forced = torch.tensor([r.force_first_token and s == 0 for r, s in zip(rows, steps)])
     if method == "fixed":

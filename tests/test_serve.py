@@ -230,21 +230,40 @@ def test_dense_logprobs_carry_each_models_top_k(dual_engine, client, stream):
     assert r.status_code == 400 and r.json()["error"]["param"] == "dense_logprobs", r.text
 
 
-def test_models_health_and_metrics(server, client):
+def scrape(url: str) -> dict[tuple, float]:
+    """The /metrics samples by (name, labels), read with prometheus_client's own text parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_models_health_and_metrics_count_what_was_served(server, client):
     assert [m.id for m in client.models.list().data] == ["dual"]
     assert httpx.get(server.url + "/health").status_code == 200
-    metrics = httpx.get(server.url + "/metrics").text
-    for name in (
-        "dual_sampling_requests_total",
-        "dual_sampling_generated_tokens_total",
-        "dual_sampling_alpha_bucket",
-        "dual_sampling_requests_running",
-        "dual_sampling_requests_queued",
-        "dual_sampling_sync_wait_seconds",
-        "dual_sampling_sync_timeouts",
-        "dual_sampling_engine_deaths",
-    ):
-        assert name in metrics, name
+    before = scrape(server.url)
+    out = client.completions.create(model="dual", prompt="count with me", max_tokens=5, n=2, seed=3)
+    after = scrape(server.url)
+    delta = lambda name, **labels: (
+        after.get((name, tuple(sorted(labels.items()))), 0.0) - before.get((name, tuple(sorted(labels.items()))), 0.0)
+    )
+    alphas = [a for c in out.choices for a in c.model_extra["dual_sampling"]["alpha"]]
+    reasons = [c.finish_reason for c in out.choices]
+    assert delta("dual_sampling_requests_total", route="completions", status="200") == 1
+    for reason in set(reasons):
+        assert delta("dual_sampling_samples_finished_total", finish_reason=reason) == reasons.count(reason)
+    assert delta("dual_sampling_generated_tokens_total") == out.usage.completion_tokens == len(alphas)
+    assert delta("dual_sampling_alpha_count") == len(alphas)
+    assert delta("dual_sampling_alpha_sum") == pytest.approx(sum(alphas), abs=1e-5)
+    assert delta("dual_sampling_alpha_bucket", le="0.5") == sum(a <= 0.5 for a in alphas)
+    for gauge in ("dual_sampling_requests_running", "dual_sampling_requests_queued", "dual_sampling_samples_held"):
+        assert after[(gauge, ())] == 0, gauge
+    assert delta("dual_sampling_sync_timeouts_total") == 0 and after[("dual_sampling_engine_deaths_total", ())] == 0
+    assert ("dual_sampling_sync_wait_seconds_total", (("side", "teacher"),)) in after
 
 
 # ---------------------------------------------------------------- bad input

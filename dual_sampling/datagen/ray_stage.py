@@ -209,6 +209,10 @@ class _Attempts:
         self.counts[key] = self.counts.get(key, 0) + 1
         return self.counts[key]
 
+    def retried(self) -> int:
+        """How many batches were started more than once (their replica died while it held them)."""
+        return sum(count > 1 for count in self.counts.values())
+
 
 def ray_resources(cpus_per_replica: float, gpus_per_replica: float) -> dict[str, Any]:
     """The ``map_batches`` resource arguments of one replica."""
@@ -218,7 +222,8 @@ def ray_resources(cpus_per_replica: float, gpus_per_replica: float) -> dict[str,
 def sample_on_ray(
     cfg: RunConfig, items: Iterable[WorkItem], models: dict, commit: Callable[[list[Outcome]], None]
 ) -> dict:
-    """Draw ``items`` on Ray Data replicas, committing each output batch as it arrives; return summed sync statistics.
+    """Draw ``items`` on Ray Data replicas, committing each output batch as it arrives; return the replicas' summed
+    sync statistics, with ``replicas`` (how many reported) and ``batches_retried`` (started more than once).
 
     The plan goes into the object store a batch at a time as it streams in (Ray spills it to disk past the store's
     size), so this process never holds it whole; the replicas get ``models``, the fingerprints made here.
@@ -248,6 +253,7 @@ def sample_on_ray(
         except Exception as exc:
             raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS={address!r}: {exc}") from None
     latest: dict[str, dict] = {}
+    retried = 0
     try:
         import pyarrow as pa
 
@@ -279,6 +285,7 @@ def sample_on_ray(
                 commit([Outcome(**json.loads(r["outcome"])) for r in rows])
                 for r in rows:
                     latest[r["replica"]] = json.loads(r["sync"])
+            retried = ray.get(attempts.retried.remote())
     finally:
         if started_here:
             # Stopping the cluster kills replicas that are still closing their engines; once they and their
@@ -287,7 +294,7 @@ def sample_on_ray(
             ray.shutdown()
             _wait_for_exit(replicas, _REPLICA_EXIT_S)
         cleanup_stale_sessions()
-    return _sum_statistics(latest.values())
+    return {**_sum_statistics(latest.values()), "batches_retried": retried}
 
 
 def _driver_stage_kwargs(cfg: RunConfig, models: dict, attempts: Any) -> dict[str, Any]:
