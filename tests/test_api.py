@@ -6,8 +6,10 @@ import _thread
 import math
 import os
 import threading
+from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -271,6 +273,17 @@ def test_construction_errors_before_any_engine_starts(tiny_same, tmp_path):
     assert {f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX)} <= before
 
 
+def unix_socket_paths(pids: list[int]) -> set[str]:
+    """The filesystem paths of the Unix sockets ``pids`` (and their children) have open, bound or connected."""
+    procs = [psutil.Process(pid) for pid in pids]
+    procs += [child for proc in procs for child in proc.children(recursive=True)]
+    paths = set()
+    for proc in procs:
+        for conn in proc.net_connections(kind="unix"):
+            paths |= {a for a in (conn.laddr, conn.raddr) if isinstance(a, str) and a.startswith("/")}
+    return paths
+
+
 def test_padded_vocab_pair_matches_rescoring_and_cleans_up():
     teacher, theta = tiny_models.tiny_pair("padded")
     from transformers import AutoModelForCausalLM
@@ -289,6 +302,11 @@ def test_padded_vocab_pair_matches_rescoring_and_cleans_up():
         assert s.vocab == 49152
         name = s.session.name
         assert os.path.exists(f"/dev/shm/{name}")
+        # vLLM's ZMQ sockets lie in the pair's private folder (removed by close), not in the machine's /tmp.
+        ipc = s.scheduler.engines.ipc_dir
+        assert ipc is not None and ipc.is_dir() and ipc.stat().st_mode & 0o077 == 0
+        sockets = unix_socket_paths([os.getpid(), *(p for pids in s.engine_pids().values() for p in pids)])
+        assert sockets and all(Path(p).parent == ipc for p in sockets), sockets
         out = s.generate(PROMPTS[:3], max_tokens=12, seed=0)
         assert_three_streams_agree(out)
         for r in out.requests:
@@ -296,4 +314,4 @@ def test_padded_vocab_pair_matches_rescoring_and_cleans_up():
             assert_records_match_rescoring(r, *hf, s.vocab, "fixed", alpha_config={"alpha": 0.3})
             assert all(a == pytest.approx(0.3, abs=1e-6) for a in r.samples[0].alpha)
             assert rescore(hf[0], r.teacher_prompt_token_ids, r.samples[0].token_ids, s.vocab).shape[-1] == s.vocab
-    assert not os.path.exists(f"/dev/shm/{name}")
+    assert not os.path.exists(f"/dev/shm/{name}") and not ipc.exists()

@@ -154,23 +154,30 @@ def test_stale_sessions_and_their_engine_files_are_removed(tmp_path):
     assert "psm_left_by_engine" in removed
 
 
-def test_weights_staged_by_a_dead_process_are_removed_and_a_live_ones_kept(tmp_path):
+def test_scratch_folders_of_a_dead_process_are_removed_and_a_live_ones_kept(tmp_path):
     from dual_sampling.lockstep import listing_dir
-    from dual_sampling.lockstep.janitor import staging_dir
+    from dual_sampling.lockstep.janitor import scratch_dir
 
     private = listing_dir(tmp_path)
-    mine = staging_dir(tmp_path)  # this process's: alive
-    (mine / "model.safetensors").write_bytes(b"x")
-    dead = private / "weights-99999997-abc123"
-    dead.mkdir()
-    (dead / "model.safetensors").write_bytes(b"x")
+    mine = [scratch_dir(kind, tmp_path) for kind in ("weights", "ipc")]  # this process's: alive
+    for folder in mine:
+        (folder / "model.safetensors").write_bytes(b"x")
+    dead = [private / "weights-99999997-abc123", private / "ipc-99999997-abc124"]
+    for folder in dead:
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "keep").write_bytes(b"x")
     (private / "weights-99999996-def456").symlink_to(elsewhere)  # a symlink is never followed
+    (private / "other-99999997-abc125").mkdir()  # not a kind of ours
     removed = cleanup_stale_sessions(tmp_path)
-    assert removed == ["weights-99999997-abc123"]
-    assert not dead.exists() and (mine / "model.safetensors").exists() and (elsewhere / "keep").exists()
+    assert sorted(removed) == ["ipc-99999997-abc124", "weights-99999997-abc123"]
+    assert not any(folder.exists() for folder in dead) and (elsewhere / "keep").exists()
+    assert all((folder / "model.safetensors").exists() for folder in mine)
+    assert (private / "other-99999997-abc125").exists()
+    with pytest.raises(ValueError, match="kind must be one of"):
+        scratch_dir("../x", tmp_path)
 
 
 def test_a_listed_file_still_mapped_stays_listed_until_it_is_free(tmp_path):

@@ -4,7 +4,7 @@
 (``processors``), then reads back each engine's *effective* configuration and refuses any
 setting that would break lockstep, naming it. It knows its engines' processes (each
 EngineCore and its workers), tells when one has died, and on :meth:`EnginePair.close`
-leaves no process and no shared-memory file of theirs behind.
+leaves no process, no shared-memory file and no socket of theirs behind.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import signal
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from dual_sampling.lockstep import (
@@ -27,6 +29,7 @@ from dual_sampling.lockstep import (
     segments_listing,
     write_listing,
 )
+from dual_sampling.lockstep.janitor import scratch_dir
 from dual_sampling.options import DualEngineConfig, default_kv_cache_bytes, kv_cache_bytes_needed
 
 __all__ = ["LOCKSTEP_SETTINGS", "ROLES", "EnginePair", "engine_cpus", "split_cpu_binding"]
@@ -88,6 +91,9 @@ class EnginePair:
         self._segments: set[str] = set()
         self._listed: set[str] = set()
         self._semaphores_before = _semaphore_files()
+        self.ipc_dir: Path | None = None
+        """Where the engines' ZMQ sockets are (vLLM's VLLM_RPC_BASE_PATH), removed by close(); None when the user set
+        VLLM_RPC_BASE_PATH (theirs to keep)."""
         try:
             self._start_both()
             self.verify()
@@ -182,6 +188,13 @@ class EnginePair:
     def _start_engines(self) -> None:
         # The V1 logits-processor interface: GPUs default to Model Runner V2, which has another one.
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        if "VLLM_RPC_BASE_PATH" not in os.environ:
+            self.ipc_dir = scratch_dir("ipc")
+        with _RPC_BASE_LOCK, _environment("VLLM_RPC_BASE_PATH", str(self.ipc_dir) if self.ipc_dir else None):
+            self._start_engines_here()
+
+    def _start_engines_here(self) -> None:
+        """Start both engines, in the environment _start_engines set."""
         from concurrent.futures import ThreadPoolExecutor
 
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -357,6 +370,8 @@ class EnginePair:
         for name in self._segments:
             (SHM_DIR / name).unlink(missing_ok=True)
         segments_listing(self.session_name).unlink(missing_ok=True)
+        if self.ipc_dir is not None:  # vLLM leaves its ipc:// socket files behind; they are ours to remove
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 def _engine_files(pids: list[int]) -> set[str]:
@@ -467,19 +482,28 @@ def split_cpu_binding() -> dict[str, str]:
     return {"teacher": ",".join(map(str, cpus[:half])), "theta": ",".join(map(str, cpus[half:]))}
 
 
-@contextlib.contextmanager
-def engine_cpus(cpu_list: str | None) -> Iterator[None]:
+def engine_cpus(cpu_list: str | None) -> contextlib.AbstractContextManager[None]:
     """Build a vLLM engine inside this block to bind its model threads to ``cpu_list`` ("0,1"; None: vLLM's choice).
 
     The engine's processes read VLLM_CPU_OMP_THREADS_BIND when they are spawned.
     """
-    old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    return _environment("VLLM_CPU_OMP_THREADS_BIND", cpu_list)
+
+
+_RPC_BASE_LOCK = threading.Lock()
+"""One pair of this process starts at a time: VLLM_RPC_BASE_PATH is process-wide while it is set."""
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """Set the environment variable ``name`` to ``value`` inside this block (None: leave it as it is)."""
+    old = os.environ.get(name)
     try:
-        if cpu_list is not None:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list
+        if value is not None:
+            os.environ[name] = value
         yield
     finally:
         if old is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
+            os.environ[name] = old

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dual_sampling.lockstep import SHM_DIR
-from dual_sampling.lockstep.janitor import staging_dir
+from dual_sampling.lockstep.janitor import scratch_dir
 
 __all__ = ["WeightsCheck", "prepared_weights", "reload_from", "staged_weights"]
 
@@ -87,7 +87,7 @@ def staged_weights(tensors: Mapping[str, Any]) -> Iterator[Path]:
     # In /dev/shm when it has room (no disk write, and a cleanup finds it if this process dies), else in the
     # temporary directory; private (mode 0700) either way.
     if shutil.disk_usage(SHM_DIR).free > 2 * size:
-        folder = staging_dir()
+        folder = scratch_dir("weights")
     else:
         folder = Path(tempfile.mkdtemp(prefix="dual-sampling-weights-"))
     try:

@@ -31,8 +31,10 @@ logger = logging.getLogger(__name__)
 _LISTING_DIR_PREFIX = "dual-sampling."
 """This user's listing directory is ``<shm dir>/dual-sampling.<uid>`` (no session name starts so)."""
 _SESSION_NAME = re.compile(re.escape(SESSION_PREFIX) + r"(?P<pid>\d+)-[0-9a-f]+")
-STAGING_PREFIX = "weights-"
-_STAGING_NAME = re.compile(re.escape(STAGING_PREFIX) + r"(?P<pid>\d+)-[0-9a-f]+")
+SCRATCH_KINDS = ("weights", "ipc")
+"""Private folders a process keeps in this user's :func:`listing_dir`, named ``<kind>-<pid>-<hex>``: weights on their
+way into an engine, and vLLM's ZMQ sockets of one engine pair."""
+_SCRATCH_NAME = re.compile(r"(?:" + "|".join(SCRATCH_KINDS) + r")-(?P<pid>\d+)-[0-9a-f]+")
 _LISTING_NAME = re.compile(r"(?P<session>" + _SESSION_NAME.pattern + r")\.segments(?P<tmp>\.tmp)?")
 _LISTED_NAME = re.compile(
     r"psm_[0-9A-Za-z_]+"  # multiprocessing.shared_memory (vLLM's message queues and buffers)
@@ -97,8 +99,8 @@ def cleanup_stale_sessions(shm_dir: Path = SHM_DIR) -> list[str]:
     listed: set[str] = set()  # sessions whose listing stays (a file it names is still mapped)
     private = _private_dir_if_safe(shm_dir)
     listings = sorted(private.iterdir()) if private else []
-    for path in listings:  # weights staged for an engine by a process that died before removing them
-        m = _STAGING_NAME.fullmatch(path.name)
+    for path in listings:  # scratch folders of a process that died before removing them
+        m = _SCRATCH_NAME.fullmatch(path.name)
         if m and _own_dir(path) and not pid_alive(int(m["pid"])):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path.name)
@@ -185,13 +187,15 @@ def _own_dir(path: Path) -> bool:
     return S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
 
 
-def staging_dir(shm_dir: Path = SHM_DIR) -> Path:
-    """A new private folder in this user's :func:`listing_dir` for weights on their way into an engine.
+def scratch_dir(kind: str, shm_dir: Path = SHM_DIR) -> Path:
+    """A new private folder (mode 0700) in this user's :func:`listing_dir`, of a kind in :data:`SCRATCH_KINDS`.
 
-    Named ``weights-<pid>-<hex>``, so a cleanup removes it once this process is gone, should it die
+    Named ``<kind>-<pid>-<hex>``, so a cleanup removes it once this process is gone, should it die
     before removing it itself.
     """
-    path = listing_dir(shm_dir) / f"{STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+    if kind not in SCRATCH_KINDS:
+        raise ValueError(f"kind must be one of {SCRATCH_KINDS}, got {kind!r}")
+    path = listing_dir(shm_dir) / f"{kind}-{os.getpid()}-{secrets.token_hex(6)}"
     os.mkdir(path, 0o700)
     return path
 
