@@ -6,7 +6,7 @@ Usage: python -m tests.fault_driver MODE TEACHER THETA. It prints one line ``REA
 - ``normal``: generates and exits through the context manager;
 - ``exception``: generates, then raises out of the program without closing anything;
 - ``hold``: generates for a long time (the test sends a signal to it or to an engine);
-  an engine failure is printed as ``FAILED <message>``.
+  an engine failure is printed as ``FAILED <message>``, and a later call's refusal as ``REFUSED <message>``.
 """
 
 import json
@@ -29,6 +29,10 @@ if __name__ == "__main__":
         s.generate(["tell me a long story"] * 40, max_tokens=200, min_tokens=200)
     except SyncError as exc:
         print(f"FAILED {exc}", flush=True)
+        try:
+            s.generate(["a later call"], max_tokens=4)
+        except SyncError as later:
+            print(f"REFUSED {later}", flush=True)
         s.close()
         sys.exit(0)
     sys.exit(5)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 import uuid
+from pathlib import Path
 
 import psutil
 
@@ -34,8 +36,24 @@ def tagged_processes() -> set[int]:
     return out
 
 
+_OWNER_PID = re.compile(r"(?:" + re.escape(SESSION_PREFIX) + r"|weights-|ipc-)(?P<pid>\d+)-")
+"""The pid in a session file's name, a listing's, or a scratch folder's: the process that made it."""
+
+
+def _another_programs(name: str) -> bool:
+    """Whether the file ``name`` was made by a live process this session did not start (another test session's)."""
+    m = _OWNER_PID.match(Path(name).name)
+    if m is None or int(m["pid"]) == os.getpid():
+        return False
+    try:
+        return psutil.Process(int(m["pid"])).environ().get(TAG_VARIABLE) != TAG
+    except psutil.Error:
+        return False  # gone: what it left counts as ours (a dead neighbour's files are rare, ours matter)
+
+
 def our_shm_files() -> set[str]:
-    """Our entries in /dev/shm, and the files inside our staging folders (relative paths)."""
+    """Our entries in /dev/shm, and the files inside our listing and scratch folders (relative paths); files made by
+    a live process that is not ours (another test session's) are left out."""
     out = set()
     for entry in SHM_DIR.iterdir():
         if entry.name.startswith(SESSION_PREFIX.rstrip("-")):
@@ -43,7 +61,7 @@ def our_shm_files() -> set[str]:
             if entry.is_dir():
                 with contextlib.suppress(OSError):
                     out |= {str(p.relative_to(SHM_DIR)) for p in entry.rglob("*")}
-    return out
+    return {name for name in out if not any(_another_programs(part) for part in Path(name).parts)}
 
 
 def snapshot() -> tuple[set[int], set[str]]:

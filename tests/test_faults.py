@@ -93,6 +93,10 @@ def test_engine_killed_fails_fast_names_it_and_leaves_nothing(tiny_same, victim)
     failed = [line for line in out.splitlines() if line.startswith("FAILED ")]
     # Named as the engine's death, by the driver's watch on its processes, not found later as a sync timeout.
     assert failed and f"the {victim} engine failed" in failed[0] and "sync_timeout" not in failed[0]
+    refused = [line for line in out.splitlines() if line.startswith("REFUSED ")]  # the instance refuses later calls
+    assert (
+        refused and f"the {victim} engine failed" in refused[0] and "this OptimalSamplingDual is closed" in refused[0]
+    )
     assert settled(before) == (set(), set())
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX) and info["session"] in f]
 

@@ -909,3 +909,24 @@ def test_a_sample_with_a_non_finite_record_fails_by_name():
         assert scheduler.counters["failed_non_finite"] == 1
     finally:
         scheduler.close()
+
+
+def test_a_request_id_already_in_flight_is_refused():
+    rng = random.Random(31)
+    first, second = make_requests(rng, 2, 96, (), 0)
+    first.request_id = second.request_id = "same"
+    scheduler = sim_scheduler(rng, Adversity(), 2, 96)
+
+    async def main():
+        task = asyncio.ensure_future(scheduler.sample(first))
+        await asyncio.sleep(0)  # it holds a slot now
+        assert scheduler.in_flight() == ["same"]
+        with pytest.raises(ValueError, match="request id 'same' is already in flight"):
+            await scheduler.sample(second)
+        return await task
+
+    try:
+        sample = scheduler.call(main(), timeout=60)
+        assert sample.error is None  # the first one is untouched
+    finally:
+        scheduler.close()
