@@ -326,16 +326,31 @@ def test_engines_that_compute_without_serving_rows_are_not_a_stall(monkeypatch):
     min_tokens=st.sampled_from([0, 3]),
     caching=st.sampled_from([(), ("teacher",), ("theta",), ("teacher", "theta")]),
     near_full=st.sampled_from([0.0, 0.3]),
+    cancel_rate=st.sampled_from([0.0, 0.3]),
+    stops=st.sampled_from([(), ("7",), ("7", "ab")]),
 )
 def test_property_every_request_completes_or_is_aborted(
-    seed, max_num_seqs, count, abort_rate, teacher_delay, theta_delay, one_sided, budget, min_tokens, caching, near_full
+    seed,
+    max_num_seqs,
+    count,
+    abort_rate,
+    teacher_delay,
+    theta_delay,
+    one_sided,
+    budget,
+    min_tokens,
+    caching,
+    near_full,
+    cancel_rate,
+    stops,
 ):
     run = run_simulation(
         seed,
         count=count,
         max_num_seqs=max_num_seqs,
         abort_rate=abort_rate,
-        stops=("7",),
+        cancel_rate=cancel_rate,
+        stops=stops,
         budget=budget,
         min_tokens=min_tokens,
         shared_prefix={side: 32 for side in caching},
@@ -347,7 +362,8 @@ def test_property_every_request_completes_or_is_aborted(
         ),
     )
     assert_clean(run, engine_aborts=one_sided > 0)
-    assert all(s.finish_reason in ("stop", "length", "abort") for s in run.samples)
+    assert all(s is None or s.finish_reason in ("stop", "length", "abort") for s in run.samples)
+    assert all(s is not None for i, s in enumerate(run.samples) if i not in run.acted)  # only a cancel drops one
     assert run.stats["follower_diverged"] == 0
     assert_same_batches(run, busy=False)
 
