@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from alpha import geometric_mix, get_alpha_computer
+from alpha import get_alpha_computer
 from dual_sampling.decision.pipeline import (
     RowSampling,
     counter_uniform,
@@ -19,6 +19,7 @@ from dual_sampling.decision.pipeline import (
     inverse_cdf,
     keep_top_k_top_p,
 )
+from tests.oracles import np_alpha_kl, np_mix
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 256, 1000, 49152])
@@ -125,20 +126,20 @@ def test_support_constraint_and_empty_rows():
     assert not ok.item()
 
 
-def test_decide_records_match_its_parts():
+def test_decide_records_match_float64_references():
     g = torch.Generator().manual_seed(0)
     teacher, theta = torch.randn(3, 50, generator=g) * 3, torch.randn(3, 50, generator=g)
     rows = [RowSampling(seed=i, force_first_token=(i == 0)) for i in range(3)]
-    ac = get_alpha_computer("kl_symmetry")
-    d = decide(teacher, theta, [0, 0, 4], rows, ac)
-    lt, lth = torch.log_softmax(teacher, -1), torch.log_softmax(theta, -1)
-    alpha = ac(lth, lt)
-    alpha[0] = 1.0
-    torch.testing.assert_close(d.alpha, alpha)
-    idx = d.tokens.unsqueeze(-1)
-    torch.testing.assert_close(d.logp_teacher, lt.gather(-1, idx).squeeze(-1))
-    torch.testing.assert_close(d.logp_theta, lth.gather(-1, idx).squeeze(-1))
-    torch.testing.assert_close(d.logq, geometric_mix(lth, lt, alpha).gather(-1, idx).squeeze(-1))
+    d = decide(teacher, theta, [0, 0, 4], rows, get_alpha_computer("kl_symmetry"))
+    lt, lth = torch.log_softmax(teacher.double(), -1).numpy(), torch.log_softmax(theta.double(), -1).numpy()
+    # α: the forced first step's is 1; the others are the float64 bisection's root (not the alpha package).
+    root = [1.0] + [np_alpha_kl(lth[i], lt[i]) for i in (1, 2)]
+    torch.testing.assert_close(d.alpha.double(), torch.tensor(root, dtype=torch.float64), atol=5e-6, rtol=0)
+    tokens = d.tokens.tolist()
+    assert d.logp_teacher.tolist() == pytest.approx([lt[i, t] for i, t in enumerate(tokens)], abs=1e-5)
+    assert d.logp_theta.tolist() == pytest.approx([lth[i, t] for i, t in enumerate(tokens)], abs=1e-5)
+    logq = [math.log(np_mix(lth[i], lt[i], float(d.alpha[i]))[t]) for i, t in enumerate(tokens)]
+    assert d.logq.tolist() == pytest.approx(logq, abs=1e-5)
 
 
 def test_top_logprobs_are_the_final_distributions_most_likely_tokens():
