@@ -6,6 +6,7 @@ import _thread
 import math
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -245,7 +246,13 @@ def test_max_tokens_is_capped_by_the_room_the_longer_prompt_leaves(dual_engine):
 
 
 def test_keyboard_interrupt_inside_generate_leaves_the_engine_usable(dual_engine):
-    threading.Timer(1.0, _thread.interrupt_main).start()
+    def interrupt_once_running() -> None:  # by state: once requests are in the engines (a timer once fired too late)
+        deadline = time.monotonic() + 60
+        while not dual_engine.scheduler.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_once_running, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
         dual_engine.generate(["tell me a long story"] * 12, max_tokens=200, min_tokens=200, seed=1)
     assert dual_engine.scheduler.in_flight() == []
@@ -273,10 +280,11 @@ def test_construction_errors_before_any_engine_starts(tiny_same, tmp_path):
     assert {f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX)} <= before
 
 
-def unix_socket_paths(pids: list[int]) -> set[str]:
+def unix_socket_paths(pids: list[int], children: bool = True) -> set[str]:
     """The filesystem paths of the Unix sockets ``pids`` (and their children) have open, bound or connected."""
     procs = [psutil.Process(pid) for pid in pids]
-    procs += [child for proc in procs for child in proc.children(recursive=True)]
+    if children:
+        procs += [child for proc in procs for child in proc.children(recursive=True)]
     paths = set()
     for proc in procs:
         for conn in proc.net_connections(kind="unix"):
@@ -305,8 +313,15 @@ def test_padded_vocab_pair_matches_rescoring_and_cleans_up():
         # vLLM's ZMQ sockets lie in the pair's private folder (removed by close), not in the machine's /tmp.
         ipc = s.scheduler.engines.ipc_dir
         assert ipc is not None and ipc.is_dir() and ipc.stat().st_mode & 0o077 == 0
-        sockets = unix_socket_paths([os.getpid(), *(p for pids in s.engine_pids().values() for p in pids)])
-        assert sockets and all(Path(p).parent == ipc for p in sockets), sockets
+        # The engines' sockets are all in it; this process's are in it or in another pair's folder of this process (the
+        # session's dual_engine fixture runs too), never elsewhere.
+        engines = unix_socket_paths([p for pids in s.engine_pids().values() for p in pids])
+        assert engines and all(Path(p).parent == ipc for p in engines), engines
+        ours = unix_socket_paths([os.getpid()], children=False)
+        assert any(Path(p).parent == ipc for p in ours), ours
+        assert all(
+            Path(p).parent.parent == ipc.parent and Path(p).parent.name.startswith(f"ipc-{os.getpid()}-") for p in ours
+        )
         out = s.generate(PROMPTS[:3], max_tokens=12, seed=0)
         assert_three_streams_agree(out)
         for r in out.requests:
