@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from dual_sampling import OptimalSamplingDual, SamplingOptions
-from dual_sampling.lockstep import SESSION_PREFIX
 from dual_sampling.testing import tiny_models
+from tests import processes
 from tests.oracles import assert_records_match_rescoring, oracle_rows, reference_logq, rescore
 
 pytestmark = pytest.mark.engine
@@ -264,7 +264,7 @@ def test_keyboard_interrupt_inside_generate_leaves_the_engine_usable(dual_engine
 def test_construction_errors_before_any_engine_starts(tiny_same, tmp_path):
     teacher, theta = tiny_same
     _, foreign = tiny_models.tiny_pair("foreign")
-    before = {f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX)}
+    before = processes.our_shm_files()
     with pytest.raises(ValueError, match="tokenizers differ"):
         OptimalSamplingDual(teacher, foreign)
     with pytest.raises(ValueError, match="unknown alpha method 'nope'"):
@@ -277,7 +277,7 @@ def test_construction_errors_before_any_engine_starts(tiny_same, tmp_path):
         OptimalSamplingDual(teacher, theta, theta_engine_kwargs={"max_num_seqs": 2})
     with pytest.raises(ValueError, match="max_num_batched_tokens=64 is below max_model_len=256"):
         OptimalSamplingDual(teacher, theta, max_model_len=256, max_num_batched_tokens=64)
-    assert {f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX)} <= before
+    assert processes.our_shm_files() <= before
 
 
 def unix_socket_paths(pids: list[int], children: bool = True) -> set[str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import random
 import threading
 import time
@@ -22,7 +21,6 @@ from hypothesis import strategies as st
 
 from dual_sampling.decision.pipeline import RowSampling
 from dual_sampling.lockstep import (
-    SESSION_PREFIX,
     Bell,
     ErrorCode,
     Header,
@@ -47,6 +45,7 @@ from dual_sampling.testing.sim_engines import (
 from dual_sampling.text import decode
 from processors import TeacherSyncLogitsProcessor
 from processors.base import TrackedRow
+from tests import processes
 
 
 def assert_clean(run, *, allow_errors: frozenset = frozenset(), engine_aborts: bool = False) -> None:
@@ -369,9 +368,9 @@ def test_property_every_request_completes_or_is_aborted(
 
 
 def test_no_session_file_left_behind():
-    before = {f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX)}
+    before = processes.our_shm_files()
     run_simulation(0, count=3, max_num_seqs=2)
-    assert {f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX)} <= before
+    assert processes.our_shm_files() <= before
 
 
 def test_teacher_waits_out_a_theta_publication_it_saw_half_of():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -15,14 +14,15 @@ import psutil
 import pytest
 
 from dual_sampling import OptimalSamplingDual
-from dual_sampling.lockstep import SESSION_PREFIX
+from tests import processes
 from tests.oracles import assert_records_match_rescoring
 
 pytestmark = pytest.mark.engine
 
 
 def session_files() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith(SESSION_PREFIX)}
+    """This test session's shared-memory files (another test session's are not counted: tests/processes.py)."""
+    return processes.our_shm_files()
 
 
 @pytest.fixture(scope="module")

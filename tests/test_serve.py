@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import signal
 import socket
@@ -20,6 +19,7 @@ import pytest
 from dual_sampling.lockstep import RECORD_FIELDS
 from dual_sampling.server.app import build_app
 from dual_sampling.server.serve_options import ServeOptions
+from tests import processes
 
 pytestmark = pytest.mark.engine
 
@@ -430,7 +430,7 @@ def test_load_200_streams_with_disconnects(server, dual_engine):
 def test_engine_death_turns_health_red_and_ends_open_streams(tiny_same):
     teacher, theta = tiny_same
     port = free_port()
-    before = set(os.listdir("/dev/shm"))
+    before = processes.snapshot()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -508,22 +508,9 @@ def test_engine_death_turns_health_red_and_ends_open_streams(tiny_same):
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (set(os.listdir("/dev/shm")) - before):
-        time.sleep(0.2)
-    assert set(os.listdir("/dev/shm")) - before == set()
-    deadline = time.monotonic() + 30  # an orphaned engine notices its dead driver within a second
-    while _orphaned_engines(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _orphaned_engines(proc.pid) == []
-
-
-def _orphaned_engines(server_pid: int) -> list[int]:
-    out = []
-    for p in psutil.process_iter(["cmdline", "ppid"]):
-        if "VLLM" in " ".join(p.info["cmdline"] or []) and p.info["ppid"] in (server_pid, 1):
-            out.append(p.pid)
-    return out
+    # No process the server started (orphaned engines included) and no file of ours is left; an orphaned engine
+    # notices its dead driver within a second, so 30 s is a deadline, not a measurement.
+    assert processes.settled(before, 30) == (set(), set())
 
 
 def _healthy(url: str) -> bool:
