@@ -148,8 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
     from dual_sampling.server.serve_options import ServeOptions
 
     settings = {k: v for k, v in vars(args).items() if k not in ("run", "command")}
-    teacher = settings.pop("teacher", None) or str(models.smollm2())
-    theta = settings.pop("theta", None) or str(models.smollm2_pruned())
+    teacher, theta = models.default_pair(settings.pop("teacher", None), settings.pop("theta", None))
     serve_keys = {f.name for f in dataclasses.fields(ServeOptions)}
     options = ServeOptions(**{k: v for k, v in settings.items() if k in serve_keys})
     engine = EngineOptions(**{k: v for k, v in settings.items() if k not in serve_keys})

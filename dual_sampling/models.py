@@ -44,6 +44,7 @@ from filelock import FileLock
 __all__ = [
     "REAL_PAIRS",
     "cache_root",
+    "default_pair",
     "gemma3_270m",
     "gemma3_270m_pruned",
     "provision",
@@ -141,6 +142,12 @@ def smollm2_pruned(keep_layers: int = 24) -> Path:
 
     keep = sorted({round(i * (total - 1) / max(keep_layers - 1, 1)) for i in range(keep_layers)})
     return _prune(source, keep, f"smollm2-135m-instruct-pruned{keep_layers}")
+
+
+def default_pair(teacher: str | None, theta: str | None) -> tuple[str, str]:
+    """The (teacher, theta) folders of a run: the ones given, or SmolLM2-135M-Instruct and its 24-layer prune (built
+    on first use) for those left None. The one home of every front end's default models."""
+    return teacher or str(smollm2()), theta or str(smollm2_pruned())
 
 
 def _prune(source: Path, keep: list[int], name: str) -> Path:

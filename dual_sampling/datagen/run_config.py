@@ -86,8 +86,7 @@ class RunConfig:
         if self.teacher is None or self.theta is None:
             from dual_sampling import models
 
-            self.teacher = self.teacher or str(models.smollm2())
-            self.theta = self.theta or str(models.smollm2_pruned())
+            self.teacher, self.theta = models.default_pair(self.teacher, self.theta)
         if self.format not in ("records", "messages"):
             raise ValueError(f"format must be 'records' or 'messages', got {self.format!r}")
         if self.keep_truncated and self.format != "messages":

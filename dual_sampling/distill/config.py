@@ -80,8 +80,7 @@ class DistillConfig:
         if self.teacher is None or self.theta is None:
             from dual_sampling import models
 
-            self.teacher = self.teacher or str(models.smollm2())
-            self.theta = self.theta or str(models.smollm2_pruned())
+            self.teacher, self.theta = models.default_pair(self.teacher, self.theta)
         for name, least in (
             ("eval_prompts", 1),
             ("eval_max_tokens", 1),
