@@ -5,6 +5,7 @@ from __future__ import annotations
 import _thread
 import math
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -252,9 +253,15 @@ def test_keyboard_interrupt_inside_generate_leaves_the_engine_usable(dual_engine
             time.sleep(0.005)
         _thread.interrupt_main()
 
+    # A job started in the background by a non-interactive shell inherits SIGINT ignored, and then Python installs no
+    # handler and interrupt_main does nothing: install Python's own for this test.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=interrupt_once_running, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        dual_engine.generate(["tell me a long story"] * 12, max_tokens=200, min_tokens=200, seed=1)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            dual_engine.generate(["tell me a long story"] * 12, max_tokens=200, min_tokens=200, seed=1)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert dual_engine.scheduler.in_flight() == []
     out = dual_engine.generate(PROMPTS, max_tokens=8, seed=3)
     assert_three_streams_agree(out)

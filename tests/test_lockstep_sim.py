@@ -244,9 +244,11 @@ def test_a_preemption_attempt_fails_its_request_alone(side):
 
 @pytest.mark.parametrize("side", ["theta", "teacher"])
 def test_nan_logits_fail_only_their_request_with_a_named_error(side):
-    run0 = run_simulation(5, count=16, max_num_seqs=4)
-    nan = frozenset(s.seed for s in run0.samples[:8] if len(s.token_ids) > 2)
-    run = run_simulation(5, count=16, max_num_seqs=4, adversity=Adversity(nan_seeds=nan, nan_side=side))
+    # min_tokens=3: every sample reaches the NaN at step 2 (its length would otherwise depend on the schedule, since the
+    # simulated logits depend on the engine step).
+    seeds = [r.sampling.seed for r in make_requests(random.Random(5), 16, 96, (), 3)]
+    nan = frozenset(seeds[:8])
+    run = run_simulation(5, count=16, max_num_seqs=4, min_tokens=3, adversity=Adversity(nan_seeds=nan, nan_side=side))
     assert_clean(run, allow_errors=frozenset({"bad_logits"}))
     failed = {s.seed for s in run.samples if s.error}
     assert failed == nan and all(s.error == "bad_logits at step 2" for s in run.samples if s.error)
@@ -255,9 +257,9 @@ def test_nan_logits_fail_only_their_request_with_a_named_error(side):
 
 def test_an_engine_emitting_another_token_fails_that_sample_as_diverged():
     # A broken engine (it ignores the forced logits once): the driver's three-stream check catches it.
-    run0 = run_simulation(8, count=12, max_num_seqs=4)
-    wrong = frozenset(s.seed for s in run0.samples[:6] if len(s.token_ids) > 2)
-    run = run_simulation(8, count=12, max_num_seqs=4, adversity=Adversity(wrong_token_seeds=wrong))
+    seeds = [r.sampling.seed for r in make_requests(random.Random(8), 12, 96, (), 3)]  # min_tokens=3: all reach step 1
+    wrong = frozenset(seeds[:6])
+    run = run_simulation(8, count=12, max_num_seqs=4, min_tokens=3, adversity=Adversity(wrong_token_seeds=wrong))
     failed = {s.seed: s for s in run.samples if s.error}
     assert set(failed) == wrong and run.leaked_slots == []
     for s in failed.values():
