@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -217,27 +218,24 @@ def assert_records_match_rescoring(
 def assert_written_records_match_rescoring(records, tokenizer, hf_teacher, hf_theta, vocab: int, atol=1e-4) -> int:
     """Every data-run record (a dict per row) against re-scoring its own tokens; return the tokens checked.
 
-    The prompts are tokenized from the record's text as the engine tokenizes text prompts (with special tokens); α is
-    kl_symmetry's, against the float64 bisection; log q at the recorded temperature. This holds for any batch
-    composition, where comparing the drawn tokens of two runs would not (docs/reliability.md, "Not guaranteed").
+    The prompts are tokenized from the record's text as the engine tokenizes text prompts (with special tokens); then
+    each record goes through :func:`assert_records_match_rescoring` (kl_symmetry, at the recorded temperature). This
+    holds for any batch composition, where comparing the drawn tokens of two runs would not (docs/reliability.md, "Not
+    guaranteed").
     """
     checked = 0
     for r in records:
         ids = {
             side: tokenizer(r[f"{side}_prompt"], add_special_tokens=True)["input_ids"] for side in ("teacher", "theta")
         }
-        lt = rescore(hf_teacher, ids["teacher"], r["token_ids"], vocab)
-        lth = rescore(hf_theta, ids["theta"], r["token_ids"], vocab)
-        root = torch.tensor([np_alpha_kl(h.numpy(), t.numpy()) for h, t in zip(lth, lt)], dtype=torch.float64)
-        recorded = torch.tensor(r["alpha"], dtype=torch.float64)
-        assert_kl_symmetry_alpha(recorded, root, lth, lt, atol)
-        tok = torch.tensor(r["token_ids"]).unsqueeze(-1)
-        for name, rows in (("logp_teacher", lt), ("logp_theta", lth)):
-            torch.testing.assert_close(
-                torch.tensor(r[name], dtype=torch.float64), rows.gather(-1, tok).squeeze(-1), atol=atol, rtol=0
-            )
+        sample = SimpleNamespace(
+            **{k: r[k] for k in ("error", "token_ids", "alpha", "logp_teacher", "logp_theta", "logq")}
+        )
+        request = SimpleNamespace(
+            teacher_prompt_token_ids=ids["teacher"], theta_prompt_token_ids=ids["theta"], samples=[sample]
+        )
         sampling = json.loads(r["sampling"]) if isinstance(r["sampling"], str) else r["sampling"]  # a string in Parquet
-        logq = reference_logq(lth, lt, recorded, temperature=sampling["temperature"]).gather(-1, tok).squeeze(-1)
-        torch.testing.assert_close(torch.tensor(r["logq"], dtype=torch.float64), logq, atol=atol * 2, rtol=0)
-        checked += len(r["token_ids"])
+        checked += assert_records_match_rescoring(
+            request, hf_teacher, hf_theta, vocab, "kl_symmetry", atol, temperature=sampling["temperature"]
+        )
     return checked

@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 
 from dual_sampling.lockstep import SESSION_PREFIX
+from dual_sampling.lockstep.janitor import SCRATCH_KINDS
 from dual_sampling.lockstep.layout import SHM_DIR
 
 TAG_VARIABLE = "DUAL_SAMPLING_TEST_TAG"
@@ -36,7 +37,9 @@ def tagged_processes() -> set[int]:
     return out
 
 
-_OWNER_PID = re.compile(r"(?:" + re.escape(SESSION_PREFIX) + r"|weights-|ipc-)(?P<pid>\d+)-")
+_OWNER_PID = re.compile(
+    r"(?:" + "|".join([re.escape(SESSION_PREFIX), *(f"{kind}-" for kind in SCRATCH_KINDS)]) + r")(?P<pid>\d+)-"
+)
 """The pid in a session file's name, a listing's, or a scratch folder's: the process that made it."""
 
 

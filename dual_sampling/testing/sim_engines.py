@@ -530,11 +530,11 @@ def make_requests(
     for _k in range(count):
         teacher_len, theta_len = rng.randint(max_model_len // 4, max_model_len // 2), rng.randint(1, 12)
         if rng.random() < near_full:
-            room = rng.randint(1, 4)
+            left = rng.randint(1, 4)
             if rng.random() < 0.5:
-                teacher_len = max_model_len - room
+                teacher_len = max_model_len - left
             else:
-                theta_len = max_model_len - room
+                theta_len = max_model_len - left
         prompts = {}
         for side, length in (("teacher", teacher_len), ("theta", theta_len)):
             head = shared.get(side, [])
@@ -611,6 +611,8 @@ def run_simulation(
     from the stream; each acts at a moment of :data:`MOMENTS` drawn per request, by the
     request's state, never by a timer (``SimRun.acted`` says which moment each reached).
     """
+    from dual_sampling.driver.dual_scheduler import as_coroutine
+
     rng = random.Random(seed)
     adversity = adversity or Adversity()
     requests = make_requests(
@@ -630,7 +632,7 @@ def run_simulation(
         for new in so.scheduled_new_reqs:
             act = at_prefill.pop(new.req_id, None)
             if act is not None:
-                asyncio.run_coroutine_threadsafe(_call(act), scheduler.loop).result(30)
+                asyncio.run_coroutine_threadsafe(as_coroutine(act), scheduler.loop).result(30)
 
     scheduler.engines.cores["teacher"].on_schedule = on_schedule
 
@@ -683,10 +685,6 @@ def run_simulation(
     return SimRun(samples, requests, aborted, stats, leaked, batches, cores["teacher"].token_steps, acted)
 
 
-async def _call(function) -> None:
-    function()
-
-
 async def _drain(stream, on_tokens=lambda streamed: None) -> Any:
     """The final sample of a stream, after checking that the streamed deltas add up to it.
 
@@ -701,7 +699,7 @@ async def _drain(stream, on_tokens=lambda streamed: None) -> Any:
         records.append(delta.records)
         if delta.sample is None:
             on_tokens(len(streamed))
-        if delta.sample is not None:
+        else:
             sample = delta.sample
             assert streamed == sample.teacher_token_ids, "the streamed tokens differ from the teacher engine's"
             rows = np.concatenate(records) if records else np.zeros((0, 4))
