@@ -97,12 +97,18 @@ class Adversity:
     """The side whose logits get NaN at NAN_STEP for the samples in ``nan_seeds``."""
     wrong_token_seeds: frozenset = frozenset()
     """Samples for which theta's engine emits a token other than the one forced, at step 1 (a broken engine)."""
-    stall: tuple[str, float, float] | None = None
-    """(side, at_s, for_s): that engine ("teacher", "theta" or "both") stops stepping at at_s for for_s seconds."""
-    engine_dead: tuple[str, float] | None = None
-    """(side, at_s): at at_s that engine stops stepping and its frontend turns ``errored``, raising
-    EngineDeadError to every call in flight and every later one, as AsyncLLM does after an exception
-    inside its EngineCore; its thread (the process) stays alive."""
+    stall: tuple[str, int, int] | None = None
+    """(side, at_step, for_turns): once that engine ("teacher", "theta" or "both") has run ``at_step`` steps that
+    scheduled tokens, it stops stepping for ``for_turns`` turns of its loop (each a 10 ms sleep). Counted in the
+    engine's own steps and turns, not in seconds, so where a stall strikes is a function of the run's data."""
+    engine_dead: tuple[str, int] | None = None
+    """(side, at_step): once that engine has run ``at_step`` steps it stops stepping and its frontend turns
+    ``errored``, raising EngineDeadError to every call in flight and every later one, as AsyncLLM does after an
+    exception inside its EngineCore; its thread (the process) stays alive. :meth:`SimEngineCore.declare_dead` does
+    the same on demand."""
+    theta_step_offset: int = 0
+    """A broken theta runner, for positive controls only: theta computes its logits as if at its step plus this
+    offset, i.e. out of phase with the teacher. The record oracle (:func:`check_records`) must catch it."""
 
 
 class SimEngineCore(threading.Thread):
@@ -112,7 +118,10 @@ class SimEngineCore(threading.Thread):
         self, side: str, vllm_config: Any, num_blocks: int, rng: random.Random, adversity: Adversity, deliver
     ) -> None:
         super().__init__(name=f"sim-{side}", daemon=True)
-        self.side, self.rng, self.adversity, self.deliver = side, rng, adversity, deliver
+        self.side, self.adversity, self.deliver = side, adversity, deliver
+        # One stream per thread that draws: the caller's thread draws delivery delays, the engine's thread the
+        # runner's swaps; a shared stream would interleave them by the threads' timing.
+        self.delivery_rng, self.runner_rng = random.Random(rng.random()), random.Random(rng.random())
         vllm_config.cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float32)
         kv = KVCacheConfig(
@@ -142,7 +151,9 @@ class SimEngineCore(threading.Thread):
         self.params_of: dict[str, SamplingParams] = {}
         self.stop_flag = threading.Event()
         self.error: BaseException | None = None
-        self.started_at = time.monotonic()
+        self.stalled_turns = 0
+        """Turns spent in :attr:`Adversity.stall` so far."""
+        self._declared_dead = threading.Event()
         self.on_schedule = lambda scheduler_output: None
         """Called in this engine's thread with each step's scheduler output, before the model runs."""
         self.on_death = lambda: None
@@ -158,7 +169,7 @@ class SimEngineCore(threading.Thread):
 
     def send(self, kind: str, payload: Any) -> None:
         with self._inbox_lock:
-            due = self.turns + self.rng.randint(0, self.adversity.delay_turns.get(self.side, 0))
+            due = self.turns + self.delivery_rng.randint(0, self.adversity.delay_turns.get(self.side, 0))
             heapq.heappush(self._inbox, (due, next(self._seq), kind, payload))
             self._inbox_lock.notify()
 
@@ -185,25 +196,29 @@ class SimEngineCore(threading.Thread):
         try:
             while not self.stop_flag.is_set():
                 self._read_inputs(block=not self.scheduler.has_requests())
-                dead = self.adversity.engine_dead
-                if dead and dead[0] == self.side and time.monotonic() - self.started_at >= dead[1]:
+                if self._declared_dead.is_set() or self._struck(self.adversity.engine_dead):
                     if not self.dead:
                         self.dead = True
                         self.on_death()
                     time.sleep(0.01)
                     continue
                 stall = self.adversity.stall
-                if (
-                    stall
-                    and stall[0] in (self.side, "both")
-                    and stall[1] <= time.monotonic() - self.started_at < stall[1] + stall[2]
-                ):
+                if self._struck(stall) and self.stalled_turns < stall[2]:
+                    self.stalled_turns += 1
                     time.sleep(0.01)
                     continue
                 if self.scheduler.has_requests():
                     self._step()
         except BaseException as exc:  # the driver sees the engine die
             self.error = exc
+
+    def _struck(self, adversity: tuple | None) -> bool:
+        """Whether a (side, at_step, ...) adversity applies to this engine now."""
+        return adversity is not None and adversity[0] in (self.side, "both") and len(self.batches) >= adversity[1]
+
+    def declare_dead(self) -> None:
+        """From any thread: at its next turn this engine does what :attr:`Adversity.engine_dead` makes it do."""
+        self._declared_dead.set()
 
     def _step(self) -> None:
         so = self.scheduler.schedule()
@@ -250,8 +265,8 @@ class SimEngineCore(threading.Thread):
                 break
             self.batch[hole], self.batch[last] = self.batch[last], None
             moved.append((last, hole, MoveDirectionality.UNIDIRECTIONAL))
-        if len(self.batch) > 1 and self.rng.random() < 0.5:
-            a, b = self.rng.sample(range(len(self.batch)), 2)
+        if len(self.batch) > 1 and self.runner_rng.random() < 0.5:
+            a, b = self.runner_rng.sample(range(len(self.batch)), 2)
             self.batch[a], self.batch[b] = self.batch[b], self.batch[a]
             moved.append((a, b, MoveDirectionality.SWAP))
         self.processor.update_state(
@@ -261,6 +276,8 @@ class SimEngineCore(threading.Thread):
             return ModelRunnerOutput(req_ids=[], req_id_to_index={})
         seeds = [self.params_of[rid].extra_args["dual_sampling"]["sampling"]["seed"] for rid in self.batch]
         step = len(self.batches) - 1  # this step scheduled tokens (the runner is called only then)
+        if self.side == "theta":
+            step += self.adversity.theta_step_offset
         logits = torch.stack(
             [sim_logits(self.side, seed, len(self.outputs_of[rid]), step) for seed, rid in zip(seeds, self.batch)]
         )
