@@ -5,12 +5,15 @@ Usage: python -m tests.fault_driver MODE TEACHER THETA. It prints one line ``REA
 
 - ``normal``: generates and exits through the context manager;
 - ``exception``: generates, then raises out of the program without closing anything;
-- ``hold``: generates for a long time (the test sends a signal to it or to an engine);
-  an engine failure is printed as ``FAILED <message>``, and a later call's refusal as ``REFUSED <message>``.
+- ``hold``: generates for a long time (the test sends a signal to it or to an engine), printing
+  ``GENERATING`` once the teacher has decided 10 rows, so the test acts mid-generation by state, not after a
+  sleep; an engine failure is printed as ``FAILED <message>``, and a later call's refusal as ``REFUSED <message>``.
 """
 
 import json
 import sys
+import threading
+import time
 
 from dual_sampling import OptimalSamplingDual, SyncError
 
@@ -25,6 +28,13 @@ if __name__ == "__main__":
     if mode == "exception":
         s.generate(["a short one"] * 3, max_tokens=8)
         raise RuntimeError("the program fails with the engines still open")
+
+    def announce() -> None:  # a daemon thread: the main thread stays in generate(), where signals land
+        while s.get_sync_statistics()["teacher_rows"] < 10:
+            time.sleep(0.05)
+        print("GENERATING", flush=True)
+
+    threading.Thread(target=announce, daemon=True).start()
     try:
         s.generate(["tell me a long story"] * 40, max_tokens=200, min_tokens=200)
     except SyncError as exc:

@@ -42,8 +42,17 @@ def start_driver(mode: str, tiny_same) -> tuple[subprocess.Popen, dict]:
     )
     for line in proc.stdout:
         if line.startswith("READY "):
-            return proc, json.loads(line[6:])
-    raise AssertionError(f"the driver did not start: {proc.stderr.read()[-3000:]}")
+            info = json.loads(line[6:])
+            break
+    else:
+        raise AssertionError(f"the driver did not start: {proc.stderr.read()[-3000:]}")
+    if mode == "hold":  # act mid-generation: once the teacher has decided rows, not after a sleep (vLLM logs too)
+        for line in proc.stdout:
+            if line == "GENERATING\n":
+                break
+        else:
+            raise AssertionError(f"the driver never generated: {proc.stderr.read()[-3000:]}")
+    return proc, info
 
 
 @pytest.mark.parametrize("mode", ["normal", "exception"])
@@ -59,7 +68,6 @@ def test_exit_leaves_nothing(tiny_same, mode):
 def test_driver_interrupted_or_terminated_leaves_nothing(tiny_same, sig):
     before = processes.snapshot()
     proc, info = start_driver("hold", tiny_same)
-    time.sleep(3)  # mid-generation
     proc.send_signal(sig)
     assert proc.wait(timeout=120) != 0
     assert not any(psutil.pid_exists(p) for pids in info["pids"].values() for p in pids) or settled(before)[0] == set()
@@ -69,7 +77,6 @@ def test_driver_interrupted_or_terminated_leaves_nothing(tiny_same, sig):
 def test_driver_killed_engines_exit_by_themselves_and_next_session_cleans(tiny_same):
     before = processes.snapshot()
     proc, info = start_driver("hold", tiny_same)
-    time.sleep(3)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     engine_pids = [p for pids in info["pids"].values() for p in pids]
@@ -86,7 +93,6 @@ def test_driver_killed_engines_exit_by_themselves_and_next_session_cleans(tiny_s
 def test_engine_killed_fails_fast_names_it_and_leaves_nothing(tiny_same, victim):
     before = processes.snapshot()
     proc, info = start_driver("hold", tiny_same)
-    time.sleep(3)
     os.kill(info["pids"][victim][0], signal.SIGKILL)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
@@ -182,12 +188,12 @@ def test_an_exception_inside_a_live_engine_core_fails_everything_at_once(tiny_sa
             async for _ in dual.scheduler.engines.teacher.generate(prompt, SamplingParams(), "intruder"):
                 pass
 
-        injected = time.monotonic()
         with pytest.raises(EngineDeadError):
             asyncio.run_coroutine_threadsafe(intrude(), dual.scheduler.loop).result(60)
         worker.join(timeout=30)
         assert outcome.get("error", "").startswith("the teacher engine failed"), outcome
-        assert not dual.scheduler.alive and time.monotonic() - injected < 3
+        # Seen as vLLM's verdict (at once), not later as the process's exit or as a sync timeout: by the failure's name.
+        assert not dual.scheduler.alive and "EngineDeadError" in str(dual.scheduler.failure), dual.scheduler.failure
         with pytest.raises(SyncError, match="the teacher engine failed"):
             dual.generate(["later"], max_tokens=4)
     finally:

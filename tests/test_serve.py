@@ -563,7 +563,9 @@ def test_cancelling_an_asyncio_task_aborts_its_request(dual_engine):
         )
         while "to-cancel" not in dual_engine.scheduler.in_flight():
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3)
+        rows = dual_engine.get_sync_statistics()["teacher_rows"]
+        while dual_engine.get_sync_statistics()["teacher_rows"] < rows + 3:  # it is decoding: cancel it there
+            await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
