@@ -472,7 +472,9 @@ def test_statistics_and_aborts_are_safe_while_and_after_the_session_closes():
     errors: list[BaseException] = []
     stop = threading.Event()
 
-    def poll() -> None:
+    polls = [0, 0]
+
+    def poll(k: int) -> None:
         while not stop.is_set():
             try:
                 assert session.statistics()["teacher_rows"] == 3
@@ -480,13 +482,20 @@ def test_statistics_and_aborts_are_safe_while_and_after_the_session_closes():
             except BaseException as exc:
                 errors.append(exc)
                 return
+            polls[k] += 1
 
-    threads = [threading.Thread(target=poll) for _ in range(2)]
+    def until_each_polled(times: int) -> None:  # by the pollers' progress, not by a sleep
+        deadline = time.monotonic() + 60
+        while min(polls) < times and not errors:
+            assert time.monotonic() < deadline, polls
+            time.sleep(0.001)
+
+    threads = [threading.Thread(target=poll, args=(k,)) for k in range(2)]
     for t in threads:
         t.start()
-    time.sleep(0.05)
+    until_each_polled(100)
     session.close()
-    time.sleep(0.05)
+    until_each_polled(min(polls) + 100)  # every poller ran 100 times more after the close
     stop.set()
     for t in threads:
         t.join()
