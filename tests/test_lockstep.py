@@ -484,19 +484,21 @@ def test_statistics_and_aborts_are_safe_while_and_after_the_session_closes():
                 return
             polls[k] += 1
 
-    def until_each_polled(times: int) -> None:  # by the pollers' progress, not by a sleep
-        deadline = time.monotonic() + 60
-        while min(polls) < times and not errors:
+    def until_each_polled(more: int) -> None:  # by the pollers' progress, not by a sleep
+        start, deadline = list(polls), time.monotonic() + 60
+        while any(p < s + more for p, s in zip(polls, start)) and not errors:
             assert time.monotonic() < deadline, polls
             time.sleep(0.001)
 
-    threads = [threading.Thread(target=poll, args=(k,)) for k in range(2)]
+    threads = [threading.Thread(target=poll, args=(k,), daemon=True) for k in range(2)]
     for t in threads:
         t.start()
-    until_each_polled(100)
-    session.close()
-    until_each_polled(min(polls) + 100)  # every poller ran 100 times more after the close
-    stop.set()
+    try:
+        until_each_polled(100)
+        session.close()
+        until_each_polled(100)  # every poller ran 100 times more after the close
+    finally:
+        stop.set()
     for t in threads:
         t.join()
     assert errors == []

@@ -66,12 +66,17 @@ def assert_clean(run, *, allow_errors: frozenset = frozenset(), engine_aborts: b
         check_records(sample, run.requests[index], run.token_steps)
 
 
-def assert_same_batches(run, busy: bool = True) -> None:
+def assert_same_batches(run, busy: bool = True, refused: frozenset = frozenset()) -> None:
     """Lockstep seen from outside the plugins: at every step both engines' vLLM schedulers ran the same requests.
 
     The logs are each scheduler's own output (request ids and tokens per step), written by the simulated engine
-    loops, not by the plugins under test. Token counts differ only where prefill does: the prompts differ."""
-    teacher, theta = run.batches["teacher"], run.batches["theta"]
+    loops, not by the plugins under test. Token counts differ only where prefill does: the prompts differ.
+    ``refused``: requests that one side's vLLM refused to admit or wanted to preempt (they fail alone, on one side
+    first); they are left out of both logs, and steps that held nothing else with them."""
+    teacher, theta = (
+        [b for b in ([x for x in a if x[0] not in refused] for a in run.batches[side]) if b]
+        for side in ("teacher", "theta")
+    )
     assert len(teacher) == len(theta), f"{len(teacher)} teacher steps against {len(theta)} theta steps"
     for step, (a, b) in enumerate(zip(teacher, theta)):
         assert [rid for rid, _ in a] == [rid for rid, _ in b], f"step {step}: teacher ran {a}, theta ran {b}"
@@ -129,8 +134,10 @@ def test_the_batch_observer_sees_a_request_missing_from_one_side():
     assert_same_batches(run)
     theta = run.batches["theta"]
     step = next(i for i, batch in enumerate(theta) if len(batch) > 1)
-    for mutated in ([*theta[:step], theta[step][1:], *theta[step + 1 :]], theta[:step] + theta[step + 1 :]):
-        with pytest.raises(AssertionError, match="step|steps"):
+    left_out = [*theta[:step], theta[step][1:], *theta[step + 1 :]]
+    dropped = theta[:step] + theta[step + 1 :]
+    for mutated, message in ((left_out, rf"step {step}: teacher ran"), (dropped, "teacher steps against")):
+        with pytest.raises(AssertionError, match=message):
             assert_same_batches(dataclasses.replace(run, batches={"teacher": run.batches["teacher"], "theta": mutated}))
 
 
@@ -411,14 +418,14 @@ def test_property_every_request_completes_or_is_aborted(
             stall=(*stall, 20) if stall else None,
         ),
     )
-    refused = frozenset({"preempted", "diverged"}) if short_kv else frozenset()
-    assert_clean(run, allow_errors=refused, engine_aborts=one_sided > 0)
+    refusals = frozenset({"preempted", "diverged"}) if short_kv else frozenset()
+    assert_clean(run, allow_errors=refusals, engine_aborts=one_sided > 0)
     assert all(s is None or s.finish_reason in ("stop", "length", "abort", "error") for s in run.samples)
     assert all(s.finish_reason != "error" or s.error for s in run.samples if s is not None)
     assert all(s is not None for i, s in enumerate(run.samples) if i not in run.acted)  # only a cancel drops one
-    if not short_kv:
-        assert run.stats["follower_diverged"] == 0
-        assert_same_batches(run, busy=False)
+    refused = frozenset(f"r{i}" for i, s in enumerate(run.samples) if s is not None and s.error)
+    assert run.stats["follower_diverged"] <= len(refused)
+    assert_same_batches(run, busy=False, refused=refused)
 
 
 def test_no_session_file_left_behind():
@@ -792,7 +799,8 @@ def test_an_engine_declared_dead_while_idle_turns_the_health_red():
 
 
 def test_an_abort_from_another_thread_while_the_slot_opens_ends_the_request(monkeypatch):
-    """The abort lands after the request is registered as in flight but before its slot is open."""
+    """An abort sent from another thread while the driver's loop opens the request's slot (the loop is busy there, so
+    the abort runs on it right after) must still end the request."""
     import dual_sampling.driver.dual_scheduler as driver
 
     rng = random.Random(25)

@@ -99,8 +99,9 @@ class Adversity:
     """Samples for which theta's engine emits a token other than the one forced, at step 1 (a broken engine)."""
     stall: tuple[str, int, int] | None = None
     """(side, at_step, for_turns): once that engine ("teacher", "theta" or "both") has run ``at_step`` steps that
-    scheduled tokens, it stops stepping for ``for_turns`` turns of its loop (each a 10 ms sleep). Counted in the
-    engine's own steps and turns, not in seconds, so where a stall strikes is a function of the run's data."""
+    scheduled tokens, it stops stepping for ``for_turns`` turns of its loop in which it has requests (each a 10 ms
+    sleep). Counted in the engine's own steps and turns, not in seconds, so where a stall strikes is a function of
+    the run's data."""
     engine_dead: tuple[str, int] | None = None
     """(side, at_step): once that engine has run ``at_step`` steps it stops stepping and its frontend turns
     ``errored``, raising EngineDeadError to every call in flight and every later one, as AsyncLLM does after an
@@ -204,7 +205,7 @@ class SimEngineCore(threading.Thread):
                     continue
                 stall = self.adversity.stall
                 if self._struck(stall) and self.stalled_turns < stall[2]:
-                    self.stalled_turns += 1
+                    self.stalled_turns += self.scheduler.has_requests()  # an idle turn stalls nothing
                     time.sleep(0.01)
                     continue
                 if self.scheduler.has_requests():
