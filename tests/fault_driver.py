@@ -1,6 +1,6 @@
 """A driver process for the fault matrix (tests/test_faults.py): starts a dual engine, then misbehaves as told.
 
-Usage: python -m tests.fault_driver MODE TEACHER THETA. It prints one line ``READY {json}``
+Usage: python -m tests.fault_driver MODE TEACHER THETA SYNC_TIMEOUT. It prints one line ``READY {json}``
 (the session name and the engines' pids) once the engines run, then:
 
 - ``normal``: generates and exits through the context manager;
@@ -18,8 +18,10 @@ import time
 from dual_sampling import OptimalSamplingDual, SyncError
 
 if __name__ == "__main__":
-    mode, teacher, theta = sys.argv[1:4]
-    s = OptimalSamplingDual(teacher, theta, max_num_seqs=2, max_model_len=256, sync_timeout=10, use_tqdm=False)
+    mode, teacher, theta, sync_timeout = sys.argv[1:5]
+    s = OptimalSamplingDual(
+        teacher, theta, max_num_seqs=2, max_model_len=256, sync_timeout=float(sync_timeout), use_tqdm=False
+    )
     print("READY " + json.dumps({"session": s.session.name, "pids": s.engine_pids()}), flush=True)
     if mode == "normal":
         with s:
@@ -32,7 +34,8 @@ if __name__ == "__main__":
     def announce() -> None:  # a daemon thread: the main thread stays in generate(), where signals land
         while s.get_sync_statistics()["teacher_rows"] < 10:
             time.sleep(0.05)
-        print("GENERATING", flush=True)
+        sys.stdout.write("GENERATING\n")  # one write: vLLM logs to the same stream from other threads
+        sys.stdout.flush()
 
     threading.Thread(target=announce, daemon=True).start()
     try:

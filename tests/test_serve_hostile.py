@@ -307,10 +307,25 @@ def test_idle_readers_are_aborted_and_a_normal_client_is_served(dual_engine):
         s.stop()
 
 
+def read_response(sock: socket.socket) -> str:
+    """One whole HTTP/1.1 response (its head, then Content-Length bytes of body): uvicorn writes them separately."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+        re.search(rb"(?i)content-length: *(\d+)", data.partition(b"\r\n\r\n")[0]).group(1)
+    ):
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed mid-response: {data!r}"
+        data += chunk
+    return data.decode()
+
+
 def test_a_body_that_stops_arriving_gets_408_and_a_request_past_its_time_504_aborted_on_both_engines(dual_engine):
     """--body-timeout and --request-timeout, set small: a body that stops halfway gets 408 naming the limit; a request
-    of 200 tokens given 50 ms gets 504 and is aborted on both engines (no slot and no request left in them)."""
-    s = Server(build_app(dual_engine, ServeOptions(api_key=KEY, body_timeout=0.5, request_timeout=0.05)))
+    of 240 tokens given 1 s, seen running in the engines first, gets 504 and is aborted on both engines (no slot and
+    no request left in them)."""
+    import threading
+
+    s = Server(build_app(dual_engine, ServeOptions(api_key=KEY, body_timeout=0.5, request_timeout=1.0)))
     try:
         head = (
             f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
@@ -318,16 +333,23 @@ def test_a_body_that_stops_arriving_gets_408_and_a_request_past_its_time_504_abo
         )
         with socket.create_connection(("127.0.0.1", s.port), timeout=60) as sock:
             sock.sendall(head.encode() + b'{"prompt": "hi", ')  # 17 of the 100 bytes announced, then nothing
-            reply = sock.recv(65536).decode()
-        assert reply.startswith("HTTP/1.1 408"), reply[:300]
-        assert "body_timeout=0.5" in reply, reply
+            reply = read_response(sock)
+        assert reply.startswith("HTTP/1.1 408") and "body_timeout=0.5" in reply, reply
 
         stats = dual_engine.get_sync_statistics
-        aborts = stats()["finished_abort"]
-        body = {"prompt": "a long answer", "max_tokens": 200, "min_tokens": 200}
-        r = httpx.post(s.url + "/v1/completions", headers=AUTH, json=body, timeout=120)
+        aborts, answer = stats()["finished_abort"], {}
+        body = {"prompt": "a long answer", "max_tokens": 240, "min_tokens": 240}
+        post = threading.Thread(
+            target=lambda: answer.update(r=httpx.post(s.url + "/v1/completions", headers=AUTH, json=body, timeout=120))
+        )
+        post.start()
+        session, deadline = dual_engine.session, time.monotonic() + 60  # deadlines for what must happen, not measures
+        while not dual_engine.scheduler.in_flight():  # it reached the engines before its time ran out
+            assert post.is_alive() and time.monotonic() < deadline, answer
+            time.sleep(0.001)
+        post.join(120)
+        r = answer["r"]
         assert r.status_code == 504 and "request_timeout" in r.text, r.text
-        session, deadline = dual_engine.session, time.monotonic() + 60  # a safety deadline, not a measurement
         while dual_engine.scheduler.in_flight() or not all(session.slot_free(k) for k in range(session.layout.slots)):
             assert time.monotonic() < deadline, "the timed-out request is still in the engines"
             time.sleep(0.02)
