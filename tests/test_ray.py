@@ -8,6 +8,7 @@ file behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ from dual_sampling.api import derive_seed
 from dual_sampling.datagen.ray_stage import DualSamplingStage, _run_config
 from dual_sampling.datagen.run import run_generation
 from dual_sampling.datagen.sinks import read_records
-from dual_sampling.lockstep import SESSION_PREFIX, cleanup_stale_sessions, listing_dir
+from dual_sampling.lockstep import SESSION_PREFIX, SyncError, SyncSession, cleanup_stale_sessions, listing_dir
 from tests import processes
 from tests.oracles import assert_written_records_match_rescoring
 from tests.test_datagen import ScriptedSampler, all_pairs, cli_flags, problems, tiny_config
@@ -44,6 +45,18 @@ def ray_env() -> dict[str, str]:
 def settle(before: tuple[set[int], set[str]], timeout: float = 60) -> tuple[set[str], set[str]]:
     """This session's new processes (Ray's included) and shared-memory files, once gone or at ``timeout``."""
     return processes.settled(before, timeout)
+
+
+def drawing_a_batch(pid: int) -> bool:
+    """Whether the replica ``pid`` is drawing a batch now: a slot of its session holds a request (a read-only look)."""
+    for path in Path("/dev/shm").glob(f"{SESSION_PREFIX}{pid}-*"):
+        with contextlib.suppress(OSError, SyncError, ValueError):
+            session = SyncSession.attach(path.name)
+            try:
+                return any(not session.slot_free(k) for k in range(session.layout.slots))
+            finally:
+                session.close()
+    return False
 
 
 def records_by_key(path: Path) -> dict:
@@ -107,8 +120,11 @@ def test_two_replicas_with_one_killed_give_the_local_samples_exactly_once(dual_e
             "with_listing": max(seen["with_listing"], len(running)),
             "parts": max(seen["parts"], parts),
         }
-        if killed is None and running and parts:
-            killed = running[0].pid
+        # Killed while it holds a batch (a slot of its session holds a request), so that batch must be drawn again; a
+        # replica killed between two batches holds none, and nothing would be retried.
+        drawing = [p for p in running if drawing_a_batch(p.pid)] if killed is None and parts else []
+        if drawing:
+            killed = drawing[0].pid
             os.kill(killed, signal.SIGKILL)
         time.sleep(0.1)
     _, stderr = proc.communicate(timeout=60)
