@@ -191,7 +191,7 @@ def test_an_update_with_requests_in_flight_never_mixes_versions(restore, hf_mode
     failed = {k: stats[k] - counters_before[k] for k in stats if k.startswith("failed_")}
     assert set(failed.values()) == {0}, failed
     assert stats["in_flight"] == 0 and stats["queued"] == 0
-    assert all(s.session.slot_free(slot) for slot in range(s.session.layout.slots))
+    assert s.session.held_slots() == []
 
 
 # ---------------------------------------------------------------------- vLLM's RL routes on the server

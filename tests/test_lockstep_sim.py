@@ -356,9 +356,9 @@ SIM_EXAMPLES = 40 if os.environ.get("HYPOTHESIS_PROFILE") == "explore" else 10
 """Simulated runs per property test (a second or more each): 10 fixed examples in CI, 40 new ones to explore."""
 
 
-# Derandomized or not by the profile (conftest): HYPOTHESIS_PROFILE=explore searches new examples here too. A run is
-# a function of its drawn data (delays and stalls count turns of the engine loops, not seconds), so a failing example
-# replays and shrinks; only the interleaving of the two engine threads is left to the machine.
+# Derandomized or not by the profile (conftest): HYPOTHESIS_PROFILE=explore searches new examples here too. A run's
+# adversity is a function of its drawn data (delays and stalls count turns of the engine loops, not seconds), so a
+# failing example replays it; the interleaving of the two engine threads is still the machine's.
 @settings(max_examples=SIM_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),
@@ -856,14 +856,14 @@ def test_an_abort_after_the_slot_was_handed_over_but_before_launch_ends_the_requ
 
 
 class _StubEngine:
-    """An engine frontend for driver tests: the teacher refuses the request, theta lets go only when told.
+    """An engine frontend for driver tests: the teacher refuses the request, theta takes a while to let go.
 
-    ``letting_go`` is set once theta's generator was told to stop; it then waits for ``let_go`` (an engine's abort
-    takes a moment), so a test can act while the driver waits for theta, by state rather than by a sleep."""
+    ``letting_go`` is set once theta's generator was told to stop; it then lets go only when cancelled again (an
+    engine's abort takes a moment), so a test can act while the driver waits for theta, by state, not by a sleep."""
 
     def __init__(self, role: str) -> None:
         self.role = role
-        self.letting_go, self.let_go = asyncio.Event(), asyncio.Event()
+        self.letting_go = asyncio.Event()
 
     async def generate(self, prompt, params, request_id):
         if self.role == "teacher":
@@ -873,7 +873,7 @@ class _StubEngine:
             await asyncio.sleep(3600)
         except asyncio.CancelledError:
             self.letting_go.set()
-            await self.let_go.wait()
+            await asyncio.sleep(3600)
             raise
         yield
 

@@ -53,7 +53,7 @@ def drawing_a_batch(pid: int) -> bool:
         with contextlib.suppress(OSError, SyncError, ValueError):
             session = SyncSession.attach(path.name)
             try:
-                return any(not session.slot_free(k) for k in range(session.layout.slots))
+                return bool(session.held_slots())
             finally:
                 session.close()
     return False

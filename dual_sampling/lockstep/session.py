@@ -315,6 +315,10 @@ class SyncSession:
         key = int(c[Slot.KEY])
         return key == 0 or (key < 0 and int(c[Slot.TEACHER_RELEASED]) == -key and int(c[Slot.THETA_RELEASED]) == -key)
 
+    def held_slots(self) -> list[int]:
+        """The slots that are not free (:meth:`slot_free`): a request holds them, or they wait to be read."""
+        return [slot for slot in range(self.layout.slots) if not self.slot_free(slot)]
+
     def open_slot(self, slot: int, key: int, teacher_prompt_len: int, theta_prompt_len: int) -> None:
         """Driver: prepare a free slot for request ``key`` (> 0) before either engine sees it."""
         if key <= 0:

@@ -691,10 +691,10 @@ def run_simulation(
     try:
         samples = scheduler.call(main(), timeout=300)
         deadline = time.monotonic() + 5  # the engines release finished requests at their next step
-        leaked = [s for s in range(scheduler.session.layout.slots) if not scheduler.session.slot_free(s)]
+        leaked = scheduler.session.held_slots()
         while leaked and time.monotonic() < deadline:
             time.sleep(0.02)
-            leaked = [s for s in range(scheduler.session.layout.slots) if not scheduler.session.slot_free(s)]
+            leaked = scheduler.session.held_slots()
         stats = scheduler.statistics()
         cores = scheduler.engines.cores
     finally:
