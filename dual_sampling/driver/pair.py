@@ -45,6 +45,7 @@ LOCKSTEP_SETTINGS = (
     "async_scheduling",
     "scheduler_cls",
     "logits_processors",
+    "worker_extension_cls",
     "additional_config",
     "tensor_parallel_size",
     "pipeline_parallel_size",
@@ -122,6 +123,7 @@ class EnginePair:
             TeacherSyncLogitsProcessor,
             ThetaLockstepScheduler,
             ThetaSyncLogitsProcessor,
+            WeightsReloadExtension,
         )
 
         cfg = self.config
@@ -149,6 +151,8 @@ class EnginePair:
             disable_log_stats=True,
             scheduler_cls=TeacherLockstepScheduler if role == "teacher" else ThetaLockstepScheduler,
             logits_processors=[TeacherSyncLogitsProcessor if role == "teacher" else ThetaSyncLogitsProcessor],
+            # Weight updates go through it: vLLM's reload alone leaves a tied output projection stale on the CPU.
+            worker_extension_cls=_qualname(WeightsReloadExtension),
             additional_config={
                 "dual_sampling": {
                     "role": role,
@@ -221,7 +225,7 @@ class EnginePair:
 
     def verify(self) -> None:
         """Read both engines' effective settings and refuse any that would break lockstep, naming it."""
-        from processors import TeacherLockstepScheduler, ThetaLockstepScheduler
+        from processors import TeacherLockstepScheduler, ThetaLockstepScheduler, WeightsReloadExtension
 
         problems = []
         cfgs = {role: engine.vllm_config for role, engine in self.engines.items()}
@@ -230,6 +234,11 @@ class EnginePair:
             want = TeacherLockstepScheduler if role == "teacher" else ThetaLockstepScheduler
             if sc.get_scheduler_cls() is not want:
                 problems.append(f"{role}: scheduler_cls is {sc.get_scheduler_cls().__name__}, not {want.__name__}")
+            if pc.worker_extension_cls != _qualname(WeightsReloadExtension):
+                problems.append(
+                    f"{role}: worker_extension_cls is {pc.worker_extension_cls!r}, not "
+                    f"{_qualname(WeightsReloadExtension)!r} (weight updates need it)"
+                )
             if sc.async_scheduling:
                 problems.append(f"{role}: async_scheduling is on (a step would be scheduled before its tokens exist)")
             if sc.enable_chunked_prefill or (sc.long_prefill_token_threshold or 0) > 0:
@@ -372,6 +381,11 @@ class EnginePair:
         segments_listing(self.session_name).unlink(missing_ok=True)
         if self.ipc_dir is not None:  # vLLM leaves its ipc:// socket files behind; they are ours to remove
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _qualname(cls: type) -> str:
+    """The dotted path vLLM resolves a class setting from (``module.Class``)."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _engine_files(pids: list[int]) -> set[str]:

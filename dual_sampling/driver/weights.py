@@ -1,7 +1,9 @@
 """New weights for a running engine: checked against the model's checkpoint, then handed over by path.
 
 vLLM's worker reloads weights in place (``reload_weights(weights_path=...)`` through
-``collective_rpc``). Tensors passed straight through that RPC arrive as lists on the CPU
+``collective_rpc``), by way of our worker extension, which also refreshes a tied output
+projection that vLLM's reload alone leaves stale on the CPU
+(:mod:`processors.weights_reload`). Tensors passed straight through that RPC arrive as lists on the CPU
 build, so a state dict travels as one safetensors file in a private folder (in /dev/shm when it
 has room) that the engine loads by path; the folder is removed once it has.
 
@@ -137,8 +139,11 @@ def prepared_weights(check: WeightsCheck, weights: Any, role: str) -> Iterator[P
 
 def reload_from(folder: Path) -> Callable[[Any], Coroutine[Any, Any, None]]:
     """The load step of an update: the engine's workers reload their weights in place from ``folder``."""
+    from processors.weights_reload import WeightsReloadExtension
+
+    method = WeightsReloadExtension.dual_sampling_reload_weights.__name__
 
     async def load(engine: Any) -> None:
-        await engine.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        await engine.collective_rpc(method, kwargs={"weights_path": str(folder)})
 
     return load

@@ -4,7 +4,11 @@ Two-layer Llama models on the SmolLM2 tokenizer (read from the GGUF that ``llm-s
 ships), cached like every model of :mod:`dual_sampling.models`. ``tiny_pair(kind)`` gives
 ``"same"`` (identical vocabularies), ``"padded"`` (the teacher's embedding has extra rows
 beyond the tokenizer, as real model pairs do) or ``"foreign"`` (theta has a different
-tokenizer, which the engines must refuse).
+tokenizer, which the engines must refuse). ``tied=True`` gives both models tied word
+embeddings (``tie_word_embeddings``: the output projection is the input embedding), as
+SmolLM2, Gemma 3, Qwen2.5 up to 3B and Llama 3.2 1B/3B have: most small students. Engines
+handle the two kinds apart (a weight update reaches a tied projection only through the
+embedding), so weight tests run on both.
 """
 
 from __future__ import annotations
@@ -23,24 +27,29 @@ TINY_PADDED_EXTRA_ROWS = 128
 TinyKind = Literal["same", "padded", "foreign"]
 
 
-def tiny_pair(kind: TinyKind = "same") -> tuple[Path, Path]:
+def tiny_pair(kind: TinyKind = "same", tied: bool = False) -> tuple[Path, Path]:
     """(teacher folder, theta folder) of two-layer random-weight Llama models for tests.
 
     The teacher is sharper (output logits of std 4) than theta (std 2). Both use head_dim 64,
-    the smallest head size vLLM's CPU attention accepts.
+    the smallest head size vLLM's CPU attention accepts. ``tied`` ties both models' output
+    projection to their input embedding.
     """
     if kind not in ("same", "padded", "foreign"):
         raise ValueError(f"tiny_pair kind must be 'same', 'padded' or 'foreign', got {kind!r}")
     tokenizer_dir = _smollm2_tokenizer()
     extra = TINY_PADDED_EXTRA_ROWS if kind == "padded" else 0
-    teacher = _tiny_model(f"tiny-teacher-pad{extra}", tokenizer_dir, seed=1, extra_rows=extra, logit_std=4.0)
+    suffix = "-tied" if tied else ""
+    teacher = _tiny_model(
+        f"tiny-teacher-pad{extra}{suffix}", tokenizer_dir, seed=1, extra_rows=extra, logit_std=4.0, tied=tied
+    )
     theta_tokenizer = _foreign_tokenizer() if kind == "foreign" else tokenizer_dir
     theta = _tiny_model(
-        "tiny-theta-foreign" if kind == "foreign" else "tiny-theta",
+        ("tiny-theta-foreign" if kind == "foreign" else "tiny-theta") + suffix,
         theta_tokenizer,
         seed=2,
         extra_rows=0,
         logit_std=2.0,
+        tied=tied,
     )
     return teacher, theta
 
@@ -81,7 +90,7 @@ def _foreign_tokenizer() -> Path:
     return provision("foreign-tokenizer", build)
 
 
-def _tiny_model(name: str, tokenizer_dir: Path, seed: int, extra_rows: int, logit_std: float) -> Path:
+def _tiny_model(name: str, tokenizer_dir: Path, seed: int, extra_rows: int, logit_std: float, tied: bool) -> Path:
     def build(out: Path) -> None:
         import torch
         from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -96,7 +105,7 @@ def _tiny_model(name: str, tokenizer_dir: Path, seed: int, extra_rows: int, logi
             num_key_value_heads=1,
             head_dim=64,
             max_position_embeddings=2048,
-            tie_word_embeddings=False,
+            tie_word_embeddings=tied,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
@@ -108,6 +117,14 @@ def _tiny_model(name: str, tokenizer_dir: Path, seed: int, extra_rows: int, logi
         # than theta makes the pair disagree the way real pairs do, so α varies per token.
         with torch.no_grad():
             model.get_output_embeddings().weight.normal_(0.0, logit_std / config.hidden_size**0.5)
+            if tied:
+                # Tied, that scale reaches the inputs too: the residual stream is then mostly the last token's own
+                # embedding, each token's logit for itself about |e|·√H ≈ 45, and the model only repeats its input.
+                # Layer outputs 100 times larger dominate the stream (entropies like the untied pair's, and no
+                # token predicts itself as the most likely next one).
+                for layer in model.model.layers:
+                    layer.self_attn.o_proj.weight.mul_(100.0)
+                    layer.mlp.down_proj.weight.mul_(100.0)
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
 
