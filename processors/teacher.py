@@ -106,7 +106,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
                 top_logprobs=top_logprobs,
             )
             if dense_k:
-                d.dense_ids, d.dense_logp = dense_top(teacher[lo:hi], theta[lo:hi], dense_k, theta_normalized=True)
+                d.dense_ids, d.dense_logp = dense_top(teacher[lo:hi], theta[lo:hi], dense_k, d, theta_normalized=True)
             return d
 
         n = len(ready)

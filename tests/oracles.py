@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from tests.tolerances import LOGQ_ATOL_FACTOR, RESCORE_ATOL
+
 # ---------------------------------------------------------------- α in float64 NumPy, by plain bisection
 
 
@@ -182,7 +184,14 @@ def assert_kl_symmetry_alpha(recorded: torch.Tensor, root: torch.Tensor, lth: to
 
 
 def assert_records_match_rescoring(
-    request, hf_teacher, hf_theta, vocab: int, alpha_method: str, atol: float = 1e-4, alpha_config=None, **sampling
+    request,
+    hf_teacher,
+    hf_theta,
+    vocab: int,
+    alpha_method: str,
+    atol: float = RESCORE_ATOL,
+    alpha_config=None,
+    **sampling,
 ) -> int:
     """Check every sample of ``request`` against the oracle (``sampling``: the options used); return tokens checked."""
     checked = 0
@@ -210,12 +219,16 @@ def assert_records_match_rescoring(
         torch.testing.assert_close(
             torch.tensor(sample.logp_theta, dtype=torch.float64), lth.gather(-1, tok).squeeze(-1), atol=atol, rtol=0
         )
-        torch.testing.assert_close(torch.tensor(sample.logq, dtype=torch.float64), logq, atol=atol * 2, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(sample.logq, dtype=torch.float64), logq, atol=atol * LOGQ_ATOL_FACTOR, rtol=0
+        )
         checked += len(sample.token_ids)
     return checked
 
 
-def assert_written_records_match_rescoring(records, tokenizer, hf_teacher, hf_theta, vocab: int, atol=1e-4) -> int:
+def assert_written_records_match_rescoring(
+    records, tokenizer, hf_teacher, hf_theta, vocab: int, atol=RESCORE_ATOL
+) -> int:
     """Every data-run record (a dict per row) against re-scoring its own tokens; return the tokens checked.
 
     The prompts are tokenized from the record's text as the engine tokenizes text prompts (with special tokens); then

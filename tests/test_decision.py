@@ -15,11 +15,13 @@ from dual_sampling.decision.pipeline import (
     RowSampling,
     counter_uniform,
     decide,
+    dense_top,
     draw_tokens,
     inverse_cdf,
     keep_top_k_top_p,
 )
 from tests.oracles import np_alpha_kl, np_mix
+from tests.tolerances import ONE_NORMALISATION_ATOL
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 256, 1000, 49152])
@@ -172,3 +174,32 @@ def test_a_huge_logit_bias_is_clamped_and_draws_its_token_with_a_finite_logq():
     assert torch.isfinite(d.logq).all() and d.logq.tolist() == pytest.approx([0.0, 0.0], abs=1e-6)
     with pytest.raises(ValueError, match=r"logit_bias\[3\] is NaN"):
         RowSampling(logit_bias={3: float("nan")})
+
+
+@pytest.mark.parametrize("vocab", [300, 49152])
+def test_dense_top_k_values_are_the_records_at_the_drawn_token(vocab):
+    """One record, one number: the kernel's rows and the reference's (a filter sends a row there), theta's rows
+    already log-softmax as the engines pass them. Against float64 log-softmax otherwise."""
+    g = torch.Generator().manual_seed(vocab)
+    teacher = torch.randn(6, vocab, generator=g) * 6  # logits up to about 60: a float32 logsumexp rounds visibly
+    theta = torch.randn(6, vocab, generator=g) * 3
+    teacher[:, :8] += 40  # the drawn tokens fall among both top k
+    theta[:, :8] += 15
+    theta = torch.log_softmax(theta, -1)
+    rows = [RowSampling(seed=i, top_k=50 if i % 2 else 0) for i in range(6)]
+    d = decide(teacher, theta, [1] * 6, rows, get_alpha_computer("kl_symmetry"), theta_normalized=True)
+    ids, values = dense_top(teacher, theta, 16, d, theta_normalized=True)
+    reference = [torch.log_softmax(teacher.double(), -1), torch.log_softmax(theta.double(), -1)]
+    hits = 0
+    for side, record in enumerate((d.logp_teacher, d.logp_theta)):
+        assert torch.equal(ids[:, side], [teacher, theta][side].topk(16, -1).indices)
+        torch.testing.assert_close(
+            values[:, side].double(), reference[side].gather(-1, ids[:, side]), atol=ONE_NORMALISATION_ATOL, rtol=0
+        )
+        assert (values[:, side, :-1] >= values[:, side, 1:]).all()
+        for row in range(6):
+            hit = (ids[row, side] == d.tokens[row]).nonzero().flatten()
+            if hit.numel():
+                hits += 1
+                assert values[row, side, hit[0]].item() == record[row].item()
+    assert hits >= 10

@@ -292,17 +292,34 @@ class Decision:
 
 
 def dense_top(
-    teacher_logits: Tensor, theta_logits: Tensor, k: int, theta_normalized: bool = False
+    teacher_logits: Tensor, theta_logits: Tensor, k: int, decision: Decision, theta_normalized: bool = False
 ) -> tuple[Tensor, Tensor]:
     """Each model's own k most likely tokens: (ids ``[b, 2, k]`` int64, log-probabilities ``[b, 2, k]``), the teacher
     at ``[:, 0]`` and theta at ``[:, 1]``, most likely first. Untempered and unfiltered: the loss of a distillation
-    trainer needs the models' distributions, not the one sampled from."""
+    trainer needs the models' distributions, not the one sampled from.
+
+    One record, one number: each row's log-normaliser is the one ``decision`` used for its drawn token, read back as
+    logit[token] − record (float64, where that difference of two float32 values is exact). So where the drawn token is
+    among the k, its dense value equals its record bit for bit, and every dense value orders as its logit does. A
+    computation of its own (a float32 logsumexp) would differ from the decision's by float32 rounding, about 1e-5 nats
+    at SmolLM2's vocabulary. Rows without a usable token (``decision.ok`` False) use the row's own logsumexp.
+    """
     k = min(k, teacher_logits.shape[-1])
-    teacher = teacher_logits.topk(k, dim=-1)
-    theta = theta_logits.topk(k, dim=-1)
-    teacher_logp = teacher.values - teacher_logits.logsumexp(dim=-1, keepdim=True)
-    theta_logp = theta.values if theta_normalized else theta.values - theta_logits.logsumexp(dim=-1, keepdim=True)
-    return torch.stack([teacher.indices, theta.indices], dim=1), torch.stack([teacher_logp, theta_logp], dim=1)
+    pick = decision.tokens.to(teacher_logits.device).unsqueeze(-1)
+    ok = decision.ok.to(teacher_logits.device)
+
+    def side(logits: Tensor, record: Tensor, normalized: bool) -> tuple[Tensor, Tensor]:
+        top = logits.topk(k, dim=-1)
+        own = torch.zeros_like(logits[:, :1], dtype=torch.float64)
+        if not normalized:
+            own = logits.logsumexp(-1, True).double()
+        from_record = logits.gather(-1, pick).double() - record.to(logits.device, torch.float64).unsqueeze(-1)
+        norm = torch.where((ok.unsqueeze(-1) & torch.isfinite(from_record)), from_record, own)
+        return top.indices, (top.values.double() - norm).to(logits.dtype)
+
+    teacher_ids, teacher_logp = side(teacher_logits, decision.logp_teacher, False)
+    theta_ids, theta_logp = side(theta_logits, decision.logp_theta, theta_normalized)
+    return torch.stack([teacher_ids, theta_ids], dim=1), torch.stack([teacher_logp, theta_logp], dim=1)
 
 
 def decide(

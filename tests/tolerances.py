@@ -1,0 +1,58 @@
+"""The suite's numeric tolerances for float32 engine outputs, each derived where it is set.
+
+Two engines, or an engine and plain transformers, compute the same log-probability from the same weights with
+different float32 kernels (oneDNN against torch's matmul, other blockings for other batch compositions, fused
+against separate norms). Their difference is rounding that passes through every layer, so it is not a small
+multiple of float32's unit roundoff (u = 2**-24 ≈ 6e-8) per operation: it is measured, and each bound below is a
+measured spread times a stated margin, or follows from another bound by the triangle inequality. Where two values
+are one computation read twice, the suite asserts equality instead (a dense top-k value and the record of the same
+token: ``dual_sampling.decision.pipeline.dense_top``).
+
+Measured by ``python -m tests.measure_spread tiny|smollm2`` with the suite's own oracle (``tests.oracles.rescore``):
+the largest |engine − transformers| of log π_t and log π_θ over 576 sampled tokens (384 for SmolLM2), and the
+largest |log π_θ − log π_t| of two engines holding the same weights, on 2026-11-26 on the CI machine's kind:
+
+==========================  =====================  =========================
+pair                        engine − transformers  same weights, two engines
+==========================  =====================  =========================
+tiny, untied (2 layers)     7.5e-6                 8.9e-6
+tiny, tied (2 layers)       5.4e-6                 1.2e-5
+SmolLM2 / pruned (30/24)    8.6e-5 (1.04e-4 after  not measured
+                            a state-dict update)
+==========================  =====================  =========================
+"""
+
+from __future__ import annotations
+
+F32_U = 2.0**-24
+"""float32's unit roundoff."""
+
+RESCORE_ATOL = 1e-4
+"""|engine log π − float64 re-scoring by transformers|, two-layer tiny models: 13× the largest measured (7.5e-6).
+
+The margin covers other prompts, lengths and batch compositions than the measurement's. A real defect is far
+larger: a stale output projection was off by 1e-3 to 28 nats, a row one step out of phase by whole nats."""
+
+RESCORE_ATOL_DEEP = 5e-4
+"""The same for the SmolLM2 pair (30 and 24 layers): 5× the largest measured (1.04e-4). Rounding passes through
+15 times as many layers as the tiny models', with larger logits, and the spread is 10 times theirs."""
+
+LOGQ_ATOL_FACTOR = 2
+"""log q is checked at twice the log π bound: it is built from both models' log π (each within the bound) at a
+recorded α, and log q = (1−α)·log π_θ + α·log π_t − log Z moves by at most the larger of the two errors plus
+the same again through log Z."""
+
+SAME_WEIGHTS_TWO_RUNS = 2 * RESCORE_ATOL
+"""|a − b| for one log-probability computed by two engines holding the same weights, or by one engine in two
+batch compositions: each is within RESCORE_ATOL of the same float64 re-scoring, so by the triangle inequality
+within twice that of each other (measured: 1.2e-5, above the 1e-5 bound this replaced)."""
+
+ONE_NORMALISATION_ATOL = (256 + 64) * F32_U
+"""|float32 log-probability − exact| for one normalisation of given float32 logits: V exponentials summed in float32
+in runs of at most 256 terms (the compiled kernel's blocks; torch's vectorised reductions run shorter), a relative
+error of at most 255 u in the sum and so 255 u in its log, plus the subtraction of a row maximum from logits below
+64 in magnitude, at most 64 u. About 1.9e-5. (The test rows and engine logits stay below 64.)"""
+
+TWO_NORMALISATIONS_ATOL = 2 * ONE_NORMALISATION_ATOL
+"""One log-probability computed from the same float32 logits by two normalisations (the kernel and torch's
+log_softmax; a mixture at α = 1 and the teacher's own): each within ONE_NORMALISATION_ATOL of the exact value."""
