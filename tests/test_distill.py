@@ -13,6 +13,7 @@ import torch
 from dual_sampling.distill import DistillConfig, Distiller
 from dual_sampling.distill.loss import ess_fraction, state_weights, top_k_forward_kl
 from dual_sampling.options import EngineOptions, SamplingOptions
+from tests.tolerances import SAME_WEIGHTS_TWO_RUNS
 
 
 def test_top_k_forward_kl_is_the_coarsened_kl_and_bounds_the_full_one():
@@ -145,6 +146,8 @@ def test_two_rounds_make_the_held_out_kl_fall_and_a_run_resumes(dual_engine, tin
         assert rows[2]["kl_student_teacher"] < rows[0]["kl_student_teacher"]
         assert rows[2]["tokens"] > rows[1]["tokens"] > 0 and rows[2]["wall_s"] > rows[1]["wall_s"]
         for r in rows[1:]:
+            # The trainer's float32 log π_θ and the engine's are each within RESCORE_ATOL of float64 re-scoring.
+            assert 0 <= r["sampler_mismatch_mean"] <= r["sampler_mismatch_max"] <= SAME_WEIGHTS_TWO_RUNS, r
             assert 0 < r["ess_sequence"] <= 1 and 0 < r["ess_token"] <= 1 and 0 <= r["mean_alpha"] <= 1
             assert r["theta_version"] == f"round-{r['round']}" and r["update_s"] > 0
         assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["round-2"]
@@ -164,4 +167,46 @@ def test_two_rounds_make_the_held_out_kl_fall_and_a_run_resumes(dual_engine, tin
         with pytest.raises(FileExistsError):
             Distiller(DistillConfig(**settings), dual_engine).run()
     finally:
+        dual_engine.update_theta(str(theta), version="0")
+
+
+def test_an_update_the_engine_missed_stops_the_run_by_name(dual_engine, tiny_same, prompts_file, tmp_path, monkeypatch):
+    """The engine acknowledges every update but keeps its weights: round 1 samples from the θ it was started with
+    (which the trainer holds too, so it passes), round 2 from that θ again while the trainer holds round 1's. The
+    per-round check stops the run before round 2 trains, naming the setting."""
+    import dual_sampling.api
+    from dual_sampling.distill import SamplerMismatchError
+
+    teacher, theta = tiny_same
+
+    async def keep_the_old_weights(engine):
+        return None
+
+    monkeypatch.setattr(dual_sampling.api, "reload_from", lambda folder: keep_the_old_weights)
+    config = DistillConfig(
+        prompts=str(prompts_file),
+        output=str(tmp_path / "run"),
+        teacher=str(teacher),
+        theta=str(theta),
+        chat_template=False,
+        eval_prompts=4,
+        eval_max_tokens=8,
+        rounds=2,
+        prompts_per_round=8,
+        steps_per_round=2,
+        learning_rate=1e-2,
+        loss_top_k=16,
+        plot=False,
+        sampling=SamplingOptions(max_tokens=12),
+        engine=EngineOptions(max_dense_logprobs=16),
+    )
+    try:
+        with pytest.raises(SamplerMismatchError, match=r"round 2: .*max_sampler_mismatch=0\.01") as caught:
+            Distiller(config, dual_engine).run()
+        print(caught.value)
+        assert caught.value.mismatch.max_abs > 10 * config.max_sampler_mismatch  # far past the threshold
+        rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in rows] == [0, 1] and rows[1]["sampler_mismatch_max"] <= SAME_WEIGHTS_TWO_RUNS
+    finally:
+        monkeypatch.undo()
         dual_engine.update_theta(str(theta), version="0")

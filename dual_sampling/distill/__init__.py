@@ -3,5 +3,13 @@ weights π_θ/q), push the new weights into the running theta engine, evaluate o
 
 from dual_sampling.distill.config import DistillConfig
 from dual_sampling.distill.loop import Distiller, run_distillation
+from dual_sampling.distill.mismatch import Mismatch, SamplerMismatchError, sampler_trainer_mismatch
 
-__all__ = ["DistillConfig", "Distiller", "run_distillation"]
+__all__ = [
+    "DistillConfig",
+    "Distiller",
+    "Mismatch",
+    "SamplerMismatchError",
+    "run_distillation",
+    "sampler_trainer_mismatch",
+]

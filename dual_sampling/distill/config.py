@@ -67,6 +67,12 @@ class DistillConfig:
     """Clip of the self-normalised state weights (truncated importance sampling)."""
     loss_top_k: int = 64
     """The teacher's top k per token (recorded while sampling) on which the forward KL runs, plus a rest bucket."""
+    max_sampler_mismatch: float = 1e-2
+    """Largest |log π_θ(trainer) − log π_θ(record)| allowed on any sampled token, in nats, checked every round before
+    the first optimizer step (:mod:`dual_sampling.distill.mismatch`); above it the run stops with
+    ``SamplerMismatchError``. A float32 engine and trainer differ by at most about 1e-4 on the default pair
+    (docs/reliability.md): 100 times that passes. Raise it for a bf16 engine; ``inf`` turns the check off (the
+    figures are still reported)."""
     resume: bool = field(default=False, metadata=RUNTIME_ONLY)
     """Continue the run in ``output`` from its last complete round (same settings; ``rounds`` may grow)."""
     plot: bool = field(default=True, metadata=RUNTIME_ONLY)
@@ -98,6 +104,7 @@ class DistillConfig:
             ("weight_decay", 0.0, True),
             ("max_grad_norm", 0.0, False),
             ("max_weight", math.ulp(0.0), False),
+            ("max_sampler_mismatch", 0.0, False),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= least:

@@ -28,6 +28,7 @@ import torch
 from dual_sampling.distill.config import DistillConfig
 from dual_sampling.distill.evaluate import EvalSet, build_eval_set, evaluate
 from dual_sampling.distill.loss import ess_fraction, state_weights, top_k_forward_kl
+from dual_sampling.distill.mismatch import Mismatch, SamplerMismatchError, record_gaps
 from dual_sampling.records import SampleRecord
 
 __all__ = ["Distiller", "check_resume", "plot_run", "run_distillation"]
@@ -173,7 +174,7 @@ class Distiller:
         t0 = time.perf_counter()
         samples, prompt_ids = self._sample(r)
         t1 = time.perf_counter()
-        train = self._train(samples, prompt_ids)
+        train = self._train(r, samples, prompt_ids)
         t2 = time.perf_counter()
         version = self.dual.update_theta(self.student.state_dict(), version=f"round-{r}")
         t3 = time.perf_counter()
@@ -227,8 +228,10 @@ class Distiller:
     def _hint(self, row: dict[str, Any]) -> str | None:
         return row.get(self.config.hint_field) if self.config.hint_field else None
 
-    def _train(self, samples: list[SampleRecord], prompt_ids: list[list[int]]) -> dict[str, float]:
-        """``steps_per_round`` AdamW steps on equal shares of the samples; the round's loss and weight statistics."""
+    def _train(self, r: int, samples: list[SampleRecord], prompt_ids: list[list[int]]) -> dict[str, float]:
+        """Round ``r``'s ``steps_per_round`` AdamW steps on equal shares of the samples; the round's loss, weight
+        statistics and sampler–trainer mismatch (SamplerMismatchError above ``max_sampler_mismatch``, before any
+        step)."""
         cfg = self.config
         student = self.student
         student.train()
@@ -236,9 +239,10 @@ class Distiller:
             torch.tensor(s.logp_theta, dtype=torch.float64) - torch.tensor(s.logq, dtype=torch.float64) for s in samples
         ]
         losses, used = [], []
+        gaps: list[torch.Tensor] = []
         steps = min(cfg.steps_per_round, len(samples))
-        for batch in (range(k, len(samples), steps) for k in range(steps)):
-            batch = list(batch)
+        for k in range(steps):
+            batch = list(range(k, len(samples), steps))
             weights = state_weights([log_w[i] for i in batch], cfg.weighting, cfg.max_weight)
             used += weights
             tokens = sum(len(samples[i].token_ids) for i in batch)
@@ -247,12 +251,24 @@ class Distiller:
                 s, prompt = samples[i], prompt_ids[i]
                 ids = torch.tensor([prompt + list(s.token_ids)])
                 logits = student(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(s.token_ids), : self.vocab]
+                if k == 0:  # before any optimizer step this round: the θ that sampled (a spread-out share of samples)
+                    gaps.append(record_gaps(logits, s.token_ids, s.logp_theta))
                 top_ids = torch.from_numpy(s.dense_ids[:, 0].astype("int64"))
                 top_logp = torch.from_numpy(s.dense_logp[:, 0])
                 kl = top_k_forward_kl(logits, top_ids, top_logp)
                 loss = (c.to(kl.dtype) * kl).sum() / tokens
                 loss.backward()
                 total += float(loss.detach())
+            if k == 0:
+                mismatch = Mismatch.of(gaps)
+                if not mismatch.max_abs <= cfg.max_sampler_mismatch:
+                    raise SamplerMismatchError(
+                        f"round {r}: the sampled tokens' log π_θ differ from the trained model's by up to "
+                        f"{mismatch.max_abs:.3g} nats (mean {mismatch.mean_abs:.3g} over {mismatch.tokens} tokens), "
+                        f"above max_sampler_mismatch={cfg.max_sampler_mismatch:g}: the theta engine did not sample "
+                        "from the model being trained",
+                        mismatch,
+                    )
             torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.max_grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -265,6 +281,8 @@ class Distiller:
             "ess_sequence": ess_fraction(torch.stack([w.sum() for w in log_w])),
             "ess_used": ess_fraction(torch.log(torch.cat(used))),
             "mean_log_w_per_token": float(torch.cat(log_w).mean()),
+            "sampler_mismatch_mean": mismatch.mean_abs,
+            "sampler_mismatch_max": mismatch.max_abs,
         }
 
     def _evaluate(self) -> dict[str, float]:
@@ -320,6 +338,7 @@ def _summary_line(row: dict[str, Any]) -> str:
         f"round {row['round']}: KL(t‖θ) {row['kl_teacher_student']:.4f}  KL(θ‖t) {row['kl_student_teacher']:.4f}  "
         f"teacher logp/token {row['teacher_logp_of_greedy']:.3f}  repetition {row['repetition_rate']:.3f}  "
         f"loss {row['loss']:.4f}  α {row['mean_alpha']:.3f}  ESS/n {row['ess_sequence']:.2f}  "
+        f"|Δlog π_θ| max {row['sampler_mismatch_max']:.2g}  "
         f"sample {row['sample_s']:.1f}s train {row['train_s']:.1f}s update {row['update_s']:.2f}s"
     )
 
