@@ -218,9 +218,31 @@ def test_a_keyless_server_wants_json_even_without_a_body(dual_engine):
     async def post() -> int:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
-            return (await client.post("/pause")).status_code
+            return (await client.post("/v1/completions")).status_code
 
     assert asyncio.run(post()) == 415
+
+
+def test_a_keyless_server_serves_no_weight_routes_and_refuses_weights_dirs(dual_engine, tmp_path):
+    """Without a key anyone reaching the port (a web page too, by DNS rebinding) could pause the server, relabel θ or
+    load weights: the routes are not served, and weights_dirs without a key is refused by name."""
+    import asyncio
+
+    app = build_app(dual_engine, ServeOptions())
+    body = {"new_version": "x", "update_info": {"weights_path": str(tmp_path)}}
+
+    async def post() -> list[int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            routes = ("/pause", "/resume", "/update_weights", "/update_weight_version")
+            return [(await client.post(path, json=body)).status_code for path in routes] + [
+                (await client.get(path)).status_code for path in ("/is_paused", "/weight_info")
+            ]
+
+    assert asyncio.run(post()) == [404] * 6
+    assert dual_engine.weight_versions["theta"] != "x" and not dual_engine.scheduler.paused
+    with pytest.raises(ValueError, match="weights_dirs needs an api_key"):
+        ServeOptions(weights_dirs=[str(tmp_path)])
 
 
 def test_a_mount_prefix_does_not_open_the_routes(dual_engine):

@@ -191,6 +191,8 @@ class DualScheduler:
         self._aborted_before_launch: set[str] = set()
         """Requests aborted after a slot was handed to them but before they reached the engines."""
         self.versions: dict[str, str] = {"teacher": "0", "theta": "0"}
+        self.labels_used: dict[str, set[str]] = {role: {version} for role, version in self.versions.items()}
+        """Every label each role's weights have carried: a relabel to one of them would make two θ look alike."""
         """Each engine's weight version: "0" as started, then the label of each update (:meth:`update_weights`)."""
         self._updating = False
         """While set, no slot is handed out: an update waits for the engines to run no request."""
@@ -460,6 +462,7 @@ class DualScheduler:
                     raise self._fail(f"loading new {role} weights failed, so its weights are unknown: {exc!r}") from exc
                 self.counters[f"{role}_updates"] += 1
                 self.versions[role] = version if version is not None else str(self.counters[f"{role}_updates"])
+                self.labels_used[role].add(self.versions[role])
                 return self.versions[role]
             finally:
                 self._updating = False
@@ -481,11 +484,17 @@ class DualScheduler:
         self.paused = False
 
     def set_version(self, role: str, version: str) -> None:
-        """Label ``role``'s current weights ``version`` without changing them (samples launched from now carry it)."""
+        """Label ``role``'s current weights ``version`` without changing them (samples launched from now carry it).
+
+        A label the role's weights have carried before is refused: records of two different weights would name one.
+        """
         if version is None:
             raise ValueError("version must be a non-empty string of at most 256 characters, got None")
         check_update(role=role, version=version)
+        if version in self.labels_used[role] and version != self.versions[role]:
+            raise ValueError(f"version {version!r} already labelled earlier {role} weights; choose a new label")
         self.versions[role] = version
+        self.labels_used[role].add(version)
 
     @property
     def _gate_closed(self) -> bool:

@@ -207,7 +207,8 @@ def build_app(dual: Any, options: ServeOptions | None = None, on_engine_death: C
     async def metrics():
         return PlainTextResponse(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    add_weight_routes(app, dual, options, body_of)
+    if options.api_key:  # no key, no weight routes: anyone reaching the port could pause or relabel θ
+        add_weight_routes(app, dual, options, body_of)
     _add_request_schemas(
         app,
         [

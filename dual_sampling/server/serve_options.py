@@ -42,7 +42,8 @@ class ServeOptions:
     """Connections served at once (uvicorn's limit_concurrency); past it a connection gets 503."""
     weights_dirs: list[str] = field(default_factory=list)
     """Folders from which ``POST /update_weights`` may load theta's new weights (a path is resolved, symlinks
-    followed, before it is checked); none: weight updates over HTTP are refused."""
+    followed, before it is checked); none: weight updates over HTTP are refused. Needs ``api_key``: without a key
+    the weight routes (/pause, /resume, /update_weights, /update_weight_version, ...) are not served at all."""
 
     def __post_init__(self) -> None:
         for name in ("port", "max_queue", "max_n", "max_body_bytes", "max_connections"):
@@ -57,3 +58,6 @@ class ServeOptions:
             raise ValueError("api_key must not be empty: leave it out to serve without a key")
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
+        if self.weights_dirs and not self.api_key:
+            # Anyone reaching the port (a web page too, by DNS rebinding) could pause the server or load weights.
+            raise ValueError("weights_dirs needs an api_key: without one the weight routes are not served")

@@ -5,7 +5,8 @@ The route names and bodies are vLLM's where they fit, so a trainer that drives a
 Two differ: ``/pause`` has no ``keep`` mode (requests frozen across an update would be drawn from two θ), and
 ``/update_weights`` names a folder in ``update_info`` instead of a weight-transfer engine's payload. A folder
 outside the server's ``weights_dirs`` is refused (403), so a client cannot make the server read any path.
-Every route needs the API key when one is set (the guard lets only /health, /metrics and /openapi.json by).
+The routes are served only with an API key (the guard lets only /health, /metrics and /openapi.json by without
+it): a keyless server would let anyone who reaches its port, or a web page by DNS rebinding, pause it or relabel θ.
 """
 
 from __future__ import annotations
@@ -103,7 +104,10 @@ def add_weight_routes(
     async def update_weight_version(request: Request):
         async def work():
             req = await body(request, UpdateWeightVersionRequest)
-            await scheduler.run(as_coroutine(scheduler.set_version, "theta", req.new_version))
+            try:
+                await scheduler.run(as_coroutine(scheduler.set_version, "theta", req.new_version))
+            except ValueError as exc:  # a label earlier weights carried
+                raise BadRequest(str(exc), "new_version") from exc
             return {"success": True, "new_version": req.new_version}
 
         return await answer(work)
