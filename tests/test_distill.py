@@ -114,24 +114,35 @@ def prompts_file(tmp_path):
     return path
 
 
-def test_two_rounds_make_the_held_out_kl_fall_and_a_run_resumes(dual_engine, tiny_same, prompts_file, tmp_path):
+def small_run(tiny_same, prompts_file, tmp_path, **overrides) -> dict:
+    """The settings of a short run on the tiny pair (the session's dual_engine serves it)."""
     teacher, theta = tiny_same
-    settings = dict(
+    return dict(
         prompts=str(prompts_file),
         output=str(tmp_path / "run"),
         teacher=str(teacher),
         theta=str(theta),
         chat_template=False,
         eval_prompts=4,
+        loss_top_k=16,
+        engine=EngineOptions(max_dense_logprobs=16),
+        **overrides,
+    )
+
+
+def test_two_rounds_make_the_held_out_kl_fall_and_a_run_resumes(dual_engine, tiny_same, prompts_file, tmp_path):
+    theta = tiny_same[1]
+    settings = small_run(
+        tiny_same,
+        prompts_file,
+        tmp_path,
         eval_max_tokens=12,
         rounds=1,
         prompts_per_round=16,
         steps_per_round=2,
         learning_rate=1e-3,
-        loss_top_k=16,
         plot=True,
         sampling=SamplingOptions(max_tokens=16),
-        engine=EngineOptions(max_dense_logprobs=16),
     )
     try:
         rows = Distiller(DistillConfig(**settings), dual_engine).run()
@@ -177,28 +188,25 @@ def test_an_update_the_engine_missed_stops_the_run_by_name(dual_engine, tiny_sam
     import dual_sampling.api
     from dual_sampling.distill import SamplerMismatchError
 
-    teacher, theta = tiny_same
+    theta = tiny_same[1]
 
     async def keep_the_old_weights(engine):
         return None
 
     monkeypatch.setattr(dual_sampling.api, "reload_from", lambda folder: keep_the_old_weights)
     config = DistillConfig(
-        prompts=str(prompts_file),
-        output=str(tmp_path / "run"),
-        teacher=str(teacher),
-        theta=str(theta),
-        chat_template=False,
-        eval_prompts=4,
-        eval_max_tokens=8,
-        rounds=2,
-        prompts_per_round=8,
-        steps_per_round=2,
-        learning_rate=1e-2,
-        loss_top_k=16,
-        plot=False,
-        sampling=SamplingOptions(max_tokens=12),
-        engine=EngineOptions(max_dense_logprobs=16),
+        **small_run(
+            tiny_same,
+            prompts_file,
+            tmp_path,
+            eval_max_tokens=8,
+            rounds=2,
+            prompts_per_round=8,
+            steps_per_round=2,
+            learning_rate=1e-2,
+            plot=False,
+            sampling=SamplingOptions(max_tokens=12),
+        )
     )
     try:
         with pytest.raises(SamplerMismatchError, match=r"round 2: .*max_sampler_mismatch=0\.01") as caught:

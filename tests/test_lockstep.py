@@ -245,6 +245,7 @@ def _verify(tiny_same, change) -> str:
             if role == "teacher"
             else "processors.scheduler.ThetaLockstepScheduler"
         )
+        cfg.parallel_config.worker_extension_cls = "processors.weights_reload.WeightsReloadExtension"
         cfg.cache_config.block_size = 16
         cfg.cache_config.num_gpu_blocks = 4 * 6 + 1  # 4 seats of 96 tokens in blocks of 16, and the null block
         change(role, cfg)
@@ -312,6 +313,10 @@ def _verify(tiny_same, change) -> str:
         (
             lambda r, c: setattr(c.scheduler_config, "policy", "priority") if r == "theta" else None,
             "theta: scheduling_policy is priority, not fcfs",
+        ),
+        (
+            lambda r, c: setattr(c.parallel_config, "worker_extension_cls", "") if r == "theta" else None,
+            "theta: worker_extension_cls is '', not 'processors.weights_reload.WeightsReloadExtension'",
         ),
     ],
 )

@@ -6,6 +6,8 @@ examples (600-900 tokens, a different set per problem); theta sees the question 
 string "\\n\\n" and a quarter of the requests aborted at random moments. Expected: no
 failed sample, no timeout, every aborted request reported as aborted, both engines' batches
 equal at every step. The figures are printed (``pytest -s``).
+
+The module's engine also serves one update of the default student (tied embeddings) by state dict, last.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import random
 import time
 
 import pytest
+import torch
 
 from dual_sampling import OptimalSamplingDual, SamplingOptions, models
-from tests.oracles import assert_records_match_rescoring
+from tests.oracles import assert_records_match_rescoring, rescore
+from tests.tolerances import RESCORE_ATOL_DEEP
 from tests.word_problems import long_teacher_prompts, theta_prompts, word_problems
 
 pytestmark = [pytest.mark.engine, pytest.mark.models]
@@ -79,7 +83,7 @@ def test_long_teacher_hints_without_stop_strings(smollm2_dual, workload):
 
     hf = tuple(AutoModelForCausalLM.from_pretrained(p).eval() for p in (models.smollm2(), models.smollm2_pruned()))
     checked = sum(
-        assert_records_match_rescoring(req, *hf, smollm2_dual.vocab, "kl_symmetry", atol=2e-4)
+        assert_records_match_rescoring(req, *hf, smollm2_dual.vocab, "kl_symmetry", atol=RESCORE_ATOL_DEEP)
         for req in out.requests[:3]
     )
     assert checked > 100
@@ -140,3 +144,33 @@ def test_long_teacher_hints_with_stop_string_and_random_aborts(smollm2_dual, wor
             assert s.finish_reason in ("stop", "length")
         if s.stop_reason == "\n\n":
             assert "\n\n" not in s.text
+
+
+# ---------------------------------------------------------------- the default student takes new weights whole
+
+
+def test_the_default_theta_takes_a_state_dict_whole(smollm2_dual):
+    """The default student (the pruned SmolLM2, tied) with a new embedding and a changed layer, pushed as a state
+    dict: the engine's log π_θ is the new model's. Before the fix it was off by up to 6.3 nats here, and matched
+    the new body with the old output projection to 3e-5."""
+    from transformers import AutoModelForCausalLM
+
+    s = smollm2_dual
+    hf = AutoModelForCausalLM.from_pretrained(models.smollm2_pruned(), dtype=torch.float32).eval()
+    assert hf.config.tie_word_embeddings
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        embedding = hf.get_input_embeddings().weight
+        embedding.add_(0.05 * torch.randn(embedding.shape, generator=generator))
+        hf.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+    try:
+        s.update_theta(hf.state_dict(), version="noisy")
+        request = s.generate(["Write a short poem about the sea."], max_tokens=16, min_tokens=16, seed=3).requests[0]
+        sample = request.samples[0]
+        assert sample.error is None and sample.theta_version == "noisy" and len(sample.token_ids) == 16
+        expected = rescore(hf, request.theta_prompt_token_ids, sample.token_ids, s.vocab)
+        expected = expected.gather(-1, torch.tensor(sample.token_ids).unsqueeze(-1)).squeeze(-1)
+        got = torch.tensor(sample.logp_theta, dtype=torch.float64)
+        torch.testing.assert_close(got, expected, atol=RESCORE_ATOL_DEEP, rtol=0)
+    finally:
+        s.update_theta(str(models.smollm2_pruned()))
