@@ -245,6 +245,26 @@ def test_a_keyless_server_serves_no_weight_routes_and_refuses_weights_dirs(dual_
         ServeOptions(weights_dirs=[str(tmp_path)])
 
 
+def test_a_keyless_server_answers_only_requests_addressed_by_ip_or_localhost(dual_engine):
+    """DNS rebinding: a page whose name now resolves to 127.0.0.1 sends its own name in Host. Without a key only IP
+    literals and localhost are served (421 naming Host); with a key any name is, the key being the defence."""
+    import asyncio
+
+    keyless, keyed = build_app(dual_engine, ServeOptions()), build_app(dual_engine, ServeOptions(api_key=KEY))
+
+    async def get(app, host: str, headers=None) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            return await c.get("/v1/models", headers={"Host": host, **(headers or {})})
+
+    for host in ("127.0.0.1:8000", "localhost:8000", "LOCALHOST", "[::1]:8000", "10.1.2.3", "::1"):
+        assert asyncio.run(get(keyless, host)).status_code == 200, host
+    for host in ("attacker.example:8000", "localhost.attacker.example", "127.0.0.1.nip.io", "", "[::1"):
+        response = asyncio.run(get(keyless, host))
+        assert response.status_code == 421 and response.json()["error"]["param"] == "Host", (host, response.text)
+    assert asyncio.run(get(keyed, "model-server.internal:8000", {"Authorization": f"Bearer {KEY}"})).status_code == 200
+
+
 def test_a_mount_prefix_does_not_open_the_routes(dual_engine):
     """The key check used the full path, so /prefix/v1/... under a root_path passed without a key."""
     import asyncio
@@ -473,7 +493,7 @@ def test_a_cancelled_handler_aborts_its_request_on_both_engines(dual_engine):
 
     async def run() -> None:
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as c:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=120) as c:
             # Eight samples of 200 tokens on four seats: two waves, so the cancel lands while they run even on a
             # loaded machine (one sample of 200 tokens once finished first under CI's load).
             body = completion(prompt="a long story", max_tokens=200, min_tokens=200, n=8)

@@ -1,9 +1,11 @@
-"""The ASGI middleware in front of every route (:class:`Guard`): the API key, checked in constant time; a POST's
-declared size and content type; and a bound on how long a response may wait for its client to read."""
+"""The ASGI middleware in front of every route (:class:`Guard`): the API key, checked in constant time; without a
+key, the Host header; a POST's declared size and content type; and a bound on how long a response may wait for its
+client to read."""
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import secrets
 from typing import Any
@@ -38,6 +40,28 @@ def _authorized(header: str | None, key: str) -> bool:
     return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key.encode())
 
 
+def _host_without_a_name(header: str | None) -> bool:
+    """Whether a Host header names this machine without a DNS name: an IP literal or ``localhost`` (any port).
+
+    A web page can make the browser send requests to a keyless server by DNS rebinding: its own name, resolved again
+    to 127.0.0.1 after the page loaded, makes the requests same-origin, so the page reads the answers too. Such a
+    request still carries the page's name in Host; refusing every other name defeats the attack, and a client that
+    reaches the server by address (or as localhost) is unaffected.
+    """
+    host = (header or "").strip()
+    if host.startswith("["):  # [v6]:port
+        host = host[1 : host.find("]")] if "]" in host else ""
+    elif host.count(":") == 1:
+        host = host.rsplit(":", 1)[0]
+    if host.lower() == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 class Guard:
     """ASGI middleware, before any route: the API key, the body's size and type, and a bound on unread output."""
 
@@ -56,6 +80,15 @@ class Guard:
         ):
             refusal = BadRequest(
                 "a valid API key is required (Authorization: Bearer <key>)", None, 401, "authentication_error"
+            )
+        elif not self.options.api_key and not _host_without_a_name(headers.get("host")):
+            refusal = BadRequest(
+                f"Host {headers.get('host')!r} refused: a server without an API key answers only requests addressed to "
+                "an IP address or localhost (a DNS name could be a web page rebinding its name to this machine); "
+                "set an API key to serve by name",
+                "Host",
+                421,
+                "misdirected_request",
             )
         elif scope["method"] == "POST":
             length = headers.get("content-length")
