@@ -13,6 +13,7 @@ import torch
 from dual_sampling.distill import DistillConfig, Distiller
 from dual_sampling.distill.loss import ess_fraction, state_weights, top_k_forward_kl
 from dual_sampling.options import EngineOptions, SamplingOptions
+from dual_sampling.run_output import single_writer
 from tests.tolerances import SAME_WEIGHTS_TWO_RUNS
 
 
@@ -169,10 +170,18 @@ def test_two_rounds_make_the_held_out_kl_fall_and_a_run_resumes(dual_engine, tin
         # Killed after round 3's metrics line but before its checkpoint was whole: the line is dropped, round 3 redone.
         with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"round": 3, "killed": True}) + "\n")
-        (tmp_path / "run" / "checkpoints" / "round-3.partial").mkdir()
-        rows = Distiller(DistillConfig(**{**settings, "rounds": 3, "resume": True}), dual_engine).run()
+        # Its partial checkpoint is a link planted elsewhere: removed, never written through.
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        (tmp_path / "run" / "checkpoints" / "round-3.partial").symlink_to(elsewhere)
+        resumed = DistillConfig(**{**settings, "rounds": 3, "resume": True})
+        held_elsewhere = single_writer(resumed.output, tmp_path / "run.lock")  # another run holds the output
+        with held_elsewhere, pytest.raises(FileExistsError, match="being written by another run"):
+            Distiller(resumed, dual_engine).run()
+        rows = Distiller(resumed, dual_engine).run()
         assert [r["round"] for r in rows] == [0, 1, 2, 3] and "killed" not in rows[3] and rows[3]["samples"] > 0
         assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["round-3"]
+        assert not list(elsewhere.iterdir()) and not (tmp_path / "run" / "checkpoints" / "round-3").is_symlink()
         with pytest.raises(ValueError, match="learning_rate"):
             Distiller(DistillConfig(**{**settings, "learning_rate": 1e-2, "resume": True}), dual_engine).run()
         with pytest.raises(FileExistsError):

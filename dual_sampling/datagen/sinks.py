@@ -5,10 +5,10 @@ parts, and :func:`read_records`, which reads any of them back as the same dicts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from dual_sampling.datagen.durable import dumps, replace_durably, write_text_dur
 from dual_sampling.datagen.inputs import batched
 from dual_sampling.datagen.run_config import RunConfig
 from dual_sampling.datagen.schema import record_schema, records_table, table_records
+from dual_sampling.run_output import single_writer
 
 __all__ = [
     "KEY_COLUMNS",
@@ -64,25 +65,10 @@ def output_paths(cfg: RunConfig) -> dict[str, Path]:
     }
 
 
-@contextmanager
-def output_lock(cfg: RunConfig, paths: dict[str, Path]) -> Iterator[None]:
+def output_lock(cfg: RunConfig, paths: dict[str, Path]) -> contextlib.AbstractContextManager[None]:
     """Hold the output's lock for the whole run: two writers would write samples twice, and one's torn-tail repair
     could cut off the other's record. A second run fails at once instead of waiting."""
-    from filelock import FileLock, Timeout
-
-    path = paths["lock"]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(path, timeout=0)
-    try:
-        lock.acquire()
-    except Timeout:
-        raise FileExistsError(
-            f"{cfg.output} is being written by another run: its lock file {path} is held; wait for that run to end"
-        ) from None
-    try:
-        yield
-    finally:
-        lock.release()
+    return single_writer(cfg.output, paths["lock"])
 
 
 def iter_journal(path: Path, repair: bool = True) -> Iterator[dict[str, Any]]:

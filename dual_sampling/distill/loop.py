@@ -16,7 +16,6 @@ import json
 import math
 import os
 import random
-import shutil
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from dual_sampling.distill.evaluate import EvalSet, build_eval_set, evaluate
 from dual_sampling.distill.loss import ess_fraction, state_weights, top_k_forward_kl
 from dual_sampling.distill.mismatch import Mismatch, SamplerMismatchError, record_gaps
 from dual_sampling.records import SampleRecord
+from dual_sampling.run_output import fresh_dir, remove_path, single_writer, write_no_follow
 
 __all__ = ["Distiller", "check_resume", "plot_run", "run_distillation"]
 
@@ -116,19 +116,22 @@ class Distiller:
         from tqdm.auto import tqdm
 
         cfg = self.config
-        done = self._start()
-        rows = self._metrics()
-        bar = tqdm(total=cfg.rounds, initial=done, desc="distill", unit="round", file=sys.stderr)
-        try:
-            for r in range(done + 1, cfg.rounds + 1):
-                row = self._round(r, previous=rows[-1])
-                rows.append(row)
-                bar.update(1)
-                bar.write(_summary_line(row), file=sys.stderr)  # stdout is for results
-        finally:
-            bar.close()
-        if cfg.plot:
-            plot_run(rows, self.out / "plot.png")
+        # One run writes an output at a time: two --resume runs appended to one metrics.jsonl and each deleted the
+        # other's checkpoints.
+        with single_writer(self.out, self.out.with_name(self.out.name + ".lock")):
+            done = self._start()
+            rows = self._metrics()
+            bar = tqdm(total=cfg.rounds, initial=done, desc="distill", unit="round", file=sys.stderr)
+            try:
+                for r in range(done + 1, cfg.rounds + 1):
+                    row = self._round(r, previous=rows[-1])
+                    rows.append(row)
+                    bar.update(1)
+                    bar.write(_summary_line(row), file=sys.stderr)  # stdout is for results
+            finally:
+                bar.close()
+            if cfg.plot:
+                plot_run(rows, self.out / "plot.png")
         return rows
 
     def _start(self) -> int:
@@ -152,7 +155,7 @@ class Distiller:
                     self.dual.update_theta(folder, version=f"round-{done}")
                 else:
                     self.dual.update_theta(cfg.theta, version="round-0")
-                (self.out / METRICS).write_text("".join(json.dumps(row) + "\n" for row in kept))
+                write_no_follow(self.out / METRICS, "".join(json.dumps(row) + "\n" for row in kept))
                 return done
             if done > 0:
                 raise ValueError(f"{self.out}: metrics.jsonl has no line for round {done}, its last checkpoint")
@@ -160,8 +163,8 @@ class Distiller:
         elif (self.out / METRICS).exists():
             raise FileExistsError(f"{self.out} holds a run already; pass --resume to continue it")
         self.out.mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps(identity, indent=1))
-        (self.out / "eval_set.json").write_text(json.dumps(dataclasses.asdict(self.eval_set)))
+        write_no_follow(saved, json.dumps(identity, indent=1))
+        write_no_follow(self.out / "eval_set.json", json.dumps(dataclasses.asdict(self.eval_set)))
         self.dual.update_theta(cfg.theta, version="round-0")
         t0 = time.perf_counter()
         row = {"round": 0, "theta_version": "round-0", "tokens": 0, **self._evaluate()}
@@ -306,16 +309,19 @@ class Distiller:
         """Round ``r``'s student, tokenizer and optimizer state, written whole before the previous one goes: a kill at
         any moment leaves one complete checkpoint (its trainer_state.pt is written last)."""
         final = self._checkpoint(r)
-        partial = final.with_name(final.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
+        folder = final.parent
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+            raise ValueError(f"{folder} must be a folder of this run, not a link or a file")
+        folder.mkdir(exist_ok=True)
+        partial = fresh_dir(final.with_name(final.name + ".partial"))  # a planted link is removed, not followed
         self.student.save_pretrained(partial)
         self.dual.tokenizer.save_pretrained(partial)
         torch.save({"optimizer": self.optimizer.state_dict(), "round": r}, partial / "trainer_state.pt")
-        shutil.rmtree(final, ignore_errors=True)
+        remove_path(final)
         os.replace(partial, final)
         for old in (self.out / CHECKPOINTS).glob("round-*"):
             if old != final:
-                shutil.rmtree(old, ignore_errors=True)
+                remove_path(old)
 
     def _metrics(self) -> list[dict[str, Any]]:
         path = self.out / METRICS
@@ -327,10 +333,7 @@ class Distiller:
         bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
         if bad:
             raise FloatingPointError(f"round {row['round']}: non-finite {bad}; the run stops before writing them")
-        with open(self.out / METRICS, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        write_no_follow(self.out / METRICS, json.dumps(row) + "\n", append=True)
 
 
 def _summary_line(row: dict[str, Any]) -> str:

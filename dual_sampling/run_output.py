@@ -1,0 +1,74 @@
+"""A run's output on disk (data runs, distillation runs): one writer at a time, and writes that never follow a link.
+
+Two runs on one output would interleave their lines and delete each other's checkpoints, so a run holds an
+exclusive lock on ``<output>.lock`` from start to end and a second run fails at once. Inside its output a run writes
+only through :func:`write_no_follow` and :func:`fresh_dir`: a symlink planted where a file or a checkpoint folder is
+about to be written (``checkpoints/round-3.partial`` pointing elsewhere) is removed, never written through.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+__all__ = ["fresh_dir", "remove_path", "single_writer", "write_no_follow"]
+
+
+@contextmanager
+def single_writer(output: str | Path, lock: Path) -> Iterator[None]:
+    """Hold the exclusive lock file ``lock`` for ``output`` while the block runs; FileExistsError at once if another
+    run holds it (naming both)."""
+    from filelock import FileLock, Timeout
+
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    held = FileLock(lock, timeout=0)
+    try:
+        held.acquire()
+    except Timeout:
+        raise FileExistsError(
+            f"{output} is being written by another run: its lock file {lock} is held; wait for that run to end"
+        ) from None
+    try:
+        yield
+    finally:
+        held.release()
+
+
+def write_no_follow(path: Path, text: str, append: bool = False) -> None:
+    """Write (or append) ``text`` to ``path``, fsync'd; a symlink at ``path`` is refused (OSError), never followed."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    flags |= os.O_APPEND if append else os.O_TRUNC
+    fd = os.open(path, flags, 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        with os.fdopen(fd, "w", encoding="utf-8", closefd=False) as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        os.close(fd)
+
+
+def remove_path(path: Path) -> None:
+    """Remove whatever is at ``path``: a folder with its contents, a file, or a symlink (the link, not its target)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def fresh_dir(path: Path) -> Path:
+    """An empty new directory at ``path``: whatever was there is removed first (:func:`remove_path`; a symlink as the
+    link itself, where writing into it would follow it). FileExistsError if something takes the name again first."""
+    remove_path(path)
+    os.mkdir(path, 0o755)
+    return path
