@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -156,7 +157,7 @@ def test_stale_sessions_and_their_engine_files_are_removed(tmp_path):
 
 def test_scratch_folders_of_a_dead_process_are_removed_and_a_live_ones_kept(tmp_path):
     from dual_sampling.lockstep import listing_dir
-    from dual_sampling.lockstep.janitor import scratch_dir
+    from dual_sampling.lockstep.janitor import owner_tag, scratch_dir
 
     private = listing_dir(tmp_path)
     mine = [scratch_dir(kind, tmp_path) for kind in ("weights", "ipc")]  # this process's: alive
@@ -171,8 +172,21 @@ def test_scratch_folders_of_a_dead_process_are_removed_and_a_live_ones_kept(tmp_
     (elsewhere / "keep").write_bytes(b"x")
     (private / "weights-99999996-def456").symlink_to(elsewhere)  # a symlink is never followed
     (private / "other-99999997-abc125").mkdir()  # not a kind of ours
+    # Tagged as scratch_dir tags them (start time, PID namespace, boot): another container's folder whose pid is free
+    # here is left alone; one of an earlier boot, or of a process whose pid was taken again, is stale.
+    boot, namespace, start = owner_tag()
+    tagged = {
+        "foreign": private / f"weights-{DEAD_PID}-{start}-{namespace + 1}-{boot:x}-abc126",
+        "earlier_boot": private / f"ipc-{os.getpid()}-{start}-{namespace}-{boot + 1:x}-abc127",
+        "pid_reused": private / f"weights-{os.getpid()}-{start + 1}-{namespace}-{boot:x}-abc128",
+    }
+    for folder in tagged.values():
+        folder.mkdir()
+    assert all(f"-{start}-{namespace}-{boot:x}-" in folder.name for folder in mine)
     removed = cleanup_stale_sessions(tmp_path)
-    assert sorted(removed) == ["ipc-99999997-abc124", "weights-99999997-abc123"]
+    stale = [tagged["earlier_boot"].name, tagged["pid_reused"].name]
+    assert sorted(removed) == sorted(["ipc-99999997-abc124", "weights-99999997-abc123", *stale])
+    assert tagged["foreign"].exists()
     assert not any(folder.exists() for folder in dead) and (elsewhere / "keep").exists()
     assert all((folder / "model.safetensors").exists() for folder in mine)
     assert (private / "other-99999997-abc125").exists()
@@ -379,27 +393,45 @@ def test_another_users_leftovers_are_left_alone_with_a_warning(tmp_path, caplog)
     assert f"is left to its owner, uid {other}" in caplog.text
 
 
-def test_listings_are_kept_in_a_private_directory_and_an_unsafe_one_is_refused(tmp_path, caplog):
+def test_listings_are_kept_in_a_private_directory_that_no_one_can_take_first(tmp_path, caplog):
+    """/dev/shm is everyone's: another user who made dual-sampling.<uid> first (or a symlink by that name, or a folder
+    open to others) blocked every session and state-dict update of this user until reboot. Now such a name is left
+    alone, never read, and a private folder with a random name serves instead."""
+    from dual_sampling.lockstep import listing_dir
+    from dual_sampling.lockstep.janitor import scratch_dir
+
     name = f"dual-sampling-{DEAD_PID}-abc123"
     private = segments_listing(name, tmp_path).parent
     st = os.lstat(private)
     assert private == tmp_path / f"dual-sampling.{os.getuid()}"
     assert S_ISDIR(st.st_mode) and S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
     private.rmdir()
-    (tmp_path / "elsewhere").mkdir(mode=0o700)
-    private.symlink_to(tmp_path / "elsewhere")
-    (tmp_path / "elsewhere" / f"{name}.segments").write_text('["psm_planted"]')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (elsewhere / f"{name}.segments").write_text('["psm_planted"]')
     (tmp_path / "psm_planted").write_bytes(b"x")
-    with pytest.raises(SyncError, match=re.escape(str(private)) + " must be a directory .* but it is a symlink"):
-        segments_listing(name, tmp_path)
-    assert cleanup_stale_sessions(tmp_path) == [], "listings behind a symlink were acted on"
-    assert (tmp_path / "psm_planted").exists() and "the listings there are not cleaned up" in caplog.text
-    private.unlink()
-    private.mkdir(mode=0o700)
-    private.chmod(0o755)
-    with pytest.raises(SyncError, match="with mode 0755; remove it"):
-        SyncSession.create(SessionLayout(vocab=8, slots=1, max_steps=2, plan_width=1), tmp_path)
-    assert not list(tmp_path.glob(SESSION_PREFIX + "*")), "a session was created beside an unsafe listing directory"
+    others = 65534  # nobody: the folder another user made first
+    for take in (
+        lambda: private.symlink_to(elsewhere),
+        lambda: (private.mkdir(mode=0o700), os.chown(private, others, others)),
+        lambda: (private.mkdir(), private.chmod(0o777)),
+    ):
+        take()
+        caplog.clear()
+        used = listing_dir(tmp_path)
+        assert used != private and used.name.startswith(private.name + ".") and used.parent == tmp_path
+        st = os.lstat(used)
+        assert S_ISDIR(st.st_mode) and S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+        assert "is left alone" in caplog.text
+        assert segments_listing(name, tmp_path).parent == used and scratch_dir("weights", tmp_path).parent == used
+        with SyncSession.create(SessionLayout(vocab=8, slots=1, max_steps=2, plan_width=1), tmp_path):
+            pass
+        # Nothing behind the taken name is acted on: its planted listing stays, and so does the file it names.
+        cleanup_stale_sessions(tmp_path)
+        assert (tmp_path / "psm_planted").exists() and (elsewhere / f"{name}.segments").exists()
+        assert os.path.lexists(private), "the taken name was removed"
+        shutil.rmtree(used)
+        private.unlink() if private.is_symlink() else private.rmdir()
 
 
 def test_a_session_reserves_its_space_and_a_full_shm_dir_is_refused_naming_the_sizes(tmp_path, monkeypatch):
@@ -466,7 +498,7 @@ def test_stale_sessions_are_judged_by_their_drivers_namespace_boot_and_start_tim
     gone = {dead, reused, older_boot}
     assert removed == gone | {f"{n}.segments" for n in gone} | {f"psm_{n[-2:]}" for n in gone}
     assert (tmp_path / foreign).exists() and (tmp_path / "psm_aa").exists() and (tmp_path / live).exists()
-    assert "its driver ran in another PID namespace" in caplog.text
+    assert "its maker ran in another PID namespace" in caplog.text
 
 
 def test_statistics_and_aborts_are_safe_while_and_after_the_session_closes():

@@ -32,9 +32,13 @@ _LISTING_DIR_PREFIX = "dual-sampling."
 """This user's listing directory is ``<shm dir>/dual-sampling.<uid>`` (no session name starts so)."""
 _SESSION_NAME = re.compile(re.escape(SESSION_PREFIX) + r"(?P<pid>\d+)-[0-9a-f]+")
 SCRATCH_KINDS = ("weights", "ipc")
-"""Private folders a process keeps in this user's :func:`listing_dir`, named ``<kind>-<pid>-<hex>``: weights on their
-way into an engine, and vLLM's ZMQ sockets of one engine pair."""
-_SCRATCH_NAME = re.compile(r"(?:" + "|".join(SCRATCH_KINDS) + r")-(?P<pid>\d+)-[0-9a-f]+")
+"""Private folders a process keeps in this user's :func:`listing_dir`, named
+``<kind>-<pid>-<start>-<pidns>-<boot>-<hex>`` (the maker's :func:`owner_tag`, as a session header holds it): weights
+on their way into an engine, and vLLM's ZMQ sockets of one engine pair."""
+_SCRATCH_NAME = re.compile(
+    r"(?:" + "|".join(SCRATCH_KINDS) + r")-(?P<pid>\d+)(?:-(?P<start>\d+)-(?P<ns>\d+)-(?P<boot>[0-9a-f]+))?-[0-9a-f]+"
+)
+"""A scratch folder's name; one without the tag (``<kind>-<pid>-<hex>``, older versions) is judged by its pid alone."""
 _LISTING_NAME = re.compile(r"(?P<session>" + _SESSION_NAME.pattern + r")\.segments(?P<tmp>\.tmp)?")
 _LISTED_NAME = re.compile(
     r"psm_[0-9A-Za-z_]+"  # multiprocessing.shared_memory (vLLM's message queues and buffers)
@@ -97,11 +101,11 @@ def cleanup_stale_sessions(shm_dir: Path = SHM_DIR) -> list[str]:
 
     removed: list[str] = []
     listed: set[str] = set()  # sessions whose listing stays (a file it names is still mapped)
-    private = _private_dir_if_safe(shm_dir)
-    listings = sorted(private.iterdir()) if private else []
+    private = own_listing_dirs(shm_dir)
+    listings = sorted(path for directory in private for path in directory.iterdir())
     for path in listings:  # scratch folders of a process that died before removing them
         m = _SCRATCH_NAME.fullmatch(path.name)
-        if m and _own_dir(path) and not pid_alive(int(m["pid"])):
+        if m and _own_dir(path) and _scratch_gone(path, m, own):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path.name)
     for path in [*listings, *sorted(shm_dir.glob(SESSION_PREFIX + "*.segments*"))]:
@@ -124,8 +128,8 @@ def cleanup_stale_sessions(shm_dir: Path = SHM_DIR) -> list[str]:
             except FileNotFoundError:
                 continue
             removed.append(path.name)
-    if private:
-        remove_if_empty(private)
+    for directory in private:
+        remove_if_empty(directory)
     return removed
 
 
@@ -152,19 +156,34 @@ def _session_gone(path: Path, pid: int, own: tuple[int, int, int]) -> bool:
     header = np.frombuffer(raw, np.int64) if len(raw) == 8 * HEADER_WORDS else None
     if header is None or int(header[Header.MAGIC]) != MAGIC or int(header[Header.OWNER_PID_NS]) == 0:
         return not pid_alive(pid)  # no tag: an older version's session
-    boot, namespace, _ = own
-    if int(header[Header.OWNER_BOOT]) != boot:
+    tag = (int(header[Header.OWNER_BOOT]), int(header[Header.OWNER_PID_NS]), int(header[Header.OWNER_START]))
+    return _owner_gone(path, int(header[Header.OWNER_PID]), tag, own)
+
+
+def _scratch_gone(path: Path, m: re.Match, own: tuple[int, int, int]) -> bool:
+    """Whether the process that made scratch folder ``path`` (its name parsed as ``m``) is gone."""
+    if m["start"] is None:
+        return not pid_alive(int(m["pid"]))  # no tag: an older version's folder
+    return _owner_gone(path, int(m["pid"]), (int(m["boot"], 16), int(m["ns"]), int(m["start"])), own)
+
+
+def _owner_gone(path: Path, pid: int, tag: tuple[int, int, int], own: tuple[int, int, int]) -> bool:
+    """Whether process ``pid`` with owner tag ``tag`` (boot, PID namespace, start time) is gone, seen from a process
+    whose tag is ``own``. One of another PID namespace (a container sharing /dev/shm) is never judged gone: its pid
+    means nothing here, and only a process of its own namespace may remove what it made."""
+    boot, namespace, start = tag
+    if boot != own[0]:
         return True
-    if int(header[Header.OWNER_PID_NS]) != namespace:
+    if namespace != own[1]:
         logger.warning(
-            "session %s is left alone: its driver ran in another PID namespace (inode %d, this one's is %d), "
+            "%s is left alone: its maker ran in another PID namespace (inode %d, this one's is %d), "
             "whose processes cannot be seen from here",
             path,
-            int(header[Header.OWNER_PID_NS]),
             namespace,
+            own[1],
         )
         return False
-    return process_start_time(int(header[Header.OWNER_PID])) != int(header[Header.OWNER_START])
+    return process_start_time(pid) != start
 
 
 def _own_stat(path: Path, st: os.stat_result) -> bool:
@@ -190,12 +209,15 @@ def _own_dir(path: Path) -> bool:
 def scratch_dir(kind: str, shm_dir: Path = SHM_DIR) -> Path:
     """A new private folder (mode 0700) in this user's :func:`listing_dir`, of a kind in :data:`SCRATCH_KINDS`.
 
-    Named ``<kind>-<pid>-<hex>``, so a cleanup removes it once this process is gone, should it die
-    before removing it itself.
+    Named after this process and its :func:`owner_tag` (``<kind>-<pid>-<start>-<pidns>-<boot>-<hex>``), so a cleanup
+    removes it once this process is gone, should it die before removing it itself, and a process of another PID
+    namespace sharing /dev/shm (another container) leaves it alone.
     """
     if kind not in SCRATCH_KINDS:
         raise ValueError(f"kind must be one of {SCRATCH_KINDS}, got {kind!r}")
-    path = listing_dir(shm_dir) / f"{kind}-{os.getpid()}-{secrets.token_hex(6)}"
+    boot, namespace, start = owner_tag()
+    name = f"{kind}-{os.getpid()}-{start}-{namespace}-{boot:x}-{secrets.token_hex(6)}"
+    path = listing_dir(shm_dir) / name
     os.mkdir(path, 0o700)
     return path
 
@@ -287,54 +309,77 @@ def mapped_shm_files(pids: list[int] | None = None) -> set[str]:
 
 
 def listing_dir(shm_dir: Path = SHM_DIR) -> Path:
-    """This user's directory for listings, ``<shm_dir>/dual-sampling.<uid>``, created with mode 0700 if missing.
+    """This user's private directory (mode 0700) in ``shm_dir`` for listings and scratch folders.
 
-    Raises SyncError naming the path if it is a symlink, not a directory, another user's, or
-    open to group or others: another user could then plant listings that a cleanup acts on.
+    ``dual-sampling.<uid>`` when it is this user's and private, made if missing. /dev/shm is writable by every
+    user, so anyone can make that name first (or a symlink, or a directory open to others) and block it: then a
+    private directory with a name no one can guess, ``dual-sampling.<uid>.<hex>``, is made instead, with a warning.
+    An existing one of this user's is reused, and :func:`cleanup_stale_sessions` reads every one
+    (:func:`own_listing_dirs`). A directory is checked (type, owner, mode, with ``lstat``) before it is used.
     """
-    return _make_private(listing_dir_path(shm_dir))
-
-
-def _make_private(path: Path) -> Path:
-    """Make directory ``path`` (mode 0700) unless it exists, and check that it is this user's alone."""
-    for _ in range(3):  # a cleanup removes it when it finds it empty; make it again
+    for _ in range(3):  # a cleanup removes an empty one; look again
+        found = own_listing_dirs(shm_dir)
+        if found:
+            return found[0]
+        plain = listing_dir_path(shm_dir)
         with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
+            os.mkdir(plain, 0o700)
         try:
-            st = os.lstat(path)
+            st = os.lstat(plain)
         except FileNotFoundError:
             continue
-        _check_private(path, st)
-        return path
-    raise SyncError(f"{path} keeps disappearing while it is made")
+        problem = _not_private(st)
+        if problem is None:
+            return plain
+        logger.warning(
+            "%s is %s (the listings of shared-memory segments must be private to uid %d): it is left alone, and a "
+            "private directory with a random name is used instead",
+            plain,
+            problem,
+            os.getuid(),
+        )
+        path = shm_dir / f"{plain.name}.{secrets.token_hex(6)}"
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+            if _not_private(os.lstat(path)) is None:
+                return path
+    raise SyncError(f"no private directory for the listings could be made in {shm_dir}")
 
 
 def listing_dir_path(shm_dir: Path) -> Path:
+    """The plain name of this user's listing directory, ``<shm_dir>/dual-sampling.<uid>``."""
     return shm_dir / f"{_LISTING_DIR_PREFIX}{os.getuid()}"
 
 
-def _check_private(path: Path, st: os.stat_result) -> None:
-    uid = os.getuid()
-    if S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o077:
-        return
-    kind = "a symlink" if S_ISLNK(st.st_mode) else "a directory" if S_ISDIR(st.st_mode) else "a file"
-    raise SyncError(
-        f"{path} must be a directory of uid {uid} with mode 0700 (the listings of shared-memory segments to clean up "
-        f"after a crash), but it is {kind} of uid {st.st_uid} with mode {S_IMODE(st.st_mode):04o}; remove it"
-    )
-
-
-def _private_dir_if_safe(shm_dir: Path) -> Path | None:
-    """This user's listing directory if it exists and is safe to read; an unsafe one is logged and skipped."""
-    path = listing_dir_path(shm_dir)
+def own_listing_dirs(shm_dir: Path = SHM_DIR) -> list[Path]:
+    """This user's private listing directories in ``shm_dir``, the plain name first; others of those names are logged
+    and left alone (another user could plant listings in them that a cleanup would act on)."""
+    plain = listing_dir_path(shm_dir)
+    pattern = re.compile(re.escape(plain.name) + r"(?:\.[0-9a-f]{12})?")
+    found = []
     try:
-        _check_private(path, os.lstat(path))
+        names = sorted((name for name in os.listdir(shm_dir) if pattern.fullmatch(name)), key=lambda n: (len(n), n))
     except FileNotFoundError:
+        return []
+    for name in names:
+        try:
+            st = os.lstat(shm_dir / name)
+        except FileNotFoundError:
+            continue
+        problem = _not_private(st)
+        if problem is None:
+            found.append(shm_dir / name)
+        else:
+            logger.warning("%s is %s: the listings there are not used or cleaned up", shm_dir / name, problem)
+    return found
+
+
+def _not_private(st: os.stat_result) -> str | None:
+    """None if ``st`` (from lstat) is a directory of this user with mode 0700; else what it is."""
+    if S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
         return None
-    except SyncError as exc:
-        logger.warning("the listings there are not cleaned up: %s", exc)
-        return None
-    return path
+    kind = "a symlink" if S_ISLNK(st.st_mode) else "a directory" if S_ISDIR(st.st_mode) else "a file"
+    return f"{kind} of uid {st.st_uid} with mode {S_IMODE(st.st_mode):04o}"
 
 
 def remove_if_empty(directory: Path) -> None:
@@ -346,12 +391,18 @@ def remove_if_empty(directory: Path) -> None:
 def write_listing(listing: Path, names: Iterable[str]) -> None:
     """Replace ``listing`` with these /dev/shm names in one rename (a reader never sees half a list).
 
-    ``listing`` is in this user's :func:`listing_dir`, made again if a cleanup removed it.
+    ``listing`` is in one of this user's listing directories; if a cleanup removed that directory, the listing goes
+    to the current :func:`listing_dir` instead (a removed name is never made again: someone could have taken it).
     """
     text = json.dumps(sorted(names))
-    tmp = listing.with_name(listing.name + ".tmp")
     for attempt in range(3):
-        _make_private(listing.parent)
+        try:
+            private = _not_private(os.lstat(listing.parent)) is None
+        except FileNotFoundError:
+            private = False
+        if not private:  # removed by a cleanup (or taken by someone else): never make that name again
+            listing = listing_dir(listing.parent.parent) / listing.name
+        tmp = listing.with_name(listing.name + ".tmp")
         try:
             tmp.write_text(text)
             os.replace(tmp, listing)

@@ -24,7 +24,7 @@ import numpy as np
 from dual_sampling.lockstep.janitor import (
     cleanup_stale_sessions,
     listing_dir,
-    listing_dir_path,
+    own_listing_dirs,
     owner_tag,
     pid_alive,
     remove_if_empty,
@@ -150,12 +150,11 @@ class SyncSession:
     def create(cls, layout: SessionLayout, shm_dir: Path = SHM_DIR) -> SyncSession:
         """Create a new session file with a unique name, after removing stale ones.
 
-        Its whole size is allocated now. SyncError, naming the sizes, if ``shm_dir`` cannot hold it,
-        and naming the path if this user's :func:`listing_dir` is unsafe.
+        Its whole size is allocated now. SyncError, naming the sizes, if ``shm_dir`` cannot hold it.
         """
         check_host()
         cleanup_stale_sessions(shm_dir)
-        listing_dir(shm_dir)  # refuse an unsafe one now, not once the engines have started
+        listing_dir(shm_dir)  # made (or found) now, not once the engines have started
         name = f"{SESSION_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         size = layout.offsets["total"]
         # Unnamed until its header holds the owner's tag, so a cleanup never finds an untagged session of this version.
@@ -229,7 +228,8 @@ class SyncSession:
                 self._mm.close()
             if self.owner:
                 self.path.unlink(missing_ok=True)
-                remove_if_empty(listing_dir_path(self.shm_dir))
+                for directory in own_listing_dirs(self.shm_dir):
+                    remove_if_empty(directory)
 
     def __enter__(self) -> SyncSession:
         return self
