@@ -20,7 +20,7 @@ from typing import Any
 from dual_sampling.driver.dual_scheduler import DualRequest, DualScheduler, SampleDelta, check_update
 from dual_sampling.driver.weights import WeightsCheck, prepared_weights, reload_from
 from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, SamplingOptions, model_config
-from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleRecord, best_of_score
+from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleRecord, best_of
 from dual_sampling.vocab import check_tokenizers_match
 
 __all__ = ["OptimalSamplingDual", "context_length", "derive_seed"]
@@ -139,7 +139,7 @@ class OptimalSamplingDual:
         for i, (t, th) in enumerate(zip(teacher_ids, theta_ids)):
             mine = [next(it) for _ in range(opts.draws)]
             if opts.best_of:
-                mine = sorted(mine, key=lambda s: -best_of_score(s, opts.best_of_score))[: opts.n]
+                mine = [mine[k] for k in best_of(mine, opts.n, opts.best_of_score)]
             out.append(RequestRecord(i, list(t), list(th), mine))
         return DualGenerationOutput(out)
 

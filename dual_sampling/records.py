@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["DualGenerationOutput", "RequestRecord", "SampleRecord", "best_of_score", "effective_sample_size"]
+__all__ = [
+    "DualGenerationOutput",
+    "RequestRecord",
+    "SampleRecord",
+    "best_of",
+    "best_of_score",
+    "effective_sample_size",
+]
 
 
 def effective_sample_size(log_weights: list[float]) -> float:
@@ -85,6 +93,28 @@ def best_of_score(sample: SampleRecord, name: str) -> float:
     """
     values = {"logq": sample.logq, "logp_theta": sample.logp_theta, "logp_teacher": sample.logp_teacher}[name]
     return math.fsum(values) if sample.error is None and sample.finish_reason != "abort" else -math.inf
+
+
+def best_of(samples: Sequence[SampleRecord], n: int, score: str) -> list[int]:
+    """Indices of the ``n`` samples with the highest :func:`best_of_score` (best first), ranked within one version.
+
+    Scores of samples drawn by different weights do not compare (an update can land between the draws of one
+    request when it has more draws than free slots), so samples are ranked only among those of one (teacher, theta)
+    version pair: the pair that drew the most samples (ties: the pair whose first sample comes later in ``samples``).
+    ValueError naming ``best_of`` if that pair drew fewer than ``n``.
+    """
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, sample in enumerate(samples):
+        groups.setdefault((sample.teacher_version, sample.theta_version), []).append(i)
+    order = list(groups)
+    chosen = max(order, key=lambda pair: (len(groups[pair]), order.index(pair)))
+    if len(groups[chosen]) < n:
+        drawn = ", ".join(f"{len(groups[p])} by teacher {p[0]!r} and theta {p[1]!r}" for p in order)
+        raise ValueError(
+            f"best_of: the samples were drawn by different weights ({drawn}: an update landed between them), too few "
+            f"by one version to rank n={n}; draw again"
+        )
+    return sorted(groups[chosen], key=lambda i: -best_of_score(samples[i], score))[:n]
 
 
 @dataclass

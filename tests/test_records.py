@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
-from dual_sampling.records import SampleRecord, best_of_score
+from dual_sampling.records import SampleRecord, best_of, best_of_score
 
 
 def sample(logq: list[float], finish_reason: str = "stop", error: str | None = None) -> SampleRecord:
@@ -34,6 +35,17 @@ def test_aborted_and_failed_samples_rank_below_every_complete_one():
     complete = sample([-30.0] * 8)  # a long, unlikely sample
     aborted = sample([-0.1], finish_reason="abort")  # short, so its sum alone would win
     failed = sample([-0.1], finish_reason="error", error="decision_error at step 1")
-    ranked = sorted([aborted, failed, complete], key=lambda s: -best_of_score(s, "logq"))
-    assert ranked[0] is complete
+    assert best_of([aborted, failed, complete], 1, "logq") == [2]
     assert best_of_score(aborted, "logq") == best_of_score(failed, "logq") == -math.inf
+
+
+def test_best_of_never_ranks_samples_of_two_weight_versions_together():
+    """An update can land between the draws of one request (more draws than free slots): scores of two θ do not
+    compare, so only the samples of the version that drew the most are ranked."""
+    old = [sample([-3.0]), sample([-1.0]), sample([-2.0])]
+    new = [dataclasses.replace(sample([-0.1]), theta_version="round-2")]  # best of all, but drawn by another θ
+    assert best_of([*old, *new], 2, "logq") == [1, 2]
+    assert best_of([new[0], old[0]], 1, "logq") == [1]  # a tie in size: the pair whose first sample comes later
+    with pytest.raises(ValueError, match=r"best_of: .*'round-2'.*too few by one version to rank n=3"):
+        best_of([*old[:2], *new, dataclasses.replace(new[0], logq=[-0.2])], 3, "logq")
+    assert best_of(old, 3, "logq") == [1, 2, 0]

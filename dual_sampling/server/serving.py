@@ -14,7 +14,7 @@ from typing import Any
 
 from dual_sampling.driver.dual_scheduler import SampleDelta
 from dual_sampling.lockstep import SyncError
-from dual_sampling.records import best_of_score
+from dual_sampling.records import best_of
 from dual_sampling.server import render
 from dual_sampling.server.metrics import Metrics
 from dual_sampling.server.serve_options import ServeOptions
@@ -131,8 +131,11 @@ class DualService:
                 deltas.setdefault(index, []).append(delta)
         samples = [(i, ds) for i, ds in sorted(deltas.items())]
         if job.sampling.best_of:
-            samples.sort(key=lambda item: -best_of_score(item[1][-1].sample, job.sampling.best_of_score))
-            samples = samples[: job.sampling.n]
+            try:
+                kept = best_of([ds[-1].sample for _, ds in samples], job.sampling.n, job.sampling.best_of_score)
+            except ValueError as exc:  # drawn by two weight versions: the scores do not compare
+                raise BadRequest(str(exc), "best_of", 409, "conflict") from None
+            samples = [samples[k] for k in kept]
         for _, ds in samples:
             self.metrics.observe(ds[-1].sample)
         # Assembled and written off the event loop: n=16 with 20 alternatives per token is tens of MB of JSON.
