@@ -39,8 +39,12 @@ class Server:
     def __init__(self, app) -> None:
         import uvicorn
 
+        from dual_sampling.server.connections import uvicorn_config
+
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        # The app's own options set the connection limits, as `dual-sampling serve` sets them (serve()).
+        config = uvicorn_config(app, app.state.service.options, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

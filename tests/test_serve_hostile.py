@@ -349,6 +349,35 @@ def test_idle_readers_are_aborted_and_a_normal_client_is_served(dual_engine):
         s.stop()
 
 
+def test_silent_connections_are_closed_and_cannot_starve_the_server(dual_engine):
+    """uvicorn counts a connection from its accept; with no deadline before a request head, max_connections sockets
+    that never send a byte gave every later client 503, before authentication. Here 4 of 4 seats are taken by silent
+    sockets and one that sends half a head: each is closed after header_timeout, and a client is served."""
+    s = Server(build_app(dual_engine, ServeOptions(api_key=KEY, max_connections=4, header_timeout=1.0)))
+    socks: list[socket.socket] = []
+    try:
+        for i in range(4):
+            sock = socket.create_connection(("127.0.0.1", s.port), timeout=30)
+            if i == 3:  # a slow head: the deadline is for the whole head, not for the first byte
+                sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            socks.append(sock)
+        start = time.monotonic()
+        for sock in socks:
+            assert sock.recv(1) == b"", "a silent connection was answered instead of closed"
+        assert time.monotonic() - start < 30
+        r = httpx.get(s.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+        assert r.status_code == 200, r.text
+        # A connection that made a request is not cut by the head deadline: it keeps serving after it.
+        with httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as c:
+            assert c.get("/v1/models").status_code == 200
+            time.sleep(1.5)
+            assert c.get("/v1/models").status_code == 200
+    finally:
+        for sock in socks:
+            sock.close()
+        s.stop()
+
+
 def read_response(sock: socket.socket) -> str:
     """One whole HTTP/1.1 response (its head, then Content-Length bytes of body): uvicorn writes them separately."""
     data = b""

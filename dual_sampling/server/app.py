@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from dual_sampling.lockstep import SyncError
+from dual_sampling.server.connections import uvicorn_config
 from dual_sampling.server.guard import Guard
 from dual_sampling.server.serve_options import API_KEY_ENV, ServeOptions
 from dual_sampling.server.serving import DualService, Reservation
@@ -307,13 +308,8 @@ def serve(dual: Any, options: ServeOptions) -> None:
         died = True
         server.should_exit = True
 
-    config = uvicorn.Config(
-        build_app(dual, options, on_engine_death=stop),
-        host=options.host,
-        port=options.port,
-        log_level="info",
-        timeout_graceful_shutdown=5,
-        limit_concurrency=options.max_connections,
+    config = uvicorn_config(
+        build_app(dual, options, on_engine_death=stop), options, log_level="info", timeout_graceful_shutdown=5
     )
     server = uvicorn.Server(config)
     server.run()

@@ -40,6 +40,9 @@ class ServeOptions:
     """Seconds a request may run in all; past it, it is aborted on both engines (504, or an error event)."""
     max_connections: int = 1024
     """Connections served at once (uvicorn's limit_concurrency); past it a connection gets 503."""
+    header_timeout: float = 10.0
+    """Seconds a new connection may take to send its first request head; past it the connection is closed (a
+    silent socket would otherwise hold one of ``max_connections`` for good)."""
     weights_dirs: list[str] = field(default_factory=list)
     """Folders from which ``POST /update_weights`` may load theta's new weights (a path is resolved, symlinks
     followed, before it is checked); none: weight updates over HTTP are refused. Needs ``api_key``: without a key
@@ -50,7 +53,7 @@ class ServeOptions:
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("body_timeout", "send_timeout", "request_timeout"):
+        for name in ("body_timeout", "send_timeout", "request_timeout", "header_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
