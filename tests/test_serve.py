@@ -267,6 +267,7 @@ def test_models_health_and_metrics_count_what_was_served(server, client):
         assert delta("dual_sampling_samples_finished_total", finish_reason=reason) == reasons.count(reason)
     assert delta("dual_sampling_generated_tokens_total") == out.usage.completion_tokens == len(alphas)
     assert delta("dual_sampling_alpha_count") == len(alphas)
+    # The same α values summed in another order, in float64: rounding of about len(alphas)·1e-16, far below 1e-5.
     assert delta("dual_sampling_alpha_sum") == pytest.approx(sum(alphas), abs=1e-5)
     assert delta("dual_sampling_alpha_bucket", le="0.5") == sum(a <= 0.5 for a in alphas)
     for gauge in ("dual_sampling_requests_running", "dual_sampling_requests_queued", "dual_sampling_samples_held"):
