@@ -28,7 +28,8 @@ F32_U = 2.0**-24
 """float32's unit roundoff."""
 
 RESCORE_ATOL = 1e-4
-"""|engine log π − float64 re-scoring by transformers|, two-layer tiny models: 13× the largest measured (7.5e-6).
+"""|engine log π − transformers re-scoring| (``tests.oracles.rescore``: the model's float32 forward, normalised in
+float64), two-layer tiny models: 13× the largest measured (7.5e-6).
 
 The margin covers other prompts, lengths and batch compositions than the measurement's. A real defect is far
 larger: a stale output projection was off by 1e-3 to 28 nats, a row one step out of phase by whole nats."""
@@ -44,7 +45,7 @@ the same again through log Z."""
 
 SAME_WEIGHTS_TWO_RUNS = 2 * RESCORE_ATOL
 """|a − b| for one log-probability computed by two engines holding the same weights, or by one engine in two
-batch compositions: each is within RESCORE_ATOL of the same float64 re-scoring, so by the triangle inequality
+batch compositions: each is within RESCORE_ATOL of the same transformers re-scoring, so by the triangle inequality
 within twice that of each other (measured: 1.2e-5, above the 1e-5 bound this replaced)."""
 
 ONE_NORMALISATION_ATOL = (256 + 64) * F32_U
