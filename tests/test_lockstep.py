@@ -157,7 +157,7 @@ def test_stale_sessions_and_their_engine_files_are_removed(tmp_path):
 
 def test_scratch_folders_of_a_dead_process_are_removed_and_a_live_ones_kept(tmp_path):
     from dual_sampling.lockstep import listing_dir
-    from dual_sampling.lockstep.janitor import owner_tag, scratch_dir
+    from dual_sampling.lockstep.janitor import OWNER_FILE, owner_tag, scratch_dir
 
     private = listing_dir(tmp_path)
     mine = [scratch_dir(kind, tmp_path) for kind in ("weights", "ipc")]  # this process's: alive
@@ -172,26 +172,50 @@ def test_scratch_folders_of_a_dead_process_are_removed_and_a_live_ones_kept(tmp_
     (elsewhere / "keep").write_bytes(b"x")
     (private / "weights-99999996-def456").symlink_to(elsewhere)  # a symlink is never followed
     (private / "other-99999997-abc125").mkdir()  # not a kind of ours
-    # Tagged as scratch_dir tags them (start time, PID namespace, boot): another container's folder whose pid is free
-    # here is left alone; one of an earlier boot, or of a process whose pid was taken again, is stale.
+    # Tagged as scratch_dir tags them (an owner file: boot, PID namespace, start time): another container's folder
+    # whose pid is free here is left alone; one of an earlier boot, or of a process whose pid was taken again, is stale.
     boot, namespace, start = owner_tag()
-    tagged = {
-        "foreign": private / f"weights-{DEAD_PID}-{start}-{namespace + 1}-{boot:x}-abc126",
-        "earlier_boot": private / f"ipc-{os.getpid()}-{start}-{namespace}-{boot + 1:x}-abc127",
-        "pid_reused": private / f"weights-{os.getpid()}-{start + 1}-{namespace}-{boot:x}-abc128",
+    tags = {
+        "foreign": (DEAD_PID, boot, namespace + 1, start),
+        "earlier_boot": (os.getpid(), boot + 1, namespace, start),
+        "pid_reused": (os.getpid(), boot, namespace, start + 1),
     }
-    for folder in tagged.values():
-        folder.mkdir()
-    assert all(f"-{start}-{namespace}-{boot:x}-" in folder.name for folder in mine)
+    tagged = {}
+    for i, (what, (pid, *tag)) in enumerate(tags.items()):
+        tagged[what] = private / f"weights-{pid}-abc12{i}f"
+        tagged[what].mkdir()
+        (tagged[what] / OWNER_FILE).write_text(" ".join(map(str, tag)))
+    being_made = private / f"ipc-{DEAD_PID}-abc130.new"  # no owner file yet: left alone while young
+    being_made.mkdir()
+    assert all((folder / OWNER_FILE).read_text().split() == [str(w) for w in owner_tag()] for folder in mine)
     removed = cleanup_stale_sessions(tmp_path)
     stale = [tagged["earlier_boot"].name, tagged["pid_reused"].name]
     assert sorted(removed) == sorted(["ipc-99999997-abc124", "weights-99999997-abc123", *stale])
+    assert being_made.exists()
     assert tagged["foreign"].exists()
     assert not any(folder.exists() for folder in dead) and (elsewhere / "keep").exists()
     assert all((folder / "model.safetensors").exists() for folder in mine)
     assert (private / "other-99999997-abc125").exists()
     with pytest.raises(ValueError, match="kind must be one of"):
         scratch_dir("../x", tmp_path)
+
+
+def test_a_pairs_socket_folder_leaves_room_for_vllms_socket_names():
+    """vLLM binds each ZMQ socket at <VLLM_RPC_BASE_PATH>/<uuid4>, and a Unix socket path may not pass
+    zmq.IPC_PATH_MAX_LEN (107) characters: the ipc scratch folder must leave room for 1 + 36 more, in /dev/shm, in the
+    plain listing directory and in a random-named one (a taken plain name), for a pid and uid of 7 digits."""
+    import zmq
+
+    from dual_sampling.lockstep.janitor import scratch_dir
+    from dual_sampling.lockstep.layout import SHM_DIR
+
+    folder = scratch_dir("ipc")
+    try:
+        longest = len(str(folder)) + (7 - len(str(os.getpid()))) + (7 - len(str(os.getuid())))
+        longest += len(".abcdef012345")  # the random-named listing directory
+        assert str(folder).startswith(str(SHM_DIR)) and longest + 1 + 36 <= zmq.IPC_PATH_MAX_LEN, (folder, longest)
+    finally:
+        shutil.rmtree(folder)
 
 
 def test_a_listed_file_still_mapped_stays_listed_until_it_is_free(tmp_path):
@@ -411,11 +435,10 @@ def test_listings_are_kept_in_a_private_directory_that_no_one_can_take_first(tmp
     (elsewhere / f"{name}.segments").write_text('["psm_planted"]')
     (tmp_path / "psm_planted").write_bytes(b"x")
     others = 65534  # nobody: the folder another user made first
-    for take in (
-        lambda: private.symlink_to(elsewhere),
-        lambda: (private.mkdir(mode=0o700), os.chown(private, others, others)),
-        lambda: (private.mkdir(), private.chmod(0o777)),
-    ):
+    takes = [lambda: private.symlink_to(elsewhere), lambda: (private.mkdir(), private.chmod(0o777))]
+    if os.getuid() == 0:  # making another user's folder needs root
+        takes.append(lambda: (private.mkdir(mode=0o700), os.chown(private, others, others)))
+    for take in takes:
         take()
         caplog.clear()
         used = listing_dir(tmp_path)

@@ -18,6 +18,7 @@ import os
 import re
 import secrets
 import shutil
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from stat import S_IMODE, S_ISDIR, S_ISLNK, S_ISREG
@@ -32,13 +33,16 @@ _LISTING_DIR_PREFIX = "dual-sampling."
 """This user's listing directory is ``<shm dir>/dual-sampling.<uid>`` (no session name starts so)."""
 _SESSION_NAME = re.compile(re.escape(SESSION_PREFIX) + r"(?P<pid>\d+)-[0-9a-f]+")
 SCRATCH_KINDS = ("weights", "ipc")
-"""Private folders a process keeps in this user's :func:`listing_dir`, named
-``<kind>-<pid>-<start>-<pidns>-<boot>-<hex>`` (the maker's :func:`owner_tag`, as a session header holds it): weights
-on their way into an engine, and vLLM's ZMQ sockets of one engine pair."""
-_SCRATCH_NAME = re.compile(
-    r"(?:" + "|".join(SCRATCH_KINDS) + r")-(?P<pid>\d+)(?:-(?P<start>\d+)-(?P<ns>\d+)-(?P<boot>[0-9a-f]+))?-[0-9a-f]+"
-)
-"""A scratch folder's name; one without the tag (``<kind>-<pid>-<hex>``, older versions) is judged by its pid alone."""
+"""Private folders a process keeps in this user's :func:`listing_dir`, named ``<kind>-<pid>-<hex>``: weights on their
+way into an engine, and vLLM's ZMQ sockets of one engine pair. Each holds its maker's :func:`owner_tag` in
+:data:`OWNER_FILE`. The name stays short: vLLM binds its sockets at ``<ipc folder>/<uuid4>``, and a Unix socket's
+path may not pass 107 characters (``zmq.IPC_PATH_MAX_LEN``)."""
+_NEW_SCRATCH_GRACE_S = 60.0
+"""How long a scratch folder still being made (``.new``, no owner file yet) is never judged stale."""
+OWNER_FILE = ".owner"
+"""The file in a scratch folder holding its maker's boot, PID namespace and start time (decimal, one line)."""
+_SCRATCH_NAME = re.compile(r"(?:" + "|".join(SCRATCH_KINDS) + r")-(?P<pid>\d+)-[0-9a-f]+(?P<new>\.new)?")
+"""A scratch folder's name; ``.new`` while it is being made (before its owner file is in it)."""
 _LISTING_NAME = re.compile(r"(?P<session>" + _SESSION_NAME.pattern + r")\.segments(?P<tmp>\.tmp)?")
 _LISTED_NAME = re.compile(
     r"psm_[0-9A-Za-z_]+"  # multiprocessing.shared_memory (vLLM's message queues and buffers)
@@ -102,7 +106,10 @@ def cleanup_stale_sessions(shm_dir: Path = SHM_DIR) -> list[str]:
     removed: list[str] = []
     listed: set[str] = set()  # sessions whose listing stays (a file it names is still mapped)
     private = own_listing_dirs(shm_dir)
-    listings = sorted(path for directory in private for path in directory.iterdir())
+    listings = []
+    for directory in private:
+        with contextlib.suppress(FileNotFoundError):  # removed, empty, by another process's cleanup meanwhile
+            listings += sorted(directory.iterdir())
     for path in listings:  # scratch folders of a process that died before removing them
         m = _SCRATCH_NAME.fullmatch(path.name)
         if m and _own_dir(path) and _scratch_gone(path, m, own):
@@ -162,9 +169,32 @@ def _session_gone(path: Path, pid: int, own: tuple[int, int, int]) -> bool:
 
 def _scratch_gone(path: Path, m: re.Match, own: tuple[int, int, int]) -> bool:
     """Whether the process that made scratch folder ``path`` (its name parsed as ``m``) is gone."""
-    if m["start"] is None:
-        return not pid_alive(int(m["pid"]))  # no tag: an older version's folder
-    return _owner_gone(path, int(m["pid"]), (int(m["boot"], 16), int(m["ns"]), int(m["start"])), own)
+    tag = _read_owner_file(path / OWNER_FILE)
+    if tag is None:  # no owner file: an older version's folder, or one whose maker died while making it
+        if m["new"]:  # being made, perhaps by a process of another namespace: only an old one is stale
+            with contextlib.suppress(OSError):
+                if time.time() - os.lstat(path).st_mtime < _NEW_SCRATCH_GRACE_S:
+                    return False
+        return not pid_alive(int(m["pid"]))
+    return _owner_gone(path, int(m["pid"]), tag, own)
+
+
+def _read_owner_file(path: Path) -> tuple[int, int, int] | None:
+    """(boot, PID namespace, start time) from an owner file of this user's; None if there is no readable one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not _own_stat(path, os.fstat(fd)):
+            return None
+        words = os.read(fd, 128).split()
+        boot, namespace, start = (int(w) for w in words)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    return boot, namespace, start
 
 
 def _owner_gone(path: Path, pid: int, tag: tuple[int, int, int], own: tuple[int, int, int]) -> bool:
@@ -209,16 +239,22 @@ def _own_dir(path: Path) -> bool:
 def scratch_dir(kind: str, shm_dir: Path = SHM_DIR) -> Path:
     """A new private folder (mode 0700) in this user's :func:`listing_dir`, of a kind in :data:`SCRATCH_KINDS`.
 
-    Named after this process and its :func:`owner_tag` (``<kind>-<pid>-<start>-<pidns>-<boot>-<hex>``), so a cleanup
+    Named ``<kind>-<pid>-<hex>`` and holding this process's :func:`owner_tag` in :data:`OWNER_FILE`, so a cleanup
     removes it once this process is gone, should it die before removing it itself, and a process of another PID
-    namespace sharing /dev/shm (another container) leaves it alone.
+    namespace sharing /dev/shm (another container) leaves it alone. It is made as ``<name>.new`` and renamed once its
+    owner file is written: a cleanup never sees it untagged.
     """
     if kind not in SCRATCH_KINDS:
         raise ValueError(f"kind must be one of {SCRATCH_KINDS}, got {kind!r}")
-    boot, namespace, start = owner_tag()
-    name = f"{kind}-{os.getpid()}-{start}-{namespace}-{boot:x}-{secrets.token_hex(6)}"
-    path = listing_dir(shm_dir) / name
-    os.mkdir(path, 0o700)
+    path = listing_dir(shm_dir) / f"{kind}-{os.getpid()}-{secrets.token_hex(6)}"
+    new = path.with_name(path.name + ".new")
+    os.mkdir(new, 0o700)
+    fd = os.open(new / OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, " ".join(str(word) for word in owner_tag()).encode() + b"\n")
+    finally:
+        os.close(fd)
+    os.rename(new, path)
     return path
 
 
