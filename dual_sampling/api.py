@@ -187,10 +187,19 @@ class OptimalSamplingDual:
         return self._update("teacher", weights, version, mode)
 
     async def update_theta_async(
-        self, weights: Mapping[str, Any] | str | Path, *, version: str | None = None, mode: str = "wait"
+        self,
+        weights: Mapping[str, Any] | str | Path,
+        *,
+        version: str | None = None,
+        mode: str = "wait",
+        follow_symlinks: bool = True,
     ) -> str:
-        """:meth:`update_theta` from any asyncio loop (the checks and the staging run in a thread)."""
-        return await asyncio.to_thread(self._update, "theta", weights, version, mode)
+        """:meth:`update_theta` from any asyncio loop (the checks and the staging run in a thread).
+
+        ``follow_symlinks=False`` refuses a folder whose files are symlinks (the server passes it for folders its
+        clients name: a link in an allowed folder could point anywhere); a Hugging Face cache snapshot is links.
+        """
+        return await asyncio.to_thread(self._update, "theta", weights, version, mode, follow_symlinks)
 
     async def update_teacher_async(
         self, weights: Mapping[str, Any] | str | Path, *, version: str | None = None, mode: str = "wait"
@@ -208,14 +217,14 @@ class OptimalSamplingDual:
         """The version of each engine's weights now: {"teacher": ..., "theta": ...} ("0" as started)."""
         return dict(self.scheduler.versions)
 
-    def _update(self, role: str, weights: Any, version: str | None, mode: str) -> str:
+    def _update(self, role: str, weights: Any, version: str | None, mode: str, follow_symlinks: bool = True) -> str:
         self._check_open()
         check_update(role, mode, version)
         check = self._weights_checks.get(role)
         if check is None:
             folder = self.config.model_teacher if role == "teacher" else self.config.model_theta
             check = self._weights_checks[role] = WeightsCheck(folder)
-        with prepared_weights(check, weights, role) as folder:
+        with prepared_weights(check, weights, role, follow_symlinks) as folder:
             return self.scheduler.call(
                 self.scheduler.update_weights(role, reload_from(folder), mode=mode, version=version)
             )

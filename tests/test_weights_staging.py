@@ -76,7 +76,7 @@ def test_a_tensor_in_two_files_is_refused_naming_both(theta, tmp_path):
     os.remove(source / "b.safetensors")
     write(source, {k: tensors[k] for k in names[len(names) // 2 + 1 :]}, "b.safetensors")
     with staged_folder(check, source, "theta") as staged:
-        assert sorted(p.name for p in staged.iterdir()) == ["a.safetensors", "b.safetensors"]
+        assert sorted(p.name for p in staged.glob("*.safetensors")) == ["a.safetensors", "b.safetensors"]
 
 
 def test_symlinks_fifos_and_garbage_are_refused_by_name(theta, tmp_path):
@@ -84,8 +84,13 @@ def test_symlinks_fifos_and_garbage_are_refused_by_name(theta, tmp_path):
     linked = tmp_path / "linked"
     linked.mkdir()
     (linked / "model.safetensors").symlink_to(folder / "model.safetensors")
-    with pytest.raises(ValueError, match="is a symlink"), staged_folder(check, linked, "theta"):
+    # The server's folders (named by clients): a link could point anywhere, and is refused.
+    with pytest.raises(ValueError, match="is a symlink"), staged_folder(check, linked, "theta", follow_symlinks=False):
         pass
+    # A Python caller's folder may be links, as a Hugging Face cache snapshot is: the file they reach is copied.
+    with staged_folder(check, linked, "theta") as staged:
+        copy = staged / "model.safetensors"
+        assert not copy.is_symlink() and copy.read_bytes() == (folder / "model.safetensors").read_bytes()
     piped = tmp_path / "piped"
     piped.mkdir()
     os.mkfifo(piped / "model.safetensors")
@@ -93,7 +98,7 @@ def test_symlinks_fifos_and_garbage_are_refused_by_name(theta, tmp_path):
 
     def stage() -> None:  # in a thread: a check that opened the FIFO blocking would hang here, not the suite
         try:
-            with staged_folder(check, piped, "theta"):
+            with staged_folder(check, piped, "theta"):  # followed links or not, a FIFO is refused
                 outcome.append(None)
         except BaseException as exc:
             outcome.append(exc)

@@ -120,12 +120,13 @@ def _staging_folder(size: int) -> Path:
 
 
 @contextlib.contextmanager
-def staged_folder(check: WeightsCheck, source: str | Path, role: str) -> Iterator[Path]:
+def staged_folder(check: WeightsCheck, source: str | Path, role: str, follow_symlinks: bool = True) -> Iterator[Path]:
     """A private copy of the ``*.safetensors`` files of ``source``, checked as a state dict is; removed on exit.
 
-    ValueError naming the file (and the tensor) for: a file that is not a regular file or is reached through a
-    symlink, one that cannot be read as safetensors, a tensor in two files, and every check of
-    :meth:`WeightsCheck.check_state_dict` (names, shapes, dtypes, finite values).
+    ValueError naming the file (and the tensor) for: a file that is not a regular file (a FIFO, a device), a symlink
+    unless ``follow_symlinks`` (a Hugging Face cache snapshot is links; the server refuses them), one that cannot be
+    read as safetensors, a tensor in two files, and every check of :meth:`WeightsCheck.check_state_dict` (names,
+    shapes, dtypes, finite values).
     """
     source = Path(source)
     try:
@@ -133,29 +134,32 @@ def staged_folder(check: WeightsCheck, source: str | Path, role: str) -> Iterato
     except OSError as exc:
         raise ValueError(f"{role} weights: cannot list {source}: {exc.strerror or exc}") from exc
     if not names:
-        raise ValueError(f"{source} holds no .safetensors files")
-    folder = _staging_folder(sum(_size_of(source / name) for name in names))
+        raise ValueError(f"{role} weights: {source} holds no .safetensors files")
+    folder = _staging_folder(sum(_size_of(source / name, follow_symlinks) for name in names))
     try:
         for name in names:
-            _copy_regular_file(source / name, folder / name, role)
+            _copy_regular_file(source / name, folder / name, role, follow_symlinks)
         _check_staged(check, folder, source, names, role)
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _size_of(path: Path) -> int:
+def _size_of(path: Path, follow_symlinks: bool) -> int:
     try:
-        return path.lstat().st_size
+        return (path.stat() if follow_symlinks else path.lstat()).st_size
     except OSError:
         return 0
 
 
-def _copy_regular_file(source: Path, target: Path, role: str) -> None:
-    """Copy ``source`` to ``target`` if it is a regular file reached without a symlink; else ValueError naming it."""
+def _copy_regular_file(source: Path, target: Path, role: str, follow_symlinks: bool) -> None:
+    """Copy ``source`` to ``target`` if it is a regular file (reached without a symlink unless ``follow_symlinks``);
+    else ValueError naming it."""
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer; it is refused just below.
+    flags |= os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
     try:
-        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer; it is refused just below.
-        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(source, flags)
     except OSError as exc:
         why = "is a symlink" if source.is_symlink() else (exc.strerror or str(exc))
         raise ValueError(f"{role} weights: {source} {why}: only regular files are loaded") from exc
@@ -163,10 +167,16 @@ def _copy_regular_file(source: Path, target: Path, role: str) -> None:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ValueError(f"{role} weights: {source} is not a regular file")
         os.set_blocking(fd, True)
-        with os.fdopen(fd, "rb", closefd=False) as src, open(target, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 24)
-    except OSError as exc:
-        raise ValueError(f"{role} weights: cannot read {source}: {exc.strerror or exc}") from exc
+        with os.fdopen(fd, "rb", closefd=False) as src:
+            try:
+                dst = open(target, "wb")  # noqa: SIM115 (its errors are told apart from the source's)
+            except OSError as exc:
+                raise ValueError(f"{role} weights: cannot stage a copy in {target.parent}: {exc.strerror}") from exc
+            with dst:
+                try:
+                    shutil.copyfileobj(src, dst, 1 << 24)
+                except OSError as exc:
+                    raise ValueError(f"{role} weights: copying {source} failed: {exc.strerror or exc}") from exc
     finally:
         os.close(fd)
 
@@ -213,14 +223,14 @@ def _checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
 
 
 @contextlib.contextmanager
-def prepared_weights(check: WeightsCheck, weights: Any, role: str) -> Iterator[Path]:
+def prepared_weights(check: WeightsCheck, weights: Any, role: str, follow_symlinks: bool = True) -> Iterator[Path]:
     """The folder an engine loads ``weights`` from: a folder as given, or a state dict staged in a temporary one.
 
     Either is checked against ``check`` first (ValueError naming the tensor; nothing written), and either is a private
     copy: a folder's files are staged (:func:`staged_folder`).
     """
     if isinstance(weights, (str, Path)):
-        with staged_folder(check, weights, role) as folder:
+        with staged_folder(check, weights, role, follow_symlinks) as folder:
             yield folder
         return
     with staged_weights(check.check_state_dict(weights, role)) as folder:

@@ -95,7 +95,9 @@ def add_weight_routes(
         async def work():
             req = await body(request, UpdateWeightsRequest)
             path = allowed_weights_path(req.update_info.weights_path, options.weights_dirs)
-            version = await dual.update_theta_async(path, version=req.weight_version, mode=req.mode)
+            version = await dual.update_theta_async(
+                path, version=req.weight_version, mode=req.mode, follow_symlinks=False
+            )
             return {"message": "Weights updated", "weight_version": version}
 
         return await answer(work)
