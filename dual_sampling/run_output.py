@@ -2,8 +2,9 @@
 
 Two runs on one output would interleave their lines and delete each other's checkpoints, so a run holds an
 exclusive lock on ``<output>.lock`` from start to end and a second run fails at once. Inside its output a run writes
-only through :func:`write_no_follow` and :func:`fresh_dir`: a symlink planted where a file or a checkpoint folder is
-about to be written (``checkpoints/round-3.partial`` pointing elsewhere) is removed, never written through.
+its files through :func:`write_no_follow` (a symlink or FIFO planted at a file's name is refused, never written
+through) and its checkpoint folders through :func:`fresh_dir` (a link planted at ``checkpoints/round-3.partial`` is
+removed, never followed).
 """
 
 from __future__ import annotations
@@ -40,12 +41,19 @@ def single_writer(output: str | Path, lock: Path) -> Iterator[None]:
 
 def write_no_follow(path: Path, text: str, append: bool = False) -> None:
     """Write (or append) ``text`` to ``path``, fsync'd; a symlink at ``path`` is refused (OSError), never followed."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    flags |= os.O_APPEND if append else os.O_TRUNC
-    fd = os.open(path, flags, 0o644)
+    # O_NONBLOCK: opening a FIFO planted there would otherwise wait for a reader (it is refused just below); no
+    # O_TRUNC yet, so a file that is not regular is never truncated.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags | (os.O_APPEND if append else 0), 0o644)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{path} cannot be written without following a link or waiting on a FIFO") from exc
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+        if not append:
+            os.ftruncate(fd, 0)
         with os.fdopen(fd, "w", encoding="utf-8", closefd=False) as f:
             f.write(text)
             f.flush()

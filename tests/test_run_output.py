@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 
 from dual_sampling.run_output import fresh_dir, remove_path, single_writer, write_no_follow
@@ -24,6 +27,12 @@ def test_writes_refuse_a_symlink_and_fresh_dirs_remove_it_without_touching_its_t
     with pytest.raises(OSError):
         write_no_follow(tmp_path / "metrics.jsonl", "row\n", append=True)
     assert (target / "keep.txt").read_text() == "theirs"
+    os.mkfifo(tmp_path / "piped.jsonl")  # opening it to write would wait for a reader: refused at once instead
+    outcome: list[BaseException | None] = []
+    worker = threading.Thread(target=lambda: _record(outcome, write_no_follow, tmp_path / "piped.jsonl", "x"))
+    worker.start()
+    worker.join(30)
+    assert outcome and isinstance(outcome[0], OSError), outcome
     write_no_follow(tmp_path / "own.jsonl", "a\n")
     write_no_follow(tmp_path / "own.jsonl", "b\n", append=True)
     assert (tmp_path / "own.jsonl").read_text() == "a\nb\n"
@@ -37,3 +46,11 @@ def test_writes_refuse_a_symlink_and_fresh_dirs_remove_it_without_touching_its_t
     remove_path(made)
     remove_path(made)  # nothing there: nothing to do
     assert not made.exists()
+
+
+def _record(outcome: list, function, *args) -> None:
+    try:
+        function(*args)
+        outcome.append(None)
+    except BaseException as exc:
+        outcome.append(exc)

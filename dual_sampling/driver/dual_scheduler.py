@@ -191,9 +191,9 @@ class DualScheduler:
         self._aborted_before_launch: set[str] = set()
         """Requests aborted after a slot was handed to them but before they reached the engines."""
         self.versions: dict[str, str] = {"teacher": "0", "theta": "0"}
+        """Each engine's weight version: "0" as started, then the label of each update (:meth:`update_weights`)."""
         self.labels_used: dict[str, set[str]] = {role: {version} for role, version in self.versions.items()}
         """Every label each role's weights have carried: a relabel to one of them would make two θ look alike."""
-        """Each engine's weight version: "0" as started, then the label of each update (:meth:`update_weights`)."""
         self._updating = False
         """While set, no slot is handed out: an update waits for the engines to run no request."""
         self.paused = False
@@ -443,7 +443,8 @@ class DualScheduler:
         (``mode="abort"``), so the engine loads with no request on either engine, between
         vLLM's pause and resume, and its prefix cache is reset after. Requests that wait for a
         slot meanwhile are drawn from the new weights. ``version`` labels the new weights (the
-        default counts updates: "1", "2", ...). A ``load`` that raises leaves the engine's
+        default counts updates, "1", "2", ..., skipping labels earlier weights carried; a label given is the caller's
+        to keep unique: ``best_of`` trusts labels to tell weights apart). A ``load`` that raises leaves the engine's
         weights unknown: the scheduler fails for good rather than sample from them.
         """
         check_update(role, mode, version)
@@ -461,7 +462,12 @@ class DualScheduler:
                 except Exception as exc:
                     raise self._fail(f"loading new {role} weights failed, so its weights are unknown: {exc!r}") from exc
                 self.counters[f"{role}_updates"] += 1
-                self.versions[role] = version if version is not None else str(self.counters[f"{role}_updates"])
+                if version is None:  # the count of updates, or the next count no weights carried yet
+                    count = self.counters[f"{role}_updates"]
+                    while str(count) in self.labels_used[role]:
+                        count += 1
+                    version = str(count)
+                self.versions[role] = version
                 self.labels_used[role].add(self.versions[role])
                 return self.versions[role]
             finally:

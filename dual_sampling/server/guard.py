@@ -49,10 +49,15 @@ def _host_without_a_name(header: str | None) -> bool:
     reaches the server by address (or as localhost) is unaffected.
     """
     host = (header or "").strip()
-    if host.startswith("["):  # [v6]:port
-        host = host[1 : host.find("]")] if "]" in host else ""
-    elif host.count(":") == 1:
-        host = host.rsplit(":", 1)[0]
+    if host.startswith("["):  # [v6] or [v6]:port, and nothing else after the bracket
+        inside, bracket, rest = host[1:].partition("]")
+        if not bracket or (rest and not (rest[0] == ":" and rest[1:].isdigit())):
+            return False
+        host = inside
+    elif host.count(":") == 1:  # name:port or v4:port
+        host, _, port = host.partition(":")
+        if not port.isdigit():
+            return False
     if host.lower() == "localhost":
         return True
     try:
