@@ -219,7 +219,7 @@ def test_an_update_the_engine_missed_stops_the_run_by_name(dual_engine, tiny_sam
         )
     )
     try:
-        with pytest.raises(SamplerMismatchError, match=r"round 2: .*max_sampler_mismatch=0\.01") as caught:
+        with pytest.raises(SamplerMismatchError, match=r"round 2: .*max_sampler_mismatch=0\.05") as caught:
             Distiller(config, dual_engine).run()
         print(caught.value)
         assert caught.value.mismatch.max_abs > 10 * config.max_sampler_mismatch  # far past the threshold

@@ -18,7 +18,10 @@ pair                        engine − transformers  same weights, two engines
 tiny, untied (2 layers)     7.5e-6                 8.9e-6
 tiny, tied (2 layers)       5.4e-6                 1.2e-5
 SmolLM2 / pruned (30/24)    8.6e-5 (1.04e-4 after  not measured
-                            a state-dict update)
+                            a state-dict update;
+                            7.4e-4 over 337 tokens
+                            of other prompts, by
+                            examples/sampler_mismatch)
 ==========================  =====================  =========================
 """
 
@@ -34,9 +37,10 @@ float64), two-layer tiny models: 13× the largest measured (7.5e-6).
 The margin covers other prompts, lengths and batch compositions than the measurement's. A real defect is far
 larger: a stale output projection was off by 1e-3 to 28 nats, a row one step out of phase by whole nats."""
 
-RESCORE_ATOL_DEEP = 5e-4
-"""The same for the SmolLM2 pair (30 and 24 layers): 5× the largest measured (1.04e-4). Rounding passes through
-15 times as many layers as the tiny models', with larger logits, and the spread is 10 times theirs."""
+RESCORE_ATOL_DEEP = 2e-3
+"""The same for the SmolLM2 pair (30 and 24 layers): 2.7× the largest measured (7.4e-4, on a token far from the most
+likely one: the error grows with |logit − log Z|). Rounding passes through 15 times as many layers as the tiny
+models', with larger logits, and the spread is 10 to 100 times theirs. A stale output projection was off by nats."""
 
 LOGQ_ATOL_FACTOR = 2
 """log q is checked at twice the log π bound: it is built from both models' log π (each within the bound) at a
