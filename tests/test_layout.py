@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("alpha", "processors", "dual_sampling")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # Leaves: pure math, text, vocabularies, model folders, records and prompts.
+    # Leaves: pure math, text, vocabularies, model folders, records, prompts and run outputs on disk.
     (
         "alpha",
         "dual_sampling.text",
@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dual_sampling.models",
         "dual_sampling.records",
         "dual_sampling.prompts",
+        "dual_sampling.run_output",
     ),
     ("dual_sampling.lockstep", "dual_sampling.decision"),
     ("processors",),  # the vLLM plugins
