@@ -18,7 +18,10 @@ __all__ = [
     "DualEngineConfig",
     "DualGenerationOutput",
     "EngineOptions",
+    "EnginePairDead",
+    "ModelsAndPrompts",
     "OptimalSamplingDual",
+    "RequestFailed",
     "RequestRecord",
     "SampleRecord",
     "SamplingOptions",
@@ -29,11 +32,14 @@ _HOME = {
     "DualEngineConfig": "dual_sampling.options",
     "EngineOptions": "dual_sampling.options",
     "SamplingOptions": "dual_sampling.options",
+    "ModelsAndPrompts": "dual_sampling.run_settings",
     "DualGenerationOutput": "dual_sampling.records",
     "RequestRecord": "dual_sampling.records",
     "SampleRecord": "dual_sampling.records",
     "OptimalSamplingDual": "dual_sampling.api",
     "SyncError": "dual_sampling.lockstep",
+    "RequestFailed": "dual_sampling.lockstep",
+    "EnginePairDead": "dual_sampling.lockstep",
 }
 
 

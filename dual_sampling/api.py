@@ -1,9 +1,13 @@
 """OptimalSamplingDual: generate from q ∝ π_θ^(1−α)·π_t^α with a teacher and a theta engine in lockstep.
 
-A thin layer over :class:`dual_sampling.driver.dual_scheduler.DualScheduler`: it checks the two
+A thin layer over :class:`dual_sampling.driver.lockstep_driver.LockstepDriver`: it checks the two
 models against each other, derives the limits (context length, EOS ids), tokenizes
 prompts, turns :class:`SamplingOptions` into one request per sample, and assembles
 :class:`DualGenerationOutput`. Everything about running the engines lives below it.
+
+It is the one door for front ends: the server and the distillation loop prepare prompts, pause
+and resume, relabel and read weight versions, and read health and statistics through it, never
+through the driver.
 """
 
 from __future__ import annotations
@@ -17,10 +21,14 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dual_sampling.driver.dual_scheduler import DualRequest, DualScheduler, SampleDelta, check_update
+from dual_sampling.driver.lockstep_driver import LockstepDriver
+from dual_sampling.driver.loop_thread import as_coroutine
+from dual_sampling.driver.requests import DualRequest, PromptPair, generation_room
+from dual_sampling.driver.versions import check_update
 from dual_sampling.driver.weights import WeightsCheck, prepared_weights, reload_from
+from dual_sampling.lockstep import Role, SyncError
 from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, SamplingOptions, model_config
-from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleRecord, best_of
+from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleDelta, SampleRecord, best_of
 from dual_sampling.vocab import check_tokenizers_match
 
 __all__ = ["OptimalSamplingDual", "context_length", "derive_seed"]
@@ -77,10 +85,10 @@ class OptimalSamplingDual:
         )
         if not self.eos_token_ids:
             raise ValueError("neither model nor the tokenizer defines an EOS token id")
-        self._weights_checks: dict[str, WeightsCheck] = {}
+        self._weights_checks: dict[Role, WeightsCheck] = {}
         _exit_on_sigterm()
-        self.scheduler = DualScheduler(
-            lambda session_name: EnginePair(cfg, session_name, self.max_model_len, cfg.sync_timeout),
+        self.driver = LockstepDriver(
+            lambda session_name: EnginePair(cfg, session_name, self.max_model_len),
             self.tokenizer,
             vocab=self.vocab,
             max_model_len=self.max_model_len,
@@ -125,22 +133,22 @@ class OptimalSamplingDual:
         if sampling is not None and options:
             raise ValueError(f"pass sampling options either as sampling= or as keywords, not both ({sorted(options)})")
         opts = sampling or self._options(**options)
-        teacher_ids, theta_ids = self._prompt_pairs(prompts, teacher_prompts)
+        pairs = self._prompt_pairs(prompts, teacher_prompts)
         if prompt_keys is not None and len(prompt_keys) != len(prompts):
             raise ValueError(f"prompt_keys has {len(prompt_keys)} entries but prompts has {len(prompts)}")
         keys = list(prompt_keys) if prompt_keys is not None else list(range(len(prompts)))
         requests = [
-            [self.request(t, th, opts, derive_seed(opts.seed, keys[i], j)) for j in range(opts.draws)]
-            for i, (t, th) in enumerate(zip(teacher_ids, theta_ids))
+            [self.request(pair, opts, derive_seed(opts.seed, keys[i], j)) for j in range(opts.draws)]
+            for i, pair in enumerate(pairs)
         ]
         show = self.config.use_tqdm if use_tqdm is None else use_tqdm
-        samples = self.scheduler.call(self._sample_all([r for per in requests for r in per], show))
+        samples = self.driver.call(self._sample_all([r for per in requests for r in per], show))
         out, it = [], iter(samples)
-        for i, (t, th) in enumerate(zip(teacher_ids, theta_ids)):
+        for i, pair in enumerate(pairs):
             mine = [next(it) for _ in range(opts.draws)]
             if opts.best_of:
                 mine = [mine[k] for k in best_of(mine, opts.n, opts.best_of_score)]
-            out.append(RequestRecord(i, list(t), list(th), mine))
+            out.append(RequestRecord(i, list(pair.teacher_ids), list(pair.theta_ids), mine))
         return DualGenerationOutput(out)
 
     async def _sample_all(self, requests: list[DualRequest], show: bool) -> list[SampleRecord]:
@@ -149,7 +157,7 @@ class OptimalSamplingDual:
         with tqdm(total=len(requests), desc="dual sampling", unit="seq", disable=not show) as bar:
 
             async def one(request: DualRequest) -> SampleRecord:
-                sample = await self.scheduler.sample(request)
+                sample = await self.driver.sample(request)
                 bar.update(1)
                 return sample
 
@@ -215,19 +223,58 @@ class OptimalSamplingDual:
     @property
     def weight_versions(self) -> dict[str, str]:
         """The version of each engine's weights now: {"teacher": ..., "theta": ...} ("0" as started)."""
-        return dict(self.scheduler.versions)
+        return self.driver.versions.snapshot()
+
+    def set_weight_version(self, role: str, version: str) -> None:
+        """Label ``role``'s current weights ``version`` without changing them (samples launched from now carry it).
+
+        A label the role's weights carried before is refused with a ValueError. Thread-safe.
+        """
+        self._check_open()
+        self.driver.call(as_coroutine(self.driver.versions.relabel, role, version))
+
+    async def set_weight_version_async(self, role: str, version: str) -> None:
+        """:meth:`set_weight_version` from any asyncio loop."""
+        self._check_open()
+        await self.driver.thread.run(as_coroutine(self.driver.versions.relabel, role, version))
+
+    def pause(self, mode: str = "wait") -> None:
+        """Start no new sample until :meth:`resume`; returns once no request runs on either engine.
+
+        The requests in flight finish (``mode="wait"``) or are aborted (``mode="abort"``, their samples say
+        ``stop_reason="weight_update"``); requests that arrive meanwhile wait. Thread-safe.
+        """
+        self._check_open()
+        self.driver.call(self.driver.pause(mode))
+
+    async def pause_async(self, mode: str = "wait") -> None:
+        """:meth:`pause` from any asyncio loop."""
+        self._check_open()
+        await self.driver.thread.run(self.driver.pause(mode))
+
+    def resume(self) -> None:
+        """Start samples again after :meth:`pause`. Thread-safe."""
+        self.driver.call(as_coroutine(self.driver.resume))
+
+    async def resume_async(self) -> None:
+        """:meth:`resume` from any asyncio loop."""
+        await self.driver.thread.run(as_coroutine(self.driver.resume))
+
+    @property
+    def paused(self) -> bool:
+        """Whether :meth:`pause` holds new samples back now."""
+        return self.driver.paused
 
     def _update(self, role: str, weights: Any, version: str | None, mode: str, follow_symlinks: bool = True) -> str:
         self._check_open()
         check_update(role, mode, version)
+        role = Role(role)
         check = self._weights_checks.get(role)
         if check is None:
-            folder = self.config.model_teacher if role == "teacher" else self.config.model_theta
+            folder = role.pick(self.config.model_teacher, self.config.model_theta)
             check = self._weights_checks[role] = WeightsCheck(folder)
         with prepared_weights(check, weights, role, follow_symlinks) as folder:
-            return self.scheduler.call(
-                self.scheduler.update_weights(role, reload_from(folder), mode=mode, version=version)
-            )
+            return self.driver.call(self.driver.update_weights(role, reload_from(folder), mode=mode, version=version))
 
     # ------------------------------------------------------------------ asyncio API
 
@@ -251,17 +298,15 @@ class OptimalSamplingDual:
         """
         self._check_open()
         opts = sampling or self._options(**options)
-        (teacher_ids,), (theta_ids,) = self._prompt_pairs(
-            [prompt], None if teacher_prompt is None else [teacher_prompt]
-        )
-        request = self.request(teacher_ids, theta_ids, opts, derive_seed(opts.seed, sample_key, sample_index))
+        seed = derive_seed(opts.seed, sample_key, sample_index)
+        request = self.request(self.prepare(prompt, teacher_prompt), opts, seed)
         request.request_id = request_id
-        async for delta in self.scheduler.bridge(self.scheduler.stream(request)):
+        async for delta in self.driver.thread.bridge(self.driver.stream(request)):
             yield delta
 
     def abort(self, request_id: str) -> bool:
         """End the request ``request_id`` on both engines (its sample ends with finish_reason "abort"). Thread-safe."""
-        return self.scheduler.abort(request_id)
+        return self.driver.abort(request_id)
 
     async def complete(
         self, prompt: str | Sequence[int], teacher_prompt: str | Sequence[int] | None = None, **kwargs: Any
@@ -287,13 +332,21 @@ class OptimalSamplingDual:
         opts.check_vocab(self.vocab, self.eos_token_ids)
         return opts
 
-    def request(self, teacher_ids: list[int], theta_ids: list[int], opts: SamplingOptions, seed: int) -> DualRequest:
-        """The request for one sample of a prompt pair (already tokenized)."""
+    def request(self, pair: PromptPair, opts: SamplingOptions, seed: int) -> DualRequest:
+        """The request for one sample of a prepared prompt pair (:meth:`prepare`)."""
         row = opts.row(seed, masked_before_min_tokens=self.eos_token_ids)
-        room = self.max_model_len - max(len(teacher_ids), len(theta_ids))
-        return DualRequest(list(teacher_ids), list(theta_ids), row, min(opts.max_tokens, room), tuple(opts.stop))
+        return DualRequest(
+            list(pair.teacher_ids), list(pair.theta_ids), row, min(opts.max_tokens, pair.room), tuple(opts.stop)
+        )
 
-    def _prompt_pairs(self, prompts: Sequence[Any], teacher_prompts: Sequence[Any] | None) -> tuple[list, list]:
+    def prepare(self, prompt: str | Sequence[int], teacher_prompt: str | Sequence[int] | None = None) -> PromptPair:
+        """One prompt tokenized for each engine (theta's ``prompt``; the teacher's ``teacher_prompt``, or the same),
+        with the room it leaves for generated tokens. ValueError, naming the prompt, for an empty prompt, token ids
+        outside the vocabulary, or a prompt that leaves no room in max_model_len."""
+        (pair,) = self._prompt_pairs([prompt], None if teacher_prompt is None else [teacher_prompt])
+        return pair
+
+    def _prompt_pairs(self, prompts: Sequence[Any], teacher_prompts: Sequence[Any] | None) -> list[PromptPair]:
         if isinstance(prompts, str):
             raise ValueError("prompts must be a list of prompts, not one string")
         theta_ids = [self._tokenize(p, i, "prompts") for i, p in enumerate(prompts)]
@@ -303,12 +356,16 @@ class OptimalSamplingDual:
             if len(teacher_prompts) != len(prompts):
                 raise ValueError(f"teacher_prompts has {len(teacher_prompts)} entries but prompts has {len(prompts)}")
             teacher_ids = [self._tokenize(p, i, "teacher_prompts") for i, p in enumerate(teacher_prompts)]
+        pairs = []
         for i, (t, th) in enumerate(zip(teacher_ids, theta_ids)):
-            if max(len(t), len(th)) >= self.max_model_len:
+            room = generation_room(self.max_model_len, t, th)
+            if room < 1:
                 raise ValueError(
-                    f"prompt {i} has {max(len(t), len(th))} tokens, no room left in max_model_len={self.max_model_len}"
+                    f"prompt {i} has {self.max_model_len - room} tokens, no room left in "
+                    f"max_model_len={self.max_model_len}"
                 )
-        return teacher_ids, theta_ids
+            pairs.append(PromptPair(t, th, room))
+        return pairs
 
     def _tokenize(self, prompt: str | Sequence[int], index: int, name: str) -> list[int]:
         if isinstance(prompt, str):
@@ -327,26 +384,37 @@ class OptimalSamplingDual:
     @property
     def session(self):
         """The shared-memory session (for monitoring)."""
-        return self.scheduler.session
+        return self.driver.session
 
     def get_sync_statistics(self) -> dict[str, float]:
-        """Counters from the engines' plugins and the driver: rows, waits, timeouts, plans, requests, failures."""
-        return self.scheduler.statistics()
+        """Counters from the engines' plugins and the driver: rows, waits, timeouts, plans, requests (``in_flight``
+        on the engines and ``queued`` for a slot now), finishes and failures, weight updates per role."""
+        return self.driver.statistics()
 
     def engine_pids(self) -> dict[str, list[int]]:
         """Process ids of each engine (its EngineCore, then its workers), by role."""
-        engines = self.scheduler.engines
+        engines = self.driver.engines
         return engines.pids() if engines is not None else {}
 
+    @property
+    def failure(self) -> SyncError | None:
+        """Why this instance serves nothing more (an :class:`EnginePairDead`), or None while it serves."""
+        return self.driver.failure
+
+    def healthy(self) -> bool:
+        """Both engines run: none exited, vLLM declared none dead, and the instance is open."""
+        engines = self.driver.engines
+        return self.driver.alive and engines is not None and engines.dead() is None
+
     def _check_open(self) -> None:
-        if self.scheduler.failure is not None:
-            raise type(self.scheduler.failure)(f"{self.scheduler.failure} (this OptimalSamplingDual is closed)")
+        if self.driver.failure is not None:
+            raise type(self.driver.failure)(f"{self.driver.failure} (this OptimalSamplingDual is closed)")
 
     def close(self) -> None:
         """Stop both engines and remove the shared memory. Safe to call twice."""
-        scheduler = getattr(self, "scheduler", None)
-        if scheduler is not None:
-            scheduler.close()
+        driver = getattr(self, "driver", None)
+        if driver is not None:
+            driver.close()
 
     def __enter__(self) -> OptimalSamplingDual:
         return self

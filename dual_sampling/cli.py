@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from dual_sampling.datagen.run_config import RunConfig
     from dual_sampling.distill import DistillConfig
-    from dual_sampling.options import EngineOptions, SamplingOptions
+    from dual_sampling.options import EngineOptions
+    from dual_sampling.run_settings import composed_parts
     from dual_sampling.server.serve_options import ServeOptions
 
     parser = argparse.ArgumentParser(
@@ -175,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = _add_command(
         sub,
         "generate",
-        (RunConfig, SamplingOptions, EngineOptions),
+        (RunConfig, *composed_parts(RunConfig).values()),
         help="run (or resume) a distillation data-generation run",
         description="Generate one record per (problem, sample) from the teacher/theta mixture.",
     )
@@ -185,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = _add_command(
         sub,
         "distill",
-        (DistillConfig, SamplingOptions, EngineOptions),
+        (DistillConfig, *composed_parts(DistillConfig).values()),
         help="run (or resume) on-policy distillation: sample from q, train θ, push its weights, evaluate",
         description="Each round samples from the mixture with the current θ, trains θ on the samples (importance "
         "weights π_θ/q), pushes the new weights into the theta engine without a restart and evaluates on held-out "

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from alpha import get_alpha_computer
+from dual_sampling.checks import is_int, is_number
 from dual_sampling.decision.pipeline import LOGIT_BIAS_LIMIT, RowSampling
 from dual_sampling.lockstep import TOP_LOGPROBS_MAX
 
@@ -31,13 +31,9 @@ __all__ = [
     "DualEngineConfig",
     "EngineOptions",
     "SamplingOptions",
-    "compose_settings",
     "default_kv_cache_bytes",
-    "flat_keys",
-    "flat_settings",
     "kv_cache_bytes_needed",
     "model_config",
-    "runtime_only",
 ]
 
 BEST_OF_SCORES = ("logq", "logp_theta", "logp_teacher")
@@ -67,16 +63,8 @@ def _need(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _is_count(value: Any, low: int) -> bool:
-    return _is_int(value) and low <= value <= MAX_COUNT
+    return is_int(value) and low <= value <= MAX_COUNT
 
 
 def _is_text(value: Any) -> bool:
@@ -147,25 +135,25 @@ class SamplingOptions:
             int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k: v for k, v in self.logit_bias.items()
         }
         for name in ("temperature", "top_p", "min_p", "teacher_support_top_p"):
-            if _is_int(getattr(self, name)):
+            if is_int(getattr(self, name)):
                 setattr(self, name, float(getattr(self, name)))
         _need(
             _is_count(self.max_tokens, 1),
             f"max_tokens must be an integer >= 1 (at most {MAX_COUNT}), got {self.max_tokens!r}",
         )
         _need(
-            _is_number(self.temperature)
+            is_number(self.temperature)
             and (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE),
             f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {self.temperature!r}",
         )
-        _need(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must lie in (0, 1], got {self.top_p!r}")
+        _need(is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must lie in (0, 1], got {self.top_p!r}")
         _need(
             self.top_k == -1 or _is_count(self.top_k, 1),
             f"top_k must be -1 (off) or an integer in [1, {MAX_COUNT}], got {self.top_k!r}",
         )
-        _need(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must lie in [0, 1], got {self.min_p!r}")
+        _need(is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must lie in [0, 1], got {self.min_p!r}")
         _need(
-            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
             f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
         )
         _need(
@@ -192,7 +180,7 @@ class SamplingOptions:
         )
         for token, bias in self.logit_bias.items():
             _need(_is_count(token, 0), f"logit_bias keys must be token ids in [0, {MAX_COUNT}], got {token!r}")
-            _need(_is_number(bias), f"logit_bias for token {token} must be a finite number, got {bias!r}")
+            _need(is_number(bias), f"logit_bias for token {token} must be a finite number, got {bias!r}")
         self.logit_bias = {
             t: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(b))) for t, b in self.logit_bias.items()
         }
@@ -206,19 +194,19 @@ class SamplingOptions:
             f"got {self.teacher_support_top_k!r}",
         )
         _need(
-            _is_number(self.teacher_support_top_p) and 0 < self.teacher_support_top_p <= 1,
+            is_number(self.teacher_support_top_p) and 0 < self.teacher_support_top_p <= 1,
             f"teacher_support_top_p must lie in (0, 1], got {self.teacher_support_top_p!r}",
         )
         _need(
-            _is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
+            is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
             f"seed must be a 64-bit signed integer, got {self.seed!r}",
         )
         _need(
-            _is_int(self.top_logprobs) and 0 <= self.top_logprobs <= TOP_LOGPROBS_MAX,
+            is_int(self.top_logprobs) and 0 <= self.top_logprobs <= TOP_LOGPROBS_MAX,
             f"top_logprobs must be an integer in [0, {TOP_LOGPROBS_MAX}], got {self.top_logprobs!r}",
         )
         _need(
-            _is_int(self.dense_logprobs) and self.dense_logprobs >= 0,
+            is_int(self.dense_logprobs) and self.dense_logprobs >= 0,
             f"dense_logprobs must be a non-negative integer, got {self.dense_logprobs!r}",
         )
 
@@ -309,34 +297,34 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         for name in ("alpha_min", "alpha_max", "sync_timeout"):  # 30 and 30.0 configure (and hash) the same run
-            if _is_int(getattr(self, name)):
+            if is_int(getattr(self, name)):
                 setattr(self, name, float(getattr(self, name)))
         # Building the computer validates the method name and its bounds, naming the bad value.
         get_alpha_computer(self.alpha_method, **self.alpha_kwargs)
         _need(
-            _is_number(self.sync_timeout) and self.sync_timeout > 0,
+            is_number(self.sync_timeout) and self.sync_timeout > 0,
             f"sync_timeout must be a positive number of seconds, got {self.sync_timeout!r}",
         )
         _need(
-            _is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
+            is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
             f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}",
         )
         _need(
-            self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
+            self.max_model_len is None or (is_int(self.max_model_len) and self.max_model_len >= 2),
             f"max_model_len must be an integer >= 2, got {self.max_model_len!r}",
         )
         _need(
             self.max_num_batched_tokens is None
-            or (_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1),
+            or (is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1),
             f"max_num_batched_tokens must be a positive integer, got {self.max_num_batched_tokens!r}",
         )
         _need(
             self.kv_cache_memory_bytes is None
-            or (_is_int(self.kv_cache_memory_bytes) and self.kv_cache_memory_bytes > 0),
+            or (is_int(self.kv_cache_memory_bytes) and self.kv_cache_memory_bytes > 0),
             f"kv_cache_memory_bytes must be a positive integer, got {self.kv_cache_memory_bytes!r}",
         )
         _need(
-            _is_int(self.max_dense_logprobs) and self.max_dense_logprobs >= 0,
+            is_int(self.max_dense_logprobs) and self.max_dense_logprobs >= 0,
             f"max_dense_logprobs must be a non-negative integer, got {self.max_dense_logprobs!r}",
         )
         _need(self.cpu_binding in ("split", "vllm"), f"cpu_binding must be 'split' or 'vllm', got {self.cpu_binding!r}")
@@ -388,48 +376,3 @@ def default_kv_cache_bytes(
 ) -> int:
     """The cache an engine gets when none is given: the need at vLLM's CPU block size, plus 10 %."""
     return int(kv_cache_bytes_needed(model_path, max_num_seqs, max_model_len, dtype, block_size) * 1.1)
-
-
-def flat_keys(parts: dict[str, type]) -> dict[str, str]:
-    """Which part of a composed config each flat key (CLI flag, YAML key) belongs to; a name two parts share is
-    refused (a flag, a YAML key and a manifest could not tell them apart)."""
-    owner: dict[str, str] = {}
-    for part, cls in parts.items():
-        for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(f.default_factory):  # a composed part: its own fields are the keys
-                continue
-            if f.name in owner:
-                raise TypeError(
-                    f"setting {f.name!r} is a field of both the {owner[f.name]} and the {part} options; "
-                    "a flat key must name one setting"
-                )
-            owner[f.name] = part
-    return owner
-
-
-def compose_settings(
-    cls: type, settings: dict[str, Any], owner: dict[str, str], sampling_defaults: dict[str, Any] | None = None
-) -> Any:
-    """``cls`` (a run's config, composing ``sampling`` and ``engine``) from flat keys (CLI flags, a YAML file): each
-    key goes to the part ``owner`` (:func:`flat_keys`) names; ``sampling_defaults`` are the run's own defaults for
-    its sampling options. An unknown key is refused by name."""
-    parts: dict[str, dict[str, Any]] = {"run": {}, "sampling": dict(sampling_defaults or {}), "engine": {}}
-    for key, value in settings.items():
-        part = owner.get(key)
-        if part is None:
-            raise ValueError(f"unknown setting {key!r}; known: {sorted(owner)}")
-        parts[part][key] = value
-    return cls(**parts["run"], sampling=SamplingOptions(**parts["sampling"]), engine=EngineOptions(**parts["engine"]))
-
-
-def flat_settings(config: Any) -> dict[str, Any]:
-    """Every setting of a composed config as one flat mapping (the inverse of :func:`compose_settings`)."""
-    out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in ("sampling", "engine")}
-    return {**out, **dataclasses.asdict(config.sampling), **dataclasses.asdict(config.engine)}
-
-
-def runtime_only(*classes: type) -> frozenset[str]:
-    """The fields of ``classes`` marked :data:`RUNTIME_ONLY` (they change nothing a run produces)."""
-    return frozenset(
-        f.name for cls in classes for f in dataclasses.fields(cls) if not f.metadata.get("changes_records", True)
-    )

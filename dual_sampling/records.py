@@ -1,4 +1,5 @@
-"""What generate() returns: per-request and per-sample records, plus the original API's fields."""
+"""What generate() returns: per-request and per-sample records (whole, or as deltas while they stream), plus the
+original API's fields."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 __all__ = [
     "DualGenerationOutput",
     "RequestRecord",
+    "SampleDelta",
     "SampleRecord",
     "best_of",
     "best_of_score",
@@ -84,6 +86,23 @@ class SampleRecord:
     def log_w_teacher(self) -> float:
         """Σ (log π_t − log q): the sequence's log importance weight towards the teacher."""
         return math.fsum(a - b for a, b in zip(self.logp_teacher, self.logq))
+
+
+@dataclass
+class SampleDelta:
+    """New tokens of one sample as the engines produce them; the last delta of a sample carries the verified sample."""
+
+    token_ids: list[int]
+    records: np.ndarray
+    """``[r, 4]`` float32: α, log π_t, log π_θ, log q of the first r of these tokens (r = len(token_ids) unless
+    the row failed: a forced token has no record). Provisional until ``sample``."""
+    sample: SampleRecord | None = None
+    """Set on the last delta only: the whole sample, checked against both engines."""
+    top: tuple[np.ndarray, np.ndarray] | None = None
+    """For requests with top_logprobs k: (token ids, log q) ``[len(token_ids), k]`` of q's k most likely tokens."""
+    dense: tuple[np.ndarray, np.ndarray] | None = None
+    """For requests with dense_logprobs k: (token ids, log-probabilities) ``[r, 2, k]``, the teacher's own top k at
+    ``[:, 0]`` and theta's at ``[:, 1]`` (see :attr:`SampleRecord.dense_ids`)."""
 
 
 def best_of_score(sample: SampleRecord, name: str) -> float:

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dual_sampling import EngineOptions, SamplingOptions
+from dual_sampling import EngineOptions, ModelsAndPrompts, SamplingOptions
 from dual_sampling.datagen import RunConfig, read_records, run_generation
 
 HERE = Path(__file__).parent
@@ -29,8 +29,8 @@ def one_run(workdir: Path, name: str, use_ray: bool, args: argparse.Namespace) -
     cfg = RunConfig(
         input=str(HERE / "math_problems.jsonl"),
         output=str(output),
-        hint_field="solution",
         id_field="id",
+        source=ModelsAndPrompts(hint_field="solution"),
         ray=use_ray,
         replicas=1,
         cpus_per_replica=2,

@@ -57,9 +57,7 @@ def main() -> None:
         plain, from_folder, from_state, update_to_token = [], [], [], []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            s.scheduler.call(
-                s.scheduler.engines.theta.collective_rpc("reload_weights", kwargs={"weights_path": str(theta)})
-            )
+            s.driver.call(s.driver.engines.theta.collective_rpc("reload_weights", kwargs={"weights_path": str(theta)}))
             plain.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             s.update_theta(str(theta))

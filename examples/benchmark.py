@@ -23,7 +23,7 @@ Measured:
     temperature 1, lengths ending at EOS, capped at 256 tokens.
 
 Plain engines (a) and (b) bind their model threads to the same CPUs as the dual engine
-gives each model (``dual_sampling.driver.pair.split_cpu_binding``).
+gives each model (``dual_sampling.driver.engine_processes.split_cpu_binding``).
 
 Derived (the names are fixed; other tools read them):
   dual_vs_bound             tok/s(c) / (1 / (1/tok/s(a) + 1/tok/s(b)))
@@ -67,7 +67,7 @@ import torch
 from alpha import get_alpha_computer
 from dual_sampling import OptimalSamplingDual, models
 from dual_sampling.decision.pipeline import RowSampling, decide
-from dual_sampling.driver.pair import engine_cpus, split_cpu_binding
+from dual_sampling.driver.engine_processes import engine_cpus, split_cpu_binding
 from dual_sampling.options import default_kv_cache_bytes
 from dual_sampling.testing import tiny_models
 

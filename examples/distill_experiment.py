@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dual_sampling import models
+from dual_sampling import ModelsAndPrompts, models
 from dual_sampling.distill import DistillConfig, Distiller
 from dual_sampling.distill.evaluate import EvalSet, evaluate
 from dual_sampling.options import EngineOptions, SamplingOptions
@@ -57,7 +57,9 @@ def our_arm(
 
     engine = dataclasses.replace(base.engine, **ARMS[arm])
     runs = []
-    with OptimalSamplingDual(base.teacher, base.theta, **{**dataclasses.asdict(engine), "use_tqdm": False}) as dual:
+    with OptimalSamplingDual(
+        base.source.teacher, base.source.theta, **{**dataclasses.asdict(engine), "use_tqdm": False}
+    ) as dual:
         for seed in seeds:
             cfg = dataclasses.replace(
                 base,
@@ -76,9 +78,9 @@ def trl_arm(base: DistillConfig, seeds: list[int], out: Path, eval_set: EvalSet)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(base.theta)
+    tokenizer = AutoTokenizer.from_pretrained(base.source.theta)
     rows = [json.loads(x) for x in Path(base.prompts).read_text().splitlines() if x][: -base.eval_prompts]
-    teacher = AutoModelForCausalLM.from_pretrained(base.teacher, dtype=torch.float32).eval()
+    teacher = AutoModelForCausalLM.from_pretrained(base.source.teacher, dtype=torch.float32).eval()
     return [trl_run(base, seed, rows, teacher, tokenizer, out, eval_set) for seed in seeds]
 
 
@@ -95,8 +97,8 @@ def trl_run(
     order = list(range(len(rows)))
     random.Random(seed).shuffle(order)  # the order our arms walk the prompts in
     used = [order[i % len(order)] for i in range(base.rounds * base.prompts_per_round)]
-    prompts = [[{"role": "user", "content": rows[i][base.prompt_field]}] for i in used]
-    student = AutoModelForCausalLM.from_pretrained(base.theta, dtype=torch.float32)
+    prompts = [[{"role": "user", "content": rows[i][base.source.prompt_field]}] for i in used]
+    student = AutoModelForCausalLM.from_pretrained(base.source.theta, dtype=torch.float32)
     history: list[dict] = []
     start = time.perf_counter()
     eval_total = 0.0
@@ -264,8 +266,7 @@ def main() -> None:
     base = DistillConfig(
         prompts=str(prompts),
         output=str(out),
-        teacher=str(teacher),
-        theta=str(theta),
+        source=ModelsAndPrompts(str(teacher), str(theta), **DistillConfig.PART_DEFAULTS["source"]),
         rounds=args.rounds,
         prompts_per_round=args.prompts_per_round,
         steps_per_round=args.steps_per_round,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dual_sampling import EngineOptions, SamplingOptions
+from dual_sampling import EngineOptions, ModelsAndPrompts, SamplingOptions
 from dual_sampling.datagen import RunConfig, run_generation
 from dual_sampling.datagen.report import write_report
 
@@ -29,8 +29,8 @@ def main() -> None:
     cfg = RunConfig(
         input=str(HERE / "math_problems.jsonl"),
         output=str(output),
-        hint_field="solution",
         id_field="id",
+        source=ModelsAndPrompts(hint_field="solution"),
         resume=output.exists(),
         sampling=SamplingOptions(n=2, max_tokens=96, temperature=0.8),
         engine=EngineOptions(max_num_seqs=8, max_model_len=512),

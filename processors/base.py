@@ -36,28 +36,14 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from dual_sampling.decision.pipeline import RowSampling
-from dual_sampling.lockstep import Bell, ErrorCode, Slot, SyncError, SyncSession, Writer
+from dual_sampling.lockstep import CONFIG_KEY, Bell, ErrorCode, LockstepConfig, Slot, SyncError, SyncSession, Writer
 
-__all__ = ["CONFIG_KEY", "WAIT_CAP_S", "BaseSyncLogitsProcessor", "TrackedRow", "lockstep_config", "request_pairing"]
+__all__ = ["WAIT_CAP_S", "BaseSyncLogitsProcessor", "TrackedRow", "request_pairing"]
 
 logger = logging.getLogger(__name__)
 
-CONFIG_KEY = "dual_sampling"
 WAIT_CAP_S = 0.05
 """Longest single futex wait: shutdowns and errors without a wake are seen within it."""
-
-
-def lockstep_config(vllm_config: Any, role: str, plugin: str) -> dict:
-    """The session settings the driver put in ``additional_config``; raise naming what is missing."""
-    config = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
-    if not config:
-        raise ValueError(
-            f"{plugin} needs LLM(..., additional_config={{'{CONFIG_KEY}': {{...}}}}) naming the session; "
-            "build engines through dual_sampling.OptimalSamplingDual"
-        )
-    if config.get("role") != role:
-        raise ValueError(f"{plugin} is the {role} plugin but the engine's role is {config.get('role')!r}")
-    return config
 
 
 def request_pairing(params: Any, role: str) -> dict:
@@ -100,10 +86,10 @@ class BaseSyncLogitsProcessor(LogitsProcessor):
     """Slot word this side sets (to the key) when a request leaves its batch."""
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        self.config = lockstep_config(vllm_config, self.role, type(self).__name__)
-        self.session = SyncSession.attach(self.config["session"])
+        self.config = LockstepConfig.from_vllm(vllm_config, self.role, type(self).__name__)
+        self.session = SyncSession.attach(self.config.session)
         self.vocab = self.session.layout.vocab
-        self.sync_timeout = float(self.config["sync_timeout"])
+        self.sync_timeout = self.config.sync_timeout
         self.rows: dict[int, TrackedRow] = {}
 
     # ------------------------------------------------------------------ vLLM interface

@@ -63,6 +63,7 @@ from dual_sampling.lockstep import (
     ErrorCode,
     Finish,
     Header,
+    LockstepConfig,
     Phase,
     Slot,
     Stat,
@@ -72,7 +73,7 @@ from dual_sampling.lockstep import (
     pid_alive,
 )
 from dual_sampling.text import StopStringWatch
-from processors.base import WAIT_CAP_S, lockstep_config, request_pairing
+from processors.base import WAIT_CAP_S, request_pairing
 
 __all__ = [
     "IDLE_WAIT_S",
@@ -142,9 +143,9 @@ class LockstepScheduler(Scheduler):
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
-        config = lockstep_config(vllm_config, self.role, type(self).__name__)
-        self.session = SyncSession.attach(config["session"])
-        self.sync_timeout = float(config["sync_timeout"])
+        config = LockstepConfig.from_vllm(vllm_config, self.role, type(self).__name__)
+        self.session = SyncSession.attach(config.session)
+        self.sync_timeout = config.sync_timeout
         self.tickets: dict[str, _Ticket] = {}
         self._ending_outputs: list[tuple[int, EngineCoreOutput]] = []
         """Outputs of requests ended outside update_from_output, sent with the next step's outputs."""

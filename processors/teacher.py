@@ -67,7 +67,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         super().__init__(vllm_config, device, is_pin_memory)
         self._teacher_rows = RowGatherer(self.vocab)
         self._theta_rows = RowGatherer(self.vocab)
-        self.alpha_computer = get_alpha_computer(self.config["alpha_method"], **self.config.get("alpha_config", {}))
+        self.alpha_computer = get_alpha_computer(self.config.alpha_method, **self.config.alpha_config)
         if device.type == "cpu":
             # Compiled (or loaded from numba's cache) now, not in the first decoding step. Imported only
             # now: the worker's start-up scan of loaded modules for Triton kernels fails on numba's objects.
@@ -75,7 +75,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
 
             kernel.warm_up()
         # While the teacher decides, theta only waits for the tokens: its CPUs can take half the rows.
-        helper_cpus = self.config.get("mix_helper_cpus")
+        helper_cpus = self.config.mix_helper_cpus
         self._helper = None
         if helper_cpus and device.type == "cpu":
             self._helper = ThreadPoolExecutor(

@@ -255,7 +255,7 @@ def test_max_tokens_is_capped_by_the_room_the_longer_prompt_leaves(dual_engine):
 def test_keyboard_interrupt_inside_generate_leaves_the_engine_usable(dual_engine):
     def interrupt_once_running() -> None:  # by state: once requests are in the engines (a timer once fired too late)
         deadline = time.monotonic() + 60
-        while not dual_engine.scheduler.in_flight() and time.monotonic() < deadline:
+        while not dual_engine.driver.in_flight() and time.monotonic() < deadline:
             time.sleep(0.005)
         _thread.interrupt_main()
 
@@ -268,7 +268,7 @@ def test_keyboard_interrupt_inside_generate_leaves_the_engine_usable(dual_engine
             dual_engine.generate(["tell me a long story"] * 12, max_tokens=200, min_tokens=200, seed=1)
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert dual_engine.scheduler.in_flight() == []
+    assert dual_engine.driver.in_flight() == []
     out = dual_engine.generate(PROMPTS, max_tokens=8, seed=3)
     assert_three_streams_agree(out)
     assert all(s.finish_reason in ("stop", "length") for r in out.requests for s in r.samples)
@@ -324,7 +324,7 @@ def test_padded_vocab_pair_matches_rescoring_and_cleans_up():
         name = s.session.name
         assert os.path.exists(f"/dev/shm/{name}")
         # vLLM's ZMQ sockets lie in the pair's private folder (removed by close), not in the machine's /tmp.
-        ipc = s.scheduler.engines.ipc_dir
+        ipc = s.driver.engines.ipc_dir
         assert ipc is not None and ipc.is_dir() and ipc.stat().st_mode & 0o077 == 0
         # The engines' sockets are all in it; this process's are in it or in another pair's folder of this process (the
         # session's dual_engine fixture runs too), never elsewhere.

@@ -6,7 +6,9 @@ No engine starts here: the behaviours are the help text, the exit code and the s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import re
 import subprocess
 import sys
@@ -20,11 +22,12 @@ from dual_sampling import cli
 from dual_sampling.datagen.run_config import RunConfig
 from dual_sampling.distill import DistillConfig
 from dual_sampling.options import EngineOptions, SamplingOptions
+from dual_sampling.run_settings import ModelsAndPrompts, composed_parts
 from dual_sampling.server.serve_options import ServeOptions
 
 COMMANDS = {
-    "generate": (RunConfig, SamplingOptions, EngineOptions),
-    "distill": (DistillConfig, SamplingOptions, EngineOptions),
+    "generate": (RunConfig, *composed_parts(RunConfig).values()),
+    "distill": (DistillConfig, *composed_parts(DistillConfig).values()),
     "serve": (ServeOptions, EngineOptions),
 }
 
@@ -35,12 +38,27 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
+def run_cli_here(*args: str) -> subprocess.CompletedProcess:
+    """``dual-sampling ARGS`` in this process (each subprocess costs seconds of imports): its exit status as the
+    interpreter would make it (``SystemExit("text")`` prints the text and exits 1), and what it wrote."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as exc:
+            code = exc.code
+            if isinstance(code, str):
+                print(code, file=sys.stderr)
+                code = 1
+    return subprocess.CompletedProcess(args, code or 0, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture(scope="module")
 def helps() -> dict[str, str]:
     """Each command's ``--help``, its whitespace made single spaces (argparse wraps the lines)."""
     out = {}
     for command in COMMANDS:
-        done = run_cli(command, "--help")
+        done = run_cli_here(command, "--help")
         assert done.returncode == 0, done.stderr
         out[command] = " ".join(done.stdout.split())
     return out
@@ -53,7 +71,8 @@ def has_flag(help_text: str, flag: str) -> bool:
 @pytest.mark.parametrize(
     ("command", "owner", "text"),
     [
-        ("generate", RunConfig, "Field holding the problem text."),
+        ("generate", RunConfig, "Field holding a unique id; None uses the row number."),
+        ("generate", ModelsAndPrompts, "Field of a problem's row holding its text."),
         ("generate", SamplingOptions, "Nucleus filter on the tempered q, in (0, 1]; 1 is off."),
         ("generate", EngineOptions, "Seconds an engine waits for its partner before failing the requests it waits on."),
         ("distill", DistillConfig, "Optimizer steps per round; each takes an equal share of the round's samples."),
@@ -82,18 +101,18 @@ def test_every_field_is_a_flag_and_a_composed_config_is_not(helps, command):
 def test_unknown_flag_and_unknown_config_key_exit_2_naming_them(tmp_path):
     # Were a flag taken, the settings given with it stop the command before it loads or starts a model.
     paths = ["--input", "x", "--output", "y.jsonl", "--teacher", "t", "--theta", "th"]
-    done = run_cli("generate", *paths, "--shard", "2/2", "--max-tokenz", "3")
+    done = run_cli_here("generate", *paths, "--shard", "2/2", "--max-tokenz", "3")
     assert done.returncode == 2 and "--max-tokenz" in done.stderr, done.stderr
-    done = run_cli("serve", "--teacher", "t", "--theta", "th", "--port", "0", "--max-queue-size", "3")
+    done = run_cli_here("serve", "--teacher", "t", "--theta", "th", "--port", "0", "--max-queue-size", "3")
     assert done.returncode == 2 and "--max-queue-size" in done.stderr, done.stderr
     bad = tmp_path / "bad.yaml"
     bad.write_text("max_tokens: 8\nmax_tokenz: 3\n")
-    done = run_cli("generate", "--config", str(bad), "--input", "x", "--output", "y.jsonl")
+    done = run_cli_here("generate", "--config", str(bad), "--input", "x", "--output", "y.jsonl")
     assert done.returncode == 2 and "unknown setting 'max_tokenz'" in done.stderr, done.stderr
 
 
 def test_a_missing_input_exits_1_naming_it():
-    done = run_cli("generate", "--output", "y.jsonl")
+    done = run_cli_here("generate", "--output", "y.jsonl")
     assert done.returncode == 1 and "missing --input" in done.stderr, done.stderr
 
 
@@ -115,7 +134,7 @@ def test_flags_win_over_the_config_file(tmp_path, monkeypatch):
     assert run.sampling.temperature == 0.7 and run.sampling.max_tokens == 99  # the flag won, the file filled in
     assert run.sampling.stop == [] and run.resume is False  # `--stop` alone empties a list; --no-x turns x off
     assert run.engine.teacher_engine_kwargs == {"seed": 4} and run.engine.alpha_method == "ess_balance"
-    assert run.teacher == "t" and run.chat_template is True  # a setting given nowhere keeps its default
+    assert run.source.teacher == "t" and run.source.chat_template is True  # a setting given nowhere keeps its default
 
 
 def test_a_name_two_configs_share_fails_when_the_parser_is_built():

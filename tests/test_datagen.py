@@ -173,7 +173,7 @@ def test_config_file_and_flags_merge_and_flags_win(tiny_same, tmp_path):
     run = RunConfig.from_settings(_run_settings(args))
     assert run.sampling.temperature == 0.7 and run.sampling.max_tokens == 99 and run.sampling.stop == ["END"]
     assert run.sampling.stop_token_ids == [5, 7] and run.sampling.logit_bias == {11: -5}
-    assert run.engine.alpha_method == "ess_balance" and run.chat_template is False
+    assert run.engine.alpha_method == "ess_balance" and run.source.chat_template is False
     (tmp_path / "bad.yaml").write_text("max_tokenz: 3\n")
     assert main(["generate", "--config", str(tmp_path / "bad.yaml"), "--input", "x", "--output", "y.jsonl"]) == 2
     with pytest.raises(ValueError, match="unknown setting 'max_tokenz'"):

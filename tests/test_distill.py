@@ -14,6 +14,7 @@ from dual_sampling.distill import DistillConfig, Distiller
 from dual_sampling.distill.loss import ess_fraction, state_weights, top_k_forward_kl
 from dual_sampling.options import EngineOptions, SamplingOptions
 from dual_sampling.run_output import single_writer
+from dual_sampling.run_settings import ModelsAndPrompts
 from tests.tolerances import SAME_WEIGHTS_TWO_RUNS
 
 
@@ -76,18 +77,27 @@ def test_state_weights_follow_their_definitions():
     assert ess_fraction(torch.zeros(5)) == pytest.approx(1.0)
 
 
+PAIR = ModelsAndPrompts("t", "s")
+"""Model folders that are never opened: the config checks run before any model is."""
+
+
 def test_config_names_the_bad_field(tmp_path):
     with pytest.raises(ValueError, match="weighting"):
-        DistillConfig(prompts="p.jsonl", output=str(tmp_path), teacher="t", theta="s", weighting="sqrt")
+        DistillConfig(prompts="p.jsonl", output=str(tmp_path), source=PAIR, weighting="sqrt")
     with pytest.raises(ValueError, match="steps_per_round"):
-        DistillConfig(
-            prompts="p.jsonl", output=str(tmp_path), teacher="t", theta="s", prompts_per_round=2, steps_per_round=3
-        )
+        DistillConfig(prompts="p.jsonl", output=str(tmp_path), source=PAIR, prompts_per_round=2, steps_per_round=3)
     for name, value in (("max_weight", 0), ("learning_rate", math.inf), ("weight_decay", math.nan)):
         with pytest.raises(ValueError, match=name):
-            DistillConfig(prompts="p.jsonl", output=str(tmp_path), teacher="t", theta="s", **{name: value})
+            DistillConfig(prompts="p.jsonl", output=str(tmp_path), source=PAIR, **{name: value})
     with pytest.raises(ValueError, match="unknown setting 'round'"):
         DistillConfig.from_settings({"prompts": "p", "output": "o", "round": 3})
+    with pytest.raises(ValueError, match="dense_logprobs=4 differs from loss_top_k=8"):  # never overridden silently
+        DistillConfig.from_settings(
+            {"prompts": "p", "output": "o", "teacher": "t", "theta": "s", "loss_top_k": 8, "dense_logprobs": 4}
+        )
+    for name, value in (("max_weight", 0), ("learning_rate", -1.0), ("rounds", True), ("max_grad_norm", math.nan)):
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            DistillConfig(prompts="p.jsonl", output=str(tmp_path), source=PAIR, **{name: value})
     cfg = DistillConfig.from_settings(
         {
             "prompts": "p",
@@ -121,9 +131,7 @@ def small_run(tiny_same, prompts_file, tmp_path, **overrides) -> dict:
     return dict(
         prompts=str(prompts_file),
         output=str(tmp_path / "run"),
-        teacher=str(teacher),
-        theta=str(theta),
-        chat_template=False,
+        source=ModelsAndPrompts(str(teacher), str(theta), prompt_field="question", chat_template=False),
         eval_prompts=4,
         loss_top_k=16,
         engine=EngineOptions(max_dense_logprobs=16),

@@ -189,16 +189,16 @@ def test_an_exception_inside_a_live_engine_core_fails_everything_at_once(tiny_sa
 
         async def intrude() -> None:
             prompt = {"prompt_token_ids": [1, 2, 3]}
-            async for _ in dual.scheduler.engines.teacher.generate(prompt, SamplingParams(), "intruder"):
+            async for _ in dual.driver.engines.teacher.generate(prompt, SamplingParams(), "intruder"):
                 pass
 
         with pytest.raises(EngineDeadError):
-            asyncio.run_coroutine_threadsafe(intrude(), dual.scheduler.loop).result(60)
+            asyncio.run_coroutine_threadsafe(intrude(), dual.driver.loop).result(60)
         worker.join(timeout=30)
         assert not worker.is_alive(), "generate() still waits: the failure was left to sync_timeout"
         assert outcome.get("error", "").startswith("the teacher engine failed"), outcome
         # Seen as vLLM's verdict (at once), not later as the process's exit or as a sync timeout: by the failure's name.
-        assert not dual.scheduler.alive and "EngineDeadError" in str(dual.scheduler.failure), dual.scheduler.failure
+        assert not dual.driver.alive and "EngineDeadError" in str(dual.driver.failure), dual.driver.failure
         with pytest.raises(SyncError, match="the teacher engine failed"):
             dual.generate(["later"], max_tokens=4)
     finally:

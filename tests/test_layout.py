@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("alpha", "processors", "dual_sampling")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # Leaves: pure math, text, vocabularies, model folders, records, prompts and run outputs on disk.
+    # Leaves: pure math, text, vocabularies, model folders, records, prompts, run outputs on disk, value checks.
     (
         "alpha",
         "dual_sampling.text",
@@ -26,12 +26,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dual_sampling.records",
         "dual_sampling.prompts",
         "dual_sampling.run_output",
+        "dual_sampling.checks",
     ),
     ("dual_sampling.lockstep", "dual_sampling.decision"),
     ("processors",),  # the vLLM plugins
     ("dual_sampling.options",),
     ("dual_sampling.driver",),
-    ("dual_sampling.api",),
+    ("dual_sampling.api", "dual_sampling.run_settings"),
     ("dual_sampling.server", "dual_sampling.datagen", "dual_sampling.distill", "dual_sampling.testing"),
     ("dual_sampling.cli",),
 )
@@ -210,3 +211,49 @@ def test_the_cycle_check_sees_a_cycle_through_a_lazy_import(tmp_path):
     assert cycles(import_graph(tmp_path, ("dual_sampling",))) == [
         ["dual_sampling.datagen.ray_stage", "dual_sampling.datagen.run"]
     ]
+
+
+FRONT_ENDS = ("dual_sampling.server", "dual_sampling.datagen", "dual_sampling.distill", "dual_sampling.cli")
+"""Components that reach the engines only through ``dual_sampling.api`` (its one door), never the driver."""
+LONG_MODULE_LINES = 500
+"""A module longer than this must say why in its docstring (the words "over 500 lines")."""
+
+
+def front_door_errors(graph: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{source} imports {target}: front ends go through dual_sampling.api"
+        for source, targets in sorted(graph.items())
+        if component(source) in FRONT_ENDS
+        for target in sorted(targets)
+        if component(target) == "dual_sampling.driver"
+    ]
+
+
+def test_front_ends_reach_the_engines_through_the_api_only():
+    assert front_door_errors(import_graph(ROOT, PACKAGES)) == []
+
+
+def test_the_front_door_check_sees_a_server_module_importing_the_driver(tmp_path):
+    files = {
+        "dual_sampling/__init__.py": "",
+        "dual_sampling/driver/__init__.py": "",
+        "dual_sampling/driver/requests.py": "",
+        "dual_sampling/server/__init__.py": "",
+        "dual_sampling/server/serving.py": "def f():\n    from dual_sampling.driver.requests import x\n",
+    }
+    _write(tmp_path, files)
+    assert front_door_errors(import_graph(tmp_path, ("dual_sampling",))) == [
+        "dual_sampling.server.serving imports dual_sampling.driver.requests: front ends go through dual_sampling.api"
+    ]
+
+
+def test_modules_over_500_lines_say_why():
+    long = []
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            text = path.read_text()
+            if text.count("\n") > LONG_MODULE_LINES and "over 500 lines" not in (
+                ast.get_docstring(ast.parse(text)) or ""
+            ):
+                long.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+    assert long == []

@@ -18,8 +18,9 @@ from stat import S_IMODE, S_ISDIR
 import numpy as np
 import pytest
 
-from dual_sampling.driver import pair
-from dual_sampling.driver.pair import EnginePair, engine_cpus, split_cpu_binding
+from dual_sampling.driver import engine_processes
+from dual_sampling.driver.engine_processes import engine_cpus, reap, split_cpu_binding
+from dual_sampling.driver.pair import EnginePair
 from dual_sampling.lockstep import (
     SESSION_PREFIX,
     WRITERS,
@@ -567,22 +568,50 @@ def test_statistics_and_aborts_are_safe_while_and_after_the_session_closes():
 
 def test_reap_kills_an_engine_process_that_does_not_exit():
     proc = subprocess.Popen(["sleep", "60"])
-    pair._reap([proc.pid], 0.1)
+    reap([proc.pid], 0.1)
     assert proc.wait(5) == -signal.SIGKILL
 
 
 def test_reap_never_kills_a_pid_that_now_names_another_process(monkeypatch):
     proc = subprocess.Popen(["sleep", "60"])
-    real, looks = pair.process_start_time, collections.Counter()
+    real, looks = engine_processes.process_start_time, collections.Counter()
 
     def reused(pid: int) -> int | None:  # after the first look, the pid names a later process
         start, looks[pid] = real(pid), looks[pid] + 1
         return start + 1 if start is not None and looks[pid] > 1 else start
 
-    monkeypatch.setattr(pair, "process_start_time", reused)
+    monkeypatch.setattr(engine_processes, "process_start_time", reused)
     try:
-        pair._reap([proc.pid], 0.1)
+        reap([proc.pid], 0.1)
         assert proc.poll() is None, "a process that merely reused an engine's pid was killed"
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_lockstep_config_round_trips_through_vllm_and_refuses_by_name():
+    from types import SimpleNamespace
+
+    from dual_sampling.lockstep import LockstepConfig, Role
+
+    config = LockstepConfig("theta", "dual-sampling-x", 30, "fixed", {"alpha": 0.3}, (2, 3))
+    assert config.role is Role.THETA and config.sync_timeout == 30.0 and isinstance(config.sync_timeout, float)
+    engine = SimpleNamespace(additional_config=config.to_engine())
+    assert json.loads(json.dumps(engine.additional_config)) == engine.additional_config  # plain JSON for vLLM
+    assert LockstepConfig.from_vllm(engine, "theta", "P") == config
+    with pytest.raises(ValueError, match="P is the teacher plugin but the engine's role is 'theta'"):
+        LockstepConfig.from_vllm(engine, Role.TEACHER, "P")
+    with pytest.raises(ValueError, match=r"needs LLM\(\.\.\., additional_config="):
+        LockstepConfig.from_vllm(SimpleNamespace(additional_config=None), "theta", "P")
+    engine.additional_config["dual_sampling"]["spare"] = 1
+    with pytest.raises(ValueError, match=r"unknown keys \['spare'\]"):
+        LockstepConfig.from_vllm(engine, "theta", "P")
+    with pytest.raises(ValueError, match="incomplete"):
+        LockstepConfig.from_vllm(SimpleNamespace(additional_config={"dual_sampling": {"role": "theta"}}), "theta", "P")
+    for field, value, name in (
+        ("sync_timeout", 0, "sync_timeout"),
+        ("role", "student", "role"),
+        ("mix_helper_cpus", (-1,), "mix_helper_cpus"),
+    ):
+        with pytest.raises(ValueError, match=f"^{name} must"):
+            LockstepConfig(**{"role": "theta", "session": "s", "sync_timeout": 1.0, field: value})

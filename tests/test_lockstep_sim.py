@@ -38,10 +38,11 @@ from dual_sampling.testing.sim_engines import (
     Adversity,
     SimEnginePair,
     check_records,
+    join_session,
     make_requests,
     run_simulation,
     sim_configs,
-    sim_scheduler,
+    sim_driver,
     sim_tokenizer,
 )
 from dual_sampling.text import decode
@@ -86,12 +87,12 @@ def assert_same_batches(run, busy: bool = True, refused: frozenset = frozenset()
         assert len(teacher) > 10 and decode > len(teacher) // 2
 
 
-def stream_errors(scheduler, requests, timeout: float) -> list[str]:
+def stream_errors(driver, requests, timeout: float) -> list[str]:
     """Stream every request at once; each one's SyncError message, or "no error"."""
 
     async def one(request):
         try:
-            async for _ in scheduler.stream(request):
+            async for _ in driver.stream(request):
                 pass
         except SyncError as exc:
             return str(exc)
@@ -100,7 +101,7 @@ def stream_errors(scheduler, requests, timeout: float) -> list[str]:
     async def main():
         return await asyncio.gather(*(one(r) for r in requests))
 
-    return scheduler.call(main(), timeout=timeout)
+    return driver.call(main(), timeout=timeout)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -324,27 +325,27 @@ def test_a_stalled_engine_fails_its_requests_and_later_ones_complete():
 
 def test_engines_that_stop_answering_fail_every_request_running_or_queued(monkeypatch):
     """Once both engines stop stepping, the watch closes them; no caller may wait on their streams forever."""
-    import dual_sampling.driver.dual_scheduler as driver
+    import dual_sampling.driver.health as health
 
-    monkeypatch.setattr(driver, "_STALL_GRACE_S", 0.5)
+    monkeypatch.setattr(health, "STALL_GRACE_S", 0.5)
     rng = random.Random(0)
     requests = make_requests(rng, 5, 96, (), 0)  # 2 hold the slots, 3 wait for one
-    scheduler = sim_scheduler(rng, Adversity(stall=("both", 0, 10**9)), 2, 96, sync_timeout=0.5)
+    driver = sim_driver(rng, Adversity(stall=("both", 0, 10**9)), 2, 96, sync_timeout=0.5)
 
     try:
-        errors = stream_errors(scheduler, requests, timeout=30)  # the watch's 0.5 s grace, or a hang failing at 30 s
+        errors = stream_errors(driver, requests, timeout=30)  # the watch's 0.5 s grace, or a hang failing at 30 s
         assert all(e.startswith("neither engine served a row") for e in errors), errors
-        later = stream_errors(scheduler, requests, timeout=30)  # later requests are refused, with the same reason
+        later = stream_errors(driver, requests, timeout=30)  # later requests are refused, with the same reason
         assert all(e.startswith("neither engine served a row") for e in later), later
     finally:
-        scheduler.close()
+        driver.close()
 
 
 def test_engines_that_compute_without_serving_rows_are_not_a_stall(monkeypatch):
     """A long prefill serves no row for minutes; while the engines' processes compute, the watch must wait."""
-    import dual_sampling.driver.dual_scheduler as driver
+    import dual_sampling.driver.health as health
 
-    monkeypatch.setattr(driver, "_STALL_GRACE_S", -9.0)  # with sync_timeout 10: a stall after 1 s without progress
+    monkeypatch.setattr(health, "STALL_GRACE_S", -9.0)  # with sync_timeout 10: a stall after 1 s without progress
     monkeypatch.setattr(SimEnginePair, "worker_cpu_seconds", lambda self: time.monotonic())  # one core, busy
     run = run_simulation(3, count=6, max_num_seqs=2, sync_timeout=10.0, adversity=Adversity(stall=("both", 1, 300)))
     assert [s.error for s in run.samples] == [None] * 6
@@ -440,7 +441,7 @@ def test_teacher_waits_out_a_theta_publication_it_saw_half_of():
     session = SyncSession.create(SessionLayout(vocab=VOCAB, slots=2, max_steps=8, plan_width=2))
     try:
         config = sim_configs(2, 96, 96, sync_timeout=10.0)["teacher"]
-        config.additional_config["dual_sampling"]["session"] = session.name
+        join_session(config, session.name)
         teacher = TeacherSyncLogitsProcessor(config, torch.device("cpu"), False)
         batch = []
         for slot in (0, 1):
@@ -516,8 +517,8 @@ def test_row_gatherer_returns_the_selected_rows_as_a_view_or_in_its_kept_buffer(
 # ---------------------------------------------------------------------- one request's failure stays its own
 
 
-async def _sample_all(scheduler, requests) -> list:
-    return list(await asyncio.gather(*(scheduler.sample(r) for r in requests)))
+async def _sample_all(driver, requests) -> list:
+    return list(await asyncio.gather(*(driver.sample(r) for r in requests)))
 
 
 def _processor_with_rows(role: str, settings: list[RowSampling], vocab: int = VOCAB):
@@ -530,7 +531,7 @@ def _processor_with_rows(role: str, settings: list[RowSampling], vocab: int = VO
 
     session = SyncSession.create(SessionLayout(vocab=vocab, slots=len(settings), max_steps=8, plan_width=4))
     config = sim_configs(4, 96, 96, sync_timeout=2.0)[role]
-    config.additional_config["dual_sampling"]["session"] = session.name
+    join_session(config, session.name)
     cls = TeacherSyncLogitsProcessor if role == "teacher" else ThetaSyncLogitsProcessor
     processor = cls(config, torch.device("cpu"), False)
     added = []
@@ -647,18 +648,18 @@ def test_a_stop_string_check_that_raises_fails_its_request_and_the_engine_serves
     requests = make_requests(rng, 12, 96, ("zz",), 0)
     for request in requests[::4]:
         request.stop, request.max_tokens = ("boom",), 8  # more than one token: max_tokens is checked first
-    scheduler = sim_scheduler(rng, Adversity(), 4, 96)
+    driver = sim_driver(rng, Adversity(), 4, 96)
     try:
-        samples = scheduler.call(_sample_all(scheduler, requests), timeout=120)
-        assert scheduler.failure is None
+        samples = driver.call(_sample_all(driver, requests), timeout=120)
+        assert driver.failure is None
         for request, sample in zip(requests, samples):
             if request.stop == ("boom",):
                 assert sample.error == "decision_error at step 1" and sample.finish_reason == "error"
             else:
                 assert sample.error is None and sample.teacher_token_ids == sample.theta_token_ids == sample.token_ids
-                check_records(sample, request, scheduler.engines.cores["teacher"].token_steps)
+                check_records(sample, request, driver.engines.cores["teacher"].token_steps)
     finally:
-        scheduler.close()
+        driver.close()
 
 
 # ---------------------------------------------------------------------- stop strings: bounded state, bounded work
@@ -681,7 +682,7 @@ def test_stop_string_state_ends_with_its_request_and_no_tokenizer_loads_inside_a
     requests = make_requests(rng, 60, 96, (), 0)
     for n, request in enumerate(requests):
         request.stop = (f"never{n}", "~" * (n % 7 + 1) + "#")
-    scheduler = sim_scheduler(rng, Adversity(), 4, 96)
+    driver = sim_driver(rng, Adversity(), 4, 96)
 
     def no_loading(*args, **kwargs):
         raise AssertionError("a tokenizer was loaded inside an engine step")
@@ -690,16 +691,16 @@ def test_stop_string_state_ends_with_its_request_and_no_tokenizer_loads_inside_a
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_loading)
     before = _live_watches()
     try:
-        samples = scheduler.call(_sample_all(scheduler, requests), timeout=120)
+        samples = driver.call(_sample_all(driver, requests), timeout=120)
         assert [s.error for s in samples] == [None] * 60
-        leader = scheduler.engines.cores["teacher"].scheduler
+        leader = driver.engines.cores["teacher"].scheduler
         deadline = time.monotonic() + 5  # the engines let go of finished requests at their next step
         while (leader.tickets or _live_watches() > before) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert leader.tickets == {}
         assert _live_watches() == before, "stop-string watchers outlived their requests"
     finally:
-        scheduler.close()
+        driver.close()
 
 
 class _CountingTokenizer:
@@ -773,44 +774,44 @@ def test_an_engine_declared_dead_with_its_process_alive_fails_everything_for_goo
     # After two steps the teacher stalls for good and theta dies: requests are still running (24 tokens each).
     # sync_timeout is an hour, so requests that waited for it instead would hit the 60 s deadline of the call.
     adversity = Adversity(engine_dead=("theta", 2), stall=("teacher", 2, 10**9))
-    scheduler = sim_scheduler(rng, adversity, 2, 96, sync_timeout=3600.0, slots=2)
+    driver = sim_driver(rng, adversity, 2, 96, sync_timeout=3600.0, slots=2)
 
     try:
-        errors = stream_errors(scheduler, requests, timeout=60)  # 2 running, 4 waiting for a slot when theta dies
+        errors = stream_errors(driver, requests, timeout=60)  # 2 running, 4 waiting for a slot when theta dies
         assert all(e.startswith("the theta engine failed") for e in errors), errors
-        assert str(scheduler.failure).startswith("the theta engine failed") and not scheduler.alive
-        assert "EngineDeadError" in str(scheduler.failure), "seen as vLLM's verdict, not as a process exit"
-        later = stream_errors(scheduler, requests, timeout=30)
+        assert str(driver.failure).startswith("the theta engine failed") and not driver.alive
+        assert "EngineDeadError" in str(driver.failure), "seen as vLLM's verdict, not as a process exit"
+        later = stream_errors(driver, requests, timeout=30)
         assert all(e.startswith("the theta engine failed") for e in later), later
     finally:
-        scheduler.close()
+        driver.close()
 
 
 def test_an_engine_declared_dead_while_idle_turns_the_health_red():
     rng = random.Random(24)
-    scheduler = sim_scheduler(rng, Adversity(), 2, 96)
+    driver = sim_driver(rng, Adversity(), 2, 96)
     try:
-        assert scheduler.alive
-        scheduler.engines.cores["teacher"].declare_dead()
+        assert driver.alive
+        driver.engines.cores["teacher"].declare_dead()
         deadline = time.monotonic() + 5
-        while scheduler.failure is None and time.monotonic() < deadline:
+        while driver.failure is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert str(scheduler.failure).startswith("the teacher engine failed") and not scheduler.alive
+        assert str(driver.failure).startswith("the teacher engine failed") and not driver.alive
     finally:
-        scheduler.close()
+        driver.close()
 
 
 def test_an_abort_from_another_thread_while_the_slot_opens_ends_the_request(monkeypatch):
     """An abort sent from another thread while the driver's loop opens the request's slot (the loop is busy there, so
     the abort runs on it right after) must still end the request."""
-    import dual_sampling.driver.dual_scheduler as driver
+    import dual_sampling.driver.loop_thread as loop_thread
 
     rng = random.Random(25)
     (request,) = make_requests(rng, 1, 96, (), 0)
     request.request_id, request.max_tokens = "late", 24
-    scheduler = sim_scheduler(rng, Adversity(), 2, 96)
-    opening, real_open = threading.Event(), scheduler.session.open_slot
-    submitting, real_as_coroutine = threading.Event(), driver.as_coroutine
+    driver = sim_driver(rng, Adversity(), 2, 96)
+    opening, real_open = threading.Event(), driver.session.open_slot
+    submitting, real_as_coroutine = threading.Event(), loop_thread.as_coroutine
 
     def as_coroutine(*args):  # the abort, in the test's thread, about to be handed to the driver's loop
         submitting.set()
@@ -821,16 +822,16 @@ def test_an_abort_from_another_thread_while_the_slot_opens_ends_the_request(monk
         assert submitting.wait(10)  # the other thread's abort arrives meanwhile
         real_open(*args)
 
-    monkeypatch.setattr(driver, "as_coroutine", as_coroutine)
-    monkeypatch.setattr(scheduler.session, "open_slot", slow_open)
+    monkeypatch.setattr(loop_thread, "as_coroutine", as_coroutine)
+    monkeypatch.setattr(driver.session, "open_slot", slow_open)
     try:
-        future = asyncio.run_coroutine_threadsafe(scheduler.sample(request), scheduler.loop)
+        future = asyncio.run_coroutine_threadsafe(driver.sample(request), driver.loop)
         assert opening.wait(10)
-        assert scheduler.abort("late") is True
+        assert driver.abort("late") is True
         sample = future.result(60)
         assert sample.finish_reason == "abort" and sample.error is None
     finally:
-        scheduler.close()
+        driver.close()
 
 
 def test_an_abort_after_the_slot_was_handed_over_but_before_launch_ends_the_request(monkeypatch):
@@ -838,23 +839,23 @@ def test_an_abort_after_the_slot_was_handed_over_but_before_launch_ends_the_requ
     rng = random.Random(26)
     first, second = make_requests(rng, 2, 96, (), 0)
     second.request_id = "waiting"
-    scheduler = sim_scheduler(rng, Adversity(), 2, 96, slots=1)
-    real_acquire = scheduler._acquire_slot
+    driver = sim_driver(rng, Adversity(), 2, 96, slots=1)
+    real_acquire = driver.slots.acquire
 
     async def acquire(waiter):
         slot = await real_acquire(waiter)
-        if waiter.done() and scheduler._queued.get("waiting") is waiter:
-            assert scheduler.abort("waiting") is True
+        if waiter.done() and driver._queued.get("waiting") is waiter:
+            assert driver.abort("waiting") is True
         return slot
 
-    monkeypatch.setattr(scheduler, "_acquire_slot", acquire)
+    monkeypatch.setattr(driver.slots, "acquire", acquire)
     try:
-        samples = scheduler.call(_sample_all(scheduler, [first, second]), timeout=60)
+        samples = driver.call(_sample_all(driver, [first, second]), timeout=60)
         assert samples[0].finish_reason in ("stop", "length") and samples[0].error is None
         assert samples[1].finish_reason == "abort" and samples[1].token_ids == []
-        assert scheduler.statistics()["requests"] == 2 and scheduler.in_flight() == []
+        assert driver.statistics()["requests"] == 2 and driver.in_flight() == []
     finally:
-        scheduler.close()
+        driver.close()
 
 
 class _StubEngine:
@@ -901,51 +902,51 @@ class _StubEngines:
         assert self.release.wait(60)
 
 
-def _stub_scheduler(engines: _StubEngines):
-    from dual_sampling.driver.dual_scheduler import DualScheduler
+def _stub_driver(engines: _StubEngines):
+    from dual_sampling.driver.lockstep_driver import LockstepDriver
 
-    return DualScheduler(
+    return LockstepDriver(
         lambda name: engines, sim_tokenizer(), vocab=VOCAB, max_model_len=96, max_num_seqs=2, sync_timeout=5
     )
 
 
 def test_a_request_task_cancelled_while_it_waits_for_its_partner_ends_cancelled():
     """The flight task's own cancellation (as _fail and close() send it) must not be swallowed in its clean-up."""
-    from dual_sampling.driver.dual_scheduler import SyncError
+    from dual_sampling.lockstep import EnginePairDead
 
     (request,) = make_requests(random.Random(27), 1, 96, (), 0)
     request.request_id = "r"
-    scheduler = _stub_scheduler(_StubEngines())
+    driver = _stub_driver(_StubEngines())
     try:
 
         async def main():
-            stream = asyncio.ensure_future(scheduler.sample(request))
-            while "r" not in scheduler._flights:
+            stream = asyncio.ensure_future(driver.sample(request))
+            while "r" not in driver._flights:
                 await asyncio.sleep(0.01)
-            task = scheduler._flights["r"].task
-            await scheduler.engines.theta.letting_go.wait()  # the teacher refused; the task waits for theta to let go
+            task = driver._flights["r"].task
+            await driver.engines.theta.letting_go.wait()  # the teacher refused; the task waits for theta to let go
             assert not task.done()
             task.cancel()
             await asyncio.wait([task])
-            with pytest.raises(SyncError, match="closed"):  # not the teacher's refusal: the request was cancelled
+            with pytest.raises(EnginePairDead, match="closed"):  # not the teacher's refusal: the request was cancelled
                 await stream
             return task.cancelled()
 
-        assert scheduler.call(main(), timeout=30) is True
+        assert driver.call(main(), timeout=30) is True
     finally:
-        scheduler.close()
+        driver.close()
 
 
 def test_engines_are_closed_once_when_a_failure_and_close_race():
     engines = _StubEngines(hold_close=True)
-    scheduler = _stub_scheduler(engines)
+    driver = _stub_driver(engines)
 
     async def fail():
-        scheduler._fail("an engine failed: test")
+        driver._fail("an engine failed: test")
 
-    scheduler.call(fail())
+    driver.call(fail())
     assert engines.closing.wait(30)  # _fail's closing runs in the loop's executor, held there by the stub
-    closer = threading.Thread(target=scheduler.close)
+    closer = threading.Thread(target=driver.close)
     closer.start()
     closer.join(0.3)  # a close() that does not wait for the closing returns at once
     assert closer.is_alive(), "close() returned while the engines were still closing"
@@ -956,7 +957,7 @@ def test_engines_are_closed_once_when_a_failure_and_close_race():
 
 def test_a_second_interrupt_while_a_call_winds_down_propagates(monkeypatch):
     """Ctrl-C cancels the call and waits for its requests to end; a second Ctrl-C meanwhile must not be swallowed."""
-    import dual_sampling.driver.dual_scheduler as driver
+    import dual_sampling.driver.loop_thread as loop_thread
 
     class Interrupted:
         def __init__(self) -> None:
@@ -973,52 +974,52 @@ def test_a_second_interrupt_while_a_call_winds_down_propagates(monkeypatch):
         coro.close()
         return Interrupted()
 
-    monkeypatch.setattr(driver.asyncio, "run_coroutine_threadsafe", submit)
-    scheduler = object.__new__(driver.DualScheduler)  # call() needs only a loop and sync_timeout
-    scheduler.loop, scheduler.sync_timeout = None, 1.0
+    monkeypatch.setattr(loop_thread.asyncio, "run_coroutine_threadsafe", submit)
+    thread = object.__new__(loop_thread.LoopThread)  # call() needs only a loop and interrupt_wait
+    thread.loop, thread.interrupt_wait = None, 1.0
 
     async def nothing():
         pass
 
     with pytest.raises(KeyboardInterrupt, match="interrupt 2"):
-        scheduler.call(nothing())
+        thread.call(nothing())
 
 
 def test_a_sample_with_a_non_finite_record_fails_by_name():
     """The driver's last check: whatever the engines wrote, a non-finite record never leaves as data."""
-    from dual_sampling.driver.dual_scheduler import DualRequest, _Flight
+    from dual_sampling.driver.requests import DualRequest, Flight
 
-    scheduler = _stub_scheduler(_StubEngines())
+    driver = _stub_driver(_StubEngines())
     try:
-        s, slot, tokens = scheduler.session, 0, [20, 21, 22]
+        s, slot, tokens = driver.session, 0, [20, 21, 22]
         s.open_slot(slot, 1, 3, 3)
         s.tokens[slot, :3] = tokens
         s.records[slot, :3] = [[0.5, -1.0, -1.0, -1.0], [0.5, -1.0, -1.0, math.nan], [0.5, -1.0, -math.inf, -1.0]]
         s.control[slot, Slot.NUM_RECORDS] = 3
-        flight = _Flight("r", slot, 1, DualRequest([1], [1], RowSampling(), 3), tokens=list(tokens))
-        sample = scheduler._collect(flight, list(tokens), "length")
+        flight = Flight("r", slot, 1, DualRequest([1], [1], RowSampling(), 3), tokens=list(tokens))
+        sample = driver._finish(flight, list(tokens), "length")
         assert sample.error == "non_finite at step 1" and sample.finish_reason == "error" and sample.logq == []
-        assert scheduler.counters["failed_non_finite"] == 1
+        assert driver.counters["failed_non_finite"] == 1
     finally:
-        scheduler.close()
+        driver.close()
 
 
 def test_a_request_id_already_in_flight_is_refused():
     rng = random.Random(31)
     first, second = make_requests(rng, 2, 96, (), 0)
     first.request_id = second.request_id = "same"
-    scheduler = sim_scheduler(rng, Adversity(), 2, 96)
+    driver = sim_driver(rng, Adversity(), 2, 96)
 
     async def main():
-        task = asyncio.ensure_future(scheduler.sample(first))
+        task = asyncio.ensure_future(driver.sample(first))
         await asyncio.sleep(0)  # it holds a slot now
-        assert scheduler.in_flight() == ["same"]
+        assert driver.in_flight() == ["same"]
         with pytest.raises(ValueError, match="request id 'same' is already in flight"):
-            await scheduler.sample(second)
+            await driver.sample(second)
         return await task
 
     try:
-        sample = scheduler.call(main(), timeout=60)
+        sample = driver.call(main(), timeout=60)
         assert sample.error is None  # the first one is untouched
     finally:
-        scheduler.close()
+        driver.close()

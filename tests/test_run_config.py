@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from dual_sampling.datagen.run_config import _NOT_IDENTITY, RunConfig
-from dual_sampling.options import EngineOptions, SamplingOptions, flat_keys
+from dual_sampling.options import SamplingOptions
+from dual_sampling.run_settings import flat_keys
 from tests.test_datagen import tiny_config
 
 
@@ -25,12 +26,14 @@ def test_identity_leaves_out_exactly_the_settings_marked_runtime_only(tiny_same,
 
 
 def test_a_flat_key_two_parts_share_is_refused():
-    assert flat_keys({"run": RunConfig, "sampling": SamplingOptions, "engine": EngineOptions})["seed"] == "sampling"
+    keys = flat_keys(RunConfig)
+    assert keys["seed"] == "sampling" and keys["teacher"] == "source" and keys["shard"] == "run"
+    assert "sampling" not in keys and "source" not in keys  # a composed part is not a key
 
     @dataclass
     class Clashing:
         max_tokens: int = 3
-        inner: SamplingOptions = field(default_factory=SamplingOptions)  # a composed part is not a key
+        inner: SamplingOptions = field(default_factory=SamplingOptions)
 
-    with pytest.raises(TypeError, match="'max_tokens' is a field of both the sampling and the run options"):
-        flat_keys({"sampling": SamplingOptions, "run": Clashing})
+    with pytest.raises(TypeError, match="'max_tokens' is a field of both the run and the inner options"):
+        flat_keys(Clashing)

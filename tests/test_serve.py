@@ -403,7 +403,7 @@ def test_load_200_streams_with_disconnects(server, dual_engine):
     wall = time.monotonic() - started
     deadline = time.monotonic() + 10
     session = dual_engine.session
-    while time.monotonic() < deadline and (dual_engine.scheduler.in_flight() or session.held_slots()):
+    while time.monotonic() < deadline and (dual_engine.driver.in_flight() or session.held_slots()):
         time.sleep(0.05)
     after = dual_engine.get_sync_statistics()
     rss_after = me.memory_info().rss
@@ -414,7 +414,7 @@ def test_load_200_streams_with_disconnects(server, dual_engine):
     # A planned leaver whose stream ends before its chunk count finishes normally: it is "done" too.
     assert all(outcome == "done" for outcome, (leave, _) in zip(outcomes, plan) if not leave)
     assert outcomes.count("left") > 0
-    assert dual_engine.scheduler.in_flight() == [] and session.held_slots() == []
+    assert dual_engine.driver.in_flight() == [] and session.held_slots() == []
     assert (
         after["teacher_timeouts"] == before["teacher_timeouts"]
         and after["follower_diverged"] == before["follower_diverged"]
@@ -530,7 +530,7 @@ def _healthy(url: str) -> bool:
 
 def test_a_disconnect_ends_the_request_within_one_engine_step(server, dual_engine, monkeypatch):
     stats = dual_engine.get_sync_statistics
-    abort, requested = dual_engine.scheduler.abort, {}
+    abort, requested = dual_engine.driver.abort, {}
 
     def recording_abort(request_id: str) -> bool:
         # The engines keep stepping while the server notices the disconnect: count steps from here.
@@ -538,7 +538,7 @@ def test_a_disconnect_ends_the_request_within_one_engine_step(server, dual_engin
         requested.setdefault("at", time.monotonic())
         return abort(request_id)
 
-    monkeypatch.setattr(dual_engine.scheduler, "abort", recording_abort)
+    monkeypatch.setattr(dual_engine.driver, "abort", recording_abort)
 
     async def run() -> float:
         async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
@@ -550,7 +550,7 @@ def test_a_disconnect_ends_the_request_within_one_engine_step(server, dual_engin
                     if chunks >= 3:
                         break
             closed = time.monotonic()
-        while dual_engine.scheduler.in_flight():
+        while dual_engine.driver.in_flight():
             await asyncio.sleep(0.005)
         return closed
 
@@ -569,7 +569,7 @@ def test_cancelling_an_asyncio_task_aborts_its_request(dual_engine):
         task = asyncio.ensure_future(
             dual_engine.complete("a long answer", max_tokens=200, min_tokens=200, request_id="to-cancel")
         )
-        while "to-cancel" not in dual_engine.scheduler.in_flight():
+        while "to-cancel" not in dual_engine.driver.in_flight():
             await asyncio.sleep(0.01)
         rows = dual_engine.get_sync_statistics()["teacher_rows"]
         while dual_engine.get_sync_statistics()["teacher_rows"] < rows + 3:  # it is decoding: cancel it there
@@ -578,7 +578,7 @@ def test_cancelling_an_asyncio_task_aborts_its_request(dual_engine):
         with pytest.raises(asyncio.CancelledError):
             await task
         deadline = time.monotonic() + 60  # a deadline for the abort to land, not a measurement
-        while dual_engine.scheduler.in_flight():
+        while dual_engine.driver.in_flight():
             assert time.monotonic() < deadline, "the cancelled request is still in the engines"
             await asyncio.sleep(0.01)
 

@@ -9,6 +9,7 @@ bounded in count and in time, so it stays a few minutes in CI.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import httpx
@@ -26,8 +27,10 @@ pytestmark = pytest.mark.engine
 
 EXAMPLES = 120
 """Bodies per route."""
-SECONDS = 60.0
-"""Time per route; examples past it are drawn but not sent, once MIN_SENT were (a budget, not a measurement)."""
+SECONDS = 120.0 if os.environ.get("HYPOTHESIS_PROFILE") == "explore" else 25.0
+"""Time per route; examples past it are drawn but not sent, once MIN_SENT were (a budget, not a measurement). The
+suite's budget sets it: the chat route sent about 50 bodies in it on CI's machine, the completions route all 120.
+HYPOTHESIS_PROFILE=explore lifts it (a longer search, off CI)."""
 MIN_SENT = 20
 """Bodies sent per route whatever the time: the fuzz always does this much."""
 
@@ -106,7 +109,7 @@ def test_the_api_holds_against_bodies_drawn_from_its_own_schema(server, dual_eng
     fuzz()
     assert len(sent) >= MIN_SENT, f"only {len(sent)} of {EXAMPLES} drawn bodies were JSON"
     assert 200 in sent, "no body the schema drew was served: the fuzz never reached the engines"
-    assert dual_engine.scheduler.failure is None
+    assert dual_engine.driver.failure is None
     deadline = time.monotonic() + 30
     while metric(server.url, "dual_sampling_samples_held") != 0:
         assert time.monotonic() < deadline, "samples are still held after every answer was read"

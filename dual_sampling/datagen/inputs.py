@@ -111,7 +111,7 @@ def iter_selected(
     kept to name a duplicate: the only thing held per row). A second pass over checked rows passes False."""
     seen: dict[str, int] = {}
     for number, row in enumerate(rows):
-        for name in (cfg.prompt_field, cfg.hint_field, cfg.id_field):
+        for name in (cfg.source.prompt_field, cfg.source.hint_field, cfg.id_field):
             if name is not None and name not in row:
                 raise ValueError(f"row {number} has no field {name!r} (fields: {sorted(row)})")
         row_id = str(row[cfg.id_field]) if cfg.id_field else str(number)
@@ -121,7 +121,7 @@ def iter_selected(
             seen[row_id] = number
         if shard_of(row_id, cfg.shard_count) != cfg.shard_index:
             continue
-        problem = row[cfg.prompt_field]
+        problem = row[cfg.source.prompt_field]
         if not isinstance(problem, str) or not problem.strip():
             rejects.append({"id": row_id, "row": number, "reason": "empty prompt"})
             continue
@@ -153,7 +153,7 @@ def model_fingerprint(folder: str) -> dict[str, str]:
 def model_fingerprints(cfg: RunConfig) -> dict[str, dict[str, str]]:
     """The teacher's and theta's fingerprints: what every record's ``models`` holds. Hashing reads every weight, so a
     run does it once, in its driver, and ships the result to its Ray replicas."""
-    return {"teacher": model_fingerprint(cfg.teacher), "theta": model_fingerprint(cfg.theta)}
+    return {"teacher": model_fingerprint(cfg.source.teacher), "theta": model_fingerprint(cfg.source.theta)}
 
 
 def input_fingerprint(path: str) -> dict[str, str]:

@@ -37,13 +37,13 @@ def iter_items(
 ) -> Iterator[WorkItem]:
     """The work items of ``selected`` rows as they come: both prompts rendered for every problem with samples not in
     ``done``; a problem too long for the context goes to ``rejects`` instead."""
-    renderer = Renderer(tokenizer, cfg.teacher_template, cfg.theta_template, cfg.chat_template)
+    renderer = Renderer(tokenizer, cfg.teacher_template, cfg.theta_template, cfg.source.chat_template)
     for number, row, row_id in selected:
         missing = [j for j in range(cfg.sampling.n) if (row_id, j) not in done]
         if not missing:
             continue
-        hint = None if cfg.hint_field is None else row[cfg.hint_field]
-        t_user, th_user = renderer.user_messages(row[cfg.prompt_field], hint, row)
+        hint = None if cfg.source.hint_field is None else row[cfg.source.hint_field]
+        t_user, th_user = renderer.user_messages(row[cfg.source.prompt_field], hint, row)
         item = WorkItem(
             row_id,
             t_user,

@@ -75,7 +75,7 @@ def stage_kwargs(settings: dict[str, Any] | None = None, emit: str = "records") 
     """The ``fn_constructor_kwargs`` of a :class:`DualSamplingStage`, made in the driver: the model folders resolved
     (the default ones provisioned if the settings name none) and fingerprinted here, once for every replica."""
     cfg = RunConfig.from_settings({"input": "-", "output": "-", **(settings or {})})
-    resolved = {**(settings or {}), "teacher": cfg.teacher, "theta": cfg.theta}
+    resolved = {**(settings or {}), "teacher": cfg.source.teacher, "theta": cfg.source.theta}
     return {"settings": resolved, "emit": emit, "models": model_fingerprints(cfg)}
 
 
@@ -115,7 +115,7 @@ class DualSamplingStage:
         self.replica = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.models = models if models is not None else model_fingerprints(self.cfg)
         engine = {**dataclasses.asdict(self.cfg.engine), "use_tqdm": False}
-        self.sampler = OptimalSamplingDual(self.cfg.teacher, self.cfg.theta, **engine)
+        self.sampler = OptimalSamplingDual(self.cfg.source.teacher, self.cfg.source.theta, **engine)
 
     def __call__(self, batch: dict[str, Any]) -> Any:
         import pyarrow as pa

@@ -86,8 +86,8 @@ def _run(cfg: RunConfig, sampler: Any, paths: dict[str, Path], started: float) -
     check_manifest(cfg, paths, models, inputs)
     if sampler is not None:
         for role, wanted, running in (
-            ("teacher", cfg.teacher, sampler.config.model_teacher),
-            ("theta", cfg.theta, sampler.config.model_theta),
+            ("teacher", cfg.source.teacher, sampler.config.model_teacher),
+            ("theta", cfg.source.theta, sampler.config.model_theta),
         ):
             if Path(wanted).resolve() != Path(running).resolve():
                 raise ValueError(f"the sampler runs {role} {running!r} but the run configures {wanted!r}")
@@ -98,8 +98,8 @@ def _run(cfg: RunConfig, sampler: Any, paths: dict[str, Path], started: float) -
             logs.append(Journal(paths[name], cfg.resume))
         writer = _Writer(sink, *logs)
         already = len(sink.done) + len(writer.left_out.done)
-        tokenizer = sampler.tokenizer if sampler is not None else AutoTokenizer.from_pretrained(cfg.teacher)
-        max_model_len = context_length(cfg.teacher, cfg.theta, cfg.engine.max_model_len)
+        tokenizer = sampler.tokenizer if sampler is not None else AutoTokenizer.from_pretrained(cfg.source.teacher)
+        max_model_len = context_length(cfg.source.teacher, cfg.source.theta, cfg.engine.max_model_len)
         rows = iter_selected(cfg, iter_rows(cfg.input), [], unique=False)  # its rejects were counted above
         too_long: list[dict] = []
         items = iter_items(cfg, rows, _Done(sink.done, writer.left_out.done), tokenizer, max_model_len, too_long)

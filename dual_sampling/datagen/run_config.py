@@ -8,15 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dual_sampling.options import (
-    RUNTIME_ONLY,
-    EngineOptions,
-    SamplingOptions,
-    compose_settings,
-    flat_keys,
-    flat_settings,
-    runtime_only,
-)
+from dual_sampling.checks import need_int, need_number
+from dual_sampling.options import RUNTIME_ONLY, EngineOptions, SamplingOptions
+from dual_sampling.run_settings import ModelsAndPrompts, compose_settings, flat_settings, runtime_only
 
 __all__ = ["RunConfig"]
 
@@ -25,28 +19,18 @@ __all__ = ["RunConfig"]
 class RunConfig:
     """One data-generation run.
 
-    It composes :class:`SamplingOptions` (how to sample) and :class:`EngineOptions` (how to
-    run the engines). On the command line and in ``--config run.yaml`` every field of all
-    three is one flat key (``--max-tokens 128``, ``alpha_method: ess_balance``); see
-    :meth:`from_settings`.
+    It composes :class:`ModelsAndPrompts` (the models, the prompt's fields), :class:`SamplingOptions`
+    (how to sample) and :class:`EngineOptions` (how to run the engines). On the command line and in
+    ``--config run.yaml`` every field of all four is one flat key (``--max-tokens 128``,
+    ``alpha_method: ess_balance``); see :meth:`from_settings`.
     """
 
     input: str
     """Problems: a .jsonl or .parquet file, or a local Hugging Face datasets folder."""
     output: str = field(metadata=RUNTIME_ONLY)
     """Records: a .jsonl or .parquet file, or a directory (Parquet parts, for runs of any size)."""
-    teacher: str | None = None
-    """Teacher model folder; None: the local SmolLM2-135M-Instruct."""
-    theta: str | None = None
-    """Theta (student) model folder, same tokenizer as the teacher; None: the 24-layer pruned SmolLM2."""
-    prompt_field: str = "problem"
-    """Field holding the problem text."""
-    hint_field: str | None = None
-    """Field holding the reference solution shown to the teacher only (e.g. "solution")."""
     id_field: str | None = None
     """Field holding a unique id; None uses the row number."""
-    chat_template: bool = True
-    """Wrap prompts in each model's chat template; False for base models."""
     system_prompt_teacher: str | None = None
     """System message for the teacher's chat."""
     system_prompt_theta: str | None = None
@@ -77,16 +61,14 @@ class RunConfig:
     ray_max_retries: int = field(default=3, metadata=RUNTIME_ONLY)
     """With --ray: how often a batch whose replica died is drawn again (on the restarted replica); after that its
     samples fail as replica_crashed (drawn again by --resume), so a batch that always kills its replica ends."""
+    source: ModelsAndPrompts = field(default_factory=ModelsAndPrompts)
+    """The models and the fields of a problem's row; its fields are flat keys (teacher, theta, prompt_field, ...)."""
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     """How to sample; its fields are flat keys of the run (n, max_tokens, temperature, seed, ...)."""
     engine: EngineOptions = field(default_factory=EngineOptions)
     """How to run the engines; its fields are flat keys of the run (alpha_method, max_num_seqs, ...)."""
 
     def __post_init__(self) -> None:
-        if self.teacher is None or self.theta is None:
-            from dual_sampling import models
-
-            self.teacher, self.theta = models.default_pair(self.teacher, self.theta)
         if self.format not in ("records", "messages"):
             raise ValueError(f"format must be 'records' or 'messages', got {self.format!r}")
         if self.keep_truncated and self.format != "messages":
@@ -100,20 +82,14 @@ class RunConfig:
             )
         self.shard_index, self.shard_count = _parse_shard(self.shard)
         for name, least in (("batch_size", 1), ("replicas", 1), ("ray_max_retries", 0)):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
-                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+            need_int(name, getattr(self, name), least)
         for name in ("cpus_per_replica", "gpus_per_replica"):
-            value = getattr(self, name)
-            if isinstance(value, int) and not isinstance(value, bool):
-                setattr(self, name, float(value))
-            if not (isinstance(getattr(self, name), float) and getattr(self, name) >= 0):
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+            setattr(self, name, need_number(name, getattr(self, name)))
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any]) -> RunConfig:
         """Build from flat keys (CLI flags, run.yaml): each goes to the run, its sampling or its engine options."""
-        return compose_settings(cls, settings, _FLAT_KEYS)
+        return compose_settings(cls, settings)
 
     def flat(self) -> dict[str, Any]:
         """Every setting as one flat mapping (the inverse of :meth:`from_settings`)."""
@@ -124,9 +100,7 @@ class RunConfig:
         return {k: v for k, v in self.flat().items() if k not in _NOT_IDENTITY}
 
 
-_FLAT_KEYS = flat_keys({"run": RunConfig, "sampling": SamplingOptions, "engine": EngineOptions})
-"""Which part of a run each flat key belongs to."""
-_NOT_IDENTITY = runtime_only(RunConfig, SamplingOptions, EngineOptions)
+_NOT_IDENTITY = runtime_only(RunConfig)
 """Settings that do not change what a record contains (so --resume may change them): those marked RUNTIME_ONLY."""
 
 

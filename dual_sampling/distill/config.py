@@ -4,20 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from dual_sampling.checks import need_int, need_number
 from dual_sampling.distill.loss import WEIGHTINGS
-from dual_sampling.options import (
-    RUNTIME_ONLY,
-    EngineOptions,
-    SamplingOptions,
-    compose_settings,
-    flat_keys,
-    flat_settings,
-    runtime_only,
-)
+from dual_sampling.options import RUNTIME_ONLY, EngineOptions, SamplingOptions
+from dual_sampling.run_settings import ModelsAndPrompts, compose_settings, flat_settings, runtime_only
 
 __all__ = ["DistillConfig"]
 
@@ -27,24 +20,21 @@ class DistillConfig:
     """One distillation run: each round samples from q with the current θ, trains θ on those samples, pushes the new
     weights into the theta engine and evaluates on held-out prompts.
 
-    On the command line and in ``--config distill.yaml`` every field of this class, of :class:`SamplingOptions` and of
-    :class:`EngineOptions` is one flat key (``--rounds 8``, ``alpha_method: ess_balance``).
+    On the command line and in ``--config distill.yaml`` every field of this class and of the parts it composes
+    (:class:`ModelsAndPrompts`, :class:`SamplingOptions`, :class:`EngineOptions`) is one flat key (``--rounds 8``,
+    ``alpha_method: ess_balance``).
     """
+
+    PART_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "source": {"prompt_field": "question"},
+        "sampling": {"max_tokens": 128},
+    }
+    """This run's own defaults for fields of its parts (GSM8K-style rows; answers of a few sentences)."""
 
     prompts: str
     """Training problems: a .jsonl file with one object per line (its last ``eval_prompts`` rows are held out)."""
     output: str = field(metadata=RUNTIME_ONLY)
     """Run directory: metrics.jsonl, config.json, the held-out set, checkpoints/round-N/ and the plot."""
-    teacher: str | None = None
-    """Teacher model folder; None: the local SmolLM2-135M-Instruct."""
-    theta: str | None = None
-    """Student model folder to start from (same tokenizer); None: the 24-layer pruned SmolLM2."""
-    prompt_field: str = "question"
-    """Field holding the problem text."""
-    hint_field: str | None = None
-    """Field holding a reference solution shown to the teacher only while sampling (held-out metrics use none)."""
-    chat_template: bool = True
-    """Wrap prompts in the chat template; False for base models."""
     eval_prompts: int = 16
     """Held-out problems (the file's last rows), never trained on."""
     eval_max_tokens: int = 64
@@ -79,16 +69,17 @@ class DistillConfig:
     """Continue the run in ``output`` from its last complete round (same settings; ``rounds`` may grow)."""
     plot: bool = field(default=True, metadata=RUNTIME_ONLY)
     """Write plot.png (held-out metrics against round and wall time) at the end; needs matplotlib."""
-    sampling: SamplingOptions = field(default_factory=lambda: SamplingOptions(max_tokens=128))
-    """How each round samples; ``dense_logprobs`` is set to ``loss_top_k``. Its fields are flat keys."""
+    source: ModelsAndPrompts = field(default_factory=lambda: ModelsAndPrompts(**DistillConfig.PART_DEFAULTS["source"]))
+    """The teacher, the student to start from, and the prompts' fields (the held-out metrics use no hint)."""
+    sampling: SamplingOptions = field(
+        default_factory=lambda: SamplingOptions(**DistillConfig.PART_DEFAULTS["sampling"])
+    )
+    """How each round samples; ``dense_logprobs`` is ``loss_top_k`` (a different value is refused). Its fields are
+    flat keys."""
     engine: EngineOptions = field(default_factory=EngineOptions)
     """How the dual engine runs; its fields are flat keys."""
 
     def __post_init__(self) -> None:
-        if self.teacher is None or self.theta is None:
-            from dual_sampling import models
-
-            self.teacher, self.theta = models.default_pair(self.teacher, self.theta)
         for name, least in (
             ("eval_prompts", 1),
             ("eval_max_tokens", 1),
@@ -97,29 +88,27 @@ class DistillConfig:
             ("steps_per_round", 1),
             ("loss_top_k", 1),
         ):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
-                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+            need_int(name, getattr(self, name), least)
         # max_weight may be inf (no clip) but not 0; the optimizer's settings must be finite.
-        for name, least, finite in (
-            ("learning_rate", 0.0, True),
-            ("weight_decay", 0.0, True),
-            ("max_grad_norm", 0.0, False),
-            ("max_weight", math.ulp(0.0), False),
-            ("max_sampler_mismatch", 0.0, False),
+        for name, positive, finite in (
+            ("learning_rate", False, True),
+            ("weight_decay", False, True),
+            ("max_grad_norm", False, False),
+            ("max_weight", True, False),
+            ("max_sampler_mismatch", False, False),
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= least:
-                raise ValueError(f"{name} must be a number {'> 0' if least else '>= 0'}, got {value!r}")
-            if finite and not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value!r}")
-            setattr(self, name, float(value))
+            setattr(self, name, need_number(name, getattr(self, name), positive=positive, finite=finite))
         if self.weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
         if self.prompts_per_round * self.sampling.n < self.steps_per_round:
             raise ValueError(
                 f"steps_per_round={self.steps_per_round} exceeds the {self.prompts_per_round * self.sampling.n} "
                 "samples of a round (prompts_per_round × n)"
+            )
+        if self.sampling.dense_logprobs not in (0, self.loss_top_k):  # set, and not to what the loss reads
+            raise ValueError(
+                f"dense_logprobs={self.sampling.dense_logprobs} differs from loss_top_k={self.loss_top_k}: a "
+                "distillation run records the top loss_top_k tokens the loss reads; set loss_top_k only"
             )
         self.sampling = dataclasses.replace(self.sampling, dense_logprobs=self.loss_top_k)
         self.engine = dataclasses.replace(
@@ -129,12 +118,11 @@ class DistillConfig:
     @classmethod
     def from_settings(cls, settings: dict[str, Any]) -> DistillConfig:
         """Build from flat keys (CLI flags, distill.yaml): each goes to the run, its sampling or its engine options."""
-        return compose_settings(cls, settings, _FLAT_KEYS, sampling_defaults={"max_tokens": 128})
+        return compose_settings(cls, settings)
 
     def identity(self) -> dict[str, Any]:
         """The settings a resumed run must share with the run it continues (all but the runtime ones and rounds)."""
         return {k: v for k, v in flat_settings(self).items() if k not in _NOT_IDENTITY}
 
 
-_FLAT_KEYS = flat_keys({"run": DistillConfig, "sampling": SamplingOptions, "engine": EngineOptions})
-_NOT_IDENTITY = runtime_only(DistillConfig, SamplingOptions, EngineOptions) | {"rounds"}
+_NOT_IDENTITY = runtime_only(DistillConfig) | {"rounds"}

@@ -43,7 +43,7 @@ def run_distillation(config: DistillConfig) -> list[dict[str, Any]]:
 
     check_resume(config)  # before the engines start: a refused resume costs nothing
     settings = {**dataclasses.asdict(config.engine), "use_tqdm": False}
-    with OptimalSamplingDual(config.teacher, config.theta, **settings) as dual:
+    with OptimalSamplingDual(config.source.teacher, config.source.theta, **settings) as dual:
         return Distiller(config, dual).run()
 
 
@@ -63,7 +63,7 @@ def check_resume(config: DistillConfig) -> None:
 
 
 class Distiller:
-    """One run of :class:`DistillConfig` on an open dual engine (whose teacher is ``config.teacher``).
+    """One run of :class:`DistillConfig` on an open dual engine (whose teacher is ``config.source.teacher``).
 
     The engine's theta weights are set to the run's student when the run starts or resumes, so one engine can serve
     several runs in turn (``examples/distill_experiment.py`` does). ``eval_set`` reuses a held-out set built before.
@@ -82,20 +82,22 @@ class Distiller:
         if len(rows) <= config.eval_prompts:
             raise ValueError(f"prompts has {len(rows)} rows: none left after eval_prompts={config.eval_prompts}")
         missing = [
-            i for i, r in enumerate(rows) if not isinstance(r, dict) or not isinstance(r.get(config.prompt_field), str)
+            i
+            for i, r in enumerate(rows)
+            if not isinstance(r, dict) or not isinstance(r.get(config.source.prompt_field), str)
         ]
         if missing:
-            raise ValueError(f"prompts row {missing[0]} has no text field {config.prompt_field!r}")
-        renderer = Renderer(dual.tokenizer, None, None, config.chat_template)
+            raise ValueError(f"prompts row {missing[0]} has no text field {config.source.prompt_field!r}")
+        renderer = Renderer(dual.tokenizer, None, None, config.source.chat_template)
         self._render = lambda row, hint: tuple(
-            renderer.prompt(user, None) for user in renderer.user_messages(row[config.prompt_field], hint, row)
+            renderer.prompt(user, None) for user in renderer.user_messages(row[config.source.prompt_field], hint, row)
         )
         self.train_rows = rows[: -config.eval_prompts]
         self.order = list(range(len(self.train_rows)))
         random.Random(config.sampling.seed).shuffle(self.order)
         held_out = rows[-config.eval_prompts :]
-        self.teacher = AutoModelForCausalLM.from_pretrained(config.teacher, dtype=torch.float32).eval()
-        self.student = AutoModelForCausalLM.from_pretrained(config.theta, dtype=torch.float32)
+        self.teacher = AutoModelForCausalLM.from_pretrained(config.source.teacher, dtype=torch.float32).eval()
+        self.student = AutoModelForCausalLM.from_pretrained(config.source.theta, dtype=torch.float32)
         self.optimizer = torch.optim.AdamW(
             self.student.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
         )
@@ -154,7 +156,7 @@ class Distiller:
                     self.optimizer.load_state_dict(state["optimizer"])
                     self.dual.update_theta(folder, version=f"round-{done}")
                 else:
-                    self.dual.update_theta(cfg.theta, version="round-0")
+                    self.dual.update_theta(cfg.source.theta, version="round-0")
                 write_no_follow(self.out / METRICS, "".join(json.dumps(row) + "\n" for row in kept))
                 return done
             if done > 0:
@@ -165,7 +167,7 @@ class Distiller:
         self.out.mkdir(parents=True, exist_ok=True)
         write_no_follow(saved, json.dumps(identity, indent=1))
         write_no_follow(self.out / "eval_set.json", json.dumps(dataclasses.asdict(self.eval_set)))
-        self.dual.update_theta(cfg.theta, version="round-0")
+        self.dual.update_theta(cfg.source.theta, version="round-0")
         t0 = time.perf_counter()
         row = {"round": 0, "theta_version": "round-0", "tokens": 0, **self._evaluate()}
         row.update(eval_s=time.perf_counter() - t0, wall_s=0.0)
@@ -229,7 +231,7 @@ class Distiller:
         return samples, prompt_ids
 
     def _hint(self, row: dict[str, Any]) -> str | None:
-        return row.get(self.config.hint_field) if self.config.hint_field else None
+        return row.get(self.config.source.hint_field) if self.config.source.hint_field else None
 
     def _train(self, r: int, samples: list[SampleRecord], prompt_ids: list[list[int]]) -> dict[str, float]:
         """Round ``r``'s ``steps_per_round`` AdamW steps on equal shares of the samples; the round's loss, weight

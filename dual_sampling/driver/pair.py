@@ -14,29 +14,25 @@ import logging
 import math
 import os
 import shutil
-import signal
 import threading
-import time
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from dual_sampling.driver import engine_processes
 from dual_sampling.lockstep import (
-    SESSION_PREFIX,
     SHM_DIR,
-    mapped_shm_files,
-    process_start_time,
+    LockstepConfig,
+    Role,
     segments_listing,
     write_listing,
 )
 from dual_sampling.lockstep.janitor import scratch_dir
 from dual_sampling.options import DualEngineConfig, default_kv_cache_bytes, kv_cache_bytes_needed
 
-__all__ = ["LOCKSTEP_SETTINGS", "ROLES", "EnginePair", "engine_cpus", "split_cpu_binding"]
+__all__ = ["LOCKSTEP_SETTINGS", "EnginePair"]
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("teacher", "theta")
 LOCKSTEP_SETTINGS = (
     "max_num_seqs",
     "max_model_len",
@@ -69,29 +65,28 @@ class EnginePair:
     Build it inside the asyncio loop that will use the engines (their clients bind to it).
     """
 
-    def __init__(self, config: DualEngineConfig, session_name: str, max_model_len: int, sync_timeout: float) -> None:
+    def __init__(self, config: DualEngineConfig, session_name: str, max_model_len: int) -> None:
         self.config = config
         self.session_name = session_name
         self.max_model_len = max_model_len
-        self.sync_timeout = sync_timeout
         self.budget = config.max_num_batched_tokens or max(max_model_len, 2048)
         if self.budget < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens={self.budget} is below max_model_len={max_model_len}: "
                 "a full-length prompt could never be admitted"
             )
-        for role in ROLES:
+        for role in Role:
             overridden = sorted(set(self._user_kwargs(role)) & set(LOCKSTEP_SETTINGS))
             if overridden:
                 raise ValueError(
                     f"{role}_engine_kwargs sets {', '.join(overridden)}; the dual engine sets these itself "
                     "(use the DualEngineConfig fields where one exists)"
                 )
-        self.binding = split_cpu_binding() if config.cpu_binding == "split" else {}
+        self.binding = engine_processes.split_cpu_binding() if config.cpu_binding == "split" else {}
         self.engines: dict[str, Any] = {}
         self._segments: set[str] = set()
         self._listed: set[str] = set()
-        self._semaphores_before = _semaphore_files()
+        self._semaphores_before = engine_processes.semaphore_files()
         self.ipc_dir: Path | None = None
         """Where the engines' ZMQ sockets are (vLLM's VLLM_RPC_BASE_PATH), removed by close(); None when the user set
         VLLM_RPC_BASE_PATH (theirs to keep)."""
@@ -114,7 +109,7 @@ class EnginePair:
     # ------------------------------------------------------------------ start
 
     def _user_kwargs(self, role: str) -> dict[str, Any]:
-        return self.config.teacher_engine_kwargs if role == "teacher" else self.config.theta_engine_kwargs
+        return Role(role).pick(self.config.teacher_engine_kwargs, self.config.theta_engine_kwargs)
 
     def engine_kwargs(self, role: str) -> dict[str, Any]:
         """The vLLM engine arguments of ``role``."""
@@ -126,12 +121,13 @@ class EnginePair:
             WeightsReloadExtension,
         )
 
-        cfg = self.config
-        model = cfg.model_teacher if role == "teacher" else cfg.model_theta
+        cfg, role = self.config, Role(role)
+        model = role.pick(cfg.model_teacher, cfg.model_theta)
         kv_bytes = cfg.kv_cache_memory_bytes or default_kv_cache_bytes(
             model, cfg.max_num_seqs, self.max_model_len, cfg.dtype
         )
-        helper_cpus = [int(c) for c in self.binding["theta"].split(",")] if role == "teacher" and self.binding else None
+        lends = role == Role.TEACHER and self.binding  # theta's CPUs, lent to the teacher's processor
+        helper_cpus = tuple(int(c) for c in self.binding[Role.THETA].split(",")) if lends else ()
         kwargs = dict(
             model=model,
             tokenizer=cfg.model_teacher,  # one tokenizer for both: the same stop ids and EOS on both sides
@@ -149,21 +145,19 @@ class EnginePair:
             seed=0,
             generation_config="vllm",
             disable_log_stats=True,
-            scheduler_cls=TeacherLockstepScheduler if role == "teacher" else ThetaLockstepScheduler,
-            logits_processors=[TeacherSyncLogitsProcessor if role == "teacher" else ThetaSyncLogitsProcessor],
+            scheduler_cls=role.pick(TeacherLockstepScheduler, ThetaLockstepScheduler),
+            logits_processors=[role.pick(TeacherSyncLogitsProcessor, ThetaSyncLogitsProcessor)],
             # Weight updates go through it: vLLM's reload alone leaves a tied output projection stale on the CPU.
             worker_extension_cls=_qualname(WeightsReloadExtension),
-            additional_config={
-                "dual_sampling": {
-                    "role": role,
-                    "session": self.session_name,
-                    "sync_timeout": self.sync_timeout,
-                    "alpha_method": cfg.alpha_method,
-                    "alpha_config": cfg.alpha_kwargs,
-                    # Theta's CPUs idle while the teacher decides; the teacher borrows them (see processors.teacher).
-                    "mix_helper_cpus": helper_cpus,
-                }
-            },
+            additional_config=LockstepConfig(
+                role,
+                self.session_name,
+                cfg.sync_timeout,
+                cfg.alpha_method,
+                cfg.alpha_kwargs,
+                # Theta's CPUs idle while the teacher decides; the teacher borrows them (see processors.teacher).
+                helper_cpus,
+            ).to_engine(),
         )
         kwargs.update(self._user_kwargs(role))
         return kwargs
@@ -177,7 +171,7 @@ class EnginePair:
         """
         # Engines create /dev/shm files while they start; listing them as they appear lets a later
         # session reclaim them if this driver is killed before both engines are up.
-        children_before = _children()
+        children_before = engine_processes.children()
         started = threading.Event()
         lister = threading.Thread(
             target=self._list_while_starting, args=(children_before, started), name="dual-sampling-lister", daemon=True
@@ -194,7 +188,10 @@ class EnginePair:
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         if "VLLM_RPC_BASE_PATH" not in os.environ:
             self.ipc_dir = scratch_dir("ipc")
-        with _RPC_BASE_LOCK, _environment("VLLM_RPC_BASE_PATH", str(self.ipc_dir) if self.ipc_dir else None):
+        with (
+            _RPC_BASE_LOCK,
+            engine_processes.environment("VLLM_RPC_BASE_PATH", str(self.ipc_dir) if self.ipc_dir else None),
+        ):
             self._start_engines_here()
 
     def _start_engines_here(self) -> None:
@@ -209,13 +206,13 @@ class EnginePair:
 
         with ThreadPoolExecutor(2, thread_name_prefix="dual-sampling-start") as pool:
             futures = {}
-            for role in ROLES:
-                with engine_cpus(self.binding.get(role)):
-                    known = _spawned_children()
+            for role in Role:
+                with engine_processes.engine_cpus(self.binding.get(role)):
+                    known = engine_processes.spawned_children()
                     futures[role] = pool.submit(start, role)
                     if self.binding:
-                        _await_new_child(known, futures[role])
-            errors = [_result_into(self.engines, role, futures.pop(role)) for role in ROLES]
+                        engine_processes.await_new_child(known, futures[role])
+            errors = [_result_into(self.engines, role, futures.pop(role)) for role in Role]
         # Nothing in this frame refers to an engine any more: a lingering frame cannot keep one alive past close().
         for error in errors:
             if error is not None:
@@ -231,7 +228,7 @@ class EnginePair:
         cfgs = {role: engine.vllm_config for role, engine in self.engines.items()}
         for role, vc in cfgs.items():
             sc, pc = vc.scheduler_config, vc.parallel_config
-            want = TeacherLockstepScheduler if role == "teacher" else ThetaLockstepScheduler
+            want = Role(role).pick(TeacherLockstepScheduler, ThetaLockstepScheduler)
             if sc.get_scheduler_cls() is not want:
                 problems.append(f"{role}: scheduler_cls is {sc.get_scheduler_cls().__name__}, not {want.__name__}")
             if pc.worker_extension_cls != _qualname(WeightsReloadExtension):
@@ -284,7 +281,7 @@ class EnginePair:
         need = vc.scheduler_config.max_num_seqs * per_request + 1  # +1: vLLM's null block is never handed out
         if blocks >= need:
             return []
-        model = self.config.model_teacher if role == "teacher" else self.config.model_theta
+        model = Role(role).pick(self.config.model_teacher, self.config.model_theta)
         want = kv_cache_bytes_needed(
             model, vc.scheduler_config.max_num_seqs, vc.model_config.max_model_len, self.config.dtype, block_size
         )
@@ -305,7 +302,9 @@ class EnginePair:
 
     def pids(self) -> dict[str, list[int]]:
         """Process ids of each engine: its EngineCore first, then the workers it started."""
-        return {role: _descendants([p.pid for p in procs]) for role, procs in self._core_processes().items()}
+        return {
+            role: engine_processes.descendants([p.pid for p in procs]) for role, procs in self._core_processes().items()
+        }
 
     def _all_pids(self) -> list[int]:
         return [pid for role_pids in self.pids().values() for pid in role_pids]
@@ -338,7 +337,7 @@ class EnginePair:
         """Until ``started`` is set, keep the listing up to date with the files of the processes being started."""
         while not started.wait(_LISTING_INTERVAL_S):
             try:
-                self._record_segments(_descendants(_children() - children_before))
+                self._record_segments(engine_processes.descendants(engine_processes.children() - children_before))
             except Exception:  # a process that exits mid-read; the next round or the final record covers it
                 logger.debug("listing the starting engines' files failed", exc_info=True)
 
@@ -351,8 +350,8 @@ class EnginePair:
         with a dead driver (Ray does). A listed name is removed only once this driver is dead and
         no live process maps it; removing a semaphore's name never affects handles already open.
         """
-        self._segments |= _engine_files(pids)
-        names = self._segments | (_semaphore_files() - self._semaphores_before)
+        self._segments |= engine_processes.engine_shm_files(pids)
+        names = self._segments | (engine_processes.semaphore_files() - self._semaphores_before)
         if names != self._listed:
             write_listing(segments_listing(self.session_name), names)
             self._listed = names
@@ -365,7 +364,7 @@ class EnginePair:
         pids = []
         with contextlib.suppress(Exception):
             pids = self._all_pids()
-            self._segments |= _engine_files(pids)
+            self._segments |= engine_processes.engine_shm_files(pids)
         engines = list(self.engines.items())
         self.engines.clear()
         # vLLM stops an engine in up to 5 s (SIGTERM, then SIGKILL); both at once halves the wait.
@@ -375,7 +374,7 @@ class EnginePair:
             t.start()
         for t in threads:
             t.join(timeout=_EXIT_WAIT_S + 5)
-        _reap(pids, _EXIT_WAIT_S)
+        engine_processes.reap(pids, _EXIT_WAIT_S)
         for name in self._segments:
             (SHM_DIR / name).unlink(missing_ok=True)
         segments_listing(self.session_name).unlink(missing_ok=True)
@@ -388,48 +387,11 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _engine_files(pids: list[int]) -> set[str]:
-    """The /dev/shm files ``pids`` map that close() removes: not the session's, and not semaphores.
-
-    A semaphore may be shared with this process, whose own exit unlinks it (and complains if
-    the name has gone).
-    """
-    return {name for name in mapped_shm_files(pids) if not name.startswith((SESSION_PREFIX, "sem."))}
-
-
-def _semaphore_files() -> set[str]:
-    """Names of the multiprocessing semaphores in /dev/shm now."""
-    return {path.name for path in SHM_DIR.glob("sem.mp-*")}
-
-
 def _shutdown(role: str, engine: Any) -> None:
     try:
         engine.shutdown()
     except Exception:
         logger.exception("shutting down the %s engine failed; its processes are killed instead", role)
-
-
-def _reap(pids: list[int], timeout: float) -> None:
-    """Wait up to ``timeout`` s for ``pids`` to exit; SIGKILL the ones still there.
-
-    Each pid stands for the process it names on entry (its start time): once that process has
-    exited, its pid may name an unrelated one, which is never killed.
-    """
-    started = {pid: start for pid in pids if (start := process_start_time(pid)) is not None}
-
-    def running() -> list[int]:
-        return [pid for pid, start in started.items() if process_start_time(pid) == start]
-
-    deadline = time.monotonic() + timeout
-    while running() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for pid in running():
-        logger.warning("engine process %d did not exit; killing it", pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while running() and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def _result_into(engines: dict, role: str, future: Any) -> BaseException | None:
@@ -441,83 +403,5 @@ def _result_into(engines: dict, role: str, future: Any) -> BaseException | None:
         return exc
 
 
-def _spawned_children() -> set[int]:
-    """Pids of this process's children started by multiprocessing's spawn (engine processes)."""
-    import psutil
-
-    out = set()
-    for child in psutil.Process().children():
-        with contextlib.suppress(psutil.Error):
-            if "spawn_main" in " ".join(child.cmdline()):
-                out.add(child.pid)
-    return out
-
-
-def _children() -> set[int]:
-    """Pids of this process's children (an EngineCore renames itself, so its command line can't tell it)."""
-    import psutil
-
-    return {child.pid for child in psutil.Process().children()}
-
-
-def _descendants(pids: Iterable[int]) -> list[int]:
-    """``pids`` and all their descendants that are alive now."""
-    import psutil
-
-    roots = list(pids)
-    out = list(roots)
-    for pid in roots:
-        with contextlib.suppress(psutil.Error):
-            out += [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    return out
-
-
-def _await_new_child(known: set[int], future: Any, timeout: float = 120.0) -> None:
-    """Wait until an engine process beyond ``known`` exists (its environment is then fixed), or the start ended."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not future.done() and not (_spawned_children() - known):
-        time.sleep(0.02)
-
-
-def split_cpu_binding() -> dict[str, str]:
-    """{role: CPU list} for vLLM's CPU backend: the teacher's model gets the first half of the CPUs, theta's the rest.
-
-    vLLM binds every engine's model threads to the same cores of NUMA node 0 and leaves
-    one core to its scheduler process; two engines would then time-share those cores
-    while the others idle. Empty (vLLM's own binding applies) when not on the CPU backend,
-    when the user set VLLM_CPU_OMP_THREADS_BIND, or with fewer than two CPUs.
-    """
-    from vllm.platforms import current_platform
-
-    cpus = sorted(os.sched_getaffinity(0))
-    if not current_platform.is_cpu() or len(cpus) < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
-        return {}
-    half = (len(cpus) + 1) // 2
-    return {"teacher": ",".join(map(str, cpus[:half])), "theta": ",".join(map(str, cpus[half:]))}
-
-
-def engine_cpus(cpu_list: str | None) -> contextlib.AbstractContextManager[None]:
-    """Build a vLLM engine inside this block to bind its model threads to ``cpu_list`` ("0,1"; None: vLLM's choice).
-
-    The engine's processes read VLLM_CPU_OMP_THREADS_BIND when they are spawned.
-    """
-    return _environment("VLLM_CPU_OMP_THREADS_BIND", cpu_list)
-
-
 _RPC_BASE_LOCK = threading.Lock()
 """One pair of this process starts at a time: VLLM_RPC_BASE_PATH is process-wide while it is set."""
-
-
-@contextlib.contextmanager
-def _environment(name: str, value: str | None) -> Iterator[None]:
-    """Set the environment variable ``name`` to ``value`` inside this block (None: leave it as it is)."""
-    old = os.environ.get(name)
-    try:
-        if value is not None:
-            os.environ[name] = value
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old

@@ -6,9 +6,11 @@ standard library):
 - :mod:`~dual_sampling.lockstep.layout`: the session's words, who writes each, the finish
   and error codes;
 - :mod:`~dual_sampling.lockstep.session`: one session mapped (slots, doorbells, plans, records);
+- :mod:`~dual_sampling.lockstep.engine_config`: the typed settings that cross to each engine;
 - :mod:`~dual_sampling.lockstep.janitor`: cleanup of what a crashed driver left in /dev/shm.
 """
 
+from dual_sampling.lockstep.engine_config import CONFIG_KEY, LockstepConfig
 from dual_sampling.lockstep.janitor import (
     cleanup_stale_sessions,
     listing_dir,
@@ -27,10 +29,13 @@ from dual_sampling.lockstep.layout import (
     TOP_LOGPROBS_MAX,
     WRITERS,
     Bell,
+    EnginePairDead,
     ErrorCode,
     Finish,
     Header,
     Phase,
+    RequestFailed,
+    Role,
     SessionLayout,
     Slot,
     Stat,
@@ -41,6 +46,7 @@ from dual_sampling.lockstep.layout import (
 from dual_sampling.lockstep.session import SyncSession
 
 __all__ = [
+    "CONFIG_KEY",
     "PLAN_RING",
     "RECORD_FIELDS",
     "SESSION_PREFIX",
@@ -48,10 +54,14 @@ __all__ = [
     "TOP_LOGPROBS_MAX",
     "WRITERS",
     "Bell",
+    "EnginePairDead",
     "ErrorCode",
     "Finish",
     "Header",
+    "LockstepConfig",
     "Phase",
+    "RequestFailed",
+    "Role",
     "SessionLayout",
     "Slot",
     "Stat",

@@ -37,9 +37,13 @@ from __future__ import annotations
 import dataclasses
 import platform
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import Enum, IntEnum
 from pathlib import Path
+from typing import TypeVar
 
+from dual_sampling.checks import need_int
+
+T = TypeVar("T")
 SHM_DIR = Path("/dev/shm")
 SESSION_PREFIX = "dual-sampling-"
 MiB = 1 << 20
@@ -53,7 +57,46 @@ TOP_LOGPROBS_MAX = 20
 
 
 class SyncError(RuntimeError):
-    """The two engines could not be kept in lockstep, or an engine failed."""
+    """The two engines could not be kept in lockstep, or an engine failed.
+
+    Callers that act on the failure catch one of its two kinds: :class:`RequestFailed` (retry the request) or
+    :class:`EnginePairDead` (restart the pair). A plain SyncError is raised before a pair runs (a host or a
+    shared-memory folder that cannot hold a session).
+    """
+
+
+class RequestFailed(SyncError):
+    """One request failed (its engine call raised, or it ended without an output); the pair serves on: retry it."""
+
+
+class EnginePairDead(SyncError):
+    """The pair can serve nothing more (an engine died or stalled, a weight load failed, or it was closed): restart
+    it. Every request in flight or queued when it happened fails with the same error."""
+
+
+class Role(str, Enum):
+    """The two engines' roles; equal to (and printed as) their names, "teacher" and "theta", the form records,
+    routes and JSON use."""
+
+    TEACHER = "teacher"
+    THETA = "theta"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__  # f"{role}" is its name on every Python version
+
+    @classmethod
+    def parse(cls, value: object, name: str = "role") -> Role:
+        """``value`` as a Role; ValueError naming ``name`` for anything else."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{name} must be 'teacher' or 'theta', got {value!r}") from None
+
+    def pick(self, teacher: T, theta: T) -> T:
+        """``teacher`` for the teacher, ``theta`` for theta (the one place a per-role pair of values is split)."""
+        return teacher if self is Role.TEACHER else theta
 
 
 class Header(IntEnum):
@@ -316,9 +359,7 @@ class SessionLayout:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            value, least = getattr(self, f.name), 0 if f.name == "dense_k" else 1
-            if not (isinstance(value, int) and value >= least):
-                raise ValueError(f"{f.name} must be an integer >= {least}, got {value!r}")
+            need_int(f.name, getattr(self, f.name), 0 if f.name == "dense_k" else 1)
 
     @staticmethod
     def header_word(name: str) -> Header:

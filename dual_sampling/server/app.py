@@ -201,7 +201,7 @@ def build_app(dual: Any, options: ServeOptions | None = None, on_engine_death: C
         if service.healthy():
             return JSONResponse({"status": "ok"})
         return JSONResponse(
-            {"status": "unavailable", "reason": str(dual.scheduler.failure or "an engine is dead")}, status_code=503
+            {"status": "unavailable", "reason": str(dual.failure or "an engine is dead")}, status_code=503
         )
 
     @app.get("/metrics")
@@ -248,7 +248,7 @@ async def _watch_engines(service: DualService, on_death: Callable[[], None]) -> 
     """Call ``on_death`` once the engines have failed for good (a dead process or a dead EngineCore)."""
     while service.healthy():
         await asyncio.sleep(0.5)
-    logger.error("the engines failed: %s; stopping the server", service.dual.scheduler.failure)
+    logger.error("the engines failed: %s; stopping the server", service.dual.failure)
     on_death()
 
 

@@ -69,11 +69,9 @@ class _EngineCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        scheduler = self.service.dual.scheduler
-        stats = scheduler.statistics()
-        yield GaugeMetricFamily(
-            "dual_sampling_requests_running", "Samples in the engines", value=len(scheduler.in_flight())
-        )
+        dual = self.service.dual
+        stats = dual.get_sync_statistics()
+        yield GaugeMetricFamily("dual_sampling_requests_running", "Samples in the engines", value=stats["in_flight"])
         yield GaugeMetricFamily(
             "dual_sampling_requests_queued", "Samples waiting for the engines", value=stats["queued"]
         )
@@ -98,7 +96,7 @@ class _EngineCollector:
         yield CounterMetricFamily(
             "dual_sampling_engine_deaths",
             "Engine processes that exited",
-            value=int(scheduler.failure is not None and "engine failed" in str(scheduler.failure)),
+            value=int(dual.failure is not None and "engine failed" in str(dual.failure)),
         )
         yield CounterMetricFamily(
             "dual_sampling_rejected_requests", "Requests refused with 429", value=self.service.metrics.rejected
@@ -109,7 +107,7 @@ class _EngineCollector:
             "Each engine's weight version now (the label is the version)",
             labels=["role", "version"],
         )
-        for role, version in scheduler.versions.items():
+        for role, version in dual.weight_versions.items():
             updates.add_metric([role], stats.get(f"{role}_updates", 0))
             versions.add_metric([role, version], 1.0)
         yield updates

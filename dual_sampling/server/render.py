@@ -13,9 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from dual_sampling.driver.dual_scheduler import SampleDelta
 from dual_sampling.lockstep import RECORD_FIELDS
-from dual_sampling.records import DENSE_ROLES, SampleRecord
+from dual_sampling.records import DENSE_ROLES, SampleDelta, SampleRecord
 from dual_sampling.server.translate import Job
 
 __all__ = [

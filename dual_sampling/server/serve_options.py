@@ -3,9 +3,10 @@ which ``dual-sampling serve`` turns into flags) and the environment variable the
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
+
+from dual_sampling.checks import need_int, need_number
 
 __all__ = ["API_KEY_ENV", "ServeOptions"]
 
@@ -50,13 +51,9 @@ class ServeOptions:
 
     def __post_init__(self) -> None:
         for name in ("port", "max_queue", "max_n", "max_body_bytes", "max_connections"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("body_timeout", "send_timeout", "request_timeout", "header_timeout"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+            need_int(name, getattr(self, name), 1)
+        for name in ("body_timeout", "send_timeout", "request_timeout", "header_timeout"):  # seconds
+            need_number(name, getattr(self, name), positive=True)
         if self.api_key == "":
             raise ValueError("api_key must not be empty: leave it out to serve without a key")
         if self.api_key is None:

@@ -12,9 +12,8 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from dual_sampling.driver.dual_scheduler import SampleDelta
 from dual_sampling.lockstep import SyncError
-from dual_sampling.records import best_of
+from dual_sampling.records import SampleDelta, best_of
 from dual_sampling.server import render
 from dual_sampling.server.metrics import Metrics
 from dual_sampling.server.serve_options import ServeOptions
@@ -56,7 +55,7 @@ class DualService:
 
     def admit(self, job: Job) -> Reservation:
         """Hold room for the job's samples, or refuse at once (503 with dead engines, 429 past the bound)."""
-        failure = self.dual.scheduler.failure
+        failure = self.dual.failure
         if failure is not None:
             raise BadRequest(f"the engines are not running: {failure}", None, 503, "service_unavailable")
         draws = job.sampling.draws
@@ -203,9 +202,8 @@ class DualService:
         yield "data: [DONE]\n\n"
 
     def healthy(self) -> bool:
-        """Both engines run: none exited, and vLLM declared none dead (the driver's ``alive``)."""
-        scheduler = self.dual.scheduler
-        return scheduler.alive and scheduler.engines is not None and scheduler.engines.dead() is None
+        """Both engines run: none exited, and vLLM declared none dead."""
+        return self.dual.healthy()
 
 
 class Reservation:

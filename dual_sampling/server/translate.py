@@ -126,12 +126,11 @@ class Translator:
             )
         theta_text, teacher_text = self._prompts(req, kind)
         try:
-            (teacher_ids,), (theta_ids,) = self.dual._prompt_pairs([theta_text], [teacher_text])
+            pair = self.dual.prepare(theta_text, teacher_text)
         except ValueError as exc:
             raise BadRequest(
                 str(exc).replace("prompt 0", "the prompt"), "messages" if kind == "chat" else "prompt"
             ) from None
-        room = self.dual.max_model_len - max(len(teacher_ids), len(theta_ids))
         if kind == "chat" and req.max_completion_tokens is not None:
             max_tokens_field, max_tokens = "max_completion_tokens", req.max_completion_tokens
         elif kind == "chat":
@@ -140,9 +139,9 @@ class Translator:
                 max_tokens_field, max_tokens = "max_tokens", req.max_tokens
         else:
             max_tokens_field, max_tokens = "max_tokens", req.max_tokens
-        if max_tokens is not None and max_tokens > room:
+        if max_tokens is not None and max_tokens > pair.room:
             raise BadRequest(
-                f"{max_tokens_field}={max_tokens} does not fit: the prompt leaves {room} of max_model_len="
+                f"{max_tokens_field}={max_tokens} does not fit: the prompt leaves {pair.room} of max_model_len="
                 f"{self.dual.max_model_len} tokens",
                 max_tokens_field,
             )
@@ -163,7 +162,7 @@ class Translator:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         try:
             sampling = SamplingOptions(
-                max_tokens=room if max_tokens is None else max_tokens,
+                max_tokens=pair.room if max_tokens is None else max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=-1 if req.top_k in (None, 0) else req.top_k,
@@ -187,8 +186,8 @@ class Translator:
         stream_options = getattr(req, "stream_options", None)
         return Job(
             kind,
-            theta_ids,
-            teacher_ids,
+            pair.theta_ids,
+            pair.teacher_ids,
             sampling,
             bool(req.stream),
             bool(stream_options and stream_options.include_usage),

@@ -19,7 +19,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from dual_sampling.driver.dual_scheduler import as_coroutine
 from dual_sampling.lockstep import SyncError
 from dual_sampling.server.serve_options import ServeOptions
 from dual_sampling.server.wire import BadRequest, error_response, invalid_field, parse_body
@@ -48,8 +47,6 @@ def add_weight_routes(
     """Add the routes to ``app``, serving ``dual`` (an open OptimalSamplingDual)."""
     from dual_sampling.server.protocol import UpdateWeightsRequest, UpdateWeightVersionRequest
 
-    scheduler = dual.scheduler
-
     async def answer(work: Callable[[], Awaitable[dict[str, Any]]]) -> JSONResponse:
         try:
             return JSONResponse(await work())
@@ -73,7 +70,7 @@ def add_weight_routes(
                     f"mode must be 'wait' or 'abort', got {mode!r} ('keep' would draw the frozen requests from two θ)",
                     "mode",
                 )
-            await scheduler.run(scheduler.pause(mode))
+            await dual.pause_async(mode)
             return {"status": "paused"}
 
         return await answer(work)
@@ -81,14 +78,14 @@ def add_weight_routes(
     @app.post("/resume")
     async def resume():
         async def work():
-            await scheduler.run(as_coroutine(scheduler.resume))
+            await dual.resume_async()
             return {"status": "resumed"}
 
         return await answer(work)
 
     @app.get("/is_paused")
     async def is_paused():
-        return JSONResponse({"is_paused": scheduler.paused})
+        return JSONResponse({"is_paused": dual.paused})
 
     @app.post("/update_weights")
     async def update_weights(request: Request):
@@ -107,7 +104,7 @@ def add_weight_routes(
         async def work():
             req = await body(request, UpdateWeightVersionRequest)
             try:
-                await scheduler.run(as_coroutine(scheduler.set_version, "theta", req.new_version))
+                await dual.set_weight_version_async("theta", req.new_version)
             except ValueError as exc:  # a label earlier weights carried
                 raise BadRequest(str(exc), "new_version") from exc
             return {"success": True, "new_version": req.new_version}
@@ -116,5 +113,5 @@ def add_weight_routes(
 
     @app.get("/weight_info")
     async def weight_info():
-        versions = scheduler.versions
+        versions = dual.weight_versions
         return JSONResponse({"weight_version": versions["theta"], "teacher_weight_version": versions["teacher"]})

@@ -2,7 +2,7 @@
 
 What is real: both sides' scheduler plugins (subclasses of vLLM's own ``Scheduler``, with
 vLLM's queues, token budget and KV cache manager), both logits processors, the shared
-memory, and the driver (``dual_sampling.driver.dual_scheduler.DualScheduler``). What is simulated:
+memory, and the driver (``dual_sampling.driver.lockstep_driver.LockstepDriver``). What is simulated:
 
 - the **EngineCore loop** (:class:`SimEngineCore`, one thread per engine): it reads its
   input with a delivery delay of its own per message, counted in turns of the loop (not in
@@ -51,6 +51,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 from vllm.v1.structured_output import StructuredOutputManager
 
 from alpha import geometric_mix, get_alpha_computer
+from dual_sampling.lockstep import CONFIG_KEY, LockstepConfig, Role
 from processors import (
     TeacherLockstepScheduler,
     TeacherSyncLogitsProcessor,
@@ -128,8 +129,8 @@ class SimEngineCore(threading.Thread):
         kv = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layers.0"], spec)]
         )
-        scheduler_cls = TeacherLockstepScheduler if side == "teacher" else ThetaLockstepScheduler
-        processor_cls = TeacherSyncLogitsProcessor if side == "teacher" else ThetaSyncLogitsProcessor
+        scheduler_cls = Role(side).pick(TeacherLockstepScheduler, ThetaLockstepScheduler)
+        processor_cls = Role(side).pick(TeacherSyncLogitsProcessor, ThetaSyncLogitsProcessor)
         self.scheduler = scheduler_cls(
             vllm_config, kv, StructuredOutputManager(vllm_config), block_size=BLOCK, hash_block_size=BLOCK
         )
@@ -385,7 +386,7 @@ class SimEnginePair:
         self.cores, self.engines = {}, {}
         for side in ("teacher", "theta"):
             cfg = configs[side]
-            cfg.additional_config["dual_sampling"]["session"] = session_name
+            join_session(cfg, session_name)
             engine = SimAsyncEngine(None, random.Random(rng.random()), adversity)
             core = SimEngineCore(
                 side, cfg, adversity.kv_blocks.get(side, full), random.Random(rng.random()), adversity, engine.deliver
@@ -448,18 +449,16 @@ def sim_configs(
             dtype="float32",
             skip_tokenizer_init=True,
             enable_prefix_caching=side in prefix_caching,
-            additional_config={
-                "dual_sampling": {
-                    "role": side,
-                    "session": "",
-                    "sync_timeout": sync_timeout,
-                    "alpha_method": "kl_symmetry",
-                    "alpha_config": {},
-                }
-            },
+            additional_config=LockstepConfig(side, "", sync_timeout).to_engine(),
         )
         out[side] = args.create_engine_config()
     return out
+
+
+def join_session(config: Any, session_name: str) -> None:
+    """Point a simulated engine's vLLM config (from :func:`sim_configs`) at the session ``session_name``."""
+    lockstep = LockstepConfig.from_vllm(config, config.additional_config[CONFIG_KEY]["role"], "a simulated engine")
+    config.additional_config.update(lockstep.with_session(session_name).to_engine())
 
 
 def check_records(sample, request, token_steps: dict[int, list[int]]) -> None:
@@ -541,7 +540,7 @@ def make_requests(
     max_model_len (its max_tokens capped by that room, as ``OptimalSamplingDual`` caps it).
     """
     from dual_sampling.decision.pipeline import RowSampling
-    from dual_sampling.driver.dual_scheduler import DualRequest
+    from dual_sampling.driver.requests import DualRequest, generation_room
 
     shared = {side: [rng.randrange(17, VOCAB) for _ in range(n)] for side, n in (shared_prefix or {}).items()}
     out = []
@@ -557,7 +556,7 @@ def make_requests(
         for side, length in (("teacher", teacher_len), ("theta", theta_len)):
             head = shared.get(side, [])
             prompts[side] = head + [rng.randrange(17, VOCAB) for _ in range(max(1, length - len(head)))]
-        room = max_model_len - max(len(p) for p in prompts.values())
+        room = generation_room(max_model_len, prompts["teacher"], prompts["theta"])
         max_tokens = min(rng.randint(max(1, min_tokens), 24), room)
         out.append(
             DualRequest(
@@ -575,7 +574,7 @@ def make_requests(
     return out
 
 
-def sim_scheduler(
+def sim_driver(
     rng: random.Random,
     adversity: Adversity,
     max_num_seqs: int,
@@ -584,11 +583,11 @@ def sim_scheduler(
     sync_timeout: float = 10.0,
     slots: int | None = None,
 ):
-    """The real driver (``DualScheduler``) on two simulated engines; ``budget`` defaults to max_model_len."""
-    from dual_sampling.driver.dual_scheduler import DualScheduler
+    """The real driver (``LockstepDriver``) on two simulated engines; ``budget`` defaults to max_model_len."""
+    from dual_sampling.driver.lockstep_driver import LockstepDriver
 
     configs = sim_configs(max_num_seqs, max_model_len, budget or max_model_len, sync_timeout, adversity.prefix_caching)
-    return DualScheduler(
+    return LockstepDriver(
         lambda name: SimEnginePair(name, configs, rng, adversity, max_num_seqs, max_model_len),
         sim_tokenizer(),
         vocab=VOCAB,
@@ -629,14 +628,14 @@ def run_simulation(
     from the stream; each acts at a moment of :data:`MOMENTS` drawn per request, by the
     request's state, never by a timer (``SimRun.acted`` says which moment each reached).
     """
-    from dual_sampling.driver.dual_scheduler import as_coroutine
+    from dual_sampling.driver.loop_thread import as_coroutine
 
     rng = random.Random(seed)
     adversity = adversity or Adversity()
     requests = make_requests(
         rng, count, max_model_len, stops, min_tokens, shared_prefix=shared_prefix, near_full=near_full
     )
-    scheduler = sim_scheduler(rng, adversity, max_num_seqs, max_model_len, budget, sync_timeout, slots)
+    driver = sim_driver(rng, adversity, max_num_seqs, max_model_len, budget, sync_timeout, slots)
     aborted: set = set()
     acted: dict[int, str] = {}
     plan = []
@@ -650,9 +649,9 @@ def run_simulation(
         for new in so.scheduled_new_reqs:
             act = at_prefill.pop(new.req_id, None)
             if act is not None:
-                asyncio.run_coroutine_threadsafe(as_coroutine(act), scheduler.loop).result(30)
+                asyncio.run_coroutine_threadsafe(as_coroutine(act), driver.loop).result(30)
 
-    scheduler.engines.cores["teacher"].on_schedule = on_schedule
+    driver.engines.cores["teacher"].on_schedule = on_schedule
 
     async def one(index: int, request) -> Any:
         action, moment, after = plan[index]
@@ -664,7 +663,7 @@ def run_simulation(
                 return
             acted[index] = where
             if action == "abort":
-                if scheduler.abort(request.request_id):
+                if driver.abort(request.request_id):
                     aborted.add(index)
             else:
                 task.cancel()
@@ -673,10 +672,10 @@ def run_simulation(
             if action and moment == "decode" and streamed >= after:
                 act("decode")
 
-        task = asyncio.ensure_future(_drain(scheduler.stream(request), on_tokens))
+        task = asyncio.ensure_future(_drain(driver.stream(request), on_tokens))
         if action and moment != "decode":
             await asyncio.sleep(0)  # the stream starts: it holds a slot now, or waits for one
-            if moment == "queued" and request.request_id not in scheduler.in_flight():
+            if moment == "queued" and request.request_id not in driver.in_flight():
                 act("queued")
             else:
                 at_prefill[request.request_id] = lambda: act("prefill")
@@ -689,16 +688,16 @@ def run_simulation(
         return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(requests))))
 
     try:
-        samples = scheduler.call(main(), timeout=300)
+        samples = driver.call(main(), timeout=300)
         deadline = time.monotonic() + 5  # the engines release finished requests at their next step
-        leaked = scheduler.session.held_slots()
+        leaked = driver.session.held_slots()
         while leaked and time.monotonic() < deadline:
             time.sleep(0.02)
-            leaked = scheduler.session.held_slots()
-        stats = scheduler.statistics()
-        cores = scheduler.engines.cores
+            leaked = driver.session.held_slots()
+        stats = driver.statistics()
+        cores = driver.engines.cores
     finally:
-        scheduler.close()
+        driver.close()
     batches = {side: cores[side].batches for side in cores}
     return SimRun(samples, requests, aborted, stats, leaked, batches, cores["teacher"].token_steps, acted)
 

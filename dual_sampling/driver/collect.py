@@ -1,0 +1,100 @@
+"""Reading a request's records out of its slot: the deltas while it streams, and the verified sample at its end.
+
+Three independent token streams meet at the end: what the teacher's processor decided (the
+slot's tokens), and what each engine emitted. A sample is data only if the three agree, every
+token has its record, and every record is finite; otherwise it fails with a named
+:class:`ErrorCode` and carries no records.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from dual_sampling.driver.requests import Flight
+from dual_sampling.lockstep import RECORD_FIELDS, ErrorCode, Finish, Phase, Role, Slot, SyncSession
+from dual_sampling.records import SampleDelta, SampleRecord
+from dual_sampling.text import sample_text
+
+__all__ = ["collect_sample", "delta_of"]
+
+
+def dense_copies(session: SyncSession, slot: int, start: int, end: int, k: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Copies of a slot's dense top-k records for tokens [start, end), or None when k is 0."""
+    if not k:
+        return None
+    return session.dense_ids[slot, start:end, :, :k].copy(), session.dense_logp[slot, start:end, :, :k].copy()
+
+
+def delta_of(session: SyncSession, flight: Flight, start: int, sample: SampleRecord | None = None) -> SampleDelta:
+    """The delta of the flight's tokens from ``start`` on, with the records written for them so far."""
+    slot, sampling = flight.slot, flight.request.sampling
+    # Records stop where the teacher's processor stopped writing them: a failed row's forced token has none, and the
+    # slot's rows past it still hold an earlier request's values.
+    end = min(len(flight.tokens), max(start, int(session.control[slot, Slot.NUM_RECORDS])))
+    k = sampling.top_logprobs
+    top = (session.top_ids[slot, start:end, :k].copy(), session.top_logq[slot, start:end, :k].copy()) if k else None
+    return SampleDelta(
+        flight.tokens[start:],
+        session.records[slot, start:end].copy(),
+        sample,
+        top,
+        dense_copies(session, slot, start, end, sampling.dense_logprobs),
+    )
+
+
+def collect_sample(
+    session: SyncSession, flight: Flight, theta_tokens: list[int], teacher_finish: str | None, tokenizer: object
+) -> tuple[SampleRecord, ErrorCode]:
+    """The verified sample of a request both engines have ended, and its error code (NONE when it is data)."""
+    slot, tokens = flight.slot, flight.tokens
+    control = session.control[slot]
+    code, step = session.error(slot)
+    finish = Finish(int(control[Slot.FINISH])) if int(control[Slot.PHASE]) == Phase.FINISHED else Finish.NONE
+    stop_index = int(control[Slot.STOP_INDEX])
+    recorded = session.tokens[slot, : len(tokens)].tolist()
+    records = session.records[slot, : len(tokens)].copy()
+    sample = SampleRecord(
+        text="",
+        token_ids=recorded,
+        finish_reason=finish.reason or teacher_finish,
+        seed=flight.request.sampling.seed,
+        teacher_token_ids=list(tokens),
+        theta_token_ids=theta_tokens,
+        teacher_version=flight.versions[Role.TEACHER],
+        theta_version=flight.versions[Role.THETA],
+    )
+    if code == ErrorCode.NONE and (
+        theta_tokens != tokens or recorded != tokens or int(control[Slot.NUM_RECORDS]) < len(tokens)
+    ):
+        code, step = ErrorCode.DIVERGED, _first_difference(tokens, theta_tokens, recorded)
+    non_finite = np.flatnonzero(~np.isfinite(records).all(axis=1))
+    if code == ErrorCode.NONE and non_finite.size:  # the engine checks each row; this is the last line
+        code, step = ErrorCode.NON_FINITE, int(non_finite[0])
+    if code != ErrorCode.NONE:
+        sample.finish_reason = "error"
+        sample.error = f"{code.label} at step {step}"
+    else:
+        sample.alpha, sample.logp_teacher, sample.logp_theta, sample.logq = (
+            records[:, k].tolist() for k in range(len(RECORD_FIELDS))
+        )
+        dense = dense_copies(session, slot, 0, len(tokens), flight.request.sampling.dense_logprobs)
+        if dense is not None:
+            sample.dense_ids, sample.dense_logp = dense
+    stop = (
+        flight.request.stop[stop_index]
+        if finish == Finish.STOP_STRING and 0 <= stop_index < len(flight.request.stop)
+        else None
+    )
+    sample.stop_reason = stop if stop is not None else (tokens[-1] if finish == Finish.STOP and tokens else None)
+    sample.text = sample_text(tokenizer, tokens, stop, stop_token=finish == Finish.STOP)
+    return sample, code
+
+
+def _first_difference(*streams: list[int]) -> int:
+    """The first position where the token streams disagree (or where the shorter one ends)."""
+    for i, values in enumerate(itertools.zip_longest(*streams)):
+        if len(set(values)) > 1:
+            return i
+    return 0

@@ -1,0 +1,144 @@
+"""The engines' processes, seen from the driver: finding them and their shared-memory files, reaping them, and
+binding their model threads to CPUs."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from dual_sampling.lockstep import SESSION_PREFIX, SHM_DIR, mapped_shm_files, process_start_time
+
+__all__ = [
+    "await_new_child",
+    "children",
+    "descendants",
+    "engine_cpus",
+    "engine_shm_files",
+    "environment",
+    "reap",
+    "semaphore_files",
+    "spawned_children",
+    "split_cpu_binding",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def engine_shm_files(pids: list[int]) -> set[str]:
+    """The /dev/shm files ``pids`` map that close() removes: not the session's, and not semaphores.
+
+    A semaphore may be shared with this process, whose own exit unlinks it (and complains if
+    the name has gone).
+    """
+    return {name for name in mapped_shm_files(pids) if not name.startswith((SESSION_PREFIX, "sem."))}
+
+
+def semaphore_files() -> set[str]:
+    """Names of the multiprocessing semaphores in /dev/shm now."""
+    return {path.name for path in SHM_DIR.glob("sem.mp-*")}
+
+
+def reap(pids: list[int], timeout: float) -> None:
+    """Wait up to ``timeout`` s for ``pids`` to exit; SIGKILL the ones still there.
+
+    Each pid stands for the process it names on entry (its start time): once that process has
+    exited, its pid may name an unrelated one, which is never killed.
+    """
+    started = {pid: start for pid in pids if (start := process_start_time(pid)) is not None}
+
+    def running() -> list[int]:
+        return [pid for pid, start in started.items() if process_start_time(pid) == start]
+
+    deadline = time.monotonic() + timeout
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in running():
+        logger.warning("engine process %d did not exit; killing it", pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def spawned_children() -> set[int]:
+    """Pids of this process's children started by multiprocessing's spawn (engine processes)."""
+    import psutil
+
+    out = set()
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if "spawn_main" in " ".join(child.cmdline()):
+                out.add(child.pid)
+    return out
+
+
+def children() -> set[int]:
+    """Pids of this process's children (an EngineCore renames itself, so its command line can't tell it)."""
+    import psutil
+
+    return {child.pid for child in psutil.Process().children()}
+
+
+def descendants(pids: Iterable[int]) -> list[int]:
+    """``pids`` and all their descendants that are alive now."""
+    import psutil
+
+    roots = list(pids)
+    out = list(roots)
+    for pid in roots:
+        with contextlib.suppress(psutil.Error):
+            out += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    return out
+
+
+def await_new_child(known: set[int], future: Any, timeout: float = 120.0) -> None:
+    """Wait until an engine process beyond ``known`` exists (its environment is then fixed), or the start ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not future.done() and not (spawned_children() - known):
+        time.sleep(0.02)
+
+
+def split_cpu_binding() -> dict[str, str]:
+    """{role: CPU list} for vLLM's CPU backend: the teacher's model gets the first half of the CPUs, theta's the rest.
+
+    vLLM binds every engine's model threads to the same cores of NUMA node 0 and leaves
+    one core to its scheduler process; two engines would then time-share those cores
+    while the others idle. Empty (vLLM's own binding applies) when not on the CPU backend,
+    when the user set VLLM_CPU_OMP_THREADS_BIND, or with fewer than two CPUs.
+    """
+    from vllm.platforms import current_platform
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if not current_platform.is_cpu() or len(cpus) < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    half = (len(cpus) + 1) // 2
+    return {"teacher": ",".join(map(str, cpus[:half])), "theta": ",".join(map(str, cpus[half:]))}
+
+
+def engine_cpus(cpu_list: str | None) -> contextlib.AbstractContextManager[None]:
+    """Build a vLLM engine inside this block to bind its model threads to ``cpu_list`` ("0,1"; None: vLLM's choice).
+
+    The engine's processes read VLLM_CPU_OMP_THREADS_BIND when they are spawned.
+    """
+    return environment("VLLM_CPU_OMP_THREADS_BIND", cpu_list)
+
+
+@contextlib.contextmanager
+def environment(name: str, value: str | None) -> Iterator[None]:
+    """Set the environment variable ``name`` to ``value`` inside this block (None: leave it as it is)."""
+    old = os.environ.get(name)
+    try:
+        if value is not None:
+            os.environ[name] = value
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old

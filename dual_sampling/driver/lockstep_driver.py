@@ -1,0 +1,466 @@
+"""The long-lived driver of a lockstep pair: two engines, requests accepted at any time.
+
+:class:`LockstepDriver` owns one shared-memory session and one engine pair, on an asyncio
+loop of its own (:mod:`~dual_sampling.driver.loop_thread`). Per sample it:
+
+1. waits for a free slot, first come first served (:mod:`~dual_sampling.driver.slots`; the
+   slot count bounds what is submitted to the engines, whose schedulers decide what runs);
+2. opens the slot and submits the two prompts to the two engines;
+3. streams the teacher engine's tokens with their records (:class:`SampleDelta`);
+4. when both engines have ended the request, checks that both produced the same tokens that
+   were decided, reads why it ended, and returns the verified :class:`SampleRecord`
+   (:mod:`~dual_sampling.driver.collect`).
+
+:meth:`LockstepDriver.abort` ends one request on both engines at the next step boundary (the
+teacher engine's scheduler decides it; see ``processors.scheduler``). A request that fails (a
+timeout, bad logits, a divergence) fails alone: its sample carries ``finish_reason="error"``
+and a named ``error``; an engine call that raises for one request raises
+:class:`RequestFailed` to that request alone. An engine that dies, or a pair in which nothing
+moves (:mod:`~dual_sampling.driver.health`), fails every request in flight or queued with
+:class:`EnginePairDead` and closes the driver for good (:attr:`LockstepDriver.failure`).
+
+:meth:`LockstepDriver.update_weights` gives one engine new weights while both stay in
+lockstep: no slot is handed out meanwhile, the requests in flight finish on the old weights
+(``mode="wait"``) or end with ``finish_reason="abort"`` and ``stop_reason="weight_update"``
+(``mode="abort"``), and only with no request on either engine does the engine load the
+weights (vLLM's pause, ``reload_weights`` and ``reset_prefix_cache``, then resume). So every
+sample is drawn from one version of each model, and it records which
+(:mod:`~dual_sampling.driver.versions`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import itertools
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import numpy as np
+
+from dual_sampling.driver import statistics
+from dual_sampling.driver.collect import collect_sample, delta_of
+from dual_sampling.driver.health import HealthWatch, dead_engine
+from dual_sampling.driver.loop_thread import LoopThread
+from dual_sampling.driver.requests import DualRequest, Flight, check_request, engine_sampling_params
+from dual_sampling.driver.slots import SlotPool
+from dual_sampling.driver.versions import WeightVersions, check_update
+from dual_sampling.lockstep import (
+    RECORD_FIELDS,
+    EnginePairDead,
+    ErrorCode,
+    RequestFailed,
+    Role,
+    SessionLayout,
+    SyncError,
+    SyncSession,
+    Writer,
+)
+from dual_sampling.records import SampleDelta, SampleRecord
+
+__all__ = ["LockstepDriver"]
+
+logger = logging.getLogger(__name__)
+
+
+class LockstepDriver:
+    """Two engines in lockstep behind one asyncio API; see the module docstring.
+
+    ``engine_factory(session_name)`` builds the engine pair on the driver's loop (the real one
+    is :class:`dual_sampling.driver.pair.EnginePair`; tests pass simulated engines).
+    """
+
+    def __init__(
+        self,
+        engine_factory: Callable[[str], Any],
+        tokenizer: Any,
+        vocab: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        sync_timeout: float,
+        slots: int | None = None,
+        max_dense_logprobs: int = 0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.sync_timeout = sync_timeout
+        layout = SessionLayout(
+            vocab=vocab,
+            slots=slots or 2 * max_num_seqs + 2,
+            max_steps=max_model_len,
+            plan_width=max_num_seqs,
+            dense_k=max_dense_logprobs,
+        )
+        self.session = SyncSession.create(layout)
+        self.slots = SlotPool(self.session)
+        self.engines: Any = None
+        self.failure: SyncError | None = None
+        """Set once, for good, when the driver can serve nothing more (an engine died, or it was closed)."""
+        self.counters = statistics.new_counters()
+        self.versions = WeightVersions()
+        self._keys = itertools.count(1)
+        self._ids = itertools.count(1)
+        self._flights: dict[str, Flight] = {}
+        self._queued: dict[str, asyncio.Future] = {}
+        """Requests waiting for a slot, by id; an abort resolves the future with None."""
+        self._aborted_before_launch: set[str] = set()
+        """Requests aborted after a slot was handed to them but before they reached the engines."""
+        self._update_aborts: set[str] = set()
+        """Requests aborted by an update, so their samples say why."""
+        self._closing = False
+        self._engines_lock = threading.Lock()
+        self._engines_closed = False
+        self.thread = LoopThread("dual-sampling-loop", interrupt_wait=sync_timeout)
+        atexit.register(self.close)  # an exception or a signal that ends the program still stops the engines
+        try:
+            self.engines = self.thread.call(self._start(engine_factory))
+        except BaseException:
+            self.close()
+            raise
+
+    async def _start(self, engine_factory: Callable[[str], Any]) -> Any:
+        self._update_lock = asyncio.Lock()
+        engines = engine_factory(self.session.name)
+        watch = HealthWatch(
+            self.session,
+            self.sync_timeout,
+            engines=lambda: self.engines,
+            in_flight=lambda: len(self._flights),
+            stopped=lambda: self.failure is not None or self._closing,
+            fail=self._fail,
+        )
+        self._watch_task = asyncio.create_task(watch.run())
+        return engines
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self.thread.loop
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
+        """Run ``coro`` on the driver's loop from another thread and return its result (see :meth:`LoopThread.call`)."""
+        return self.thread.call(coro, timeout)
+
+    # ------------------------------------------------------------------ requests
+
+    async def stream(self, request: DualRequest) -> AsyncIterator[SampleDelta]:
+        """Draw one sample, yielding its tokens as the engines produce them (on the driver's loop).
+
+        A caller that stops iterating aborts the request; the driver still drains both
+        engines' outputs for it, so its slot is released only once both engines let it go.
+        """
+        self._check_alive()
+        check_request(request, self.max_model_len, self.session.layout.dense_k)
+        request_id = request.request_id or f"ds-{next(self._ids)}"
+        if request_id in self._queued or request_id in self._flights:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        waiter = self.loop.create_future()
+        self._queued[request_id] = waiter
+        try:
+            slot = await self.slots.acquire(waiter)
+        finally:
+            self._queued.pop(request_id, None)
+            aborted = request_id in self._aborted_before_launch
+            self._aborted_before_launch.discard(request_id)
+        if aborted and slot is not None:  # aborted once its slot was handed over, before this resumed
+            self.slots.release(slot)
+            slot = None
+        if slot is None:  # aborted while it waited for a slot: it never reached an engine
+            sample = SampleRecord(text="", token_ids=[], finish_reason="abort", seed=request.sampling.seed)
+            self.counters["requests"] += 1
+            self.counters["finished_abort"] += 1
+            yield SampleDelta([], np.zeros((0, len(RECORD_FIELDS)), np.float32), sample)
+            return
+        if self.failure is not None:  # the engines failed after this request got its slot
+            self.slots.release(slot)
+            raise self.failure
+        flight = self._launch(request, slot, request_id)
+        try:
+            while True:
+                delta = await flight.outbox.get()
+                if isinstance(delta, BaseException):
+                    raise delta
+                yield delta
+                if delta.sample is not None:
+                    return
+        finally:
+            if not flight.task.done():
+                self.abort(flight.request_id)
+
+    async def sample(self, request: DualRequest) -> SampleRecord:
+        """Draw one sample and return it whole."""
+        async for delta in self.stream(request):
+            if delta.sample is not None:
+                return delta.sample
+        raise RequestFailed("a sample's stream ended without its final record")
+
+    def _launch(self, request: DualRequest, slot: int, request_id: str) -> Flight:
+        """Open ``slot`` for ``request`` and start the task that talks to both engines (no await: atomic)."""
+        flight = Flight(request_id, slot, next(self._keys), request, versions=dict(self.versions.current))
+        self._flights[flight.request_id] = flight
+        self.counters["requests"] += 1
+        self.session.open_slot(slot, flight.key, len(request.teacher_prompt_ids), len(request.theta_prompt_ids))
+        flight.task = asyncio.create_task(self._fly(flight))
+        return flight
+
+    async def _fly(self, flight: Flight) -> None:
+        """Submit one request to both engines, relay the teacher's tokens, and verify the end."""
+        request = flight.request
+        try:
+            teacher_params, theta_params = engine_sampling_params(flight)
+            theta_task = asyncio.create_task(
+                _last(
+                    self.engines.theta.generate(
+                        {"prompt_token_ids": request.theta_prompt_ids}, theta_params, flight.request_id
+                    )
+                )
+            )
+            try:
+                async for out in self.engines.teacher.generate(
+                    {"prompt_token_ids": request.teacher_prompt_ids}, teacher_params, flight.request_id
+                ):
+                    completion = out.outputs[0]
+                    start = len(flight.tokens)
+                    flight.tokens += completion.token_ids
+                    if out.finished:
+                        theta_out = await theta_task
+                        sample = self._finish(flight, list(theta_out.outputs[0].token_ids), completion.finish_reason)
+                        flight.outbox.put_nowait(delta_of(self.session, flight, start, sample))
+                        return
+                    if len(flight.tokens) > start:
+                        flight.outbox.put_nowait(delta_of(self.session, flight, start))
+                raise RequestFailed("the teacher engine ended a request without a final output")
+            finally:
+                if not theta_task.done():
+                    theta_task.cancel()
+                await _settle(theta_task)
+        except asyncio.CancelledError:
+            flight.outbox.put_nowait(self.failure or EnginePairDead("the dual engine was closed"))
+            raise
+        except Exception as exc:
+            flight.outbox.put_nowait(self._engine_error(exc))
+        finally:
+            self.session.close_slot(flight.slot)
+            self.slots.release(flight.slot)
+            self._flights.pop(flight.request_id, None)
+
+    def _finish(self, flight: Flight, theta_tokens: list[int], teacher_finish: str | None) -> SampleRecord:
+        """The verified sample of a request both engines have ended, counted."""
+        sample, code = collect_sample(self.session, flight, theta_tokens, teacher_finish, self.tokenizer)
+        if code != ErrorCode.NONE:
+            self.counters[f"failed_{code.label}"] += 1
+        else:
+            self.counters["tokens"] += len(flight.tokens)
+        if flight.request_id in self._update_aborts:
+            self._update_aborts.discard(flight.request_id)
+            if sample.finish_reason == "abort":
+                sample.stop_reason = "weight_update"
+        self.counters[f"finished_{sample.finish_reason}"] += 1
+        return sample
+
+    def abort(self, request_id: str) -> bool:
+        """End one request on both engines at the next step boundary; False if it is unknown or done.
+
+        A request still waiting for a slot ends at once, without reaching an engine. Thread-safe:
+        from another thread it runs on the driver's loop, where a request moves from queued to
+        launched (slot opened) in one step, so an abort can never fall between the two.
+        """
+        if self.thread.on_loop:
+            return self._abort(request_id)
+        return self.thread.submit(self._abort, request_id, default=False)  # a stopped loop: close() ended them all
+
+    def _abort(self, request_id: str) -> bool:
+        flight = self._flights.get(request_id)
+        if flight is not None:
+            self.session.request_abort(flight.slot, flight.key, Writer.DRIVER)
+            return True
+        waiter = self._queued.get(request_id)
+        if waiter is None:
+            return False
+        if waiter.done():  # a slot was handed to it: stream() sees this before launching
+            self._aborted_before_launch.add(request_id)
+        else:
+            waiter.set_result(None)
+        return True
+
+    @property
+    def alive(self) -> bool:
+        """Whether requests can be served: False for good once :attr:`failure` is set (health checks read this)."""
+        return self.failure is None
+
+    def in_flight(self) -> list[str]:
+        """Request ids submitted to the engines (holding a slot) now."""
+        return list(self._flights)
+
+    def statistics(self) -> dict[str, float]:
+        """The engines' counters (rows, waits, timeouts, plans) and the driver's (requests, tokens, failures)."""
+        return statistics.statistics(self.session, self.counters, self.versions, len(self._flights), len(self._queued))
+
+    # ------------------------------------------------------------------ weights
+
+    async def update_weights(
+        self,
+        role: Role | str,
+        load: Callable[[Any], Coroutine[Any, Any, None]],
+        *,
+        mode: str = "wait",
+        version: str | None = None,
+    ) -> str:
+        """Give the ``role`` engine new weights; returns its new version (on the driver's loop).
+
+        ``load(engine)`` loads them (the caller checked them first). Until it returns no slot is
+        handed out; the requests in flight finish first (``mode="wait"``) or are aborted
+        (``mode="abort"``), so the engine loads with no request on either engine, between
+        vLLM's pause and resume, and its prefix cache is reset after. Requests that wait for a
+        slot meanwhile are drawn from the new weights. ``version`` labels the new weights (the
+        default counts updates, "1", "2", ..., skipping labels earlier weights carried; a label given is the caller's
+        to keep unique: ``best_of`` trusts labels to tell weights apart). A ``load`` that raises leaves the engine's
+        weights unknown: the driver fails for good rather than sample from them.
+        """
+        check_update(role, mode, version)
+        role = Role(role)
+        self._check_alive()
+        async with self._update_lock:
+            self.slots.updating = True
+            try:
+                await self._quiesce(mode)
+                engine = getattr(self.engines, role)
+                try:
+                    await engine.pause_generation(mode="keep", clear_cache=False)  # nothing runs: nothing to keep
+                    await load(engine)
+                    await engine.reset_prefix_cache()  # no KV of the old weights is reused
+                    await engine.resume_generation()
+                except Exception as exc:
+                    raise self._fail(f"loading new {role} weights failed, so its weights are unknown: {exc!r}") from exc
+                return self.versions.updated(role, version)
+            finally:
+                self.slots.updating = False
+
+    async def pause(self, mode: str = "wait") -> None:
+        """Hand out no slot until :meth:`resume`; returns once no request runs on either engine.
+
+        The requests in flight finish (``mode="wait"``) or are aborted (``mode="abort"``, their
+        samples say ``stop_reason="weight_update"``); those that wait for a slot keep waiting.
+        Updates while paused load at once, and the pause outlasts them.
+        """
+        check_update(mode=mode)
+        self._check_alive()
+        self.slots.paused = True
+        await self._quiesce(mode)
+
+    def resume(self) -> None:
+        """Hand out slots again after :meth:`pause` (requests that waited start now)."""
+        self.slots.paused = False
+
+    @property
+    def paused(self) -> bool:
+        return self.slots.paused
+
+    async def _quiesce(self, mode: str) -> None:
+        """Wait until no slot is held (no request on either engine), aborting those in flight in ``mode="abort"``."""
+
+        def each_poll() -> None:
+            self._check_alive()
+            if mode == "abort":
+                for request_id in list(self._flights):
+                    if request_id not in self._update_aborts:
+                        self._update_aborts.add(request_id)
+                        self._abort(request_id)
+
+        await self.slots.drain(each_poll)
+
+    # ------------------------------------------------------------------ failures and closing
+
+    def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+        if self._closing:
+            raise EnginePairDead("this dual engine is closed")
+
+    def _engine_error(self, exc: Exception) -> Exception:
+        """The error a request gets when its engine call raised."""
+        if self.failure is not None:
+            return self.failure
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        dead = dead_engine(self.engines)
+        if dead is None and isinstance(exc, EngineDeadError):
+            dead = f"an engine failed: {exc}"
+        if dead is not None:
+            return self._fail(dead)
+        if isinstance(exc, (SyncError, ValueError)):
+            return exc
+        return RequestFailed(f"an engine call failed: {type(exc).__name__}: {exc}")
+
+    def _fail(self, message: str) -> EnginePairDead:
+        """Stop serving: record why, release the engines' waits, and stop the engines."""
+        if self.failure is None:
+            self.failure = EnginePairDead(message)
+            logger.error("%s; closing the dual engine", message)
+            self.session.shutdown()
+            # A closed engine's output streams never end: every request ends here, with the failure.
+            for flight in list(self._flights.values()):
+                if flight.task is not None and flight.task is not asyncio.current_task():
+                    flight.task.cancel()
+            for waiter in self._queued.values():
+                if not waiter.done():
+                    waiter.set_exception(self.failure)
+            asyncio.get_running_loop().run_in_executor(None, self._close_engines)
+        return self.failure
+
+    def _close_engines(self) -> None:
+        """Stop the engines once; a second caller (close() while _fail's closing runs) waits for the first."""
+        with self._engines_lock:
+            if self.engines is not None and not self._engines_closed:
+                self._engines_closed = True
+                self.engines.close()
+
+    def close(self) -> None:
+        """Abort what is in flight, stop both engines, remove the shared memory. Safe to call twice."""
+        if self._closing and self.session.closed:
+            return
+        self._closing = True
+        atexit.unregister(self.close)
+        if self.failure is None:
+            self.failure = EnginePairDead("this dual engine is closed")
+        if not self.session.closed:
+            self.session.shutdown()
+        try:
+            if self.loop.is_running():
+                with contextlib.suppress(Exception):  # tasks still running after 10 s end with the engines
+                    asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(10)
+        finally:  # an interrupt while the tasks end still stops the engines, then propagates
+            self._close_engines()
+            self.engines = None
+            self.thread.stop()
+            self.session.close()
+
+
+async def _cancel_all() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.wait(tasks, timeout=5) if tasks else None
+
+
+async def _settle(task: asyncio.Task) -> None:
+    """Wait for ``task`` to end, whatever it ended with; a cancellation of the awaiting task itself propagates."""
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+    except Exception:  # the partner's own error: the teacher's outcome (or its error) decides the request
+        pass
+
+
+async def _last(aiter: AsyncIterator[Any]) -> Any:
+    last = None
+    async for item in aiter:
+        last = item
+    if last is None:
+        raise RequestFailed("an engine ended a request without any output")
+    return last

@@ -1,0 +1,89 @@
+"""What an engine's plugins need to join a pair, as one typed value that crosses to the engine.
+
+The driver builds one :class:`LockstepConfig` per engine from the user's settings and hands it
+to vLLM as ``additional_config["dual_sampling"]`` (a plain dict: vLLM hashes and ships it to the
+engine's processes). Each plugin reads it back with :meth:`LockstepConfig.from_vllm`, which
+refuses a missing, unknown or ill-typed key by name, so a plugin never guesses at a setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dual_sampling.checks import is_int, need_number
+from dual_sampling.lockstep.layout import Role
+
+__all__ = ["CONFIG_KEY", "LockstepConfig"]
+
+CONFIG_KEY = "dual_sampling"
+"""The key of vLLM's ``additional_config`` (and of each request's ``extra_args``) that holds our settings."""
+
+
+@dataclass(frozen=True)
+class LockstepConfig:
+    """One engine's lockstep settings; validated when built, on either side of the process boundary."""
+
+    role: Role
+    """Which side this engine is ("teacher" or "theta")."""
+    session: str
+    """The shared-memory session's name (``SyncSession.create`` made it)."""
+    sync_timeout: float
+    """Seconds a plugin waits for its partner before the row (and only its request) fails."""
+    alpha_method: str = "kl_symmetry"
+    """The alpha computer's registry name (``alpha.get_alpha_computer``); the teacher's processor builds it."""
+    alpha_config: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the alpha computer."""
+    mix_helper_cpus: tuple[int, ...] = ()
+    """CPUs the teacher's processor may borrow for half of each step's rows (theta's, idle while the teacher
+    decides); empty: none."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role.parse(self.role, "role"))
+        if not isinstance(self.session, str):
+            raise ValueError(f"session must be a string, got {self.session!r}")
+        object.__setattr__(self, "sync_timeout", need_number("sync_timeout", self.sync_timeout, positive=True))
+        if not isinstance(self.alpha_method, str) or not self.alpha_method:
+            raise ValueError(f"alpha_method must be a method name, got {self.alpha_method!r}")
+        if not isinstance(self.alpha_config, Mapping):
+            raise ValueError(f"alpha_config must be a mapping of keyword arguments, got {self.alpha_config!r}")
+        cpus = tuple(self.mix_helper_cpus or ())
+        if not all(is_int(c) and c >= 0 for c in cpus):
+            raise ValueError(f"mix_helper_cpus must be CPU numbers, got {self.mix_helper_cpus!r}")
+        object.__setattr__(self, "mix_helper_cpus", cpus)
+
+    def with_session(self, session: str) -> LockstepConfig:
+        """The same settings for another session."""
+        return dataclasses.replace(self, session=session)
+
+    def to_engine(self) -> dict[str, Any]:
+        """``additional_config`` for vLLM: ``{CONFIG_KEY: {field: value}}`` of plain JSON values."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values.update(
+            role=str(self.role), alpha_config=dict(self.alpha_config), mix_helper_cpus=list(self.mix_helper_cpus)
+        )
+        return {CONFIG_KEY: values}
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any, role: Role | str, plugin: str) -> LockstepConfig:
+        """The settings the driver put in ``vllm_config.additional_config``, for the ``role`` plugin named ``plugin``;
+        ValueError naming what is missing, unknown or wrong."""
+        values = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
+        if not values:
+            raise ValueError(
+                f"{plugin} needs LLM(..., additional_config={{'{CONFIG_KEY}': {{...}}}}) naming the session; "
+                "build engines through dual_sampling.OptimalSamplingDual"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"{plugin}: additional_config['{CONFIG_KEY}'] has unknown keys {unknown}")
+        try:
+            config = cls(**values)
+        except TypeError as exc:  # a required key is missing
+            raise ValueError(f"{plugin}: additional_config['{CONFIG_KEY}'] is incomplete: {exc}") from None
+        if config.role != role:
+            raise ValueError(f"{plugin} is the {role} plugin but the engine's role is {str(config.role)!r}")
+        return config

@@ -1,0 +1,102 @@
+"""What the run configs share: the part naming the models and the prompts' fields (:class:`ModelsAndPrompts`), and
+the flat keys through which a composed config is set (CLI flags, YAML keys) and compared (a run's identity).
+
+A run config (``RunConfig``, ``DistillConfig``) has fields of its own and composes parts: fields
+typed as dataclasses (``source``, ``sampling``, ``engine``). Every field of every part is one flat
+key; a name two parts share is refused. A run's own defaults for a part's fields (distillation
+samples 128 tokens of a "question" field) live in its ``PART_DEFAULTS``, which its default
+factories and :func:`compose_settings` both read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ModelsAndPrompts", "compose_settings", "composed_parts", "flat_keys", "flat_settings", "runtime_only"]
+
+RUN = "run"
+"""The part name of a config's own fields."""
+
+
+@dataclass
+class ModelsAndPrompts:
+    """The two models, and which fields of a problem's row hold what each is shown: the part every run shares."""
+
+    teacher: str | None = None
+    """Teacher model folder; None: the local SmolLM2-135M-Instruct."""
+    theta: str | None = None
+    """Theta (student) model folder, same tokenizer as the teacher; None: the 24-layer pruned SmolLM2."""
+    prompt_field: str = "problem"
+    """Field of a problem's row holding its text."""
+    hint_field: str | None = None
+    """Field holding a reference solution shown to the teacher only, while sampling (e.g. "solution")."""
+    chat_template: bool = True
+    """Wrap prompts in each model's chat template; False for base models."""
+
+    def __post_init__(self) -> None:
+        if self.teacher is None or self.theta is None:
+            from dual_sampling import models
+
+            self.teacher, self.theta = models.default_pair(self.teacher, self.theta)
+
+
+def composed_parts(cls: type) -> dict[str, type]:
+    """The fields of the config class ``cls`` that are configs of their own: field name → its class."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
+
+
+def flat_keys(cls: type) -> dict[str, str]:
+    """Which part of the config class ``cls`` each flat key belongs to (``"run"`` for its own fields); a name two
+    parts share is refused (a flag, a YAML key and a manifest could not tell them apart)."""
+    parts = composed_parts(cls)
+    owner: dict[str, str] = {}
+    for part, part_cls in {RUN: cls, **parts}.items():
+        for f in dataclasses.fields(part_cls):
+            if part == RUN and f.name in parts:  # a composed part: its own fields are the keys
+                continue
+            if f.name in owner:
+                raise TypeError(
+                    f"setting {f.name!r} is a field of both the {owner[f.name]} and the {part} options; "
+                    "a flat key must name one setting"
+                )
+            owner[f.name] = part
+    return owner
+
+
+def compose_settings(cls: type, settings: dict[str, Any]) -> Any:
+    """The config ``cls`` from flat keys (CLI flags, a YAML file): each key goes to the part that owns it, over the
+    run's own defaults for that part (``cls.PART_DEFAULTS``). An unknown key is refused by name."""
+    owner = flat_keys(cls)
+    parts = composed_parts(cls)
+    defaults = getattr(cls, "PART_DEFAULTS", {})
+    values: dict[str, dict[str, Any]] = {RUN: {}, **{part: dict(defaults.get(part, {})) for part in parts}}
+    for key, value in settings.items():
+        part = owner.get(key)
+        if part is None:
+            raise ValueError(f"unknown setting {key!r}; known: {sorted(owner)}")
+        values[part][key] = value
+    return cls(**values[RUN], **{part: part_cls(**values[part]) for part, part_cls in parts.items()})
+
+
+def flat_settings(config: Any) -> dict[str, Any]:
+    """Every setting of a composed config as one flat mapping (the inverse of :func:`compose_settings`)."""
+    parts = composed_parts(type(config))
+    out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in parts}
+    for part in parts:
+        out.update(dataclasses.asdict(getattr(config, part)))
+    return out
+
+
+def runtime_only(cls: type) -> frozenset[str]:
+    """The flat keys of the config class ``cls`` marked RUNTIME_ONLY (``dual_sampling.options``): they change how a
+    run draws its samples, never which."""
+    return frozenset(
+        f.name
+        for part_cls in (cls, *composed_parts(cls).values())
+        for f in dataclasses.fields(part_cls)
+        if not f.metadata.get("changes_records", True)
+    )
