@@ -1,5 +1,7 @@
 """Shared fixtures (real vLLM CPU engines on the tiny models, started once per session) and the test tiers.
 
+Every test phase has a time budget (``tests/budget.py``); ``@pytest.mark.budget`` names the exceptions.
+
 Tiers: ``engine`` marks every test that starts engines (directly, through a fixture, or in
 a subprocess); ``models`` marks tests that build the real SmolLM2 folders. ``make test-fast``
 runs the rest in a few minutes; CI runs everything.
@@ -17,12 +19,17 @@ from hypothesis import settings
 
 from dual_sampling.testing import tiny_models
 from tests import processes  # noqa: F401  (tags every process this session starts, before any starts)
+from tests.budget import BudgetCheck
 
 settings.register_profile("default", derandomize=True, deadline=None)
 settings.register_profile("explore", derandomize=False, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 ENGINE_FIXTURES = {"dual_engine", "load_engine"}
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(BudgetCheck(), "dual-sampling-budget")
 
 
 def pytest_collection_modifyitems(items):

@@ -80,6 +80,13 @@ def find_replicas(driver: int) -> list[psutil.Process]:
     return out
 
 
+@pytest.mark.budget(
+    240,
+    reason=(
+        "two Ray replicas each start a pair (two pairs on two cores) and draw 24 batches, one is killed and its "
+        "batch drawn again: 119 s on an idle CI run"
+    ),
+)
 def test_two_replicas_with_one_killed_give_the_local_samples_exactly_once(dual_engine, hf_models, tiny_same, tmp_path):
     src = problems(tmp_path / "in.jsonl", 48)  # 24 batches: a replica up alone must not finish them between two looks
     local = tmp_path / "local.jsonl"
@@ -147,6 +154,9 @@ def test_two_replicas_with_one_killed_give_the_local_samples_exactly_once(dual_e
     assert settle(before) == (set(), set())
 
 
+@pytest.mark.budget(
+    150, reason="a Ray run with its own pair, killed, then a local resume with another: 67 s on an idle CI run"
+)
 def test_driver_killed_then_resumed_is_exactly_once(dual_engine, tiny_same, tmp_path):
     src = problems(tmp_path / "in.jsonl", 12)
     out = tmp_path / "run.jsonl"
@@ -260,7 +270,7 @@ class DyingStage(DualSamplingStage):
     def __init__(self, settings=None, emit="records", attempts=None, models=None):
         self.cfg = _run_config(settings or {})
         self.emit, self.attempts, self.replica, self.models = emit, attempts, str(os.getpid()), {}
-        self.sampler = DyingSampler((self.cfg.teacher, self.cfg.theta))
+        self.sampler = DyingSampler((self.cfg.source.teacher, self.cfg.source.theta))
 
 
 def test_a_batch_that_always_kills_its_replica_fails_after_ray_max_retries(tiny_same, tmp_path, monkeypatch):

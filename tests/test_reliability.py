@@ -103,6 +103,9 @@ def test_two_instances_in_one_process_do_not_cross_talk(dual_engine, load_engine
             assert assert_records_match_rescoring(req, *hf_models, dual_engine.vocab, method) > 0
 
 
+@pytest.mark.budget(
+    120, reason="two driver processes, each with a pair of its own, sampling at once: 55 s on an idle CI run"
+)
 def test_two_processes_do_not_cross_talk(dual_engine, tiny_same, hf_models):
     # The other process runs the entropy method (its one real-engine run); its records are re-scored here.
     teacher, theta = tiny_same

@@ -1,8 +1,9 @@
 """Stress on the real SmolLM2 pair: the workload that broke the timed admission gate.
 
-32 word problems. The teacher sees each with its reference solution and other worked
+16 word problems. The teacher sees each with its reference solution and other worked
 examples (600-900 tokens, a different set per problem); theta sees the question alone
-(about 70 tokens). max_num_seqs 8, n 2. One run without stop strings; one with the stop
+(about 70 tokens). max_num_seqs 8, n 2: 32 samples for 18 slots, so requests queue, and every
+step mixes long prefills with decodes. One run without stop strings; one with the stop
 string "\\n\\n" and a quarter of the requests aborted at random moments. Expected: no
 failed sample, no timeout, every aborted request reported as aborted, both engines' batches
 equal at every step. The figures are printed (``pytest -s``).
@@ -27,7 +28,10 @@ from tests.word_problems import long_teacher_prompts, theta_prompts, word_proble
 
 pytestmark = [pytest.mark.engine, pytest.mark.models]
 
-MAX_TOKENS = 64
+MAX_TOKENS = 48
+PROBLEMS = 16
+"""Half the workload that first broke the admission gate (32 problems, 64 tokens) keeps its shape: more samples
+than slots, long distinct teacher prompts, decodes beside prefills; the suite's budget pays for no more."""
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +45,7 @@ def smollm2_dual():
 @pytest.fixture(scope="module")
 def workload(smollm2_dual):
     tok = smollm2_dual.tokenizer
-    problems = word_problems(32, seed=0)
+    problems = word_problems(PROBLEMS, seed=0)
     return (
         problems,
         long_teacher_prompts(tok, problems, word_problems(200, seed=99), 600, 900),
@@ -64,6 +68,9 @@ def figures(dual, before: dict, samples: list, wall: float) -> dict:
     }
 
 
+@pytest.mark.budget(
+    150, reason="32 samples behind 600-900-token teacher prompts on SmolLM2, then their re-scoring in transformers"
+)
 def test_long_teacher_hints_without_stop_strings(smollm2_dual, workload):
     _problems, teacher, theta = workload
     before = smollm2_dual.get_sync_statistics()
@@ -72,7 +79,7 @@ def test_long_teacher_hints_without_stop_strings(smollm2_dual, workload):
     samples = [s for r in out.requests for s in r.samples]
     result = figures(smollm2_dual, before, samples, time.monotonic() - start)
     print("stress, no stop strings:", json.dumps(result))
-    assert result["samples"] == 64 and result["failed"] == 0 and result["timeouts"] == 0
+    assert result["samples"] == 2 * PROBLEMS and result["failed"] == 0 and result["timeouts"] == 0
     assert result["split_steps"] == 0 and result["diverged"] == 0
     assert all(
         s.finish_reason in ("stop", "length") and s.teacher_token_ids == s.theta_token_ids == s.token_ids
@@ -89,6 +96,7 @@ def test_long_teacher_hints_without_stop_strings(smollm2_dual, workload):
     assert checked > 100
 
 
+@pytest.mark.budget(120, reason="32 samples behind 600-900-token teacher prompts on SmolLM2")
 def test_long_teacher_hints_with_stop_string_and_random_aborts(smollm2_dual, workload):
     problems, teacher, theta = workload
     rng = random.Random(5)
