@@ -9,7 +9,7 @@ Pure tensor math, with no vLLM import. α is always the teacher weight.
 """
 
 from alpha.base import AlphaComputer, AlphaResult
-from alpha.methods import EntropyAlpha, ESSBalanceAlpha, FixedAlpha, KLSymmetryAlpha
+from alpha.methods import EntropyAlpha, ESSBalanceAlpha, FixedAlpha, KLSymmetryAlpha, TrustRegionAlpha
 from alpha.mixing import geometric_log_weights, geometric_mix
 from alpha.registry import ENTRY_POINT_GROUP, available_alpha_methods, get_alpha_computer, register_alpha_computer
 
@@ -21,6 +21,7 @@ __all__ = [
     "EntropyAlpha",
     "FixedAlpha",
     "KLSymmetryAlpha",
+    "TrustRegionAlpha",
     "available_alpha_methods",
     "geometric_log_weights",
     "geometric_mix",

@@ -1,4 +1,4 @@
-"""The built-in alpha computers: fixed, kl_symmetry, ess_balance and entropy.
+"""The built-in alpha computers: fixed, kl_symmetry, ess_balance, trust_region and entropy.
 
 All take validated, normalised ``[B, V]`` log-probabilities (see ``alpha.base``) and
 return the teacher weight α per row. Notation: d = log π_t − log π_θ, and
@@ -23,7 +23,7 @@ from alpha.base import AlphaComputer, validate_unit_interval
 from alpha.registry import register_alpha_computer
 from alpha.root import solve_monotone_root
 
-__all__ = ["ESSBalanceAlpha", "EntropyAlpha", "FixedAlpha", "KLSymmetryAlpha"]
+__all__ = ["ESSBalanceAlpha", "EntropyAlpha", "FixedAlpha", "KLSymmetryAlpha", "TrustRegionAlpha"]
 
 
 @register_alpha_computer("fixed")
@@ -146,6 +146,50 @@ class ESSBalanceAlpha(_MonotoneRootAlpha):
         log_theta_side, mean_theta_side, _ = _tilted_moments(base, diff, -alpha)
         log_teacher_side, mean_teacher_side, _ = _tilted_moments(base, diff, 2.0 - alpha)
         return log_theta_side - log_teacher_side, mean_teacher_side - mean_theta_side
+
+
+@register_alpha_computer("trust_region")
+@dataclass
+class TrustRegionAlpha(_MonotoneRootAlpha):
+    """The largest α in [alpha_min, alpha_max] with KL(q_α‖π_θ) ≤ ``kl_budget``: as much teacher as a trust region
+    of ε nats around the student allows (trust-region behaviour blending; docs/theory.md).
+
+    With log Z(α) = log Σ_S π_θ·e^(α·d), q_α = π_θ·e^(α·d)/Z on the joint support S, so
+    K(α) = KL(q_α‖π_θ) = α·E_{q_α}[d] − log Z(α), and K′(α) = α·Var_{q_α}(d) ≥ 0: K is
+    non-decreasing, and {α : K(α) ≤ ε} is an interval [alpha_min, α*]. Near 0, K ≈ α²·Var/2
+    is flat, so Newton runs on h(α) = √(2K) − √(2ε), which is close to linear there, with
+    h′ = α·Var/√(2K) (√Var at K = 0). Clamps: a budget that α = alpha_max stays within gives
+    alpha_max; one that even alpha_min exceeds (a masked row's K(0) = −log π_θ(S) can)
+    gives alpha_min. K is flat only when d is constant on S (then K is constant, and the
+    answer is alpha_max or alpha_min by that constant); ε = 0 gives alpha_min unless it is.
+    """
+
+    kl_budget: float = 0.1
+    """ε, in nats: the most KL(q_α‖π_θ) a row may reach; >= 0."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        value = self.kl_budget
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < math.inf):
+            raise ValueError(f"kl_budget must be a finite number >= 0 (nats), got {value!r}")
+        self.kl_budget = float(value)
+
+    def residual(self, base: Tensor, diff: Tensor, alpha: Tensor) -> tuple[Tensor, Tensor]:
+        log_z, mean, second = _tilted_moments(base, diff, alpha)
+        var = (second - mean * mean).clamp_min(0.0)
+        kl = (alpha * mean - log_z).clamp_min(0.0)
+        eps = torch.finfo(base.dtype).eps
+        flat = var <= 64 * eps * (1.0 + second)  # d constant on S: K is constant in α
+        if self.kl_budget == 0.0:  # the largest α with K ≤ 0: alpha_min, unless K is flat at 0
+            within = flat & (kl <= 64 * eps)
+            return torch.where(within, -1.0, 1.0).to(base.dtype), torch.zeros_like(kl)
+        root = torch.sqrt(2.0 * kl)
+        tiny = kl <= eps
+        slope = torch.where(tiny, torch.sqrt(var), alpha * var / torch.where(tiny, 1.0, root))
+        h = root - math.sqrt(2.0 * self.kl_budget)
+        # A flat K has no root inside: its sign alone sends the solver to the clamp it belongs to.
+        h = torch.where(flat, torch.where(kl <= self.kl_budget, -1.0, 1.0).to(h.dtype), h)
+        return h, torch.where(flat, torch.zeros_like(slope), slope)
 
 
 @register_alpha_computer("entropy")

@@ -253,7 +253,7 @@ class EngineOptions:
     """How the two engines run: everything of a dual engine but its two models. Validated at construction."""
 
     alpha_method: str = "kl_symmetry"
-    """Registered alpha method: fixed, kl_symmetry, ess_balance, entropy, or a plugin's."""
+    """Registered alpha method: fixed, kl_symmetry, ess_balance, trust_region, entropy, or a plugin's."""
     alpha_min: float = 0.0
     """Lower clamp on the teacher weight α."""
     alpha_max: float = 1.0

@@ -77,6 +77,22 @@ def np_alpha_entropy(lth, lt) -> float:
     return h(lt) / total if total > 0 else 0.5
 
 
+def np_alpha_trust_region(lth, lt, budget: float, lo: float = 0.0, hi: float = 1.0, iters: int = 200) -> float:
+    """The largest a in [lo, hi] with KL(q_a‖π_θ) ≤ budget, by bisection on that predicate (lo if even lo exceeds
+    it): the boundary of the set the predicate holds on, never a root picked inside a flat stretch."""
+    within = lambda a: np_kl(np_mix(lth, lt, a), lth) <= budget
+    if within(hi):
+        return hi
+    if not within(lo):
+        return lo
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        if not lo < mid < hi:
+            break
+        lo, hi = (mid, hi) if within(mid) else (lo, mid)
+    return lo
+
+
 BISECTION_ORACLES = {"kl_symmetry": np_alpha_kl, "ess_balance": np_alpha_ess}
 """The methods whose α the float64 bisection solves independently of the alpha package."""
 FLOAT64_ORACLES = {**BISECTION_ORACLES, "entropy": np_alpha_entropy, "fixed": None}

@@ -13,7 +13,15 @@ from hypothesis import strategies as st
 
 import alpha.registry
 from alpha import AlphaComputer, available_alpha_methods, geometric_mix, get_alpha_computer
-from tests.oracles import np_alpha_ess, np_alpha_kl, np_ess_log_ratio, np_kl_residual, np_mix
+from tests.oracles import (
+    np_alpha_ess,
+    np_alpha_kl,
+    np_alpha_trust_region,
+    np_ess_log_ratio,
+    np_kl,
+    np_kl_residual,
+    np_mix,
+)
 
 
 def logp(probs, dtype=torch.float64) -> torch.Tensor:
@@ -245,7 +253,7 @@ def test_one_dimensional_input_gives_scalar():
     assert geometric_mix(th, t, a).shape == (3,)
 
 
-@pytest.mark.parametrize("method", ["fixed", "kl_symmetry", "ess_balance", "entropy"])
+@pytest.mark.parametrize("method", ["fixed", "kl_symmetry", "ess_balance", "trust_region", "entropy"])
 def test_builtin_methods_registered(method):
     ac = get_alpha_computer(method)
     assert isinstance(ac, AlphaComputer) and ac.name == method
@@ -335,3 +343,76 @@ def test_normalized_flag_skips_only_the_renormalisation():
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         get_alpha_computer("kl_symmetry")(th, bad, normalized=True)
+
+
+# ---------------------------------------------------------------- trust_region: the largest α with KL(q_α‖π_θ) ≤ ε
+
+
+@pytest.mark.parametrize("budget", [1e-3, 0.02, 0.3])
+@pytest.mark.parametrize("scale", [0.5, 3.0])
+def test_trust_region_is_the_float64_bisection_boundary(budget, scale):
+    th, t = random_pair(6, 300, seed=41, scale=scale)
+    got = get_alpha_computer("trust_region", kl_budget=budget)(th, t)
+    for b in range(th.shape[0]):
+        lth, lt = th[b].numpy(), t[b].numpy()
+        want = np_alpha_trust_region(lth, lt, budget)
+        assert got[b].item() == pytest.approx(want, abs=1e-7), (b, budget)
+        kl = np_kl(np_mix(lth, lt, got[b].item()), lth)
+        assert kl <= budget + 1e-9 and (got[b].item() == 1.0 or kl >= budget - 1e-6)
+
+
+def test_trust_region_clamps_a_zero_and_an_unreachable_budget():
+    th, t = random_pair(4, 100, seed=42)
+    assert torch.equal(get_alpha_computer("trust_region", kl_budget=0.0)(th, t), torch.zeros(4, dtype=torch.float64))
+    lifted = get_alpha_computer("trust_region", kl_budget=0.0, alpha_min=0.2)(th, t)
+    assert torch.equal(lifted, torch.full((4,), 0.2, dtype=torch.float64))  # even alpha_min exceeds ε = 0
+    assert torch.equal(get_alpha_computer("trust_region", kl_budget=100.0)(th, t), torch.ones(4, dtype=torch.float64))
+    capped = get_alpha_computer("trust_region", kl_budget=100.0, alpha_max=0.7)(th, t)
+    assert torch.equal(capped, torch.full((4,), 0.7, dtype=torch.float64))
+
+
+def test_trust_region_with_one_model_twice_takes_all_the_teacher_allowed():
+    th, _ = random_pair(3, 50, seed=43)
+    for budget in (0.0, 0.1):  # q_α = π_θ for every α: KL is 0, within any budget
+        got = get_alpha_computer("trust_region", kl_budget=budget, alpha_max=0.9)(th, th.clone())
+        assert torch.equal(got, torch.full((3,), 0.9, dtype=torch.float64))
+
+
+def test_trust_region_on_masked_rows_matches_the_bisection_on_the_joint_support():
+    th, t = random_pair(3, 200, seed=44)
+    t = t.clone()
+    t[0, 100:] = -math.inf  # the teacher's top-k-like mask: S holds half of π_θ's tokens
+    t[1, 1:] = -math.inf  # a one-token support: KL(q_α‖π_θ) = −log π_θ(y) for every α
+    th = th.clone()
+    th[2] = torch.log_softmax(th[2].masked_fill(torch.arange(200) < 20, -math.inf), -1)  # a mask on theta's side
+    for budget in (0.05, 2.0):
+        got = get_alpha_computer("trust_region", kl_budget=budget)(th, t)
+        for b in range(3):
+            want = np_alpha_trust_region(th[b].numpy(), t[b].numpy(), budget)
+            assert got[b].item() == pytest.approx(want, abs=1e-7), (b, budget)
+
+
+def test_trust_region_in_float32_is_the_float64_answer():
+    th, t = random_pair(8, 4000, seed=45)
+    ac = get_alpha_computer("trust_region", kl_budget=0.05)
+    torch.testing.assert_close(ac(th.float(), t.float()).double(), ac(th, t), atol=2e-4, rtol=0)
+
+
+def test_trust_region_budget_is_named():
+    for bad in (-0.1, math.inf, math.nan, "0.1", True):
+        with pytest.raises(ValueError, match="kl_budget must be a finite number >= 0"):
+            get_alpha_computer("trust_region", kl_budget=bad)
+
+
+@settings(max_examples=150, deadline=None)
+@given(log_prob_pairs(), st.floats(0.0, 2.0))
+def test_property_trust_region_is_the_largest_alpha_within_the_budget(pair, budget):
+    th, t = pair
+    lth, lt = th.numpy(), t.numpy()
+    a = get_alpha_computer("trust_region", kl_budget=budget)(th, t).item()
+    want = np_alpha_trust_region(lth, lt, budget)
+    kl = lambda x: np_kl(np_mix(lth, lt, x), lth)
+    # Where K(α) ≈ α²·Var/2 is below float64's rounding of the oracle's KL (nearly equal models, ε ≈ 0), the oracle's
+    # boundary is that rounding's: there the two answers agree in KL, not in α.
+    assert a == pytest.approx(want, abs=1e-6) or abs(kl(a) - kl(want)) <= 1e-12, (a, want, kl(a), kl(want))
+    assert kl(a) <= budget + 1e-9 or a == want == 0.0  # or even α = 0 exceeds ε (a masked row): the clamp
