@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from alpha import get_alpha_computer
 from dual_sampling.driver.lockstep_driver import LockstepDriver
 from dual_sampling.driver.loop_thread import as_coroutine
 from dual_sampling.driver.requests import DualRequest, PromptPair, generation_room
@@ -259,6 +260,30 @@ class OptimalSamplingDual:
     async def resume_async(self) -> None:
         """:meth:`resume` from any asyncio loop."""
         await self.driver.thread.run(as_coroutine(self.driver.resume))
+
+    def update_alpha(self, method: str | None = None, **alpha_config: Any) -> tuple[str, dict[str, Any]]:
+        """Decide with a new alpha computer from now on: ``method`` (None: the current one) with ``alpha_config``,
+        whose bounds default to the engine's ``alpha_min`` and ``alpha_max``. Checked here first (a bad name or value
+        is refused by name, and nothing changes); it takes effect once no request runs (those in flight finish on the
+        old one, those waiting start on the new one). Returns :attr:`alpha_settings`. Thread-safe.
+
+        A distillation run anneals a ``trust_region`` budget this way between rounds.
+        """
+        self._check_open()
+        current, _ = self.alpha_settings
+        method = current if method is None else method
+        config = {"alpha_min": self.config.alpha_min, "alpha_max": self.config.alpha_max, **alpha_config}
+        get_alpha_computer(method, **config)
+        self.driver.call(self.driver.update_alpha(method, config))
+        return self.alpha_settings
+
+    @property
+    def alpha_settings(self) -> tuple[str, dict[str, Any]]:
+        """The alpha method and its full configuration (bounds included) the teacher decides with now."""
+        if self.driver.alpha is not None:
+            method, config = self.driver.alpha
+            return method, dict(config)
+        return self.config.alpha_method, dict(self.config.alpha_kwargs)
 
     @property
     def paused(self) -> bool:

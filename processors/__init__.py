@@ -4,22 +4,23 @@
   the same requests at every step;
 - ``processors.teacher`` / ``processors.theta``: logits processors that move one logits row
   and one decided token per request per step;
-- ``processors.weights_reload``: a worker extension (``worker_extension_cls``) whose weight
-  reload also refreshes tied output projections.
+- ``processors.worker_extension``: the worker extension (``worker_extension_cls``) the driver
+  calls between requests: a weight reload that also refreshes tied output projections
+  (``processors.weights_reload``), and a new alpha computer for the teacher's processor.
 """
 
 from processors.base import BaseSyncLogitsProcessor
 from processors.scheduler import LockstepScheduler, TeacherLockstepScheduler, ThetaLockstepScheduler
 from processors.teacher import TeacherSyncLogitsProcessor
 from processors.theta import ThetaSyncLogitsProcessor
-from processors.weights_reload import WeightsReloadExtension
+from processors.worker_extension import DualSamplingWorkerExtension
 
 __all__ = [
     "BaseSyncLogitsProcessor",
+    "DualSamplingWorkerExtension",
     "LockstepScheduler",
     "TeacherLockstepScheduler",
     "TeacherSyncLogitsProcessor",
     "ThetaLockstepScheduler",
     "ThetaSyncLogitsProcessor",
-    "WeightsReloadExtension",
 ]

@@ -1,4 +1,4 @@
-"""A vLLM worker extension: reload weights in place, tied output projections included.
+"""Reloading weights in place, tied output projections included (the worker extension's reload calls it).
 
 Why it exists (vLLM 0.32, CPU build). ``reload_weights`` loads layer by layer
 (``vllm/model_executor/model_loader/reload/layerwise.py``): once a layer has all its
@@ -28,20 +28,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-__all__ = ["WeightsReloadExtension", "refresh_tied_layers"]
-
-
-class WeightsReloadExtension:
-    """Mixed into each engine's worker class (vLLM's ``worker_extension_cls``); called by ``collective_rpc``."""
-
-    def dual_sampling_reload_weights(self, weights_path: str) -> list[str]:
-        """vLLM's ``reload_weights`` from ``weights_path``, then :func:`refresh_tied_layers`.
-
-        Returns the names of the layers processed again (empty for an untied model).
-        """
-        worker: Any = self
-        worker.reload_weights(weights_path=weights_path)
-        return refresh_tied_layers(worker.model_runner.get_model())
+__all__ = ["refresh_tied_layers"]
 
 
 def refresh_tied_layers(model: Any) -> list[str]:

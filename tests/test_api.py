@@ -343,3 +343,31 @@ def test_padded_vocab_pair_matches_rescoring_and_cleans_up():
             assert all(a == pytest.approx(0.3, abs=1e-6) for a in r.samples[0].alpha)
             assert rescore(hf[0], r.teacher_prompt_token_ids, r.samples[0].token_ids, s.vocab).shape[-1] == s.vocab
     assert not os.path.exists(f"/dev/shm/{name}") and not ipc.exists()
+
+
+def test_a_new_alpha_computer_decides_the_next_samples_and_a_bad_one_changes_nothing(dual_engine, hf_models):
+    """update_alpha: trust_region with a budget, checked against the float64 boundary by re-scoring, then back."""
+    s = dual_engine
+    started = s.alpha_settings
+    assert started[0] == "kl_symmetry"
+    with pytest.raises(ValueError, match="kl_budget must be a finite number >= 0"):
+        s.update_alpha("trust_region", kl_budget=-1.0)
+    with pytest.raises(ValueError, match="unknown alpha method"):
+        s.update_alpha("trust_regio")
+    assert s.alpha_settings == started and s.get_sync_statistics()["alpha_updates"] == 0
+    try:
+        method, config = s.update_alpha("trust_region", kl_budget=0.02)
+        assert method == "trust_region" and config == {"alpha_min": 0.0, "alpha_max": 1.0, "kl_budget": 0.02}
+        out = s.generate(PROMPTS[:2], max_tokens=12, seed=4)
+        checked = sum(
+            assert_records_match_rescoring(r, *hf_models, s.vocab, "trust_region", alpha_config={"kl_budget": 0.02})
+            for r in out.requests
+        )
+        assert checked > 0
+        alphas = [a for r in out.requests for a in r.samples[0].alpha]
+        assert max(alphas) < 1.0  # the budget binds on this pair: not the teacher alone
+    finally:
+        s.update_alpha(started[0], **started[1])
+    assert s.alpha_settings == started and s.get_sync_statistics()["alpha_updates"] == 2
+    back = s.generate(PROMPTS[:1], max_tokens=8, seed=4).requests[0]
+    assert assert_records_match_rescoring(back, *hf_models, s.vocab, "kl_symmetry") > 0

@@ -236,3 +236,31 @@ def test_an_update_the_engine_missed_stops_the_run_by_name(dual_engine, tiny_sam
     finally:
         monkeypatch.undo()
         dual_engine.update_theta(str(theta), version="0")
+
+
+def test_the_trust_region_budget_anneals_linearly_to_zero():
+    engine = EngineOptions(alpha_method="trust_region", alpha_config={"kl_budget": 0.3})
+    cfg = DistillConfig(prompts="p.jsonl", output="o", source=PAIR, engine=engine, kl_budget_warmup_rounds=3)
+    assert [cfg.kl_budget(r) for r in range(1, 6)] == pytest.approx([0.3, 0.2, 0.1, 0.0, 0.0], abs=1e-15)
+    assert DistillConfig(prompts="p.jsonl", output="o", source=PAIR, engine=engine).kl_budget(1) is None
+    with pytest.raises(ValueError, match="kl_budget_warmup_rounds=2 anneals a trust_region budget; alpha_method is"):
+        DistillConfig(prompts="p.jsonl", output="o", source=PAIR, kl_budget_warmup_rounds=2)
+    with pytest.raises(ValueError, match="kl_budget_warmup_rounds must be an integer >= 0"):
+        DistillConfig(prompts="p.jsonl", output="o", source=PAIR, engine=engine, kl_budget_warmup_rounds=-1)
+
+
+def test_a_run_samples_each_round_with_its_budget_and_gives_the_engine_its_alpha_back(
+    dual_engine, tiny_same, prompts_file, tmp_path
+):
+    engine = EngineOptions(alpha_method="trust_region", alpha_config={"kl_budget": 0.05}, max_dense_logprobs=16)
+    settings = small_run(tiny_same, prompts_file, tmp_path, eval_max_tokens=8, rounds=2, prompts_per_round=4)
+    settings.update(engine=engine, kl_budget_warmup_rounds=1, steps_per_round=1, plot=False)
+    started = dual_engine.alpha_settings
+    try:
+        rows = Distiller(DistillConfig(**settings, sampling=SamplingOptions(max_tokens=8)), dual_engine).run()
+        assert [r.get("kl_budget") for r in rows] == [None, 0.05, 0.0]
+        assert rows[2]["mean_alpha"] == 0.0  # ε = 0: every token from the student alone
+        assert 0.0 < rows[1]["mean_alpha"] < 1.0
+        assert dual_engine.alpha_settings == started  # the run's budget was the run's only
+    finally:
+        dual_engine.update_theta(str(tiny_same[1]), version="0")

@@ -22,7 +22,17 @@ import pytest
 from dual_sampling.lockstep import SESSION_PREFIX, SessionLayout, SyncSession, listing_dir, mapped_shm_files
 from tests import processes
 
-pytestmark = pytest.mark.engine
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.budget(
+        120,
+        reason=(
+            "each case starts a pair in a driver process of its own and waits out its end: 25-45 s, but the end's "
+            "bounded waits (the driver's 10 s sync_timeout, the engines' 10 s exit grace, 30 s for leftovers to "
+            "settle) add up under load (one fresh-clone run saw 73 s for the SIGINT case, 25 s on a rerun)"
+        ),
+    ),
+]
 
 SETTLE_S = 30.0
 

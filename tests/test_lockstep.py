@@ -284,7 +284,7 @@ def _verify(tiny_same, change) -> str:
             if role == "teacher"
             else "processors.scheduler.ThetaLockstepScheduler"
         )
-        cfg.parallel_config.worker_extension_cls = "processors.weights_reload.WeightsReloadExtension"
+        cfg.parallel_config.worker_extension_cls = "processors.worker_extension.DualSamplingWorkerExtension"
         cfg.cache_config.block_size = 16
         cfg.cache_config.num_gpu_blocks = 4 * 6 + 1  # 4 seats of 96 tokens in blocks of 16, and the null block
         change(role, cfg)
@@ -355,7 +355,7 @@ def _verify(tiny_same, change) -> str:
         ),
         (
             lambda r, c: setattr(c.parallel_config, "worker_extension_cls", "") if r == "theta" else None,
-            "theta: worker_extension_cls is '', not 'processors.weights_reload.WeightsReloadExtension'",
+            "theta: worker_extension_cls is '', not 'processors.worker_extension.DualSamplingWorkerExtension'",
         ),
     ],
 )

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from alpha import get_alpha_computer
 from dual_sampling.checks import need_int, need_number
 from dual_sampling.distill.loss import WEIGHTINGS
 from dual_sampling.options import RUNTIME_ONLY, EngineOptions, SamplingOptions
@@ -65,6 +66,10 @@ class DistillConfig:
     times that passes. Raise it for a bf16 engine; ``inf`` lets every finite
     figure pass (a NaN still stops the run; the figures are reported either way). The trainer's figure is computed in
     training mode, as its loss is: a student with dropout would differ by its dropout, not by a stale θ."""
+    kl_budget_warmup_rounds: int = 0
+    """With ``alpha_method: trust_region``: the rounds over which its ``kl_budget`` ε (of ``alpha_config``) falls
+    linearly to 0, as trust-region behaviour blending anneals it: round r samples with ε·max(0, 1 − (r − 1)/W).
+    Each round's ε is in metrics.jsonl (``kl_budget``). 0 keeps ε for every round."""
     resume: bool = field(default=False, metadata=RUNTIME_ONLY)
     """Continue the run in ``output`` from its last complete round (same settings; ``rounds`` may grow)."""
     plot: bool = field(default=True, metadata=RUNTIME_ONLY)
@@ -87,6 +92,7 @@ class DistillConfig:
             ("prompts_per_round", 1),
             ("steps_per_round", 1),
             ("loss_top_k", 1),
+            ("kl_budget_warmup_rounds", 0),
         ):
             need_int(name, getattr(self, name), least)
         # max_weight may be inf (no clip) but not 0; the optimizer's settings must be finite.
@@ -98,6 +104,11 @@ class DistillConfig:
             ("max_sampler_mismatch", False, False),
         ):
             setattr(self, name, need_number(name, getattr(self, name), positive=positive, finite=finite))
+        if self.kl_budget_warmup_rounds and self.engine.alpha_method != "trust_region":
+            raise ValueError(
+                f"kl_budget_warmup_rounds={self.kl_budget_warmup_rounds} anneals a trust_region budget; "
+                f"alpha_method is {self.engine.alpha_method!r}"
+            )
         if self.weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
         if self.prompts_per_round * self.sampling.n < self.steps_per_round:
@@ -114,6 +125,13 @@ class DistillConfig:
         self.engine = dataclasses.replace(
             self.engine, max_dense_logprobs=max(self.engine.max_dense_logprobs, self.loss_top_k)
         )
+
+    def kl_budget(self, r: int) -> float | None:
+        """The trust_region budget ε (nats) round ``r`` (1, 2, ...) samples with; None without a schedule."""
+        if not self.kl_budget_warmup_rounds:
+            return None
+        start = get_alpha_computer(self.engine.alpha_method, **self.engine.alpha_kwargs).kl_budget
+        return start * max(0.0, 1.0 - (r - 1) / self.kl_budget_warmup_rounds)
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any]) -> DistillConfig:

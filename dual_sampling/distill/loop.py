@@ -124,6 +124,7 @@ class Distiller:
             done = self._start()
             rows = self._metrics()
             bar = tqdm(total=cfg.rounds, initial=done, desc="distill", unit="round", file=sys.stderr)
+            alpha_before = self.dual.alpha_settings  # an annealed budget is the run's: the engine gets its own back
             try:
                 for r in range(done + 1, cfg.rounds + 1):
                     row = self._round(r, previous=rows[-1])
@@ -132,6 +133,9 @@ class Distiller:
                     bar.write(_summary_line(row), file=sys.stderr)  # stdout is for results
             finally:
                 bar.close()
+                if self.dual.alpha_settings != alpha_before and self.dual.failure is None:
+                    method, config = alpha_before
+                    self.dual.update_alpha(method, **config)
             if cfg.plot:
                 plot_run(rows, self.out / "plot.png")
         return rows
@@ -177,6 +181,9 @@ class Distiller:
     def _round(self, r: int, previous: dict[str, Any]) -> dict[str, Any]:
         """Round ``r`` after the round summarised by ``previous``; its summary, written before its checkpoint."""
         t0 = time.perf_counter()
+        budget = self.config.kl_budget(r)
+        if budget is not None:
+            self.dual.update_alpha("trust_region", **{**self.config.engine.alpha_kwargs, "kl_budget": budget})
         samples, prompt_ids = self._sample(r)
         t1 = time.perf_counter()
         train = self._train(r, samples, prompt_ids)
@@ -190,6 +197,7 @@ class Distiller:
             "theta_version": version,
             "samples": len(samples),
             "tokens": previous["tokens"] + sum(len(s.token_ids) for s in samples),
+            **({} if budget is None else {"kl_budget": budget}),
             **train,
             **held_out,
             "sample_s": t1 - t0,

@@ -101,6 +101,9 @@ class LockstepDriver:
         """Set once, for good, when the driver can serve nothing more (an engine died, or it was closed)."""
         self.counters = statistics.new_counters()
         self.versions = WeightVersions()
+        self.alpha: tuple[str, dict[str, Any]] | None = None
+        """The alpha method and configuration the teacher's processor decides with, once changed by
+        :meth:`update_alpha`; None: the one it started with."""
         self._keys = itertools.count(1)
         self._ids = itertools.count(1)
         self._flights: dict[str, Flight] = {}
@@ -321,20 +324,41 @@ class LockstepDriver:
         """
         check_update(role, mode, version)
         role = Role(role)
+        async with self._no_request_running(mode):
+            engine = getattr(self.engines, role)
+            try:
+                await engine.pause_generation(mode="keep", clear_cache=False)  # nothing runs: nothing to keep
+                await load(engine)
+                await engine.reset_prefix_cache()  # no KV of the old weights is reused
+                await engine.resume_generation()
+            except Exception as exc:
+                raise self._fail(f"loading new {role} weights failed, so its weights are unknown: {exc!r}") from exc
+            return self.versions.updated(role, version)
+
+    async def update_alpha(self, method: str, config: dict[str, Any]) -> None:
+        """Give the teacher's processor the alpha computer ``method`` with ``config`` (the caller checked both), once
+        no request runs on either engine (those in flight finish first; those waiting for a slot start after it). A
+        call that fails leaves the computer unknown: the driver fails for good."""
+        async with self._no_request_running("wait"):
+            try:
+                taken = await self.engines.teacher.collective_rpc("dual_sampling_set_alpha", args=(method, config))
+            except Exception as exc:
+                raise self._fail(f"setting the alpha computer failed, so it is unknown: {exc!r}") from exc
+            if sum(taken) != 1:
+                raise self._fail(f"the teacher engine's workers had {sum(taken)} teacher processors, not 1")
+            self.alpha = (method, dict(config))
+            self.counters["alpha_updates"] += 1
+
+    @contextlib.asynccontextmanager
+    async def _no_request_running(self, mode: str) -> AsyncIterator[None]:
+        """Hold the gate closed (no slot is handed out) while no request runs on either engine: the requests in flight
+        finish first (``mode="wait"``) or are aborted (``mode="abort"``). One such change at a time."""
         self._check_alive()
         async with self._update_lock:
             self.slots.updating = True
             try:
                 await self._quiesce(mode)
-                engine = getattr(self.engines, role)
-                try:
-                    await engine.pause_generation(mode="keep", clear_cache=False)  # nothing runs: nothing to keep
-                    await load(engine)
-                    await engine.reset_prefix_cache()  # no KV of the old weights is reused
-                    await engine.resume_generation()
-                except Exception as exc:
-                    raise self._fail(f"loading new {role} weights failed, so its weights are unknown: {exc!r}") from exc
-                return self.versions.updated(role, version)
+                yield
             finally:
                 self.slots.updating = False
 

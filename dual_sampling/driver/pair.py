@@ -114,11 +114,11 @@ class EnginePair:
     def engine_kwargs(self, role: str) -> dict[str, Any]:
         """The vLLM engine arguments of ``role``."""
         from processors import (
+            DualSamplingWorkerExtension,
             TeacherLockstepScheduler,
             TeacherSyncLogitsProcessor,
             ThetaLockstepScheduler,
             ThetaSyncLogitsProcessor,
-            WeightsReloadExtension,
         )
 
         cfg, role = self.config, Role(role)
@@ -148,7 +148,7 @@ class EnginePair:
             scheduler_cls=role.pick(TeacherLockstepScheduler, ThetaLockstepScheduler),
             logits_processors=[role.pick(TeacherSyncLogitsProcessor, ThetaSyncLogitsProcessor)],
             # Weight updates go through it: vLLM's reload alone leaves a tied output projection stale on the CPU.
-            worker_extension_cls=_qualname(WeightsReloadExtension),
+            worker_extension_cls=_qualname(DualSamplingWorkerExtension),
             additional_config=LockstepConfig(
                 role,
                 self.session_name,
@@ -222,7 +222,7 @@ class EnginePair:
 
     def verify(self) -> None:
         """Read both engines' effective settings and refuse any that would break lockstep, naming it."""
-        from processors import TeacherLockstepScheduler, ThetaLockstepScheduler, WeightsReloadExtension
+        from processors import DualSamplingWorkerExtension, TeacherLockstepScheduler, ThetaLockstepScheduler
 
         problems = []
         cfgs = {role: engine.vllm_config for role, engine in self.engines.items()}
@@ -231,10 +231,10 @@ class EnginePair:
             want = Role(role).pick(TeacherLockstepScheduler, ThetaLockstepScheduler)
             if sc.get_scheduler_cls() is not want:
                 problems.append(f"{role}: scheduler_cls is {sc.get_scheduler_cls().__name__}, not {want.__name__}")
-            if pc.worker_extension_cls != _qualname(WeightsReloadExtension):
+            if pc.worker_extension_cls != _qualname(DualSamplingWorkerExtension):
                 problems.append(
                     f"{role}: worker_extension_cls is {pc.worker_extension_cls!r}, not "
-                    f"{_qualname(WeightsReloadExtension)!r} (weight updates need it)"
+                    f"{_qualname(DualSamplingWorkerExtension)!r} (weight and alpha updates need it)"
                 )
             if sc.async_scheduling:
                 problems.append(f"{role}: async_scheduling is on (a step would be scheduled before its tokens exist)")

@@ -14,10 +14,12 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 def new_counters() -> collections.Counter:
-    """Requests submitted, tokens of verified samples, finished by reason and failed by error code, all at 0."""
+    """Requests submitted, tokens of verified samples, alpha updates, finished by reason and failed by error code, all
+    at 0."""
     names = [
         "requests",
         "tokens",
+        "alpha_updates",
         *(f"finished_{reason}" for reason in FINISH_REASONS),
         *(f"failed_{code.label}" for code in ErrorCode if code != ErrorCode.NONE),
     ]

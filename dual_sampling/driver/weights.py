@@ -239,9 +239,9 @@ def prepared_weights(check: WeightsCheck, weights: Any, role: str, follow_symlin
 
 def reload_from(folder: Path) -> Callable[[Any], Coroutine[Any, Any, None]]:
     """The load step of an update: the engine's workers reload their weights in place from ``folder``."""
-    from processors.weights_reload import WeightsReloadExtension
+    from processors.worker_extension import DualSamplingWorkerExtension
 
-    method = WeightsReloadExtension.dual_sampling_reload_weights.__name__
+    method = DualSamplingWorkerExtension.dual_sampling_reload_weights.__name__
 
     async def load(engine: Any) -> None:
         await engine.collective_rpc(method, kwargs={"weights_path": str(folder)})

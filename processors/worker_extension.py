@@ -1,0 +1,46 @@
+"""The worker extension of both engines (vLLM's ``worker_extension_cls``): what the driver asks a running engine's
+worker to do, through ``collective_rpc``, while no request runs on it.
+
+- ``dual_sampling_reload_weights``: new weights in place (:mod:`processors.weights_reload` says why vLLM's own
+  reload is not enough for tied models on the CPU).
+- ``dual_sampling_set_alpha``: a new alpha computer for the teacher's processor (a trust_region budget annealed
+  between distillation rounds, say), built in the worker from its registry name and configuration.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from processors.weights_reload import refresh_tied_layers
+
+__all__ = ["DualSamplingWorkerExtension"]
+
+
+class DualSamplingWorkerExtension:
+    """Mixed into each engine's worker class; its methods run in the worker process."""
+
+    def dual_sampling_reload_weights(self, weights_path: str) -> list[str]:
+        """vLLM's ``reload_weights`` from ``weights_path``, then :func:`refresh_tied_layers`.
+
+        Returns the names of the layers processed again (empty for an untied model).
+        """
+        worker: Any = self
+        worker.reload_weights(weights_path=weights_path)
+        return refresh_tied_layers(worker.model_runner.get_model())
+
+    def dual_sampling_set_alpha(self, method: str, config: dict[str, Any]) -> int:
+        """Give this worker's teacher processor the alpha computer ``get_alpha_computer(method, **config)``.
+
+        Returns how many processors took it: 1 on the teacher's worker, 0 on theta's (which decides nothing).
+        """
+        from alpha import get_alpha_computer
+        from processors.teacher import TeacherSyncLogitsProcessor
+
+        worker: Any = self
+        computer = get_alpha_computer(method, **config)
+        taken = 0
+        for processor in worker.model_runner.input_batch.logitsprocs.all:
+            if isinstance(processor, TeacherSyncLogitsProcessor):
+                processor.alpha_computer = computer
+                taken += 1
+        return taken
