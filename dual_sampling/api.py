@@ -255,10 +255,12 @@ class OptimalSamplingDual:
 
     def resume(self) -> None:
         """Start samples again after :meth:`pause`. Thread-safe."""
+        self._check_open()
         self.driver.call(as_coroutine(self.driver.resume))
 
     async def resume_async(self) -> None:
         """:meth:`resume` from any asyncio loop."""
+        self._check_open()
         await self.driver.thread.run(as_coroutine(self.driver.resume))
 
     def update_alpha(self, method: str | None = None, **alpha_config: Any) -> tuple[str, dict[str, Any]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+import asyncio
 import math
 import os
 import signal
@@ -15,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from dual_sampling import OptimalSamplingDual, SamplingOptions
+from dual_sampling import EnginePairDead, OptimalSamplingDual, SamplingOptions
 from dual_sampling.testing import tiny_models
 from tests import processes
 from tests.oracles import assert_records_match_rescoring, oracle_rows, reference_logq, rescore
@@ -343,6 +344,13 @@ def test_padded_vocab_pair_matches_rescoring_and_cleans_up():
             assert all(a == pytest.approx(0.3, abs=1e-6) for a in r.samples[0].alpha)
             assert rescore(hf[0], r.teacher_prompt_token_ids, r.samples[0].token_ids, s.vocab).shape[-1] == s.vocab
     assert not os.path.exists(f"/dev/shm/{name}") and not ipc.exists()
+    # A closed instance refuses every call through its door at once (its loop is gone: nothing may wait on it).
+    for call in (s.resume, s.pause, lambda: s.set_weight_version("theta", "x"), lambda: s.update_alpha("fixed")):
+        with pytest.raises(EnginePairDead, match="this OptimalSamplingDual is closed"):
+            call()
+    for call in (s.resume_async, s.pause_async):
+        with pytest.raises(EnginePairDead, match="this OptimalSamplingDual is closed"):
+            asyncio.run(call())
 
 
 def test_a_new_alpha_computer_decides_the_next_samples_and_a_bad_one_changes_nothing(dual_engine, hf_models):
