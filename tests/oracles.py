@@ -32,10 +32,25 @@ def np_kl(p: np.ndarray, logr: np.ndarray) -> float:
     return float(np.sum(p[m] * (np.log(p[m]) - logr[m])))
 
 
+def _joint_rows(lth: np.ndarray, lt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(log π_θ on the joint support, −inf elsewhere; d = log π_t − log π_θ there, 0 elsewhere)."""
+    joint = np.isfinite(lth) & np.isfinite(lt)
+    with np.errstate(invalid="ignore"):
+        return np.where(joint, lth, -np.inf), np.where(joint, lt - lth, 0.0)
+
+
+def _tilted(base: np.ndarray, d: np.ndarray, a: float) -> tuple[float, float]:
+    """(E_{q_a}[d], log Σ exp(base + a·d)) in float64: q_a's mean of d and its log-normaliser."""
+    x = base + a * d
+    top = np.max(x)
+    w = np.exp(x - top)
+    total = np.sum(w)
+    return float(np.dot(w.ravel(), d.ravel()) / total), float(top + np.log(total))
+
+
 def np_kl_residual(lth, lt, a) -> float:
-    """KL(q‖π_θ) − KL(q‖π_t) at a."""
-    q = np_mix(lth, lt, a)
-    return np_kl(q, lth) - np_kl(q, lt)
+    """KL(q‖π_θ) − KL(q‖π_t) at a, which is Σ q·(log π_t − log π_θ) = E_q[d] (the log q terms cancel)."""
+    return _tilted(*_joint_rows(lth, lt), a)[0]
 
 
 def np_ess_log_ratio(lth, lt, a) -> float:
@@ -63,7 +78,8 @@ def np_bisect(f, lo=0.0, hi=1.0, iters=200) -> float:
 
 
 def np_alpha_kl(lth, lt) -> float:
-    return np_bisect(lambda a: np_kl_residual(lth, lt, a))
+    base, d = _joint_rows(lth, lt)  # once per row: each bisection step is then one pass over the vocabulary
+    return np_bisect(lambda a: _tilted(base, d, a)[0])
 
 
 def np_alpha_ess(lth, lt) -> float:
@@ -80,7 +96,13 @@ def np_alpha_entropy(lth, lt) -> float:
 def np_alpha_trust_region(lth, lt, budget: float, lo: float = 0.0, hi: float = 1.0, iters: int = 200) -> float:
     """The largest a in [lo, hi] with KL(q_a‖π_θ) ≤ budget, by bisection on that predicate (lo if even lo exceeds
     it): the boundary of the set the predicate holds on, never a root picked inside a flat stretch."""
-    within = lambda a: np_kl(np_mix(lth, lt, a), lth) <= budget
+    base, d = _joint_rows(lth, lt)
+
+    def within(a: float) -> bool:
+        # log q_a − log π_θ = a·d − log Σ exp(base + a·d) on the support, so KL(q_a‖π_θ) = a·E_q[d] − that log-sum.
+        mean, log_total = _tilted(base, d, a)
+        return a * mean - log_total <= budget
+
     if within(hi):
         return hi
     if not within(lo):
