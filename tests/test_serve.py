@@ -36,16 +36,22 @@ def free_port() -> int:
 class Server:
     """A uvicorn server for an app, in a thread of this process."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, send_buffer: int | None = None) -> None:
+        """``send_buffer``: SO_SNDBUF in bytes of the listening socket, which the accepted connections inherit
+        (a small one makes a client that stops reading block the server after kilobytes, not megabytes)."""
         import uvicorn
 
         from dual_sampling.server.connections import uvicorn_config
 
-        self.port = free_port()
+        listener = socket.socket()
+        if send_buffer is not None:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+        listener.bind(("127.0.0.1", 0))
+        self.port = listener.getsockname()[1]
         # The app's own options set the connection limits, as `dual-sampling serve` sets them (serve()).
         config = uvicorn_config(app, app.state.service.options, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [listener]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
