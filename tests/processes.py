@@ -77,14 +77,15 @@ def describe(pid: int) -> str:
     return f"{pid} (gone)"
 
 
-def settled(before: tuple[set[int], set[str]], timeout: float) -> tuple[set[str], set[str]]:
+def settled(before: tuple[set[int], set[str]], timeout: float, files_too: bool = True) -> tuple[set[str], set[str]]:
     """New processes (as "pid command") and new files of ours, once none is left or ``timeout`` passed. The wait is a
-    deadline for cleanup that runs on its own (an engine's exit), not a measurement."""
+    deadline for cleanup that runs on its own (an engine's exit), not a measurement. ``files_too=False`` waits for
+    the processes alone (files a later cleanup is to remove would otherwise hold the wait to its deadline)."""
     deadline = time.monotonic() + timeout
     while True:
         procs, files = snapshot()
         new_procs, new_files = procs - before[0], files - before[1]
-        if (not new_procs and not new_files) or time.monotonic() > deadline:
+        if (not new_procs and (not new_files or not files_too)) or time.monotonic() > deadline:
             return {describe(p) for p in new_procs}, new_files
         time.sleep(0.2)
 
