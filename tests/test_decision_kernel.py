@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from alpha import get_alpha_computer
-from dual_sampling.decision.kernel import decide_fused, fused_rows
+from dual_sampling.decision.fusable import kernel_rows
+from dual_sampling.decision.kernel import decide_fused
 from dual_sampling.decision.pipeline import RowSampling, counter_uniform, decide
 from tests.tolerances import ALPHA_ATOL, ONE_NORMALISATION_ATOL, TWO_NORMALISATIONS_ATOL
 
@@ -187,9 +188,9 @@ def test_rows_with_filters_go_to_the_reference_and_the_batch_stays_in_order():
         RowSampling(seed=5, logit_bias={7: 2.0}),
     ]
     steps = [1, 1, 1, 1, 1, 1]
-    assert fused_rows(rows, computer, torch.device("cpu")) == [True, False, True, False, True, False]
-    assert not any(fused_rows(rows, get_alpha_computer("ess_balance"), torch.device("cpu")))
-    assert not any(fused_rows(rows, computer, torch.device("meta")))
+    assert kernel_rows(rows, computer, torch.device("cpu")) == [True, False, True, False, True, False]
+    assert not any(kernel_rows(rows, get_alpha_computer("ess_balance"), torch.device("cpu")))
+    assert not any(kernel_rows(rows, computer, torch.device("meta")))
     mixed = decide(teacher, theta, steps, rows, computer, theta_normalized=True)
     reference = decide(teacher, theta, steps, rows, computer, theta_normalized=True, fused=False)
     assert torch.equal(mixed.tokens, reference.tokens)

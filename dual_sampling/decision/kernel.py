@@ -39,7 +39,8 @@ On rows where the models nearly agree this makes the kernel's α closer to a flo
 than the reference's (``tests/test_decision_kernel.py``). A row the kernel cannot handle (a non-finite
 entry, or mixture weights that all underflow) is reported back and decided by the reference.
 
-GPUs keep the torch reference on the device: this path is CPU-only.
+Its GPU twin is :mod:`dual_sampling.decision.gpu_kernel`; :mod:`dual_sampling.decision.fusable` says which
+rows either takes.
 
 One module over 500 lines: the kernel's passes are one compiled algorithm, tuned and
 checked together (``tests/test_decision_kernel.py``); most of the length is its derivation.
@@ -58,11 +59,10 @@ from numba import types
 from numba.extending import intrinsic
 
 from alpha import AlphaComputer, FixedAlpha, KLSymmetryAlpha
+from dual_sampling.decision.fusable import KERNEL_ALPHA_METHODS
 
-__all__ = ["FUSED_ALPHA_METHODS", "decide_fused", "fused_rows", "warm_up"]
+__all__ = ["decide_fused", "warm_up"]
 
-FUSED_ALPHA_METHODS = {FixedAlpha: 0, KLSymmetryAlpha: 1}
-"""Alpha computer classes the kernel implements (exactly these classes, not subclasses), with their kernel code."""
 _BLOCK = 256
 _CHUNK = 2048  # tokens per step of the maxima and log-normaliser pass: both rows' chunks stay in L1
 _ROW_OK, _ROW_FALLBACK = 0, 1
@@ -500,23 +500,6 @@ def _decide_batch(
     return passes
 
 
-def fused_rows(rows: Sequence, alpha_computer: AlphaComputer, device: torch.device) -> list[bool]:
-    """Which rows the kernel decides (the rest go to the torch reference)."""
-    if device.type != "cpu" or type(alpha_computer) not in FUSED_ALPHA_METHODS:
-        return [False] * len(rows)
-    return [
-        r.temperature == 1.0
-        and r.top_k <= 0
-        and r.top_p >= 1.0
-        and r.min_p <= 0.0
-        and r.teacher_support_top_k <= 0
-        and r.teacher_support_top_p >= 1.0
-        and not r.logit_bias
-        and r.top_logprobs == 0
-        for r in rows
-    ]
-
-
 def decide_fused(
     teacher_logits: torch.Tensor,
     theta_logits: torch.Tensor,
@@ -544,7 +527,7 @@ def decide_fused(
     teacher = np.ascontiguousarray(teacher_logits.detach().float().numpy())
     theta = np.ascontiguousarray(theta_logits.detach().float().numpy())
     b = teacher.shape[0]
-    method = FUSED_ALPHA_METHODS[type(alpha_computer)]
+    method = KERNEL_ALPHA_METHODS[type(alpha_computer)]
     fixed = float(alpha_computer.alpha) if method == 0 else 0.5
     tol, xtol = (1e-6, 1e-7) if method == 0 else alpha_computer.tolerances(torch.float32)
     if alpha_init is None:

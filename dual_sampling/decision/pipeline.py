@@ -19,9 +19,11 @@ Order of operations (per row; α is the teacher weight):
 vLLM's own stages (min_tokens, logit_bias, penalties, bad words) are never handed to the
 engines: a token forced after them could be masked to -inf. The supported ones run here.
 
-On the CPU, :func:`decide` hands the rows that skip steps 4 and 6–8 to the compiled kernel of
-``dual_sampling.decision.kernel`` (one pass per α evaluation, no V-sized temporaries); the torch code
-below stays the reference for every other row, for other devices, and in the tests.
+:func:`decide` hands the rows that skip steps 4 and 6–8 (``dual_sampling.decision.fusable``) to a fused
+kernel, one pass per α evaluation and no V-sized temporaries: ``dual_sampling.decision.kernel`` on the
+CPU, ``dual_sampling.decision.gpu_kernel`` on CUDA devices (a decided batch then comes back to the
+host in one copy). The torch code below stays the reference for every other row and device, and in
+the tests.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch import Tensor
 
 from alpha import AlphaComputer, geometric_log_weights
 from alpha.base import check_log_prob_pair
+from dual_sampling.decision.fusable import kernel_device, kernel_rows
 
 __all__ = [
     "LOGIT_BIAS_LIMIT",
@@ -341,18 +344,12 @@ def decide(
     ``[b]`` warm-starts the α solve. ``top_logprobs`` > 0 also returns that many of the final
     distribution's most likely tokens for every row.
 
-    On the CPU, rows that need no filter are decided by the compiled kernel
-    (:mod:`dual_sampling.decision.kernel`), the rest by the torch reference; ``fused=False`` sends
-    every row to the reference.
+    Rows that need no filter are decided by a fused kernel (numba's on the CPU, Triton's on CUDA
+    devices), the rest by the torch reference; ``fused=False`` sends every row to the reference.
     """
-    # Imported here, not at module level: a vLLM CPU worker imports this module (through the
-    # processors) before it scans every loaded module for Triton kernels, and that scan fails
-    # on an object of numba's LLVM binding.
-    from dual_sampling.decision.kernel import decide_fused, fused_rows
-
     eligible = [False] * len(rows)
     if fused and top_logprobs == 0:
-        eligible = fused_rows(rows, alpha_computer, teacher_logits.device)
+        eligible = kernel_rows(rows, alpha_computer, teacher_logits.device)
     if not any(eligible):
         return _decide_reference(
             teacher_logits, theta_logits, steps, rows, alpha_computer, alpha_init, theta_normalized, top_logprobs
@@ -360,17 +357,37 @@ def decide(
     fast = [i for i, e in enumerate(eligible) if e]
     index = torch.tensor(fast)
     every = len(fast) == len(rows)  # then no V-sized copy of the inputs is made
-    out, _ = decide_fused(
-        teacher_logits if every else teacher_logits[index],
-        theta_logits if every else theta_logits[index],
-        [counter_uniform(rows[i].seed, steps[i]) for i in fast],
-        [rows[i].force_first_token and steps[i] == 0 for i in fast],
-        alpha_computer,
-        None if alpha_init is None else alpha_init[index],
-        theta_normalized,
-        [rows[i].stop_token_ids if steps[i] < rows[i].min_tokens else () for i in fast],
-    )
-    decided = torch.from_numpy(out)
+    teacher_part = teacher_logits if every else teacher_logits[index.to(teacher_logits.device)]
+    theta_part = theta_logits if every else theta_logits[index.to(theta_logits.device)]
+    warm = None if alpha_init is None else alpha_init[index.to(alpha_init.device)]
+    uniforms = [counter_uniform(rows[i].seed, steps[i]) for i in fast]
+    forced = [rows[i].force_first_token and steps[i] == 0 for i in fast]
+    masked = [rows[i].stop_token_ids if steps[i] < rows[i].min_tokens else () for i in fast]
+    if kernel_device(teacher_logits.device) == "cpu":
+        # Imported here, not at module level: a vLLM CPU worker imports this module (through the
+        # processors) before it scans every loaded module for Triton kernels, and that scan fails
+        # on an object of numba's LLVM binding.
+        from dual_sampling.decision.kernel import decide_fused
+
+        out, _ = decide_fused(
+            teacher_part, theta_part, uniforms, forced, alpha_computer, warm, theta_normalized, masked
+        )
+        decided = torch.from_numpy(out)
+    else:
+        from dual_sampling.decision.gpu_kernel import decide_gpu, masked_tensor
+
+        device = teacher_logits.device
+        out = decide_gpu(
+            teacher_part,
+            theta_part,
+            torch.tensor(uniforms, dtype=torch.float64).to(device, non_blocking=True),
+            torch.tensor(forced, dtype=torch.bool).to(device, non_blocking=True),
+            alpha_computer,
+            warm,
+            theta_normalized,
+            masked_tensor(masked, teacher_logits.shape[-1], device),
+        )
+        decided = out.cpu()  # the step's one wait on the device: the tokens and records go to the host anyway
     handed_back = [fast[k] for k in (decided[:, 5] != 0).nonzero().flatten()]
     if handed_back:
         check_log_prob_pair(theta_logits, teacher_logits)  # a bad row is named by its index in this batch
@@ -396,7 +413,7 @@ def decide(
             theta_normalized,
         )
         for name in ("tokens", "alpha", "logp_teacher", "logp_theta", "logq", "ok"):
-            getattr(result, name)[part] = getattr(reference, name).to(getattr(result, name).dtype)
+            getattr(result, name)[part] = getattr(reference, name).to("cpu", getattr(result, name).dtype)
     return result
 
 

@@ -1,0 +1,49 @@
+"""Which rows the fused decision kernels take: one rule for the CPU's numba kernel and the GPU's Triton kernel.
+
+Both kernels implement the same rows and alpha computers (``dual_sampling.decision.kernel`` derives the
+algorithm); every other row goes to the torch reference in ``dual_sampling.decision.pipeline``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from alpha import AlphaComputer, FixedAlpha, KLSymmetryAlpha
+
+__all__ = ["KERNEL_ALPHA_METHODS", "kernel_device", "kernel_rows"]
+
+KERNEL_ALPHA_METHODS = {FixedAlpha: 0, KLSymmetryAlpha: 1}
+"""Alpha computer classes the kernels implement (exactly these classes, not subclasses), with their kernel code."""
+
+
+def kernel_device(device: torch.device) -> str | None:
+    """ "cpu" (numba), "cuda" (Triton, when it is installed) or None (the reference alone) for rows on ``device``."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return None
+        return "cuda"
+    return None
+
+
+def kernel_rows(rows: Sequence, alpha_computer: AlphaComputer, device: torch.device) -> list[bool]:
+    """Which rows a kernel decides: temperature 1 and no filter, support constraint, logit bias or top
+    log-probabilities (the stop tokens masked before min_tokens are allowed), with a kernel's alpha computer."""
+    if kernel_device(device) is None or type(alpha_computer) not in KERNEL_ALPHA_METHODS:
+        return [False] * len(rows)
+    return [
+        r.temperature == 1.0
+        and r.top_k <= 0
+        and r.top_p >= 1.0
+        and r.min_p <= 0.0
+        and r.teacher_support_top_k <= 0
+        and r.teacher_support_top_p >= 1.0
+        and not r.logit_bias
+        and r.top_logprobs == 0
+        for r in rows
+    ]

@@ -1,0 +1,151 @@
+"""The fused GPU decision (``dual_sampling.decision.gpu_kernel``) under Triton's interpreter, against float64 oracles.
+
+Run by ``tests/test_gpu_kernel.py`` in a process of its own with ``TRITON_INTERPRET=1`` set before anything imports
+Triton (the interpreter needs Triton's own library functions built for it too; transformers imports Triton, so a
+test session has it loaded long before). The kernel runs on CPU tensors, one row program at a time, on small
+vocabularies with small blocks so that every row spans full blocks and a partial one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from alpha import get_alpha_computer
+from dual_sampling.decision import pipeline
+from dual_sampling.decision.kernel import decide_fused
+from dual_sampling.decision.pipeline import RowSampling, counter_uniform, decide
+from tests.oracles import np_alpha_kl, np_log_softmax
+from tests.test_draw_boundaries import boundary_cases, pair, reference_cdf
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run by tests/test_gpu_kernel.py, under TRITON_INTERPRET=1", allow_module_level=True)
+
+VOCAB = 700
+"""As in tests/test_draw_boundaries.py: with 256-token blocks, two full blocks and a partial one."""
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """The kernel module, its kernels built for Triton's interpreter."""
+    import dual_sampling.decision.gpu_kernel as module
+
+    return module
+
+
+def run(gk, teacher, theta, computer, uniforms, forced=None, masked=None, warm=None, normalized=False, block=64):
+    b = teacher.shape[0]
+    forced = torch.zeros(b, dtype=torch.bool) if forced is None else torch.tensor(forced)
+    mask = gk.masked_tensor(masked or [()] * b, teacher.shape[1], torch.device("cpu"))
+    out = gk.decide_gpu(
+        teacher, theta, torch.tensor(uniforms, dtype=torch.float64), forced, computer, warm, normalized, mask, block
+    )
+    return out.numpy()
+
+
+def random_rows(b: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(teacher, theta) float32 logits that disagree, theta flatter (α lands inside (0, 1))."""
+    g = torch.Generator().manual_seed(seed)
+    return 3.0 * torch.randn(b, vocab, generator=g), 1.5 * torch.randn(b, vocab, generator=g)
+
+
+@pytest.mark.parametrize("normalized", [False, True])
+def test_alpha_and_records_against_float64(interpreted, normalized):
+    teacher, theta = random_rows(6, 300, seed=1)
+    if normalized:
+        theta = torch.log_softmax(theta, -1)
+    uniforms = [counter_uniform(7, s) for s in range(6)]
+    forced = [False, True, False, False, False, False]
+    for computer in (get_alpha_computer("kl_symmetry"), get_alpha_computer("fixed", alpha=0.3)):
+        out = run(interpreted, teacher, theta, computer, uniforms, forced, normalized=normalized)
+        assert (out[:, 5] == 0).all(), "rows were handed back"
+        for r in range(6):
+            lt = np_log_softmax(teacher[r].double().numpy())
+            lth = np_log_softmax(theta[r].double().numpy())
+            want = 1.0 if forced[r] else np_alpha_kl(lth, lt) if computer.name == "kl_symmetry" else 0.3
+            # The float32 solve's own tolerance, as for the CPU kernel.
+            assert abs(out[r, 1] - want) < 1e-5, (r, out[r, 1], want)
+            token, a = int(out[r, 0]), out[r, 1]
+            log_q = (1 - a) * lth + a * lt
+            log_q -= np.log(np.exp(log_q - log_q.max()).sum()) + log_q.max()
+            np.testing.assert_allclose(out[r, 2:5], [lt[token], lth[token], log_q[token]], atol=2e-5, rtol=0)
+        # The CPU kernel draws the same tokens from the same uniforms (its blocks are 256 tokens, these 64).
+        cpu, _ = decide_fused(teacher, theta, uniforms, forced, computer, None, normalized)
+        assert (out[:, 0] == cpu[:, 0]).all()
+        np.testing.assert_allclose(out[:, 1], cpu[:, 1], atol=1e-6)
+
+
+def test_alpha_bounds_and_a_warm_start(interpreted):
+    teacher, theta = random_rows(4, 300, seed=2)
+    free = run(interpreted, teacher, theta, get_alpha_computer("kl_symmetry"), [0.5] * 4)[:, 1]
+    low, high = float(free.min()) + 0.01, float(free.max()) - 0.01
+    bounded = get_alpha_computer("kl_symmetry", alpha_min=low, alpha_max=high)
+    out = run(interpreted, teacher, theta, bounded, [0.5] * 4)
+    np.testing.assert_allclose(out[:, 1], np.clip(free, low, high), atol=1e-6)
+    # A start at the root takes one pass; a start far from it more, to the same α.
+    warm = run(interpreted, teacher, theta, get_alpha_computer("kl_symmetry"), [0.5] * 4, warm=torch.tensor(free))
+    cold = run(interpreted, teacher, theta, get_alpha_computer("kl_symmetry"), [0.5] * 4, warm=torch.zeros(4))
+    np.testing.assert_allclose(warm[:, 1], free, atol=1e-6)
+    np.testing.assert_allclose(cold[:, 1], free, atol=1e-5)
+    assert (warm[:, 6] == 1).all() and (cold[:, 6] > 1).all()
+
+
+def test_the_draw_at_every_block_boundary(interpreted):
+    """u just below and just above each CDF boundary near a block edge (and the first and last ones) draws the
+    token on its side: ±1e-6 in u, with masked tokens at block edges. The 256-token blocks are the CPU's."""
+    teacher, theta = pair(0)
+    masked = [3, 255, 256, 511, 600, VOCAB - 1]
+    for computer in (get_alpha_computer("fixed", alpha=0.37), get_alpha_computer("kl_symmetry")):
+        probe = run(interpreted, *(torch.from_numpy(x[None]) for x in (teacher, theta)), computer, [0.5], block=256)
+        alpha = float(probe[0, 1])
+        cases = boundary_cases(reference_cdf(teacher, theta, alpha, masked))
+        near_edge = [(u, want) for u, want in cases if min(want % 256, 255 - want % 256) <= 2]
+        cases = [*near_edge, *cases[:2], *cases[-2:]]
+        assert {want // 256 for _, want in cases} == {0, 1, 2}
+        b = len(cases)
+        out = run(
+            interpreted,
+            torch.from_numpy(np.tile(teacher, (b, 1))),
+            torch.from_numpy(np.tile(theta, (b, 1))),
+            computer,
+            [u for u, _ in cases],
+            masked=[masked] * b,
+            block=256,
+        )
+        assert (out[:, 5] == 0).all()
+        wrong = [(u, want, int(got)) for (u, want), got in zip(cases, out[:, 0]) if int(got) != want]
+        assert not wrong, f"{len(wrong)} of {b} boundaries drawn wrong: {wrong[:5]}"
+
+
+def test_rows_it_cannot_decide_come_back_and_the_rest_are_decided(interpreted):
+    teacher, theta = random_rows(5, 200, seed=3)
+    teacher[1, 17] = float("nan")
+    theta[2, 150] = float("inf")
+    teacher[3, 9] = 40.0  # holds nearly all of q's mass, and it is masked
+    masked = [(), (), (), (9,), ()]
+    out = run(interpreted, teacher, theta, get_alpha_computer("fixed", alpha=0.5), [0.3] * 5, masked=masked)
+    assert out[:, 5].tolist() == [0, 1, 1, 1, 0]
+
+
+def test_decide_on_a_kernel_device_mixes_kernel_and_reference_rows(interpreted, monkeypatch):
+    """decide() as a CUDA device runs it (here with the interpreted kernel on CPU tensors): kernel rows, filtered
+    rows for the reference and a handed-back row, against decide() with every row on the reference."""
+    monkeypatch.setattr(pipeline, "kernel_device", lambda device: "cuda")
+    teacher, theta = random_rows(5, 300, seed=4)
+    theta[3, 5] = float("-inf")  # the kernel hands it back; the reference decides it
+    rows = [
+        RowSampling(seed=0),
+        RowSampling(seed=1, top_p=0.9),
+        RowSampling(seed=2, min_tokens=4, stop_token_ids=(1, 2)),
+        RowSampling(seed=3),
+        RowSampling(seed=4, temperature=0.7),
+    ]
+    computer = get_alpha_computer("kl_symmetry")
+    mixed = decide(teacher, theta, [1] * 5, rows, computer)
+    reference = decide(teacher, theta, [1] * 5, rows, computer, fused=False)
+    assert mixed.tokens.tolist() == reference.tokens.tolist()
+    for name in ("alpha", "logp_teacher", "logp_theta", "logq"):
+        torch.testing.assert_close(getattr(mixed, name), getattr(reference, name).float(), atol=2e-5, rtol=0)
