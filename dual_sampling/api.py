@@ -413,9 +413,10 @@ class OptimalSamplingDual:
         """The shared-memory session (for monitoring)."""
         return self.driver.session
 
-    def get_sync_statistics(self) -> dict[str, float]:
+    def get_sync_statistics(self) -> dict[str, float | str]:
         """Counters from the engines' plugins and the driver: rows, waits, timeouts, plans, requests (``in_flight``
-        on the engines and ``queued`` for a slot now), finishes and failures, weight updates per role."""
+        on the engines and ``queued`` for a slot now), finishes and failures, weight updates per role; and the row
+        channel's transport, ``row_transport`` ("host", "pinned" or "device")."""
         return self.driver.statistics()
 
     def engine_pids(self) -> dict[str, list[int]]:

@@ -18,6 +18,7 @@ from alpha import get_alpha_computer
 from dual_sampling.checks import is_int, is_number
 from dual_sampling.decision.pipeline import LOGIT_BIAS_LIMIT, RowSampling
 from dual_sampling.lockstep import TOP_LOGPROBS_MAX
+from dual_sampling.lockstep.row_channel import ROW_TRANSPORTS
 
 __all__ = [
     "BEST_OF_SCORES",
@@ -283,6 +284,10 @@ class EngineOptions:
     """Extra vLLM engine arguments for the teacher; settings that would break lockstep are refused after start."""
     theta_engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra vLLM engine arguments for theta."""
+    row_transport: str = field(default="auto", metadata=RUNTIME_ONLY)
+    """How theta's rows reach the teacher's decision (``lockstep.row_channel``): "host" (shared memory, the CPU's),
+    "pinned" (that memory page-locked for the GPUs), "device" (a buffer on the teacher's GPU, shared by CUDA IPC),
+    or "auto": device, then pinned, then host, whichever these engines can use. Refused by name at start if not."""
     max_dense_logprobs: int = field(default=0, metadata=RUNTIME_ONLY)
     """The largest ``dense_logprobs`` a request may ask for. Shared memory holds 16·k bytes per token of every slot's
     context (k = 64: 1 KiB per token, 2 MiB per slot at 2,048 tokens); 0 refuses dense log-probabilities."""
@@ -328,6 +333,10 @@ class EngineOptions:
             f"max_dense_logprobs must be a non-negative integer, got {self.max_dense_logprobs!r}",
         )
         _need(self.cpu_binding in ("split", "vllm"), f"cpu_binding must be 'split' or 'vllm', got {self.cpu_binding!r}")
+        _need(
+            self.row_transport in ROW_TRANSPORTS,
+            f"row_transport must be one of {ROW_TRANSPORTS}, got {self.row_transport!r}",
+        )
         for name in ("teacher_engine_kwargs", "theta_engine_kwargs"):
             _need(isinstance(getattr(self, name), dict), f"{name} must be a dict of vLLM engine arguments")
 

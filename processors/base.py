@@ -37,6 +37,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 
 from dual_sampling.decision.pipeline import RowSampling
 from dual_sampling.lockstep import CONFIG_KEY, Bell, ErrorCode, LockstepConfig, Slot, SyncError, SyncSession, Writer
+from dual_sampling.lockstep.row_channel import RowChannel, open_row_channel
 
 __all__ = ["WAIT_CAP_S", "BaseSyncLogitsProcessor", "TrackedRow", "request_pairing"]
 
@@ -91,6 +92,24 @@ class BaseSyncLogitsProcessor(LogitsProcessor):
         self.vocab = self.session.layout.vocab
         self.sync_timeout = self.config.sync_timeout
         self.rows: dict[int, TrackedRow] = {}
+        self.device = device
+        self._row_channel: RowChannel | None = None
+
+    @property
+    def row_channel(self) -> RowChannel:
+        """How theta's rows reach the teacher (``lockstep.row_channel``), opened at first use: theta's side of the
+        device transport waits for the buffer the teacher's side makes."""
+        if self._row_channel is None:
+            s = self.session
+            self._row_channel = open_row_channel(
+                self.config.row_transport,
+                self.role,
+                s.theta_logprobs,
+                self.device,
+                s.rows_handle_path,
+                self.sync_timeout,
+            )
+        return self._row_channel
 
     # ------------------------------------------------------------------ vLLM interface
 

@@ -20,40 +20,13 @@ import torch
 from alpha import get_alpha_computer
 from dual_sampling.decision.pipeline import Decision, decide, dense_top
 from dual_sampling.lockstep import Bell, ErrorCode, Header, Slot, Stat, Writer
+from dual_sampling.lockstep.row_channel import RowGatherer
 from processors.base import BaseSyncLogitsProcessor, TrackedRow
 
 __all__ = ["TeacherSyncLogitsProcessor"]
 
 _MIN_ROWS_TO_SPLIT = 4
 """Fewer ready rows than this are decided in one piece: splitting would cost more than it saves."""
-
-
-class RowGatherer:
-    """Selected rows of a ``[N, ≥ vocab]`` tensor as one ``[n, vocab]`` float32 tensor on the CPU, without a fresh copy.
-
-    Consecutive rows of a tensor exactly ``vocab`` wide come back as a view. Other rows are
-    copied into a buffer kept from step to step, so the result is only valid until the next
-    call. A fresh copy of 32 rows of V = 262,144 took about 20 ms on the CPU, most of it page
-    faults on the new memory; into the kept buffer it takes about 4 ms. Other devices and
-    dtypes get a plain gather.
-    """
-
-    def __init__(self, vocab: int) -> None:
-        self.vocab = vocab
-        self._buffer: torch.Tensor | None = None
-
-    def __call__(self, source: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        n = len(rows)
-        if source.device.type != "cpu" or source.dtype != torch.float32:
-            return source[torch.tensor(rows, device=source.device), : self.vocab].float()
-        first = rows[0]
-        if source.shape[1] == self.vocab and rows == list(range(first, first + n)):
-            return source[first : first + n]
-        if self._buffer is None or self._buffer.shape[0] < n:
-            self._buffer = torch.empty(n, self.vocab, dtype=torch.float32)
-        out = self._buffer[:n]
-        torch.index_select(source[:, : self.vocab], 0, torch.tensor(rows), out=out)
-        return out
 
 
 class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
@@ -66,7 +39,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         super().__init__(vllm_config, device, is_pin_memory)
         self._teacher_rows = RowGatherer(self.vocab)
-        self._theta_rows = RowGatherer(self.vocab)
+        self.row_channel  # noqa: B018  (opened now: theta's side of the device transport waits for its buffer)
         self.alpha_computer = get_alpha_computer(self.config.alpha_method, **self.config.alpha_config)
         if device.type == "cpu":
             # Compiled (or loaded from numba's cache) now, not in the first decoding step. Imported only
@@ -176,7 +149,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         # Theta's rows are read in place from shared memory when their slots are consecutive: theta
         # rewrites a slot's row only after this step's token for it is published, below.
         teacher = self._teacher_rows(logits, [i for i, _ in ready])
-        theta = self._theta_rows(torch.from_numpy(s.theta_logprobs), [row.slot for _, row in ready]).to(teacher.device)
+        theta = self.row_channel.read([row.slot for _, row in ready], teacher.device)
         # One reduction per side: NaN or +inf makes the row max non-finite, and so does a row with nothing finite.
         bad = (~torch.isfinite(teacher.amax(-1)) | ~torch.isfinite(theta.amax(-1))).tolist()
         decided = {}

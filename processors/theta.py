@@ -82,10 +82,10 @@ class ThetaSyncLogitsProcessor(BaseSyncLogitsProcessor):
         s = self.session
         index = torch.tensor([i for i, _ in rows], dtype=torch.long, device=logits.device)
         # Normalised here, on theta's cores, while the teacher is still busy with its own model.
-        logp = torch.log_softmax(logits[index, : self.vocab].float(), dim=-1).cpu()
+        logp = torch.log_softmax(logits[index, : self.vocab].float(), dim=-1)
         # NaN or +inf anywhere in a row makes its whole log-softmax NaN; so does a row with nothing finite.
         nan_rows = torch.isnan(logp[:, 0]).tolist()
-        s.theta_logprobs[[row.slot for _, row in rows]] = logp.numpy()
+        self.row_channel.publish([row.slot for _, row in rows], logp)
         for (_, row), has_nan in zip(rows, nan_rows):
             if has_nan:
                 s.fail_slot(row.slot, row.key, ErrorCode.BAD_LOGITS, row.step, self.writer)

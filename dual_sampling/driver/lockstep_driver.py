@@ -297,9 +297,14 @@ class LockstepDriver:
         """Request ids submitted to the engines (holding a slot) now."""
         return list(self._flights)
 
-    def statistics(self) -> dict[str, float]:
-        """The engines' counters (rows, waits, timeouts, plans) and the driver's (requests, tokens, failures)."""
-        return statistics.statistics(self.session, self.counters, self.versions, len(self._flights), len(self._queued))
+    def statistics(self) -> dict[str, float | str]:
+        """The engines' counters (rows, waits, timeouts, plans) and the driver's (requests, tokens, failures), and the
+        row channel's transport (``row_transport``)."""
+        stats: dict[str, float | str] = statistics.statistics(
+            self.session, self.counters, self.versions, len(self._flights), len(self._queued)
+        )
+        stats["row_transport"] = getattr(self.engines, "row_transport", "host")
+        return stats
 
     # ------------------------------------------------------------------ weights
 

@@ -27,6 +27,7 @@ from dual_sampling.lockstep import (
     write_listing,
 )
 from dual_sampling.lockstep.janitor import scratch_dir
+from dual_sampling.lockstep.row_channel import resolve_transport
 from dual_sampling.options import DualEngineConfig, default_kv_cache_bytes, kv_cache_bytes_needed
 
 __all__ = ["LOCKSTEP_SETTINGS", "EnginePair"]
@@ -82,6 +83,8 @@ class EnginePair:
                     f"{role}_engine_kwargs sets {', '.join(overridden)}; the dual engine sets these itself "
                     "(use the DualEngineConfig fields where one exists)"
                 )
+        self.row_transport = _resolve_row_transport(config.row_transport)
+        """The row channel both engines open (``lockstep.row_channel``), resolved here, before either starts."""
         self.binding = engine_processes.split_cpu_binding() if config.cpu_binding == "split" else {}
         self.engines: dict[str, Any] = {}
         self._segments: set[str] = set()
@@ -157,6 +160,7 @@ class EnginePair:
                 cfg.alpha_kwargs,
                 # Theta's CPUs idle while the teacher decides; the teacher borrows them (see processors.teacher).
                 helper_cpus,
+                self.row_transport,
             ).to_engine(),
         )
         kwargs.update(self._user_kwargs(role))
@@ -405,3 +409,11 @@ def _result_into(engines: dict, role: str, future: Any) -> BaseException | None:
 
 _RPC_BASE_LOCK = threading.Lock()
 """One pair of this process starts at a time: VLLM_RPC_BASE_PATH is process-wide while it is set."""
+
+
+def _resolve_row_transport(requested: str) -> str:
+    """The ``row_transport`` for engines on vLLM's platform here. Both engines start in this process's environment,
+    so they see the same GPUs and take the same one: the device transport needs nothing more."""
+    from vllm.platforms import current_platform
+
+    return resolve_transport(requested, current_platform.device_type)

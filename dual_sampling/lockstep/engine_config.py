@@ -15,6 +15,7 @@ from typing import Any
 
 from dual_sampling.checks import is_int, need_number
 from dual_sampling.lockstep.layout import Role
+from dual_sampling.lockstep.row_channel import ROW_TRANSPORTS
 
 __all__ = ["CONFIG_KEY", "LockstepConfig"]
 
@@ -39,6 +40,9 @@ class LockstepConfig:
     mix_helper_cpus: tuple[int, ...] = ()
     """CPUs the teacher's processor may borrow for half of each step's rows (theta's, idle while the teacher
     decides); empty: none."""
+    row_transport: str = "host"
+    """How theta's rows reach the teacher (``lockstep.row_channel``), resolved by the driver: host, pinned or
+    device (never "auto" here)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role, "role"))
@@ -53,6 +57,8 @@ class LockstepConfig:
         if not all(is_int(c) and c >= 0 for c in cpus):
             raise ValueError(f"mix_helper_cpus must be CPU numbers, got {self.mix_helper_cpus!r}")
         object.__setattr__(self, "mix_helper_cpus", cpus)
+        if self.row_transport not in ROW_TRANSPORTS[1:]:
+            raise ValueError(f"row_transport must be one of {ROW_TRANSPORTS[1:]}, got {self.row_transport!r}")
 
     def with_session(self, session: str) -> LockstepConfig:
         """The same settings for another session."""

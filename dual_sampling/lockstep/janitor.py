@@ -44,6 +44,8 @@ OWNER_FILE = ".owner"
 _SCRATCH_NAME = re.compile(r"(?:" + "|".join(SCRATCH_KINDS) + r")-(?P<pid>\d+)-[0-9a-f]+(?P<new>\.new)?")
 """A scratch folder's name; ``.new`` while it is being made (before its owner file is in it)."""
 _LISTING_NAME = re.compile(r"(?P<session>" + _SESSION_NAME.pattern + r")\.segments(?P<tmp>\.tmp)?")
+_ROWS_HANDLE_NAME = re.compile(r"(?P<session>" + _SESSION_NAME.pattern + r")\.rows(?P<tmp>\.tmp)?")
+"""The device row channel's buffer handle (``lockstep.row_channel``), beside its session."""
 _LISTED_NAME = re.compile(
     r"psm_[0-9A-Za-z_]+"  # multiprocessing.shared_memory (vLLM's message queues and buffers)
     r"|sem\.mp-[0-9a-z_]+"  # multiprocessing's named semaphores
@@ -127,6 +129,11 @@ def cleanup_stale_sessions(shm_dir: Path = SHM_DIR) -> list[str]:
         removed += gone_now
         if path.name not in gone_now:
             listed.add(m["session"])
+    for path in sorted(shm_dir.glob(SESSION_PREFIX + "*.rows*")):
+        m = _ROWS_HANDLE_NAME.fullmatch(path.name)
+        if m and _own_file(path) and stale(m["session"], int(m["pid"])):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
     for path in sorted(shm_dir.glob(SESSION_PREFIX + "*")):
         m = _SESSION_NAME.fullmatch(path.name)
         if m and path.name not in listed and stale(path.name, int(m["pid"])):

@@ -205,6 +205,11 @@ class SyncSession:
         return self.shm_dir / self.name
 
     @property
+    def rows_handle_path(self) -> Path:
+        """Where the device row channel's buffer handle lies (``lockstep.row_channel``); removed with the session."""
+        return self.shm_dir / f"{self.name}.rows"
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -228,6 +233,7 @@ class SyncSession:
                 self._mm.close()
             if self.owner:
                 self.path.unlink(missing_ok=True)
+                self.rows_handle_path.unlink(missing_ok=True)
                 for directory in own_listing_dirs(self.shm_dir):
                     remove_if_empty(directory)
 

@@ -1,0 +1,133 @@
+"""The row channel (``dual_sampling.lockstep.row_channel``): the choice of transport, the host transport's rows, and
+the GPU transports where a GPU is (tests marked ``gpu``, run by ``make gpu-check``).
+
+The lockstep protocol around it (a row announced only after its write, slots, failures) runs on the host transport in
+every engine test; here the channel itself is checked against what was written, slot by slot.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dual_sampling.lockstep import SessionLayout, SyncSession, cleanup_stale_sessions
+from dual_sampling.lockstep.engine_config import LockstepConfig
+from dual_sampling.lockstep.row_channel import (
+    DeviceRows,
+    HostRows,
+    PinnedRows,
+    open_row_channel,
+    resolve_transport,
+)
+from dual_sampling.options import EngineOptions
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "same", "chosen"),
+    [
+        ("auto", "cpu", True, "host"),
+        ("auto", "cuda", True, "device"),
+        ("auto", "cuda", False, "pinned"),
+        ("host", "cuda", True, "host"),
+        ("pinned", "cuda", False, "pinned"),
+        ("device", "cuda", True, "device"),
+    ],
+)
+def test_auto_picks_device_then_pinned_then_host(requested, device, same, chosen):
+    assert resolve_transport(requested, device, same) == chosen
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "same", "words"),
+    [
+        ("device", "cpu", True, "needs CUDA engines"),
+        ("pinned", "cpu", True, "needs CUDA engines"),
+        ("device", "cuda", False, "peer-to-peer"),
+        ("shm", "cpu", True, "must be one of"),
+    ],
+)
+def test_a_transport_these_engines_cannot_use_is_refused_by_name(requested, device, same, words):
+    with pytest.raises(ValueError, match="row_transport") as error:
+        resolve_transport(requested, device, same)
+    assert words in str(error.value)
+
+
+def test_the_option_and_the_engine_setting_are_checked_where_they_are_made():
+    with pytest.raises(ValueError, match="row_transport must be one of"):
+        EngineOptions(row_transport="gpu")
+    with pytest.raises(ValueError, match="row_transport must be one of"):
+        LockstepConfig("teacher", "s", 10.0, row_transport="auto")  # the driver resolves it before it crosses
+    assert LockstepConfig("theta", "s", 10.0, row_transport="device").to_engine()
+    for transport in ("pinned", "device"):
+        with pytest.raises(ValueError, match=f"row_transport='{transport}' needs a CUDA engine"):
+            open_row_channel(transport, "theta", np.zeros((2, 4), np.float32), torch.device("cpu"), None, 1.0)
+
+
+def test_host_rows_read_back_what_was_published_slot_by_slot():
+    shared = np.full((6, 50), np.nan, dtype=np.float32)
+    channel = HostRows(shared)
+    g = torch.Generator().manual_seed(0)
+    rows = torch.log_softmax(torch.randn(3, 50, generator=g, dtype=torch.float64), -1)  # converted to float32
+    channel.publish([4, 1, 2], rows)
+    np.testing.assert_array_equal(shared[[4, 1, 2]], rows.float().numpy())
+    assert np.isnan(shared[[0, 3, 5]]).all(), "a slot not published was written"
+    consecutive = channel.read([1, 2], torch.device("cpu"))
+    assert consecutive.data_ptr() == torch.from_numpy(shared)[1].data_ptr(), "consecutive slots are read in place"
+    torch.testing.assert_close(consecutive, rows[1:].float())
+    scattered = channel.read([4, 1], torch.device("cpu"))
+    torch.testing.assert_close(scattered, rows[[0, 1]].float())
+    again = channel.read([2, 4], torch.device("cpu"))  # the kept buffer, refilled
+    torch.testing.assert_close(again, rows[[2, 0]].float())
+
+
+def test_the_device_handle_goes_with_its_session_and_with_a_dead_drivers_session(tmp_path):
+    session = SyncSession.create(SessionLayout(8, 2, 4, 1), shm_dir=tmp_path)
+    session.rows_handle_path.write_bytes(b"handle")
+    session.close()
+    assert not session.rows_handle_path.exists()
+    # A driver that died: its session and handle stay until the next session's cleanup.
+    dead = tmp_path / "dual-sampling-999999999-abcdef.rows"
+    dead.write_bytes(b"handle")
+    removed = cleanup_stale_sessions(tmp_path)
+    assert dead.name in removed and not dead.exists()
+
+
+def _theta_side(handle_path: str, done) -> None:
+    channel = DeviceRows.attach(Path(handle_path), timeout=60)
+    channel.publish([3, 0], torch.arange(2 * 8, dtype=torch.float32, device="cuda").reshape(2, 8))
+    done.set()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_theta_writes_the_teachers_buffer_from_its_own_process(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    teacher = DeviceRows.create(tmp_path / "session.rows", 4, 8, torch.device("cuda"))
+    context = multiprocessing.get_context("spawn")
+    done = context.Event()
+    theta = context.Process(target=_theta_side, args=(str(tmp_path / "session.rows"), done))
+    theta.start()
+    assert done.wait(120), "theta's process never published"
+    theta.join(60)
+    got = teacher.read([3, 0], torch.device("cuda")).cpu()
+    torch.testing.assert_close(got, torch.arange(16, dtype=torch.float32).reshape(2, 8))
+    assert torch.isnan(teacher.read([1, 2], torch.device("cuda"))).all()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_pinned_rows_round_trip():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    shared = np.full((4, 1000), np.nan, dtype=np.float32)
+    channel = PinnedRows(shared, torch.device("cuda"))
+    try:
+        rows = torch.randn(2, 1000, device="cuda")
+        channel.publish([2, 0], rows)
+        np.testing.assert_array_equal(shared[[2, 0]], rows.cpu().numpy())
+        torch.testing.assert_close(channel.read([0, 2], torch.device("cuda")), rows[[1, 0]])
+    finally:
+        channel.close()
