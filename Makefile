@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint install models bench bench-gemma bench-alpha bench-ray bench-datagen bench-dense experiment-distill clean
+.PHONY: demo test test-fast lint install models bench bench-gemma bench-alpha bench-ray bench-datagen bench-dense experiment-distill gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,11 @@ experiment-distill: models
 
 bench-dense: models
 	$(PY) examples/bench_dense.py --output bench-out/dense.json
+
+# On any CUDA machine, with torch, Triton, numba and numpy (no vLLM, no venv): the GPU kernel and row transports
+# checked, then timed at b in {8, 64, 256} and V in {151,936, 262,144}; one JSON file and a Markdown table.
+gpu-check:
+	PYTHONPATH=. $(PYTHON) examples/bench_gpu.py --output bench-out/gpu-check.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -68,6 +69,25 @@ def test_the_kernel_compiles_for_an_h100():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and "COMPILED" in done.stdout, done.stderr[-3000:]
+
+
+def test_the_gpu_check_script_runs_end_to_end_on_the_cpu(tmp_path):
+    """``make gpu-check``'s script with --smoke: its checks and its figures, on the CPU under the interpreter."""
+    out = tmp_path / "gpu-check.json"
+    done = subprocess.run(
+        [sys.executable, "examples/bench_gpu.py", "--smoke", "--output", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["checks_passed"] and report["checks"]["kernel"]["kl_symmetry"]["same_tokens"] == 1.0
+    (row,) = report["results"]
+    assert row["decide_kl_symmetry_ms"] > 0 and row["transport"]["host_ms"] > 0
+    assert "decide kl_symmetry" in out.with_suffix(".md").read_text()
 
 
 @pytest.mark.gpu
