@@ -54,6 +54,16 @@ _BLOCK_SCAN = 256  # block sums read at a time by the draw's first level
 
 
 @triton.jit
+def _load_block(t_row, h_row, start, V, BLOCK: tl.constexpr, OTHER: tl.constexpr):
+    """(token ids, in-vocabulary mask, teacher, theta) of the block at ``start``, float32; ``OTHER`` past V."""
+    offs = start + tl.arange(0, BLOCK)
+    inside = offs < V
+    t = tl.load(t_row + offs, mask=inside, other=OTHER).to(tl.float32)
+    h = tl.load(h_row + offs, mask=inside, other=OTHER).to(tl.float32)
+    return offs, inside, t, h
+
+
+@triton.jit
 def _tilted(t_row, h_row, blocks_row, V, alpha, h_max, t_max, c, BLOCK: tl.constexpr, SERIES: tl.constexpr):
     """One evaluation at ``alpha``: (Σw, E_q[d], κ2, κ3, κ4) in float64; stores each block's Σw in ``blocks_row``.
 
@@ -70,10 +80,7 @@ def _tilted(t_row, h_row, blocks_row, V, alpha, h_max, t_max, c, BLOCK: tl.const
     s3 = tl.zeros((), tl.float64)
     s4 = tl.zeros((), tl.float64)
     for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        inside = offs < V
-        t = tl.load(t_row + offs, mask=inside, other=0.0).to(tl.float32)
-        h = tl.load(h_row + offs, mask=inside, other=0.0).to(tl.float32)
+        _, inside, t, h = _load_block(t_row, h_row, start, V, BLOCK, 0.0)
         hs = h - hm
         diff = (t - tm) - hs
         w = tl.where(inside, tl.exp(hs + a * diff), 0.0)
@@ -174,10 +181,7 @@ def _decide_rows(
     h_sum = tl.zeros((), tl.float64)
     n_bad = tl.zeros((), tl.int32)
     for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        inside = offs < V
-        t = tl.load(t_row + offs, mask=inside, other=-inf).to(tl.float32)
-        h = tl.load(h_row + offs, mask=inside, other=-inf).to(tl.float32)
+        offs, inside, t, h = _load_block(t_row, h_row, start, V, BLOCK, float("-inf"))
         bad = inside & ((tl.abs(t) == inf) | (t != t) | (tl.abs(h) == inf) | (h != h))
         n_bad += tl.sum(bad.to(tl.int32), 0)
         t_new = tl.maximum(t_max, tl.max(t, 0))
@@ -284,10 +288,7 @@ def _decide_rows(
     k = tl.where(past_end, tl.maximum(last_positive, 0), found)
     block_sum = tl.load(blocks_row + k).to(tl.float64)
     found_before = tl.where(past_end, total - block_sum, found_before)
-    offs = k * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < V
-    t = tl.load(t_row + offs, mask=inside, other=0.0).to(tl.float32)
-    h = tl.load(h_row + offs, mask=inside, other=0.0).to(tl.float32)
+    offs, inside, t, h = _load_block(t_row, h_row, k * BLOCK, V, BLOCK, 0.0)
     keep = inside
     for j in range(0, n_masked):
         keep = keep & (offs != tl.load(masked_row + j))
