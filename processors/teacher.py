@@ -149,7 +149,13 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         # Theta's rows are read in place from shared memory when their slots are consecutive: theta
         # rewrites a slot's row only after this step's token for it is published, below.
         teacher = self._teacher_rows(logits, [i for i, _ in ready])
-        theta = self.row_channel.read([row.slot for _, row in ready], teacher.device)
+        try:
+            theta = self.row_channel.read([row.slot for _, row in ready], teacher.device)
+        except Exception:
+            # The channel failed (a device error, say): these rows' requests fail by name, and the engine goes on.
+            for _, row in ready:
+                self._fail_row(row, "reading theta's row")
+            return {i: row.filler for i, row in ready}
         # One reduction per side: NaN or +inf makes the row max non-finite, and so does a row with nothing finite.
         bad = (~torch.isfinite(teacher.amax(-1)) | ~torch.isfinite(theta.amax(-1))).tolist()
         decided = {}

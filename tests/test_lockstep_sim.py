@@ -632,6 +632,27 @@ def test_a_theta_publication_that_raises_fails_its_requests_not_the_engine():
         session.close()
 
 
+def test_a_row_channel_read_that_raises_fails_its_requests_not_the_engine(monkeypatch):
+    """The teacher cannot read theta's rows (the channel's device failed, say): that step's requests fail by name and
+    no token is published for them; the step itself returns (forced rows), so the engine is not stopped."""
+    session, teacher = _processor_with_rows("teacher", [RowSampling(seed=s) for s in range(2)])
+    try:
+        g = torch.Generator().manual_seed(2)
+        _publish_theta_rows(session, torch.randn(2, VOCAB, generator=g))
+        channel = teacher.row_channel
+
+        def broken(*args):
+            raise RuntimeError("the device is gone")
+
+        monkeypatch.setattr(channel, "read", broken)
+        forced = teacher.apply(torch.randn(2, VOCAB, generator=g))
+        assert [session.error(s) for s in (0, 1)] == [(ErrorCode.DECISION_ERROR, 0)] * 2
+        assert [int(session.control[s, Slot.TEACHER_STEP]) for s in (0, 1)] == [-1, -1], "no token published"
+        assert [int(row.argmax()) for row in forced] == [teacher.rows[i].filler for i in (0, 1)]
+    finally:
+        session.close()
+
+
 def test_a_stop_string_check_that_raises_fails_its_request_and_the_engine_serves_on(monkeypatch):
     """An exception in the leader's per-request work (here its stop-string check) used to kill the EngineCore."""
     from dual_sampling.text import StopStringWatch
