@@ -82,9 +82,11 @@ def assert_same_batches(run, busy: bool = True, refused: frozenset = frozenset()
     assert len(teacher) == len(theta), f"{len(teacher)} teacher steps against {len(theta)} theta steps"
     for step, (a, b) in enumerate(zip(teacher, theta)):
         assert [rid for rid, _ in a] == [rid for rid, _ in b], f"step {step}: teacher ran {a}, theta ran {b}"
-    if busy:  # the run had something to compare: many steps, most of them decode steps
+    if busy:  # the run had something to compare: many steps, several of them decode steps alone
+        # How many steps mix prefills in depends on when requests arrive, which a loaded machine moves (one run
+        # under load saw 14 decode steps of 43): a majority is not asked for.
         decode = sum(all(n == 1 for _, n in a) for a in teacher)
-        assert len(teacher) > 10 and decode > len(teacher) // 2
+        assert len(teacher) > 10 and decode >= 5, (len(teacher), decode)
 
 
 def stream_errors(driver, requests, timeout: float) -> list[str]:
