@@ -8,6 +8,7 @@ every engine test; here the channel itself is checked against what was written, 
 from __future__ import annotations
 
 import multiprocessing
+import os
 from pathlib import Path
 
 import numpy as np
@@ -91,9 +92,13 @@ def test_the_device_handle_goes_with_its_session_and_with_a_dead_drivers_session
     assert not session.rows_handle_path.exists()
     # A driver that died: its session and handle stay until the next session's cleanup.
     dead = tmp_path / "dual-sampling-999999999-abcdef.rows"
-    dead.write_bytes(b"handle")
+    torn = tmp_path / "dual-sampling-999999998-abcdef.rows.tmp"  # died between writing and renaming it
+    alive = tmp_path / f"dual-sampling-{os.getpid()}-abcdef.rows"  # a running driver's: left alone
+    for path in (dead, torn, alive):
+        path.write_bytes(b"handle")
     removed = cleanup_stale_sessions(tmp_path)
-    assert dead.name in removed and not dead.exists()
+    assert {dead.name, torn.name} <= set(removed) and not dead.exists() and not torn.exists()
+    assert alive.exists()
 
 
 def _theta_side(handle_path: str, done) -> None:

@@ -176,7 +176,7 @@ class DeviceRows(RowChannel):
 
         buffer = torch.full((slots, vocab), float("nan"), dtype=torch.float32, device=device)
         rebuild, args = reduce_tensor(buffer)
-        tmp = handle_path.with_suffix(".tmp")
+        tmp = handle_path.with_name(handle_path.name + ".tmp")  # a crash before the rename leaves <session>.rows.tmp
         tmp.write_bytes(pickle.dumps((rebuild, args)))
         tmp.rename(handle_path)
         return cls(buffer)
