@@ -320,7 +320,7 @@ def dual_run(dual: OptimalSamplingDual, prompts: list[list[int]], tokens: int, *
     out = dual.generate(prompts, max_tokens=tokens, use_tqdm=False, **kw)
     wall = time.perf_counter() - start
     after = dual.get_sync_statistics()
-    delta = {k: after[k] - before[k] for k in after}
+    delta = {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float))}  # counters, not names
     return wall, sum(out.num_tokens), delta
 
 
