@@ -56,14 +56,13 @@ def test_the_kernel_compiles_for_an_h100():
                  "V": "i32", "params_ptr": "*fp64", "alpha0_ptr": "*fp64", "force_ptr": "*i8", "u_ptr": "*fp64",
                  "masked_ptr": "*i64", "n_masked": "i32", "blocks_ptr": "*fp32", "n_blocks": "i32",
                  "out_ptr": "*fp64"}
-        for method in (0, 1):
-            for normalized in (False, True):
-                constants = {"METHOD": method, "THETA_NORMALIZED": normalized, "BLOCK": gpu_kernel.BLOCK,
-                             "BLOCK_SCAN": 256, "MAX_PASSES": 200, "TINY": 1e-30}
-                source = ASTSource(gpu_kernel._decide_rows, {**kinds, **{k: "constexpr" for k in constants}},
-                                   constexprs=constants)
-                compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-                assert len(compiled.asm["cubin"]) > 10000
+        for method, normalized in ((0, True), (1, False)):  # each branch of both compile-time switches
+            constants = {"METHOD": method, "THETA_NORMALIZED": normalized, "BLOCK": gpu_kernel.BLOCK,
+                         "BLOCK_SCAN": 256, "MAX_PASSES": 200, "TINY": 1e-30}
+            source = ASTSource(gpu_kernel._decide_rows, {**kinds, **{k: "constexpr" for k in constants}},
+                               constexprs=constants)
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+            assert len(compiled.asm["cubin"]) > 10000
         print("COMPILED")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
