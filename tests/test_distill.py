@@ -11,11 +11,62 @@ import pytest
 import torch
 
 from dual_sampling.distill import DistillConfig, Distiller
-from dual_sampling.distill.loss import ess_fraction, state_weights, top_k_forward_kl
+from dual_sampling.distill.loss import ess_fraction, recorded_reverse_kl, state_weights, top_k_forward_kl
 from dual_sampling.options import EngineOptions, SamplingOptions
 from dual_sampling.run_output import single_writer
 from dual_sampling.run_settings import ModelsAndPrompts
 from tests.tolerances import SAME_WEIGHTS_TWO_RUNS
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    return x - (x.max(-1, keepdims=True) + np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)))
+
+
+def test_recorded_reverse_kl_is_the_coarsened_kl_over_both_models_top_tokens():
+    """Against float64 NumPy: KL(π_θ‖π_t) between the distributions coarsened to {both models' top k, rest}; never
+    above the full reverse KL; the full one when every token is recorded; padding and order change nothing."""
+    rng = np.random.default_rng(1)
+    n, vocab, k = 5, 60, 6
+    lt = _log_softmax(rng.normal(0, 3, (n, vocab)))
+    student = rng.normal(0, 1.5, (n, vocab))
+    ls = _log_softmax(student)
+    rows = []
+    for i in range(n):
+        union = sorted(set(np.argsort(-lt[i])[:k]) | set(np.argsort(-ls[i])[:k]))
+        rows.append(union)
+    m = max(len(r) for r in rows) + 2  # padded past the longest union
+    ids = np.full((n, m), -1)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = rng.permutation(r)
+    teacher_at = np.where(ids >= 0, np.take_along_axis(lt, np.maximum(ids, 0), -1), 123.0)  # junk at padding
+    got = recorded_reverse_kl(torch.tensor(student), torch.tensor(ids), torch.tensor(teacher_at))
+    for i, r in enumerate(rows):
+        ps, pt = np.exp(ls[i, r]), np.exp(lt[i, r])
+        rest_s, rest_t = 1 - ps.sum(), 1 - pt.sum()
+        want = (ps * np.log(ps / pt)).sum() + rest_s * math.log(rest_s / rest_t)
+        full = (np.exp(ls[i]) * (ls[i] - lt[i])).sum()
+        assert got[i].item() == pytest.approx(want, rel=1e-5)
+        assert got[i].item() <= full + 1e-9
+    every = np.tile(np.arange(vocab), (n, 1))
+    whole = recorded_reverse_kl(torch.tensor(student), torch.tensor(every), torch.tensor(lt))
+    np.testing.assert_allclose(whole.numpy(), (np.exp(ls) * (ls - lt)).sum(-1), rtol=1e-5)
+
+
+def test_recorded_reverse_kl_has_the_reverse_kl_gradient_and_refuses_repeated_ids():
+    rng = np.random.default_rng(2)
+    lt = torch.tensor(_log_softmax(rng.normal(0, 2, (3, 20))))
+    student = torch.tensor(rng.normal(0, 1, (3, 20)), requires_grad=True)
+    ids = torch.tensor([[0, 3, 7, -1], [1, 2, 4, 5], [19, 18, -1, -1]])
+    teacher_at = lt.gather(-1, ids.clamp(min=0))
+    assert torch.autograd.gradcheck(lambda x: recorded_reverse_kl(x, ids, teacher_at), (student,))
+    every = torch.arange(20).repeat(3, 1)
+    recorded_reverse_kl(student, every, lt).sum().backward()  # no rest bucket: the gradient is still finite
+    assert torch.isfinite(student.grad).all()
+    full = (torch.softmax(student, -1) * (torch.log_softmax(student, -1) - lt)).sum()
+    expected = torch.autograd.grad(full, student)[0]
+    torch.testing.assert_close(student.grad, expected, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="ids must be distinct"):
+        recorded_reverse_kl(student, torch.tensor([[0, 0, 1, 2]] * 3), teacher_at)
 
 
 def test_top_k_forward_kl_is_the_coarsened_kl_and_bounds_the_full_one():

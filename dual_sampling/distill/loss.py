@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["WEIGHTINGS", "ess_fraction", "state_weights", "top_k_forward_kl"]
+__all__ = ["WEIGHTINGS", "ess_fraction", "recorded_reverse_kl", "state_weights", "top_k_forward_kl"]
 
 WEIGHTINGS = ("none", "token", "sequence_mean", "sequence")
 """How a sample's log-weights become the weight of each of its states in the loss:
@@ -71,6 +71,11 @@ _LOG_REST_FLOOR = -80.0
 """log of the smallest rest mass the student is credited with (e^-80 ≈ 2e-35)."""
 
 
+def _at_least_float32(x: Tensor) -> Tensor:
+    """``x`` in float32, or as it is if wider (float64 stays float64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def _log1mexp(x: Tensor) -> Tensor:
     """log(1 − exp(x)) for x ≤ 0, accurate at both ends (−inf at x = 0)."""
     return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
@@ -84,7 +89,7 @@ def top_k_forward_kl(student_logits: Tensor, top_ids: Tensor, top_logp: Tensor) 
     nats. It is the exact KL between the two distributions coarsened to {top k, rest}, so it never exceeds the full
     KL, equals it when the rest has no teacher mass, and its gradient is the full forward KL's on the top k.
     """
-    logp_student = torch.log_softmax(student_logits.float(), dim=-1)
+    logp_student = torch.log_softmax(_at_least_float32(student_logits), dim=-1)
     at_top = logp_student.gather(-1, top_ids.long())
     teacher = top_logp.to(at_top.dtype)
     kl = (teacher.exp() * (teacher - at_top)).sum(-1)
@@ -94,3 +99,40 @@ def top_k_forward_kl(student_logits: Tensor, top_ids: Tensor, top_logp: Tensor) 
     has_rest = teacher_rest > -math.inf
     rest = torch.where(has_rest, teacher_rest.exp() * (teacher_rest - student_rest), torch.zeros_like(kl))
     return kl + torch.where(has_rest, rest, torch.zeros_like(rest))
+
+
+def recorded_reverse_kl(student_logits: Tensor, ids: Tensor, teacher_logp: Tensor) -> Tensor:
+    """KL(π_θ ‖ π_t) per position over the recorded tokens plus one bucket for the rest of the vocabulary: the
+    per-prefix loss of on-policy distillation, from what a sample records of the teacher.
+
+    ``student_logits`` ``[n, V]`` (any dtype; computed in float32 or wider); ``ids`` ``[n, m]``: the recorded tokens of
+    each position, distinct, −1 as padding (both models' top k: where π_θ has its mass, which is what this KL weighs);
+    ``teacher_logp`` ``[n, m]``: log π_t at them (ignored at padding). Returns ``[n]`` nats.
+
+    It is the exact KL between the two distributions coarsened to {recorded tokens, rest}: never above the full KL
+    (data processing), equal to it when the rest holds none of the student's mass, and its gradient is the full
+    reverse KL's on the recorded tokens. Where the teacher's rest is empty but the student's is not, the teacher's is
+    floored at e^-80 (a large, finite loss, not inf).
+    """
+    if ids.shape != teacher_logp.shape or ids.dim() != 2 or ids.shape[0] != student_logits.shape[0]:
+        raise ValueError(
+            f"ids {tuple(ids.shape)} and teacher_logp {tuple(teacher_logp.shape)} must both be [n, m] with n = "
+            f"{student_logits.shape[0]} rows of student_logits"
+        )
+    valid = ids >= 0
+    ordered = torch.sort(torch.where(valid, ids, -1 - torch.arange(ids.shape[1], device=ids.device)), -1).values
+    if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+        raise ValueError("ids must be distinct within a row (a token recorded twice would count twice)")
+    logp_student = torch.log_softmax(_at_least_float32(student_logits), dim=-1)
+    at = logp_student.gather(-1, ids.clamp(min=0).long())
+    teacher = teacher_logp.to(at.dtype)
+    # Padding contributes nothing: π_θ taken as 0 there (its log −inf), and the teacher's value never read.
+    at = torch.where(valid, at, torch.full_like(at, -math.inf))
+    term = torch.where(valid, at.exp() * (at - torch.where(valid, teacher, torch.zeros_like(teacher))), 0.0)
+    student_rest = _log1mexp(torch.logsumexp(at, -1).clamp(max=0.0))
+    teacher_rest = _log1mexp(
+        torch.logsumexp(torch.where(valid, teacher, torch.full_like(teacher, -math.inf)), -1).clamp(max=0.0)
+    ).clamp(min=_LOG_REST_FLOOR)
+    has_rest = student_rest > -math.inf
+    rest = torch.where(has_rest, student_rest.exp() * (student_rest - teacher_rest), torch.zeros_like(student_rest))
+    return term.sum(-1) + rest
