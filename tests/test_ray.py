@@ -154,6 +154,13 @@ def test_two_replicas_with_one_killed_give_the_local_samples_exactly_once(dual_e
     assert settle(before) == (set(), set())
 
 
+@pytest.mark.budget(
+    120,
+    reason=(
+        "a Ray cluster and a replica with a pair of its own, killed mid-run, then the wait for the killed cluster's "
+        "processes to end: 45 s alone, 70 s in a full run"
+    ),
+)
 def test_driver_killed_then_resumed_is_exactly_once(dual_engine, tiny_same, tmp_path):
     src = problems(tmp_path / "in.jsonl", 12)
     out = tmp_path / "run.jsonl"
