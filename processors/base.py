@@ -92,24 +92,13 @@ class BaseSyncLogitsProcessor(LogitsProcessor):
         self.vocab = self.session.layout.vocab
         self.sync_timeout = self.config.sync_timeout
         self.rows: dict[int, TrackedRow] = {}
-        self.device = device
-        self._row_channel: RowChannel | None = None
-
-    @property
-    def row_channel(self) -> RowChannel:
-        """How theta's rows reach the teacher (``lockstep.row_channel``), opened at first use: theta's side of the
-        device transport waits for the buffer the teacher's side makes."""
-        if self._row_channel is None:
-            s = self.session
-            self._row_channel = open_row_channel(
-                self.config.row_transport,
-                self.role,
-                s.theta_logprobs,
-                self.device,
-                s.rows_handle_path,
-                self.sync_timeout,
-            )
-        return self._row_channel
+        s = self.session
+        # Opened as the engine starts, so a transport that cannot work fails the start, not the first step: the
+        # teacher's side of the device transport makes the buffer, theta's waits (up to sync_timeout) to open it.
+        self.row_channel: RowChannel = open_row_channel(
+            self.config.row_transport, self.role, s.theta_logprobs, device, s.rows_handle_path, self.sync_timeout
+        )
+        """How theta's rows reach the teacher (``lockstep.row_channel``)."""
 
     # ------------------------------------------------------------------ vLLM interface
 

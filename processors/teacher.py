@@ -39,7 +39,6 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         super().__init__(vllm_config, device, is_pin_memory)
         self._teacher_rows = RowGatherer(self.vocab)
-        self.row_channel  # noqa: B018  (opened now: theta's side of the device transport waits for its buffer)
         self.alpha_computer = get_alpha_computer(self.config.alpha_method, **self.config.alpha_config)
         if device.type == "cpu":
             # Compiled (or loaded from numba's cache) now, not in the first decoding step. Imported only
