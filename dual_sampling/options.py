@@ -119,9 +119,9 @@ class SamplingOptions:
     top_logprobs: int = 0
     """Also record, per token, this many of q's most likely tokens with their log-probabilities (0-20)."""
     dense_logprobs: int = 0
-    """Also record, per token, the teacher's k most likely tokens with log π_t and theta's k most likely with log π_θ
-    (untempered, unfiltered: the models' own distributions at that position); at most the engine's
-    ``max_dense_logprobs``. The dense signal of a distillation loss."""
+    """Also record, per token, the teacher's k most likely tokens and theta's k most likely, each with both log π_t
+    and log π_θ (untempered, unfiltered: the models' own distributions at that position); at most the engine's
+    ``max_dense_logprobs``. The dense signal of a distillation loss, forward (the teacher's top k) or reverse (θ's)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -289,8 +289,9 @@ class EngineOptions:
     "pinned" (that memory page-locked for the GPUs), "device" (a buffer on the teacher's GPU, shared by CUDA IPC),
     or "auto": device, then pinned, then host, whichever these engines can use. Refused by name at start if not."""
     max_dense_logprobs: int = field(default=0, metadata=RUNTIME_ONLY)
-    """The largest ``dense_logprobs`` a request may ask for. Shared memory holds 16·k bytes per token of every slot's
-    context (k = 64: 1 KiB per token, 2 MiB per slot at 2,048 tokens); 0 refuses dense log-probabilities."""
+    """The largest ``dense_logprobs`` a request may ask for. Shared memory holds 24·k bytes per token of every slot's
+    context (ids, own and other log-probabilities of both models' top k; k = 64: 1.5 KiB per token, 3 MiB per slot at
+    2,048 tokens); 0 refuses dense log-probabilities."""
     use_tqdm: bool = field(default=True, metadata=RUNTIME_ONLY)
     """Show a progress bar over samples in generate()."""
 

@@ -33,6 +33,14 @@ def effective_sample_size(log_weights: list[float]) -> float:
 DENSE_ROLES = ("teacher", "theta")
 """The order of the role axis of :attr:`SampleRecord.dense_ids` and :attr:`SampleRecord.dense_logp`."""
 
+DENSE_FIELDS: dict[str, tuple[int, int]] = {
+    name: (role, part)
+    for role, (own, other) in enumerate(zip(DENSE_ROLES, DENSE_ROLES[::-1]))
+    for part, name in enumerate((f"{own}_top_ids", f"{own}_top_logprobs", f"{own}_top_{other}_logprobs"))
+}
+"""The name of each dense array on the wire (the server's ``dual_sampling`` field): (role index, part), part 0 the
+role's top-k ids, 1 its own log-probabilities at them, 2 the other model's at the same ids."""
+
 
 @dataclass
 class SampleRecord:
@@ -71,6 +79,9 @@ class SampleRecord:
     the teacher's k most likely tokens (``[:, 0]``) and theta's (``[:, 1]``), most likely first."""
     dense_logp: np.ndarray | None = None
     """``[n, 2, k]`` float32: log π_t of the teacher's top tokens and log π_θ of theta's, untempered and unfiltered."""
+    dense_other_logp: np.ndarray | None = None
+    """``[n, 2, k]`` float32: the other model's at the same ids: log π_θ of the teacher's top tokens (``[:, 0]``) and
+    log π_t of theta's (``[:, 1]``). With :attr:`dense_logp`, both models' log-probabilities at every recorded id."""
 
     @property
     def ok(self) -> bool:
@@ -100,9 +111,9 @@ class SampleDelta:
     """Set on the last delta only: the whole sample, checked against both engines."""
     top: tuple[np.ndarray, np.ndarray] | None = None
     """For requests with top_logprobs k: (token ids, log q) ``[len(token_ids), k]`` of q's k most likely tokens."""
-    dense: tuple[np.ndarray, np.ndarray] | None = None
-    """For requests with dense_logprobs k: (token ids, log-probabilities) ``[r, 2, k]``, the teacher's own top k at
-    ``[:, 0]`` and theta's at ``[:, 1]`` (see :attr:`SampleRecord.dense_ids`)."""
+    dense: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    """For requests with dense_logprobs k: (token ids, own log-probabilities, the other model's) ``[r, 2, k]``, the
+    teacher's top k at ``[:, 0]`` and theta's at ``[:, 1]`` (see :attr:`SampleRecord.dense_ids`)."""
 
 
 def best_of_score(sample: SampleRecord, name: str) -> float:

@@ -78,7 +78,9 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
                 top_logprobs=top_logprobs,
             )
             if dense_k:
-                d.dense_ids, d.dense_logp = dense_top(teacher[lo:hi], theta[lo:hi], dense_k, d, theta_normalized=True)
+                d.dense_ids, d.dense_logp, d.dense_other_logp = dense_top(
+                    teacher[lo:hi], theta[lo:hi], dense_k, d, theta_normalized=True
+                )
             return d
 
         n = len(ready)
@@ -194,14 +196,19 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         )
         control = s.control
         top = None if d.top_ids is None else (d.top_ids.cpu().numpy(), d.top_logq.cpu().numpy())
-        dense = None if d.dense_ids is None else (d.dense_ids.cpu().numpy(), d.dense_logp.cpu().numpy())
+        dense = (
+            None
+            if d.dense_ids is None
+            else (d.dense_ids.cpu().numpy(), d.dense_logp.cpu().numpy(), d.dense_other_logp.cpu().numpy())
+        )
         for k, ((i, row), tok, a, lt, lth, lq, row_ok) in enumerate(rows_out):
             decided[i] = row.filler
             if not row_ok or row.step >= s.layout.max_steps:
                 s.fail_slot(row.slot, row.key, ErrorCode.BAD_LOGITS, row.step, self.writer)
                 continue
             if not all(map(math.isfinite, (a, lt, lth, lq))) or (
-                dense is not None and not np.isfinite(dense[1][k, :, : row.sampling.dense_logprobs]).all()
+                dense is not None
+                and not all(np.isfinite(v[k, :, : row.sampling.dense_logprobs]).all() for v in dense[1:])
             ):
                 # Never training data: a NaN log q once came with a wrong token and ok=True.
                 s.fail_slot(row.slot, row.key, ErrorCode.NON_FINITE, row.step, self.writer)
@@ -216,6 +223,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
                     n = row.sampling.dense_logprobs
                     s.dense_ids[row.slot, row.step, :, :n] = dense[0][k, :, :n]
                     s.dense_logp[row.slot, row.step, :, :n] = dense[1][k, :, :n]
+                    s.dense_other_logp[row.slot, row.step, :, :n] = dense[2][k, :, :n]
             except Exception:
                 self._fail_row(row, "recording its token")
                 continue

@@ -48,18 +48,21 @@ def test_streams_identical_and_records_match_offline_rescoring(dual_engine, hf_m
 
 
 def test_dense_logprobs_are_each_models_own_top_k(dual_engine, hf_models):
-    """The per-token top k of π_t and of π_θ, untempered and unfiltered, against transformers re-scoring."""
+    """The per-token top k of π_t and of π_θ, untempered and unfiltered, with both models' log-probabilities at
+    them, against transformers re-scoring."""
     k = 16
     out = dual_engine.generate(PROMPTS[1:3], max_tokens=10, temperature=0.7, top_k=5, seed=11, dense_logprobs=k)
     assert_three_streams_agree(out)
     for req in out.requests:
         s = req.samples[0]
-        assert s.dense_ids.shape == s.dense_logp.shape == (len(s.token_ids), 2, k)
+        assert s.dense_ids.shape == s.dense_logp.shape == s.dense_other_logp.shape == (len(s.token_ids), 2, k)
         assert s.dense_ids.dtype == np.int32 and np.isfinite(s.dense_logp).all()
-        for role, (model, prompt) in enumerate(
-            zip(hf_models, (req.teacher_prompt_token_ids, req.theta_prompt_token_ids))
-        ):
-            rows = rescore(model, prompt, s.token_ids, dual_engine.vocab)
+        assert np.isfinite(s.dense_other_logp).all()
+        rescored = [
+            rescore(model, prompt, s.token_ids, dual_engine.vocab)
+            for model, prompt in zip(hf_models, (req.teacher_prompt_token_ids, req.theta_prompt_token_ids))
+        ]
+        for role, rows in enumerate(rescored):
             ids = torch.from_numpy(s.dense_ids[:, role].astype(np.int64))
             got = torch.from_numpy(s.dense_logp[:, role]).double()
             # Each recorded value is the model's log-probability of its token, and no token outside the set is
@@ -68,6 +71,9 @@ def test_dense_logprobs_are_each_models_own_top_k(dual_engine, hf_models):
             kth = rows.topk(k, dim=-1).values[:, -1]
             # One normaliser per row: the values order exactly as the engine's logits do.
             assert (got[:, -1] >= kth - 2 * RESCORE_ATOL).all() and (got[:, :-1] >= got[:, 1:]).all()
+            # The other model at the same ids (log π_θ at the teacher's top k, log π_t at theta's), re-scored.
+            other = torch.from_numpy(s.dense_other_logp[:, role]).double()
+            assert torch.allclose(other, rescored[1 - role].gather(1, ids), atol=RESCORE_ATOL, rtol=0)
         # The sampled token's own records are the dense rows' values wherever it is among the top k: one number.
         for t, token in enumerate(s.token_ids):
             hit = np.flatnonzero(s.dense_ids[t, 0] == token)

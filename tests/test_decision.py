@@ -192,7 +192,7 @@ def test_dense_top_k_values_are_the_records_at_the_drawn_token(vocab):
     theta = torch.log_softmax(theta, -1)
     rows = [RowSampling(seed=i, top_k=50 if i % 2 else 0) for i in range(6)]
     d = decide(teacher, theta, [1] * 6, rows, get_alpha_computer("kl_symmetry"), theta_normalized=True)
-    ids, values = dense_top(teacher, theta, 16, d, theta_normalized=True)
+    ids, values, other = dense_top(teacher, theta, 16, d, theta_normalized=True)
     reference = [torch.log_softmax(teacher.double(), -1), torch.log_softmax(theta.double(), -1)]
     hits = 0
     for side, record in enumerate((d.logp_teacher, d.logp_theta)):
@@ -200,10 +200,17 @@ def test_dense_top_k_values_are_the_records_at_the_drawn_token(vocab):
         torch.testing.assert_close(
             values[:, side].double(), reference[side].gather(-1, ids[:, side]), atol=ONE_NORMALISATION_ATOL, rtol=0
         )
+        # The other model at the same ids: log π_θ at the teacher's top k, log π_t at theta's.
+        torch.testing.assert_close(
+            other[:, side].double(), reference[1 - side].gather(-1, ids[:, side]), atol=ONE_NORMALISATION_ATOL, rtol=0
+        )
         assert (values[:, side, :-1] >= values[:, side, 1:]).all()
         for row in range(6):
             hit = (ids[row, side] == d.tokens[row]).nonzero().flatten()
             if hit.numel():
                 hits += 1
                 assert values[row, side, hit[0]].item() == record[row].item()
+                # The other model's value at the drawn token is its record too: one normaliser per model and row.
+                other_record = (d.logp_theta, d.logp_teacher)[side]
+                assert other[row, side, hit[0]].item() == other_record[row].item()
     assert hits >= 10

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from dual_sampling.lockstep import RECORD_FIELDS
+from dual_sampling.records import DENSE_FIELDS
 from dual_sampling.server.app import build_app
 from dual_sampling.server.serve_options import ServeOptions
 from tests import processes
@@ -217,23 +218,37 @@ def test_logprobs_report_log_q_and_its_alternatives(client):
 def test_dense_logprobs_carry_each_models_top_k(dual_engine, client, stream):
     k = 5
     kwargs = dict(model="dual", prompt="one two three", max_tokens=6, seed=9, extra_body={"dense_logprobs": k})
-    fields = ["token_ids", *RECORD_FIELDS, *(f"{r}_top_{p}" for r in ("teacher", "theta") for p in ("ids", "logprobs"))]
+    fields = ["token_ids", *RECORD_FIELDS, *DENSE_FIELDS]
     if stream:
         parts = [c.choices[0].model_extra["dual_sampling"] for c in client.completions.create(stream=True, **kwargs)]
         extra = {key: [v for p in parts if p and p.get(key) for v in p[key]] for key in fields}
     else:
         extra = client.completions.create(**kwargs).choices[0].model_extra["dual_sampling"]
     assert len(extra["token_ids"]) == 6
-    for role, own in (("teacher", "logp_teacher"), ("theta", "logp_theta")):
+    assert set(DENSE_FIELDS) == {
+        "teacher_top_ids", "teacher_top_logprobs", "teacher_top_theta_logprobs",
+        "theta_top_ids", "theta_top_logprobs", "theta_top_teacher_logprobs",
+    }  # fmt: skip
+    for role, own, other in (("teacher", "logp_teacher", "theta"), ("theta", "logp_theta", "teacher")):
         ids, logp = extra[f"{role}_top_ids"], extra[f"{role}_top_logprobs"]
-        assert len(ids) == len(logp) == 6 and all(len(row) == k for row in ids + logp)
+        other_logp = extra[f"{role}_top_{other}_logprobs"]
+        assert len(ids) == len(logp) == len(other_logp) == 6 and all(len(row) == k for row in ids + logp + other_logp)
         assert all(row == sorted(row, reverse=True) and row[0] <= 0 for row in logp)
-        # Where the drawn token is among a model's top k, its dense value is that model's record of it: one number.
-        for token, top_ids, top_logp, value in zip(extra["token_ids"], ids, logp, extra[own]):
+        assert all(v <= 0 for row in other_logp for v in row)
+        # Where the drawn token is among a model's top k, its dense values are both models' records of it.
+        for step, (token, top_ids, top_logp, value) in enumerate(zip(extra["token_ids"], ids, logp, extra[own])):
             if token in top_ids:
                 assert top_logp[top_ids.index(token)] == value
+                assert other_logp[step][top_ids.index(token)] == extra[f"logp_{other}"][step]
             else:
                 assert value <= top_logp[-1]
+    # The two roles' lists are one computation per model: a token in both top k has one value per model.
+    for step in range(6):
+        for j, token in enumerate(extra["teacher_top_ids"][step]):
+            if token in extra["theta_top_ids"][step]:
+                i = extra["theta_top_ids"][step].index(token)
+                assert extra["teacher_top_logprobs"][step][j] == extra["theta_top_teacher_logprobs"][step][i]
+                assert extra["teacher_top_theta_logprobs"][step][j] == extra["theta_top_logprobs"][step][i]
     plain = client.completions.create(model="dual", prompt="one", max_tokens=2, seed=9)
     assert plain.choices[0].model_extra["dual_sampling"].get("teacher_top_ids") is None
     limit = dual_engine.max_dense_logprobs

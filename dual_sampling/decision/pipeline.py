@@ -282,6 +282,8 @@ class Decision:
     """``[b, 2, k]``: the k most likely tokens of π_t (``[:, 0]``) and of π_θ (``[:, 1]``), when asked for."""
     dense_logp: Tensor | None = None
     """``[b, 2, k]``: log π_t of the teacher's and log π_θ of theta's (untempered, unfiltered)."""
+    dense_other_logp: Tensor | None = None
+    """``[b, 2, k]``: the other model's at the same ids: log π_θ of the teacher's top k, log π_t of theta's."""
 
     @classmethod
     def concatenate(cls, parts: Sequence[Decision]) -> Decision:
@@ -296,10 +298,12 @@ class Decision:
 
 def dense_top(
     teacher_logits: Tensor, theta_logits: Tensor, k: int, decision: Decision, theta_normalized: bool = False
-) -> tuple[Tensor, Tensor]:
-    """Each model's own k most likely tokens: (ids ``[b, 2, k]`` int64, log-probabilities ``[b, 2, k]``), the teacher
-    at ``[:, 0]`` and theta at ``[:, 1]``, most likely first. Untempered and unfiltered: the loss of a distillation
-    trainer needs the models' distributions, not the one sampled from.
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Each model's own k most likely tokens, and both models' log-probabilities at them: (ids ``[b, 2, k]`` int64,
+    own ``[b, 2, k]``, other ``[b, 2, k]``). Role ``[:, 0]`` is the teacher's top k (own: log π_t, other: log π_θ),
+    ``[:, 1]`` theta's (own: log π_θ, other: log π_t), most likely first. Untempered and unfiltered: the loss of a
+    distillation trainer needs the models' distributions, not the one sampled from; a reverse KL needs π_t where π_θ
+    has its mass, hence the other model's values.
 
     One record, one number: each row's log-normaliser is the one ``decision`` used for its drawn token, read back as
     logit[token] − record (float64, where that difference of two float32 values is exact). So where the drawn token is
@@ -311,18 +315,24 @@ def dense_top(
     pick = decision.tokens.to(teacher_logits.device).unsqueeze(-1)
     ok = decision.ok.to(teacher_logits.device)
 
-    def side(logits: Tensor, record: Tensor, normalized: bool) -> tuple[Tensor, Tensor]:
-        top = logits.topk(k, dim=-1)
+    def normaliser(logits: Tensor, record: Tensor, normalized: bool) -> Tensor:
+        """``[b, 1]`` float64: the log-normaliser the decision used for this model's rows."""
         own = torch.zeros_like(logits[:, :1], dtype=torch.float64)
         if not normalized:
             own = logits.logsumexp(-1, True).double()
         from_record = logits.gather(-1, pick).double() - record.to(logits.device, torch.float64).unsqueeze(-1)
-        norm = torch.where((ok.unsqueeze(-1) & torch.isfinite(from_record)), from_record, own)
-        return top.indices, (top.values.double() - norm).to(logits.dtype)
+        return torch.where((ok.unsqueeze(-1) & torch.isfinite(from_record)), from_record, own)
 
-    teacher_ids, teacher_logp = side(teacher_logits, decision.logp_teacher, False)
-    theta_ids, theta_logp = side(theta_logits, decision.logp_theta, theta_normalized)
-    return torch.stack([teacher_ids, theta_ids], dim=1), torch.stack([teacher_logp, theta_logp], dim=1)
+    def at(logits: Tensor, norm: Tensor, ids: Tensor) -> Tensor:
+        return (logits.gather(-1, ids).double() - norm).to(logits.dtype)
+
+    teacher_norm = normaliser(teacher_logits, decision.logp_teacher, False)
+    theta_norm = normaliser(theta_logits, decision.logp_theta, theta_normalized)
+    teacher_ids = teacher_logits.topk(k, dim=-1).indices
+    theta_ids = theta_logits.topk(k, dim=-1).indices
+    own = [at(teacher_logits, teacher_norm, teacher_ids), at(theta_logits, theta_norm, theta_ids)]
+    other = [at(theta_logits, theta_norm, teacher_ids), at(teacher_logits, teacher_norm, theta_ids)]
+    return torch.stack([teacher_ids, theta_ids], dim=1), torch.stack(own, dim=1), torch.stack(other, dim=1)
 
 
 def decide(

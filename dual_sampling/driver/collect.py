@@ -20,11 +20,16 @@ from dual_sampling.text import sample_text
 __all__ = ["collect_sample", "delta_of"]
 
 
-def dense_copies(session: SyncSession, slot: int, start: int, end: int, k: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Copies of a slot's dense top-k records for tokens [start, end), or None when k is 0."""
+def dense_copies(
+    session: SyncSession, slot: int, start: int, end: int, k: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Copies of a slot's dense top-k records (ids, own and other log-probabilities) for tokens [start, end), or None
+    when k is 0."""
     if not k:
         return None
-    return session.dense_ids[slot, start:end, :, :k].copy(), session.dense_logp[slot, start:end, :, :k].copy()
+    return tuple(  # type: ignore[return-value]
+        a[slot, start:end, :, :k].copy() for a in (session.dense_ids, session.dense_logp, session.dense_other_logp)
+    )
 
 
 def delta_of(session: SyncSession, flight: Flight, start: int, sample: SampleRecord | None = None) -> SampleDelta:
@@ -81,7 +86,7 @@ def collect_sample(
         )
         dense = dense_copies(session, slot, 0, len(tokens), flight.request.sampling.dense_logprobs)
         if dense is not None:
-            sample.dense_ids, sample.dense_logp = dense
+            sample.dense_ids, sample.dense_logp, sample.dense_other_logp = dense
     stop = (
         flight.request.stop[stop_index]
         if finish == Finish.STOP_STRING and 0 <= stop_index < len(flight.request.stop)

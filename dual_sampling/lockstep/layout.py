@@ -47,7 +47,7 @@ T = TypeVar("T")
 SHM_DIR = Path("/dev/shm")
 SESSION_PREFIX = "dual-sampling-"
 MiB = 1 << 20
-MAGIC = 0x44554132  # "DUA2"; a session written by an older layout is refused, never misread
+MAGIC = 0x44554133  # "DUA3"; a session written by an older layout is refused, never misread
 PLAN_RING = 4
 """Plans kept at once. The leader is at most one plan ahead of the follower (its step needs theta's rows)."""
 RECORD_FIELDS = ("alpha", "logp_teacher", "logp_theta", "logq")
@@ -382,6 +382,7 @@ class SessionLayout:
             # [slot, step, role (0 teacher, 1 theta), k]
             ("dense_ids", 4 * 2 * self.dense_k * self.max_steps * self.slots),
             ("dense_logp", 4 * 2 * self.dense_k * self.max_steps * self.slots),
+            ("dense_other_logp", 4 * 2 * self.dense_k * self.max_steps * self.slots),
         ]
         out, pos = {}, 0
         for name, size in sizes:

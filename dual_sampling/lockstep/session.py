@@ -134,7 +134,10 @@ class SyncSession:
         self.top_logq = np.frombuffer(buf, np.float32, k * t * s, off["top_logq"]).reshape(s, t, k)
         d = 2 * layout.dense_k
         self.dense_ids = np.frombuffer(buf, np.int32, d * t * s, off["dense_ids"]).reshape(s, t, 2, layout.dense_k)
-        self.dense_logp = np.frombuffer(buf, np.float32, d * t * s, off["dense_logp"]).reshape(s, t, 2, layout.dense_k)
+        self.dense_logp, self.dense_other_logp = (
+            np.frombuffer(buf, np.float32, d * t * s, off[name]).reshape(s, t, 2, layout.dense_k)
+            for name in ("dense_logp", "dense_other_logp")
+        )
         self._bell_anchor = ctypes.c_char.from_buffer(mm, off["bells"])
         self._bell_base = ctypes.addressof(self._bell_anchor)
         self._ring_lock = threading.Lock()
@@ -227,7 +230,7 @@ class SyncSession:
             self._final_statistics = self._read_statistics()
             self._closed = True
             del self.header, self.bells, self.plans, self.control, self.theta_logprobs, self.tokens, self.records
-            del self.top_ids, self.top_logq, self.dense_ids, self.dense_logp
+            del self.top_ids, self.top_logq, self.dense_ids, self.dense_logp, self.dense_other_logp
             del self._bell_anchor
             with contextlib.suppress(BufferError):  # a view is still alive somewhere; the mapping goes with the process
                 self._mm.close()

@@ -29,7 +29,7 @@ from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, Ope
 from vllm.renderers.chat_utils import ChatCompletionMessageParam
 
 from dual_sampling.lockstep import RECORD_FIELDS
-from dual_sampling.records import DENSE_ROLES
+from dual_sampling.records import DENSE_FIELDS, DENSE_ROLES
 
 __all__ = [
     "DualChatCompletionRequest",
@@ -113,16 +113,20 @@ DualRecords = create_model(
     ),
     error=(str | None, Field(default=None, description="On a sample's last chunk: why it failed, if it did.")),
     **{
-        f"{role}_top_{part}": (
-            list[list[kind]] | None,
+        name: (
+            list[list[int if part == 0 else float]] | None,
             Field(
                 default=None,
-                description=f"With dense_logprobs k: per token, {what} of {role}'s k most likely tokens, most likely "
-                "first.",
+                description=f"With dense_logprobs k: per token, {DENSE_ROLES[role]}'s k most likely tokens, most "
+                "likely first: "
+                + (
+                    "their ids.",
+                    f"log π of {DENSE_ROLES[role]} at them.",
+                    f"log π of {DENSE_ROLES[1 - role]} at them.",
+                )[part],
             ),
         )
-        for role in DENSE_ROLES
-        for part, kind, what in (("ids", int, "the ids"), ("logprobs", float, "the log-probabilities"))
+        for name, (role, part) in DENSE_FIELDS.items()
     },
     teacher_version=(
         str | None,

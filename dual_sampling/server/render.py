@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from dual_sampling.lockstep import RECORD_FIELDS
-from dual_sampling.records import DENSE_ROLES, SampleDelta, SampleRecord
+from dual_sampling.records import DENSE_FIELDS, SampleDelta, SampleRecord
 from dual_sampling.server.translate import Job
 
 __all__ = [
@@ -50,7 +50,7 @@ def _choice(job: Job, index: int, deltas: list[SampleDelta], piece: Callable[[in
     top = [d.top for d in deltas if d.top is not None]
     top_all = (np.concatenate([t[0] for t in top]), np.concatenate([t[1] for t in top])) if top else None
     dense = [d.dense for d in deltas if d.dense is not None]
-    dense_all = (np.concatenate([t[0] for t in dense]), np.concatenate([t[1] for t in dense])) if dense else None
+    dense_all = tuple(np.concatenate(part) for part in zip(*dense)) if dense else None
     extra = token_records(sample.teacher_token_ids, records, sample, dense_all)
     logprobs = logprobs_block(job, sample.teacher_token_ids, records, top_all, piece)
     choice: dict[str, Any] = {"index": index}
@@ -112,17 +112,16 @@ def token_records(
     token_ids: Sequence[int],
     records: np.ndarray,
     sample: SampleRecord | None,
-    dense: tuple[np.ndarray, np.ndarray] | None = None,
+    dense: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> dict[str, Any]:
-    """The ``dual_sampling`` field of these tokens; ``dense`` (ids, log-probabilities ``[r, 2, k]``) adds each
-    model's own top k."""
+    """The ``dual_sampling`` field of these tokens; ``dense`` (ids, own and other log-probabilities ``[r, 2, k]``)
+    adds each model's top k with both models' log-probabilities at them."""
     out: dict[str, Any] = {"token_ids": list(token_ids)}
     for k, name in enumerate(RECORD_FIELDS):
         out[name] = records[:, k].tolist()
     if dense is not None:
-        for r, role in enumerate(DENSE_ROLES):
-            out[f"{role}_top_ids"] = dense[0][:, r].tolist()
-            out[f"{role}_top_logprobs"] = dense[1][:, r].tolist()
+        for name, (role, part) in DENSE_FIELDS.items():
+            out[name] = dense[part][:, role].tolist()
     if sample is not None:
         out["log_w_theta"] = sample.log_w_theta if sample.error is None else None
         out["error"] = sample.error
