@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from dual_sampling.distill import DistillConfig, Distiller
-from dual_sampling.distill.loss import ess_fraction, recorded_reverse_kl, state_weights, top_k_forward_kl
+from dual_sampling.distill.loss import (
+    ess_fraction,
+    recorded_reverse_kl,
+    recorded_teacher_logp,
+    state_weights,
+    top_k_forward_kl,
+)
 from dual_sampling.options import EngineOptions, SamplingOptions
 from dual_sampling.run_output import single_writer
 from dual_sampling.run_settings import ModelsAndPrompts
@@ -67,6 +73,63 @@ def test_recorded_reverse_kl_has_the_reverse_kl_gradient_and_refuses_repeated_id
     torch.testing.assert_close(student.grad, expected, atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="ids must be distinct"):
         recorded_reverse_kl(student, torch.tensor([[0, 0, 1, 2]] * 3), teacher_at)
+
+
+def test_the_reverse_kl_of_a_samples_dense_records_is_the_kl_over_the_union_of_both_top_k():
+    """A sample's dense records as the engine writes them (each model's top k, both models' log-probabilities at
+    them, float32) give the coarsened KL(π_θ‖π_t) over the union of the two top k, against float64 NumPy; a token in
+    both top k counts once."""
+    rng = np.random.default_rng(4)
+    n, vocab, k = 6, 40, 5
+    lt = _log_softmax(rng.normal(0, 2.5, (n, vocab)))
+    student = rng.normal(0, 1.5, (n, vocab))
+    student[:3, :4] += 6  # rows where the two top k overlap, and rows where they mostly do not
+    lt[:3, :4] += 6
+    lt = _log_softmax(lt)
+    ls = _log_softmax(student)
+    tops = np.stack([np.argsort(-lt, -1)[:, :k], np.argsort(-ls, -1)[:, :k]], 1)  # [n, 2, k]
+    own = np.stack([np.take_along_axis(lt, tops[:, 0], -1), np.take_along_axis(ls, tops[:, 1], -1)], 1)
+    other = np.stack([np.take_along_axis(ls, tops[:, 0], -1), np.take_along_axis(lt, tops[:, 1], -1)], 1)
+    records = [torch.from_numpy(a) for a in (tops.astype(np.int32), own.astype(np.float32), other.astype(np.float32))]
+    ids, teacher_at = recorded_teacher_logp(*records)
+    assert ids.shape == teacher_at.shape == (n, 2 * k)
+    got = recorded_reverse_kl(torch.tensor(student), ids, teacher_at.double())
+    overlaps = 0
+    for i in range(n):
+        union = sorted(set(tops[i, 0]) | set(tops[i, 1]))
+        overlaps += 2 * k - len(union)
+        assert sorted(ids[i][ids[i] >= 0].tolist()) == union
+        ps, pt = np.exp(ls[i, union]), np.exp(lt[i, union])
+        want = (ps * np.log(ps / pt)).sum() + (1 - ps.sum()) * math.log((1 - ps.sum()) / (1 - pt.sum()))
+        assert got[i].item() == pytest.approx(want, rel=1e-5, abs=1e-6)  # float32 records of log π_t
+    assert overlaps >= 3 * 3  # the overlapping rows were exercised
+
+
+def test_steps_on_the_recorded_reverse_kl_lower_the_full_reverse_kl():
+    """The reverse loss as a training signal: a small student takes AdamW steps on the coarsened KL(π_θ‖π_t) of
+    records made at its own states (both models' top 8 of 64 tokens, as the engine records them), and the full reverse
+    KL over the vocabulary at those states, computed in float64, falls."""
+    torch.manual_seed(0)
+    n, vocab, k = 32, 64, 8
+    teacher = _log_softmax(np.random.default_rng(5).normal(0, 3, (n, vocab)))
+    logits = torch.nn.Parameter(torch.randn(n, vocab, dtype=torch.float64))
+    optimizer = torch.optim.AdamW([logits], lr=0.05)
+
+    def full() -> float:
+        ls = torch.log_softmax(logits.detach(), -1).numpy()
+        return float((np.exp(ls) * (ls - teacher)).sum(-1).mean())
+
+    before = full()
+    for _ in range(40):
+        ls = torch.log_softmax(logits.detach(), -1).numpy()
+        tops = np.stack([np.argsort(-teacher, -1)[:, :k], np.argsort(-ls, -1)[:, :k]], 1)
+        own = np.stack([np.take_along_axis(teacher, tops[:, 0], -1), np.take_along_axis(ls, tops[:, 1], -1)], 1)
+        other = np.stack([np.take_along_axis(ls, tops[:, 0], -1), np.take_along_axis(teacher, tops[:, 1], -1)], 1)
+        ids, teacher_at = recorded_teacher_logp(*(torch.from_numpy(a.astype(np.float32)) for a in (tops, own, other)))
+        recorded_reverse_kl(logits, ids.long(), teacher_at.double()).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert full() < 0.5 * before, (before, full())
 
 
 def test_top_k_forward_kl_is_the_coarsened_kl_and_bounds_the_full_one():
@@ -135,6 +198,8 @@ PAIR = ModelsAndPrompts("t", "s")
 def test_config_names_the_bad_field(tmp_path):
     with pytest.raises(ValueError, match="weighting"):
         DistillConfig(prompts="p.jsonl", output=str(tmp_path), source=PAIR, weighting="sqrt")
+    with pytest.raises(ValueError, match=r"^loss must be one of \('forward', 'reverse'\), got 'jsd'"):
+        DistillConfig(prompts="p.jsonl", output=str(tmp_path), source=PAIR, loss="jsd")
     with pytest.raises(ValueError, match="steps_per_round"):
         DistillConfig(prompts="p.jsonl", output=str(tmp_path), source=PAIR, prompts_per_round=2, steps_per_round=3)
     for name, value in (("max_weight", 0), ("learning_rate", math.inf), ("weight_decay", math.nan)):
@@ -303,9 +368,10 @@ def test_the_trust_region_budget_anneals_linearly_to_zero():
 def test_a_run_samples_each_round_with_its_budget_and_gives_the_engine_its_alpha_back(
     dual_engine, tiny_same, prompts_file, tmp_path
 ):
+    """Trust-region blending as published: an annealed budget, trained on the per-prefix reverse KL of the records."""
     engine = EngineOptions(alpha_method="trust_region", alpha_config={"kl_budget": 0.05}, max_dense_logprobs=16)
-    settings = small_run(tiny_same, prompts_file, tmp_path, eval_max_tokens=8, rounds=2, prompts_per_round=4)
-    settings.update(engine=engine, kl_budget_warmup_rounds=1, steps_per_round=1, plot=False)
+    settings = small_run(tiny_same, prompts_file, tmp_path, eval_max_tokens=8, rounds=2, prompts_per_round=8)
+    settings.update(engine=engine, kl_budget_warmup_rounds=1, steps_per_round=1, plot=False, loss="reverse")
     started = dual_engine.alpha_settings
     try:
         rows = Distiller(DistillConfig(**settings, sampling=SamplingOptions(max_tokens=8)), dual_engine).run()
@@ -313,5 +379,6 @@ def test_a_run_samples_each_round_with_its_budget_and_gives_the_engine_its_alpha
         assert rows[2]["mean_alpha"] == 0.0  # ε = 0: every token from the student alone
         assert 0.0 < rows[1]["mean_alpha"] < 1.0
         assert dual_engine.alpha_settings == started  # the run's budget was the run's only
+        assert all(0 < r["loss"] < math.inf for r in rows[1:])
     finally:
         dual_engine.update_theta(str(tiny_same[1]), version="0")

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from alpha import get_alpha_computer
 from dual_sampling.checks import need_int, need_number
-from dual_sampling.distill.loss import WEIGHTINGS
+from dual_sampling.distill.loss import LOSSES, WEIGHTINGS
 from dual_sampling.options import RUNTIME_ONLY, EngineOptions, SamplingOptions
 from dual_sampling.run_settings import ModelsAndPrompts, compose_settings, flat_settings, runtime_only
 
@@ -52,12 +52,17 @@ class DistillConfig:
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Gradient norm clip per step."""
+    loss: str = "forward"
+    """The divergence each recorded position is trained on (:data:`dual_sampling.distill.loss.LOSSES`): ``forward``,
+    KL(π_t ‖ π_θ) on the teacher's top ``loss_top_k``; ``reverse``, KL(π_θ ‖ π_t) on both models' top ``loss_top_k``
+    (the per-prefix loss of on-policy distillation). Each with a bucket for the rest of the vocabulary."""
     weighting: str = "sequence_mean"
     """How importance weights π_θ/q enter the loss: none, token, sequence_mean or sequence (docs/theory.md)."""
     max_weight: float = 5.0
     """Clip of the self-normalised state weights (truncated importance sampling)."""
     loss_top_k: int = 64
-    """The teacher's top k per token (recorded while sampling) on which the forward KL runs, plus a rest bucket."""
+    """Each model's top k per token, recorded while sampling with both models' log-probabilities: the forward KL
+    runs on the teacher's, the reverse KL on both (their union), each plus a rest bucket."""
     max_sampler_mismatch: float = 0.05
     """Largest |log π_θ(trainer) − log π_θ(record)| allowed on the sampled tokens of each round's first optimizer
     batch (1/``steps_per_round`` of the samples, before any step; :mod:`dual_sampling.distill.mismatch`), in nats;
@@ -109,6 +114,8 @@ class DistillConfig:
                 f"kl_budget_warmup_rounds={self.kl_budget_warmup_rounds} anneals a trust_region budget; "
                 f"alpha_method is {self.engine.alpha_method!r}"
             )
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if self.weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
         if self.prompts_per_round * self.sampling.n < self.steps_per_round:

@@ -26,7 +26,13 @@ import torch
 
 from dual_sampling.distill.config import DistillConfig
 from dual_sampling.distill.evaluate import EvalSet, build_eval_set, evaluate
-from dual_sampling.distill.loss import ess_fraction, state_weights, top_k_forward_kl
+from dual_sampling.distill.loss import (
+    ess_fraction,
+    recorded_reverse_kl,
+    recorded_teacher_logp,
+    state_weights,
+    top_k_forward_kl,
+)
 from dual_sampling.distill.mismatch import Mismatch, SamplerMismatchError, record_gaps
 from dual_sampling.records import SampleRecord
 from dual_sampling.run_output import fresh_dir, remove_path, single_writer, write_no_follow
@@ -266,9 +272,7 @@ class Distiller:
                 logits = student(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(s.token_ids), : self.vocab]
                 if k == 0:  # before any optimizer step this round: the θ that sampled (a spread-out share of samples)
                     gaps.append(record_gaps(logits, s.token_ids, s.logp_theta))
-                top_ids = torch.from_numpy(s.dense_ids[:, 0].astype("int64"))
-                top_logp = torch.from_numpy(s.dense_logp[:, 0])
-                kl = top_k_forward_kl(logits, top_ids, top_logp)
+                kl = self._divergence(logits, s)
                 loss = (c.to(kl.dtype) * kl).sum() / tokens
                 loss.backward()
                 total += float(loss.detach())
@@ -297,6 +301,17 @@ class Distiller:
             "sampler_mismatch_mean": mismatch.mean_abs,
             "sampler_mismatch_max": mismatch.max_abs,
         }
+
+    def _divergence(self, logits: torch.Tensor, s: SampleRecord) -> torch.Tensor:
+        """``config.loss`` at each of the sample's positions ``[n]``, from its dense records and θ's ``logits``."""
+        if self.config.loss == "reverse":
+            ids, teacher_logp = recorded_teacher_logp(
+                *(torch.from_numpy(a) for a in (s.dense_ids, s.dense_logp, s.dense_other_logp))
+            )
+            return recorded_reverse_kl(logits, ids, teacher_logp)
+        return top_k_forward_kl(
+            logits, torch.from_numpy(s.dense_ids[:, 0].astype("int64")), torch.from_numpy(s.dense_logp[:, 0])
+        )
 
     def _evaluate(self) -> dict[str, float]:
         return evaluate(self.student, self.teacher, self.eval_set, self.vocab, self.config.eval_max_tokens)

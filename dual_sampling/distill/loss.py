@@ -13,7 +13,22 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["WEIGHTINGS", "ess_fraction", "recorded_reverse_kl", "state_weights", "top_k_forward_kl"]
+__all__ = [
+    "LOSSES",
+    "WEIGHTINGS",
+    "ess_fraction",
+    "recorded_reverse_kl",
+    "recorded_teacher_logp",
+    "state_weights",
+    "top_k_forward_kl",
+]
+
+LOSSES = ("forward", "reverse")
+"""The per-position divergence a distillation run minimises (docs/theory.md):
+
+- ``forward``: KL(π_t ‖ π_θ) on the teacher's top k plus a rest bucket (:func:`top_k_forward_kl`), mass-covering;
+- ``reverse``: KL(π_θ ‖ π_t) on both models' top k plus a rest bucket (:func:`recorded_reverse_kl`), the per-prefix
+  loss of on-policy distillation and of trust-region behaviour blending, mode-seeking."""
 
 WEIGHTINGS = ("none", "token", "sequence_mean", "sequence")
 """How a sample's log-weights become the weight of each of its states in the loss:
@@ -136,3 +151,16 @@ def recorded_reverse_kl(student_logits: Tensor, ids: Tensor, teacher_logp: Tenso
     has_rest = student_rest > -math.inf
     rest = torch.where(has_rest, student_rest.exp() * (student_rest - teacher_rest), torch.zeros_like(student_rest))
     return term.sum(-1) + rest
+
+
+def recorded_teacher_logp(dense_ids: Tensor, dense_logp: Tensor, dense_other_logp: Tensor) -> tuple[Tensor, Tensor]:
+    """The recorded tokens of each position and log π_t at them, as :func:`recorded_reverse_kl` reads them.
+
+    Takes a sample's dense records (``[n, 2, k]`` each: role 0 the teacher's top k with log π_t and log π_θ, role 1
+    theta's with log π_θ and log π_t; :class:`dual_sampling.records.SampleRecord`). Returns (ids ``[n, 2k]`` int64,
+    log π_t ``[n, 2k]``): the teacher's top k, then theta's, a token in both kept once (its theta copy is −1).
+    """
+    teacher_ids, theta_ids = dense_ids[:, 0].long(), dense_ids[:, 1].long()
+    again = (theta_ids.unsqueeze(-1) == teacher_ids.unsqueeze(-2)).any(-1)
+    ids = torch.cat([teacher_ids, torch.where(again, -1, theta_ids)], -1)
+    return ids, torch.cat([dense_logp[:, 0], dense_other_logp[:, 1]], -1)
