@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -82,6 +82,20 @@ class SampleRecord:
     dense_other_logp: np.ndarray | None = None
     """``[n, 2, k]`` float32: the other model's at the same ids: log π_θ of the teacher's top tokens (``[:, 0]``) and
     log π_t of theta's (``[:, 1]``). With :attr:`dense_logp`, both models' log-probabilities at every recorded id."""
+
+    def first(self, n: int) -> SampleRecord:
+        """The sample's first ``n`` tokens with their records (every per-token field cut alike), ended by ``length``;
+        ``text`` is kept whole. A prefix of a sample of q is a sample of q's prefixes: its states train as the whole
+        sample's do."""
+        whole = len(self.token_ids)
+        if not 0 <= n <= whole:
+            raise ValueError(f"n must be in [0, {whole}], got {n!r}")
+        cut = {
+            f.name: value[:n]
+            for f in fields(self)
+            if isinstance(value := getattr(self, f.name), (list, np.ndarray)) and len(value) == whole
+        }
+        return replace(self, **cut, finish_reason="length" if n < whole else self.finish_reason)
 
     @property
     def ok(self) -> bool:

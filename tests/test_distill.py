@@ -198,6 +198,9 @@ PAIR = ModelsAndPrompts("t", "s")
 def test_config_names_the_bad_field(tmp_path):
     with pytest.raises(ValueError, match="weighting"):
         DistillConfig(prompts="p.jsonl", output=str(tmp_path), source=PAIR, weighting="sqrt")
+    for name in ("eval_every", "tokens_per_round"):
+        with pytest.raises(ValueError, match=f"^{name} must be an integer >= 0"):
+            DistillConfig(prompts="p.jsonl", output=str(tmp_path), source=PAIR, **{name: -1})
     with pytest.raises(ValueError, match=r"^loss must be one of \('forward', 'reverse'\), got 'jsd'"):
         DistillConfig(prompts="p.jsonl", output=str(tmp_path), source=PAIR, loss="jsd")
     with pytest.raises(ValueError, match="steps_per_round"):
@@ -372,6 +375,9 @@ def test_a_run_samples_each_round_with_its_budget_and_gives_the_engine_its_alpha
     engine = EngineOptions(alpha_method="trust_region", alpha_config={"kl_budget": 0.05}, max_dense_logprobs=16)
     settings = small_run(tiny_same, prompts_file, tmp_path, eval_max_tokens=8, rounds=2, prompts_per_round=8)
     settings.update(engine=engine, kl_budget_warmup_rounds=1, steps_per_round=1, plot=False, loss="reverse")
+    # An equal budget of generated tokens, and no held-out metrics: draws of 4 prompts (at most 32 tokens each) until
+    # 41 tokens, the last sample cut.
+    settings.update(tokens_per_round=41, eval_every=0)
     started = dual_engine.alpha_settings
     try:
         rows = Distiller(DistillConfig(**settings, sampling=SamplingOptions(max_tokens=8)), dual_engine).run()
@@ -380,5 +386,9 @@ def test_a_run_samples_each_round_with_its_budget_and_gives_the_engine_its_alpha
         assert 0.0 < rows[1]["mean_alpha"] < 1.0
         assert dual_engine.alpha_settings == started  # the run's budget was the run's only
         assert all(0 < r["loss"] < math.inf for r in rows[1:])
+        assert [r["tokens"] for r in rows] == [0, 41, 82]
+        assert [r["prompts_used"] for r in rows] == [0, 8, 16]  # two draws a round, the walk continued
+        assert all("kl_teacher_student" not in r for r in rows)
+        assert not (tmp_path / "run" / "eval_set.json").exists()
     finally:
         dual_engine.update_theta(str(tiny_same[1]), version="0")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 
 from dual_sampling.records import SampleRecord, best_of, best_of_score
@@ -49,3 +50,22 @@ def test_best_of_never_ranks_samples_of_two_weight_versions_together():
     with pytest.raises(ValueError, match=r"best_of: .*'round-2'.*too few by one version to rank n=3"):
         best_of([*old[:2], *new, dataclasses.replace(new[0], logq=[-0.2])], 3, "logq")
     assert best_of(old, 3, "logq") == [1, 2, 0]
+
+
+def test_the_first_tokens_of_a_sample_cut_every_per_token_field_alike():
+    n, k = 5, 3
+    dense = [np.arange(n * 2 * k, dtype=dt).reshape(n, 2, k) for dt in (np.int32, np.float32, np.float32)]
+    s = SampleRecord(
+        text="abcde", token_ids=list(range(10, 15)), finish_reason="stop", seed=1, alpha=[0.1] * n,
+        logp_teacher=[-1.0] * n, logp_theta=[-2.0] * n, logq=[-1.5] * n, teacher_token_ids=list(range(10, 15)),
+        theta_token_ids=list(range(10, 15)), dense_ids=dense[0], dense_logp=dense[1], dense_other_logp=dense[2],
+    )  # fmt: skip
+    cut = s.first(2)
+    per_token = [f.name for f in dataclasses.fields(s) if isinstance(getattr(s, f.name), (list, np.ndarray))]
+    assert len(per_token) == 10  # every list and array of a sample is per token
+    for name in per_token:
+        assert len(getattr(cut, name)) == 2 and np.array_equal(np.asarray(getattr(cut, name)), getattr(s, name)[:2])
+    assert cut.finish_reason == "length" and s.finish_reason == "stop" and len(s.token_ids) == n
+    assert s.first(n).finish_reason == "stop"
+    with pytest.raises(ValueError, match=r"n must be in \[0, 5\], got 6"):
+        s.first(6)

@@ -40,10 +40,18 @@ class DistillConfig:
     """Held-out problems (the file's last rows), never trained on."""
     eval_max_tokens: int = 64
     """Tokens of the teacher's reference answers and of the student's greedy answers on the held-out problems."""
+    eval_every: int = 1
+    """Compute the held-out metrics before round 1 and after every this many rounds and the last; 0 never (the
+    teacher's reference answers are then not built, and the run loads no teacher model)."""
     rounds: int = 4
     """Sample-train-update rounds."""
     prompts_per_round: int = 16
-    """Problems sampled per round (one sample each, n > 1 for more); the file is walked in a seeded order."""
+    """Problems sampled per draw (one sample each, n > 1 for more); the file is walked in a seeded order, continued
+    from round to round."""
+    tokens_per_round: int = 0
+    """0: each round trains on one draw of ``prompts_per_round`` problems. > 0: an equal budget of generated tokens:
+    each round draws until its samples hold this many tokens, and the last sample is cut to its first tokens to meet
+    the budget exactly (a prefix of a sample of q is a sample of q's prefixes)."""
     steps_per_round: int = 4
     """Optimizer steps per round; each takes an equal share of the round's samples."""
     learning_rate: float = 5e-5
@@ -98,6 +106,8 @@ class DistillConfig:
             ("steps_per_round", 1),
             ("loss_top_k", 1),
             ("kl_budget_warmup_rounds", 0),
+            ("eval_every", 0),
+            ("tokens_per_round", 0),
         ):
             need_int(name, getattr(self, name), least)
         # max_weight may be inf (no clip) but not 0; the optimizer's settings must be finite.
@@ -118,7 +128,7 @@ class DistillConfig:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if self.weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
-        if self.prompts_per_round * self.sampling.n < self.steps_per_round:
+        if not self.tokens_per_round and self.prompts_per_round * self.sampling.n < self.steps_per_round:
             raise ValueError(
                 f"steps_per_round={self.steps_per_round} exceeds the {self.prompts_per_round * self.sampling.n} "
                 "samples of a round (prompts_per_round × n)"

@@ -102,20 +102,22 @@ class Distiller:
         self.order = list(range(len(self.train_rows)))
         random.Random(config.sampling.seed).shuffle(self.order)
         held_out = rows[-config.eval_prompts :]
-        self.teacher = AutoModelForCausalLM.from_pretrained(config.source.teacher, dtype=torch.float32).eval()
         self.student = AutoModelForCausalLM.from_pretrained(config.source.theta, dtype=torch.float32)
         self.optimizer = torch.optim.AdamW(
             self.student.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
         )
-        saved_eval = self.out / "eval_set.json"
-        if eval_set is None and config.resume and saved_eval.exists():  # the held-out set of the run resumed
-            eval_set = EvalSet(**json.loads(saved_eval.read_text()))
-        self.eval_set = eval_set or build_eval_set(
-            self.teacher,
-            [dual.tokenizer.encode(self._render(r, None)[1], add_special_tokens=False) for r in held_out],
-            config.eval_max_tokens,
-            self.eos_ids,
-        )
+        self.teacher, self.eval_set = None, None
+        if config.eval_every:
+            self.teacher = AutoModelForCausalLM.from_pretrained(config.source.teacher, dtype=torch.float32).eval()
+            saved_eval = self.out / "eval_set.json"
+            if eval_set is None and config.resume and saved_eval.exists():  # the held-out set of the run resumed
+                eval_set = EvalSet(**json.loads(saved_eval.read_text()))
+            self.eval_set = eval_set or build_eval_set(
+                self.teacher,
+                [dual.tokenizer.encode(self._render(r, None)[1], add_special_tokens=False) for r in held_out],
+                config.eval_max_tokens,
+                self.eos_ids,
+            )
 
     # ------------------------------------------------------------------ the run
 
@@ -142,7 +144,7 @@ class Distiller:
                 if self.dual.alpha_settings != alpha_before and self.dual.failure is None:
                     method, config = alpha_before
                     self.dual.update_alpha(method, **config)
-            if cfg.plot:
+            if cfg.plot and cfg.eval_every:  # the plot shows the held-out metrics
                 plot_run(rows, self.out / "plot.png")
         return rows
 
@@ -176,10 +178,11 @@ class Distiller:
             raise FileExistsError(f"{self.out} holds a run already; pass --resume to continue it")
         self.out.mkdir(parents=True, exist_ok=True)
         write_no_follow(saved, json.dumps(identity, indent=1))
-        write_no_follow(self.out / "eval_set.json", json.dumps(dataclasses.asdict(self.eval_set)))
+        if self.eval_set is not None:
+            write_no_follow(self.out / "eval_set.json", json.dumps(dataclasses.asdict(self.eval_set)))
         self.dual.update_theta(cfg.source.theta, version="round-0")
         t0 = time.perf_counter()
-        row = {"round": 0, "theta_version": "round-0", "tokens": 0, **self._evaluate()}
+        row = {"round": 0, "theta_version": "round-0", "tokens": 0, "prompts_used": 0, **self._evaluate()}
         row.update(eval_s=time.perf_counter() - t0, wall_s=0.0)
         self._append(row)
         return 0
@@ -190,18 +193,22 @@ class Distiller:
         budget = self.config.kl_budget(r)
         if budget is not None:
             self.dual.update_alpha("trust_region", **{**self.config.engine.alpha_kwargs, "kl_budget": budget})
-        samples, prompt_ids = self._sample(r)
+        # Older runs' rows lack prompts_used: one draw of prompts_per_round a round then.
+        used = previous.get("prompts_used", (r - 1) * self.config.prompts_per_round)
+        samples, prompt_ids, used = self._sample(r, used)
         t1 = time.perf_counter()
         train = self._train(r, samples, prompt_ids)
         t2 = time.perf_counter()
         version = self.dual.update_theta(self.student.state_dict(), version=f"round-{r}")
         t3 = time.perf_counter()
-        held_out = self._evaluate()
+        every = self.config.eval_every
+        held_out = self._evaluate() if every and (r % every == 0 or r == self.config.rounds) else {}
         t4 = time.perf_counter()
         row = {
             "round": r,
             "theta_version": version,
             "samples": len(samples),
+            "prompts_used": used,
             "tokens": previous["tokens"] + sum(len(s.token_ids) for s in samples),
             **({} if budget is None else {"kl_budget": budget}),
             **train,
@@ -218,31 +225,39 @@ class Distiller:
 
     # ------------------------------------------------------------------ the parts of a round
 
-    def _sample(self, r: int) -> tuple[list[SampleRecord], list[list[int]]]:
-        """Round ``r``'s samples from q (complete ones only) and each one's theta prompt ids."""
+    def _sample(self, r: int, used: int) -> tuple[list[SampleRecord], list[list[int]], int]:
+        """Round ``r``'s samples from q (complete ones only), each one's theta prompt ids, and the count of problems
+        drawn so far (``used`` before the round): one draw, or draws until ``tokens_per_round`` tokens."""
         cfg = self.config
-        n = cfg.prompts_per_round
-        picks = [self.order[((r - 1) * n + i) % len(self.order)] for i in range(n)]
-        pairs = [self._render(self.train_rows[i], self._hint(self.train_rows[i])) for i in picks]
-        sampling = dataclasses.replace(cfg.sampling, seed=cfg.sampling.seed + r)
-        out = self.dual.generate(
-            [theta for _, theta in pairs],
-            teacher_prompts=[teacher for teacher, _ in pairs],
-            sampling=sampling,
-            prompt_keys=[str(i) for i in picks],
-            use_tqdm=False,
-        )
-        samples, prompt_ids = [], []
-        for req in out.requests:
-            for s in req.samples:
-                if s.ok and s.token_ids:
-                    samples.append(s)
-                    prompt_ids.append(list(req.theta_prompt_token_ids))
-        if not samples:
-            raise RuntimeError(
-                f"round {r}: no sample completed (errors: {[s.error for q in out.requests for s in q.samples]})"
+        budget = cfg.tokens_per_round
+        samples: list[SampleRecord] = []
+        prompt_ids: list[list[int]] = []
+        tokens = 0
+        while not samples or tokens < budget:
+            picks = [self.order[(used + i) % len(self.order)] for i in range(cfg.prompts_per_round)]
+            used += len(picks)
+            pairs = [self._render(self.train_rows[i], self._hint(self.train_rows[i])) for i in picks]
+            out = self.dual.generate(
+                [theta for _, theta in pairs],
+                teacher_prompts=[teacher for teacher, _ in pairs],
+                sampling=dataclasses.replace(cfg.sampling, seed=cfg.sampling.seed + r),
+                prompt_keys=[str(i) for i in picks],
+                use_tqdm=False,
             )
-        return samples, prompt_ids
+            complete = [(s, req) for req in out.requests for s in req.samples if s.ok and s.token_ids]
+            if not complete:
+                raise RuntimeError(
+                    f"round {r}: no sample completed (errors: {[s.error for q in out.requests for s in q.samples]})"
+                )
+            for s, req in complete:
+                if budget and tokens >= budget:
+                    break
+                if budget and tokens + len(s.token_ids) > budget:
+                    s = s.first(budget - tokens)
+                samples.append(s)
+                prompt_ids.append(list(req.theta_prompt_token_ids))
+                tokens += len(s.token_ids)
+        return samples, prompt_ids, used
 
     def _hint(self, row: dict[str, Any]) -> str | None:
         return row.get(self.config.source.hint_field) if self.config.source.hint_field else None
@@ -314,6 +329,8 @@ class Distiller:
         )
 
     def _evaluate(self) -> dict[str, float]:
+        if self.eval_set is None:
+            return {}
         return evaluate(self.student, self.teacher, self.eval_set, self.vocab, self.config.eval_max_tokens)
 
     # ------------------------------------------------------------------ files
@@ -362,9 +379,14 @@ class Distiller:
 
 
 def _summary_line(row: dict[str, Any]) -> str:
+    held_out = ""
+    if "kl_teacher_student" in row:  # a round the held-out metrics were computed for
+        held_out = (
+            f"KL(t‖θ) {row['kl_teacher_student']:.4f}  KL(θ‖t) {row['kl_student_teacher']:.4f}  "
+            f"teacher logp/token {row['teacher_logp_of_greedy']:.3f}  repetition {row['repetition_rate']:.3f}  "
+        )
     return (
-        f"round {row['round']}: KL(t‖θ) {row['kl_teacher_student']:.4f}  KL(θ‖t) {row['kl_student_teacher']:.4f}  "
-        f"teacher logp/token {row['teacher_logp_of_greedy']:.3f}  repetition {row['repetition_rate']:.3f}  "
+        f"round {row['round']}: {held_out}tokens {row['tokens']}  "
         f"loss {row['loss']:.4f}  α {row['mean_alpha']:.3f}  ESS/n {row['ess_sequence']:.2f}  "
         f"|Δlog π_θ| max {row['sampler_mismatch_max']:.2g}  "
         f"sample {row['sample_s']:.1f}s train {row['train_s']:.1f}s update {row['update_s']:.2f}s"
@@ -390,7 +412,8 @@ def plot_run(rows: list[dict[str, Any]], path: Path) -> None:
     for j, (key, title) in enumerate(PLOTTED.items()):
         for i, x in enumerate(("round", "wall_s")):
             ax = axes[i][j]
-            ax.plot([row[x] for row in rows], [row[key] for row in rows], marker="o")
+            shown = [row for row in rows if key in row]  # rounds without held-out metrics are left out
+            ax.plot([row[x] for row in shown], [row[key] for row in shown], marker="o")
             ax.set_xlabel("round" if x == "round" else "wall time (s)")
             ax.set_title(title, fontsize=9)
     fig.tight_layout()
