@@ -392,3 +392,48 @@ def test_a_run_samples_each_round_with_its_budget_and_gives_the_engine_its_alpha
         assert not (tmp_path / "run" / "eval_set.json").exists()
     finally:
         dual_engine.update_theta(str(tiny_same[1]), version="0")
+
+
+def test_the_sign_flip_test_is_exact_and_the_bootstrap_covers_the_mean():
+    from dual_sampling.distill.compare import bootstrap_interval, sign_flip_p
+
+    assert sign_flip_p([0.3, 0.1, 0.2, 0.5, 0.4, 0.6]) == 1 / 64  # every seed better: the least p six seeds give
+    assert sign_flip_p([0.3, 0.1, 0.2, 0.5, 0.4, -0.05]) == 2 / 64  # flipping the −0.05 gives a larger sum
+    assert sign_flip_p([-0.3, -0.1, -0.2]) == 1.0
+    assert sign_flip_p([1.0, -1.0]) == 3 / 4  # ties count against the effect: (+,−), (−,+) and (+,+)
+    # Against sign flips drawn at random (float64 NumPy), on differences with no structure.
+    rng = np.random.default_rng(9)
+    d = rng.normal(0.2, 1.0, 9)
+    flips = rng.choice([-1.0, 1.0], (200_000, 9))
+    assert sign_flip_p(d) == pytest.approx(((flips * d).sum(1) >= d.sum() - 1e-12).mean(), abs=0.004)
+    lo, hi = bootstrap_interval(d, resamples=5000)
+    assert lo < d.mean() < hi
+    assert hi - lo == pytest.approx(2 * 1.96 * d.std() / 3, rel=0.35)  # about the normal interval of a mean of 9
+    for bad in ([], [1.0, math.nan], [math.inf]):
+        with pytest.raises(ValueError, match="differences must be a non-empty sequence of finite numbers"):
+            sign_flip_p(bad)
+
+
+def test_sequence_divergences_are_exact_sums_over_the_vocabulary(hf_models):
+    """Against float64 NumPy on the models' own logits (one forward of prompt and tokens each)."""
+    from dual_sampling.distill.evaluate import distinct_n, sequence_divergences
+
+    teacher, theta = hf_models
+    prompt, tokens = [5, 9, 13, 2], [7, 7, 30, 41, 7, 7, 30]
+    vocab = 600
+    got = sequence_divergences(theta, teacher, prompt, tokens, vocab)
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        rows = [m(ids).logits[0, len(prompt) - 1 : -1, :vocab].double().numpy() for m in (theta, teacher)]
+    ls, lt = (_log_softmax(r) for r in rows)
+    want = {
+        "kl_student_teacher": (np.exp(ls) * (ls - lt)).sum(),
+        "kl_teacher_student": (np.exp(lt) * (lt - ls)).sum(),
+        "student_entropy": -(np.exp(ls) * ls).sum(),
+        "teacher_entropy": -(np.exp(lt) * lt).sum(),
+    }
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-9), key
+    assert got["tokens"] == len(tokens) and got["kl_student_teacher"] > 0
+    assert sequence_divergences(theta, teacher, prompt, [], vocab)["tokens"] == 0
+    assert distinct_n(tokens) == 4 / 6 and distinct_n([1, 2, 3]) == 1.0 and math.isnan(distinct_n([1]))

@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["EvalSet", "build_eval_set", "evaluate", "greedy", "repetition_rate"]
+__all__ = [
+    "EvalSet",
+    "build_eval_set",
+    "distinct_n",
+    "evaluate",
+    "greedy",
+    "repetition_rate",
+    "sequence_divergences",
+]
 
 
 @dataclass
@@ -69,6 +77,40 @@ def repetition_rate(tokens: Sequence[int], n: int = 4) -> float:
         repeats += g in seen
         seen.add(g)
     return repeats / len(grams)
+
+
+def distinct_n(tokens: Sequence[int], n: int = 2) -> float:
+    """The share of the n-grams of ``tokens`` that are distinct (1 when none repeats; nan for fewer than n tokens)."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else math.nan
+
+
+def sequence_divergences(
+    student: Any, teacher: Any, prompt: Sequence[int], tokens: Sequence[int], vocab: int
+) -> dict[str, float]:
+    """Per-token sums over one sequence, each an exact sum over the vocabulary in float64 at every position of
+    ``tokens`` after ``prompt`` (both models forced on the same ids): ``kl_student_teacher`` Σ KL(π_θ‖π_t),
+    ``kl_teacher_student`` Σ KL(π_t‖π_θ), ``student_entropy`` Σ H(π_θ), ``teacher_entropy`` Σ H(π_t), and
+    ``tokens``. Divide by ``tokens`` for per-token figures; sums add across sequences."""
+    if not tokens:
+        return dict.fromkeys(
+            ("kl_student_teacher", "kl_teacher_student", "student_entropy", "teacher_entropy"), 0.0
+        ) | {"tokens": 0}
+    was_training = student.training
+    student.eval()
+    try:
+        ls = _forced_logp(student, prompt, tokens, vocab)
+        lt = _forced_logp(teacher, prompt, tokens, vocab)
+    finally:
+        student.train(was_training)
+    ps, pt = ls.exp(), lt.exp()
+    return {
+        "kl_student_teacher": float((ps * (ls - lt)).sum()),
+        "kl_teacher_student": float((pt * (lt - ls)).sum()),
+        "student_entropy": float(-(ps * ls).sum()),
+        "teacher_entropy": float(-(pt * lt).sum()),
+        "tokens": len(tokens),
+    }
 
 
 def evaluate(student: Any, teacher: Any, eval_set: EvalSet, vocab: int, max_tokens: int) -> dict[str, float]:
