@@ -63,7 +63,8 @@ class DistillConfig:
     loss: str = "forward"
     """The divergence each recorded position is trained on (:data:`dual_sampling.distill.loss.LOSSES`): ``forward``,
     KL(π_t ‖ π_θ) on the teacher's top ``loss_top_k``; ``reverse``, KL(π_θ ‖ π_t) on both models' top ``loss_top_k``
-    (the per-prefix loss of on-policy distillation). Each with a bucket for the rest of the vocabulary."""
+    (the per-prefix loss of on-policy distillation), each with a bucket for the rest of the vocabulary;
+    ``reverse_full``, KL(π_θ ‖ π_t) over the whole vocabulary with the teacher run in the trainer."""
     weighting: str = "sequence_mean"
     """How importance weights π_θ/q enter the loss: none, token, sequence_mean or sequence (docs/theory.md)."""
     max_weight: float = 5.0

@@ -18,11 +18,13 @@ import torch
 __all__ = [
     "EvalSet",
     "build_eval_set",
+    "continuation_logp",
     "distinct_n",
+    "divergence_sums",
     "evaluate",
     "greedy",
     "repetition_rate",
-    "sequence_divergences",
+    "sample",
 ]
 
 
@@ -55,6 +57,38 @@ def greedy(model: Any, prompts: Sequence[Sequence[int]], max_tokens: int, eos_id
     return out
 
 
+def sample(
+    model: Any, prompts: Sequence[Sequence[int]], n: int, max_tokens: int, eos_ids: Sequence[int], seed: int
+) -> list[list[list[int]]]:
+    """``n`` samples of ``model`` at temperature 1 for each prompt (no top-k, top-p or penalty: π exactly, in float32),
+    each ending at and with its first EOS id or after ``max_tokens``; one batch, left-padded. A sampler independent of
+    the dual engine, for held-out metrics on a model's own samples."""
+    from transformers import GenerationConfig
+
+    rows = [list(p) for p in prompts for _ in range(n)]
+    width = max(map(len, rows))
+    pad = eos_ids[0]
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_tokens,
+        eos_token_id=list(eos_ids),
+        pad_token_id=pad,
+    )
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, generation_config=config)[:, width:].tolist()
+    samples = []
+    for gen in out:
+        end = next((i for i, t in enumerate(gen) if t in eos_ids), len(gen) - 1)
+        samples.append(gen[: end + 1])
+    return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
 def build_eval_set(teacher: Any, prompts: Sequence[Sequence[int]], max_tokens: int, eos_ids: Sequence[int]) -> EvalSet:
     return EvalSet([list(p) for p in prompts], greedy(teacher, prompts, max_tokens, eos_ids), sorted(eos_ids))
 
@@ -85,31 +119,50 @@ def distinct_n(tokens: Sequence[int], n: int = 2) -> float:
     return len(set(grams)) / len(grams) if grams else math.nan
 
 
-def sequence_divergences(
-    student: Any, teacher: Any, prompt: Sequence[int], tokens: Sequence[int], vocab: int
-) -> dict[str, float]:
-    """Per-token sums over one sequence, each an exact sum over the vocabulary in float64 at every position of
-    ``tokens`` after ``prompt`` (both models forced on the same ids): ``kl_student_teacher`` Σ KL(π_θ‖π_t),
-    ``kl_teacher_student`` Σ KL(π_t‖π_θ), ``student_entropy`` Σ H(π_θ), ``teacher_entropy`` Σ H(π_t), and
-    ``tokens``. Divide by ``tokens`` for per-token figures; sums add across sequences."""
-    if not tokens:
-        return dict.fromkeys(
-            ("kl_student_teacher", "kl_teacher_student", "student_entropy", "teacher_entropy"), 0.0
-        ) | {"tokens": 0}
-    was_training = student.training
-    student.eval()
-    try:
-        ls = _forced_logp(student, prompt, tokens, vocab)
-        lt = _forced_logp(teacher, prompt, tokens, vocab)
-    finally:
-        student.train(was_training)
+def continuation_logp(
+    model: Any, prompt: Sequence[int], continuations: Sequence[Sequence[int]], vocab: int
+) -> list[torch.Tensor]:
+    """For each continuation of one prompt, the log-softmax rows ``[len(c), vocab]`` float64 predicting its tokens:
+    the rows :func:`_forced_logp` gives for ``(prompt, c)``, computed with the prompt's forward done once and the
+    continuations in one right-padded batch (the padding sits after every real token, so no real row sees it)."""
+    out: list[torch.Tensor] = [torch.zeros(0, vocab, dtype=torch.float64) for _ in continuations]
+    live = [i for i, c in enumerate(continuations) if len(c)]
+    if not live:
+        return out
+    with torch.no_grad():
+        head = model(torch.tensor([list(prompt)]), use_cache=True)
+        first = torch.log_softmax(head.logits[0, -1, :vocab].double(), -1)
+        width = max(len(continuations[i]) for i in live)
+        ids = torch.tensor([list(continuations[i]) + [0] * (width - len(continuations[i])) for i in live])
+        mask = torch.tensor([[1] * len(prompt) + [1] * len(continuations[i]) + [0] * (width - len(continuations[i]))
+                             for i in live])  # fmt: skip
+        cache = head.past_key_values
+        cache.batch_repeat_interleave(len(live))
+        rows = (
+            model(ids[:, :-1], past_key_values=cache, attention_mask=mask[:, :-1]).logits[..., :vocab]
+            if width > 1
+            else None
+        )
+    for j, i in enumerate(live):
+        n = len(continuations[i])
+        rest = torch.log_softmax(rows[j, : n - 1].double(), -1) if n > 1 else first[:0]
+        out[i] = torch.cat([first.unsqueeze(0), rest])
+    return out
+
+
+def divergence_sums(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> dict[str, float]:
+    """Per-token sums over one sequence, from both models' log-probability rows ``[n, V]`` at its n positions (exact
+    sums over the vocabulary, in float64): ``kl_student_teacher`` Σ KL(π_θ‖π_t), ``kl_teacher_student``
+    Σ KL(π_t‖π_θ), ``student_entropy`` Σ H(π_θ), ``teacher_entropy`` Σ H(π_t), and ``tokens`` (n). Divide by
+    ``tokens`` for per-token figures; sums add across sequences."""
+    ls, lt = student_logp.double(), teacher_logp.double()
     ps, pt = ls.exp(), lt.exp()
     return {
         "kl_student_teacher": float((ps * (ls - lt)).sum()),
         "kl_teacher_student": float((pt * (lt - ls)).sum()),
         "student_entropy": float(-(ps * ls).sum()),
         "teacher_entropy": float(-(pt * lt).sum()),
-        "tokens": len(tokens),
+        "tokens": ls.shape[0],
     }
 
 

@@ -107,8 +107,9 @@ class Distiller:
             self.student.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
         )
         self.teacher, self.eval_set = None, None
-        if config.eval_every:
+        if config.eval_every or config.loss == "reverse_full":
             self.teacher = AutoModelForCausalLM.from_pretrained(config.source.teacher, dtype=torch.float32).eval()
+        if config.eval_every:
             saved_eval = self.out / "eval_set.json"
             if eval_set is None and config.resume and saved_eval.exists():  # the held-out set of the run resumed
                 eval_set = EvalSet(**json.loads(saved_eval.read_text()))
@@ -225,13 +226,13 @@ class Distiller:
 
     # ------------------------------------------------------------------ the parts of a round
 
-    def _sample(self, r: int, used: int) -> tuple[list[SampleRecord], list[list[int]], int]:
-        """Round ``r``'s samples from q (complete ones only), each one's theta prompt ids, and the count of problems
-        drawn so far (``used`` before the round): one draw, or draws until ``tokens_per_round`` tokens."""
+    def _sample(self, r: int, used: int) -> tuple[list[SampleRecord], list[tuple[list[int], list[int]]], int]:
+        """Round ``r``'s samples from q (complete ones only), each one's (teacher, theta) prompt ids, and the count of
+        problems drawn so far (``used`` before the round): one draw, or draws until ``tokens_per_round`` tokens."""
         cfg = self.config
         budget = cfg.tokens_per_round
         samples: list[SampleRecord] = []
-        prompt_ids: list[list[int]] = []
+        prompt_ids: list[tuple[list[int], list[int]]] = []
         tokens = 0
         while not samples or tokens < budget:
             picks = [self.order[(used + i) % len(self.order)] for i in range(cfg.prompts_per_round)]
@@ -255,14 +256,16 @@ class Distiller:
                 if budget and tokens + len(s.token_ids) > budget:
                     s = s.first(budget - tokens)
                 samples.append(s)
-                prompt_ids.append(list(req.theta_prompt_token_ids))
+                prompt_ids.append((list(req.teacher_prompt_token_ids), list(req.theta_prompt_token_ids)))
                 tokens += len(s.token_ids)
         return samples, prompt_ids, used
 
     def _hint(self, row: dict[str, Any]) -> str | None:
         return row.get(self.config.source.hint_field) if self.config.source.hint_field else None
 
-    def _train(self, r: int, samples: list[SampleRecord], prompt_ids: list[list[int]]) -> dict[str, float]:
+    def _train(
+        self, r: int, samples: list[SampleRecord], prompt_ids: list[tuple[list[int], list[int]]]
+    ) -> dict[str, float]:
         """Round ``r``'s ``steps_per_round`` AdamW steps on equal shares of the samples; the round's loss, weight
         statistics and sampler–trainer mismatch (SamplerMismatchError above ``max_sampler_mismatch``, before any
         step)."""
@@ -282,12 +285,12 @@ class Distiller:
             tokens = sum(len(samples[i].token_ids) for i in batch)
             total = 0.0
             for i, c in zip(batch, weights):
-                s, prompt = samples[i], prompt_ids[i]
+                s, (teacher_prompt, prompt) = samples[i], prompt_ids[i]
                 ids = torch.tensor([prompt + list(s.token_ids)])
                 logits = student(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(s.token_ids), : self.vocab]
                 if k == 0:  # before any optimizer step this round: the θ that sampled (a spread-out share of samples)
                     gaps.append(record_gaps(logits, s.token_ids, s.logp_theta))
-                kl = self._divergence(logits, s)
+                kl = self._divergence(logits, s, teacher_prompt)
                 loss = (c.to(kl.dtype) * kl).sum() / tokens
                 loss.backward()
                 total += float(loss.detach())
@@ -317,8 +320,18 @@ class Distiller:
             "sampler_mismatch_max": mismatch.max_abs,
         }
 
-    def _divergence(self, logits: torch.Tensor, s: SampleRecord) -> torch.Tensor:
-        """``config.loss`` at each of the sample's positions ``[n]``, from its dense records and θ's ``logits``."""
+    def _divergence(self, logits: torch.Tensor, s: SampleRecord, teacher_prompt: list[int]) -> torch.Tensor:
+        """``config.loss`` at each of the sample's positions ``[n]``, from θ's ``logits`` and the sample's dense records
+        (``reverse_full``: the teacher's rows, from a forward of the trainer's teacher on its prompt and the tokens)."""
+        if self.config.loss == "reverse_full":
+            ids = torch.tensor([teacher_prompt + list(s.token_ids)])
+            n = len(teacher_prompt)
+            with torch.no_grad():
+                teacher_logp = torch.log_softmax(
+                    self.teacher(ids).logits[0, n - 1 : n - 1 + len(s.token_ids), : self.vocab], -1
+                )
+            logp = torch.log_softmax(logits.float(), -1)
+            return (logp.exp() * (logp - teacher_logp)).sum(-1)
         if self.config.loss == "reverse":
             ids, teacher_logp = recorded_teacher_logp(
                 *(torch.from_numpy(a) for a in (s.dense_ids, s.dense_logp, s.dense_other_logp))

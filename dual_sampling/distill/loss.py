@@ -23,12 +23,16 @@ __all__ = [
     "top_k_forward_kl",
 ]
 
-LOSSES = ("forward", "reverse")
+LOSSES = ("forward", "reverse", "reverse_full")
 """The per-position divergence a distillation run minimises (docs/theory.md):
 
 - ``forward``: KL(π_t ‖ π_θ) on the teacher's top k plus a rest bucket (:func:`top_k_forward_kl`), mass-covering;
 - ``reverse``: KL(π_θ ‖ π_t) on both models' top k plus a rest bucket (:func:`recorded_reverse_kl`), the per-prefix
-  loss of on-policy distillation and of trust-region behaviour blending, mode-seeking."""
+  loss of on-policy distillation and of trust-region behaviour blending, mode-seeking, from the records alone. It
+  cannot see how θ spreads its mass inside the rest bucket, and a student far from its teacher can grow its entropy
+  there unchecked (docs/distillation.md measures it);
+- ``reverse_full``: the same KL over the whole vocabulary, the teacher's rows from a forward of the teacher in the
+  trainer (one teacher forward per sample; the records' dense values go unused)."""
 
 WEIGHTINGS = ("none", "token", "sequence_mean", "sequence")
 """How a sample's log-weights become the weight of each of its states in the loss:
