@@ -441,8 +441,8 @@ def test_sequence_divergences_are_exact_sums_over_the_vocabulary(hf_models):
 
 def test_the_held_out_sampler_draws_from_the_model_and_stops_at_eos(hf_models):
     """evaluate.sample, the engine-independent sampler of the held-out metrics: the first token's frequencies over
-    2,000 draws a prompt match the model's softmax (float64) within sampling error; samples end at and with their first EOS;
-    a seed reproduces them; prompts of different lengths (left-padded) keep their own distributions."""
+    2,000 draws a prompt match the model's softmax (float64) within sampling error; samples end at and with their
+    first EOS; a seed reproduces them; prompts of different lengths (left-padded) keep their own distributions."""
     from dual_sampling.distill.evaluate import sample
 
     _, theta = hf_models

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from alpha import AlphaComputer, FixedAlpha, KLSymmetryAlpha
 
-__all__ = ["KERNEL_ALPHA_METHODS", "kernel_device", "kernel_rows"]
+__all__ = ["KERNEL_ALPHA_METHODS", "kernel_device", "kernel_rows", "masked_ids"]
 
 KERNEL_ALPHA_METHODS = {FixedAlpha: 0, KLSymmetryAlpha: 1}
 """Alpha computer classes the kernels implement (exactly these classes, not subclasses), with their kernel code."""
@@ -47,3 +48,13 @@ def kernel_rows(rows: Sequence, alpha_computer: AlphaComputer, device: torch.dev
         and r.top_logprobs == 0
         for r in rows
     ]
+
+
+def masked_ids(masked_tokens: Sequence[Sequence[int]] | None, rows: int, vocab: int) -> np.ndarray:
+    """Both kernels' form of each row's stop tokens masked before min_tokens: ``[rows, m]`` int64 of distinct
+    in-vocabulary ids per row, padded with −1 (m ≥ 1, so every row has a view)."""
+    per_row = [sorted({int(t) for t in ids if 0 <= int(t) < vocab}) for ids in (masked_tokens or [()] * rows)]
+    out = np.full((rows, max([1, *(len(ids) for ids in per_row)])), -1, dtype=np.int64)
+    for r, ids in enumerate(per_row):
+        out[r, : len(ids)] = ids
+    return out

@@ -35,8 +35,6 @@ under Triton's interpreter, ``TRITON_INTERPRET=1`` set before the import).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
@@ -44,7 +42,7 @@ import triton.language as tl
 from alpha import AlphaComputer
 from dual_sampling.decision.fusable import KERNEL_ALPHA_METHODS
 
-__all__ = ["BLOCK", "decide_gpu", "masked_tensor"]
+__all__ = ["BLOCK", "decide_gpu"]
 
 BLOCK = 1024
 """Tokens per block: the unit of every pass and of the draw's first level."""
@@ -315,15 +313,6 @@ def _decide_rows(
     tl.store(out_row + 6, passes.to(tl.float64))
 
 
-def masked_tensor(masked_tokens: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """``[b, m]`` int64 of each row's distinct in-vocabulary ids, −1 as padding (m ≥ 1), on ``device``."""
-    per_row = [sorted({int(t) for t in ids if 0 <= int(t) < vocab}) for ids in masked_tokens]
-    out = torch.full((len(per_row), max([1, *(len(ids) for ids in per_row)])), -1, dtype=torch.int64)
-    for r, ids in enumerate(per_row):
-        out[r, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-    return out.to(device, non_blocking=True)
-
-
 def decide_gpu(
     teacher_logits: torch.Tensor,
     theta_logits: torch.Tensor,
@@ -338,7 +327,7 @@ def decide_gpu(
     """Decide ``[b, V]`` rows in one launch; returns ``[b, 7]`` float64 on the rows' device, without waiting for it.
 
     Columns: token, α, log π_t, log π_θ, log q, status (0 decided, 1 for the reference), passes. ``uniforms`` ``[b]``
-    (float64), ``force_teacher`` ``[b]`` (bool: α = 1) and ``masked`` ``[b, m]`` (:func:`masked_tensor`) are tensors
+    (float64), ``force_teacher`` ``[b]`` (bool: α = 1) and ``masked`` ``[b, m]`` (``fusable.masked_ids``) are tensors
     on the same device; ``alpha_init`` ``[b]`` warm-starts kl_symmetry (0.5 where absent). ``block`` sets the block
     size (a power of two; the tests use small ones on small vocabularies).
     """

@@ -59,7 +59,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from alpha import AlphaComputer, FixedAlpha, KLSymmetryAlpha
-from dual_sampling.decision.fusable import KERNEL_ALPHA_METHODS
+from dual_sampling.decision.fusable import KERNEL_ALPHA_METHODS, masked_ids
 
 __all__ = ["decide_fused", "warm_up"]
 
@@ -535,7 +535,7 @@ def decide_fused(
     else:
         alpha0 = np.nan_to_num(alpha_init.detach().double().numpy().reshape(-1), nan=0.5)
     out = np.zeros((b, 6), dtype=np.float64)
-    masked = _masked_array(masked_tokens, b, teacher.shape[1])
+    masked = masked_ids(masked_tokens, b, teacher.shape[1])
     passes = _decide_batch(
         theta,
         teacher,
@@ -553,15 +553,6 @@ def decide_fused(
         out,
     )
     return out, int(passes)
-
-
-def _masked_array(masked_tokens: Sequence[Sequence[int]] | None, rows: int, vocab: int) -> np.ndarray:
-    """``[rows, m]`` int64 of distinct in-vocabulary ids per row, padded with −1 (m ≥ 1 so every row has a view)."""
-    per_row = [sorted({int(t) for t in ids if 0 <= int(t) < vocab}) for ids in (masked_tokens or [()] * rows)]
-    out = np.full((rows, max([1, *(len(ids) for ids in per_row)])), -1, dtype=np.int64)
-    for r, ids in enumerate(per_row):
-        out[r, : len(ids)] = ids
-    return out
 
 
 def warm_up() -> None:

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from alpha import AlphaComputer, geometric_log_weights
 from alpha.base import check_log_prob_pair
-from dual_sampling.decision.fusable import kernel_device, kernel_rows
+from dual_sampling.decision.fusable import kernel_device, kernel_rows, masked_ids
 
 __all__ = [
     "LOGIT_BIAS_LIMIT",
@@ -384,7 +384,7 @@ def decide(
         )
         decided = torch.from_numpy(out)
     else:
-        from dual_sampling.decision.gpu_kernel import decide_gpu, masked_tensor
+        from dual_sampling.decision.gpu_kernel import decide_gpu
 
         device = teacher_logits.device
         out = decide_gpu(
@@ -395,7 +395,7 @@ def decide(
             alpha_computer,
             warm,
             theta_normalized,
-            masked_tensor(masked, teacher_logits.shape[-1], device),
+            torch.from_numpy(masked_ids(masked, len(fast), teacher_logits.shape[-1])).to(device, non_blocking=True),
         )
         decided = out.cpu()  # the step's one wait on the device: the tokens and records go to the host anyway
     handed_back = [fast[k] for k in (decided[:, 5] != 0).nonzero().flatten()]
