@@ -3,7 +3,8 @@
 One dual engine (default: the SmolLM2 teacher and its 24-layer theta) started with ``max_dense_logprobs`` at the
 largest k asked for; the same batch is generated with k = 0 and each other k in turn, --repeats rounds, so every
 setting sees the same machine state. Reported per k: the median decode throughput (tokens/s) and its ratio to
-k = 0's, and the bytes of dense records per token (ids and log-probabilities of both models: 16·k).
+k = 0's, and the bytes of dense records per token, read off the records (ids and both models' log-probabilities at
+both models' top k: 24·k).
 
     python examples/bench_dense.py --output bench-out/dense.json
     python examples/bench_dense.py --quick          # the tiny pair, seconds
@@ -44,6 +45,7 @@ def main() -> None:
     ks = [int(k) for k in args.ks.split(",")]
     teacher, theta = tiny_models.tiny_pair("same") if args.quick else (models.smollm2(), models.smollm2_pruned(24))
     rates: dict[int, list[float]] = {k: [] for k in ks}
+    sizes: dict[int, float] = {}
     with OptimalSamplingDual(
         teacher, theta, max_num_seqs=8, max_model_len=512, use_tqdm=False, max_dense_logprobs=max(ks)
     ) as s:
@@ -56,6 +58,8 @@ def main() -> None:
                 )
                 tokens = sum(len(x.token_ids) for r in out.requests for x in r.samples)
                 rates[k].append(tokens / (time.perf_counter() - t0))
+                dense = [(x.dense_ids, x.dense_logp, x.dense_other_logp) for r in out.requests for x in r.samples]
+                sizes[k] = sum(a.nbytes for d in dense if d[0] is not None for a in d) / tokens
     base = statistics.median(rates[ks[0]])
     result = {
         "machine": platform.processor() or platform.machine(),
@@ -67,7 +71,7 @@ def main() -> None:
                 "tokens_per_s_median": statistics.median(r),
                 "tokens_per_s": r,
                 "ratio_to_k0": statistics.median(r) / base,
-                "bytes_per_token": 16 * k,
+                "bytes_per_token": sizes[k],
             }
             for k, r in rates.items()
         },
