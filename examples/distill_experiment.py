@@ -147,19 +147,25 @@ def strip_calculator(answer: str) -> str:
     return re.sub(r"<<[^>]*>>", "", answer)
 
 
+def theta_prompts(tokenizer: Any, rows: list[dict], design: Design) -> list[str]:
+    """The problems as the student sees them (no hint; chat template but for --quick), as the Distiller renders them."""
+    from dual_sampling.prompts import Renderer
+
+    renderer = Renderer(tokenizer, None, None, not design.quick)
+    return [renderer.prompt(renderer.user_messages(r["question"], None, r)[1], None) for r in rows]
+
+
 class HeldOut:
     """The held-out problems rendered as the student sees them, and the fixed sequences scored for every student:
     the teacher's samples at temperature 1 (drawn once) and the human solutions, with the teacher's rows on them
     computed once. Every sample here is drawn by transformers (``evaluate.sample``), independently of the engine."""
 
     def __init__(self, tokenizer: Any, eos_ids: list[int], rows: list[dict], design: Design, out: Path, teacher: Any):
-        from dual_sampling.prompts import Renderer
-
         self.design, self.eos_ids, self.teacher = design, eos_ids, teacher
         self.vocab = len(tokenizer)
-        renderer = Renderer(tokenizer, None, None, not design.quick)
-        prompts = [renderer.prompt(renderer.user_messages(r["question"], None, r)[1], None) for r in rows]
-        self.prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        self.prompt_ids = [
+            tokenizer.encode(p, add_special_tokens=False) for p in theta_prompts(tokenizer, rows, design)
+        ]
         human = [
             [*tokenizer.encode(strip_calculator(r.get("answer", "")), add_special_tokens=False), eos_ids[0]][
                 : design.max_tokens
@@ -282,10 +288,7 @@ PILOT_BUDGETS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
 
 def pilot(design: Design, base: DistillConfig, dual: Any, rows: list[dict], out: Path) -> None:
     """Mean α of the starting student's first round at several budgets, beside kl_symmetry's: the choice of ε."""
-    from dual_sampling.prompts import Renderer
-
-    renderer = Renderer(dual.tokenizer, None, None, not design.quick)
-    prompts = [renderer.prompt(renderer.user_messages(r["question"], None, r)[1], None) for r in rows[:16]]
+    prompts = theta_prompts(dual.tokenizer, rows[:16], design)
     dual.update_theta(base.source.theta, version="start")
     found = {}
     for method, config in [("kl_symmetry", {})] + [("trust_region", {"kl_budget": e}) for e in PILOT_BUDGETS]:

@@ -468,7 +468,7 @@ def test_the_held_out_sampler_draws_from_the_model_and_stops_at_eos(hf_models):
 def test_continuations_scored_in_one_batch_get_the_rows_of_separate_forwards(hf_models):
     """continuation_logp (the prompt once, the continuations right-padded in one batch) against one plain forward per
     sequence, for continuations of different lengths (one token, none)."""
-    from dual_sampling.distill.evaluate import _forced_logp, continuation_logp
+    from dual_sampling.distill.evaluate import continuation_logp, forced_logp
 
     for model in hf_models:
         prompt = [5, 9, 13, 2, 40]
@@ -477,4 +477,4 @@ def test_continuations_scored_in_one_batch_get_the_rows_of_separate_forwards(hf_
         for c, rows in zip(continuations, got):
             assert rows.shape == (len(c), 600) and rows.dtype == torch.float64
             if c:
-                torch.testing.assert_close(rows, _forced_logp(model, prompt, c, 600), atol=2e-5, rtol=0)
+                torch.testing.assert_close(rows, forced_logp(model, prompt, c, 600), atol=2e-5, rtol=0)

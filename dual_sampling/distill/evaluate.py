@@ -22,6 +22,7 @@ __all__ = [
     "distinct_n",
     "divergence_sums",
     "evaluate",
+    "forced_logp",
     "greedy",
     "repetition_rate",
     "sample",
@@ -93,7 +94,7 @@ def build_eval_set(teacher: Any, prompts: Sequence[Sequence[int]], max_tokens: i
     return EvalSet([list(p) for p in prompts], greedy(teacher, prompts, max_tokens, eos_ids), sorted(eos_ids))
 
 
-def _forced_logp(model: Any, prompt: Sequence[int], tokens: Sequence[int], vocab: int) -> torch.Tensor:
+def forced_logp(model: Any, prompt: Sequence[int], tokens: Sequence[int], vocab: int) -> torch.Tensor:
     """log-softmax rows ``[len(tokens), vocab]`` float64 predicting each of ``tokens`` after ``prompt``."""
     ids = torch.tensor([list(prompt) + list(tokens)])
     with torch.no_grad():
@@ -123,7 +124,7 @@ def continuation_logp(
     model: Any, prompt: Sequence[int], continuations: Sequence[Sequence[int]], vocab: int
 ) -> list[torch.Tensor]:
     """For each continuation of one prompt, the log-softmax rows ``[len(c), vocab]`` float64 predicting its tokens:
-    the rows :func:`_forced_logp` gives for ``(prompt, c)``, computed with the prompt's forward done once and the
+    the rows :func:`forced_logp` gives for ``(prompt, c)``, computed with the prompt's forward done once and the
     continuations in one right-padded batch (the padding sits after every real token, so no real row sees it)."""
     out: list[torch.Tensor] = [torch.zeros(0, vocab, dtype=torch.float64) for _ in continuations]
     live = [i for i, c in enumerate(continuations) if len(c)]
@@ -171,21 +172,19 @@ def evaluate(student: Any, teacher: Any, eval_set: EvalSet, vocab: int, max_toke
     was_training = student.training
     student.eval()
     try:
-        kl_ts = kl_st = 0.0
-        n = 0
-        for prompt, ref in zip(eval_set.prompts, eval_set.references):
-            if not ref:
-                continue
-            lt = _forced_logp(teacher, prompt, ref, vocab)
-            ls = _forced_logp(student, prompt, ref, vocab)
-            kl_ts += float((lt.exp() * (lt - ls)).sum())
-            kl_st += float((ls.exp() * (ls - lt)).sum())
-            n += len(ref)
+        sums = [
+            divergence_sums(forced_logp(student, prompt, ref, vocab), forced_logp(teacher, prompt, ref, vocab))
+            for prompt, ref in zip(eval_set.prompts, eval_set.references)
+            if ref
+        ]
+        kl_ts = sum(s["kl_teacher_student"] for s in sums)
+        kl_st = sum(s["kl_student_teacher"] for s in sums)
+        n = sum(s["tokens"] for s in sums)
         answers = greedy(student, eval_set.prompts, max_tokens, eval_set.eos_ids)
         ll, m = 0.0, 0
         for prompt, answer in zip(eval_set.prompts, answers):
             if answer:
-                lt = _forced_logp(teacher, prompt, answer, vocab)
+                lt = forced_logp(teacher, prompt, answer, vocab)
                 ll += float(lt.gather(1, torch.tensor(answer).unsqueeze(1)).sum())
                 m += len(answer)
         return {

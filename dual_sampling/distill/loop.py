@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from dual_sampling.distill.config import DistillConfig
-from dual_sampling.distill.evaluate import EvalSet, build_eval_set, evaluate
+from dual_sampling.distill.evaluate import EvalSet, build_eval_set, evaluate, forced_logp
 from dual_sampling.distill.loss import (
     ess_fraction,
     recorded_reverse_kl,
@@ -324,12 +324,7 @@ class Distiller:
         """``config.loss`` at each of the sample's positions ``[n]``, from θ's ``logits`` and the sample's dense records
         (``reverse_full``: the teacher's rows, from a forward of the trainer's teacher on its prompt and the tokens)."""
         if self.config.loss == "reverse_full":
-            ids = torch.tensor([teacher_prompt + list(s.token_ids)])
-            n = len(teacher_prompt)
-            with torch.no_grad():
-                teacher_logp = torch.log_softmax(
-                    self.teacher(ids).logits[0, n - 1 : n - 1 + len(s.token_ids), : self.vocab], -1
-                )
+            teacher_logp = forced_logp(self.teacher, teacher_prompt, s.token_ids, self.vocab).float()
             logp = torch.log_softmax(logits.float(), -1)
             return (logp.exp() * (logp - teacher_logp)).sum(-1)
         if self.config.loss == "reverse":
