@@ -99,8 +99,8 @@ def check_kernel(device: torch.device, vocab: int) -> dict:
         out = decide_gpu(
             teacher,
             theta,
-            torch.tensor(uniforms, dtype=torch.float64, device=device),
-            torch.zeros(b, dtype=torch.bool, device=device),
+            uniforms,
+            [False] * b,
             computer,
             None,
             theta_normalized=True,

@@ -16,7 +16,6 @@ import torch
 
 from alpha import get_alpha_computer
 from dual_sampling.decision import pipeline
-from dual_sampling.decision.fusable import masked_ids
 from dual_sampling.decision.kernel import decide_fused
 from dual_sampling.decision.pipeline import RowSampling, counter_uniform, decide
 from tests.oracles import np_alpha_kl, np_log_softmax
@@ -38,12 +37,8 @@ def interpreted():
 
 
 def run(gk, teacher, theta, computer, uniforms, forced=None, masked=None, warm=None, normalized=False, block=64):
-    b = teacher.shape[0]
-    forced = torch.zeros(b, dtype=torch.bool) if forced is None else torch.tensor(forced)
-    mask = torch.from_numpy(masked_ids(masked, b, teacher.shape[1]))
-    out = gk.decide_gpu(
-        teacher, theta, torch.tensor(uniforms, dtype=torch.float64), forced, computer, warm, normalized, mask, block
-    )
+    forced = [False] * teacher.shape[0] if forced is None else forced
+    out = gk.decide_gpu(teacher, theta, uniforms, forced, computer, warm, normalized, masked, block)
     return out.numpy()
 
 

@@ -53,15 +53,16 @@ def test_the_kernel_compiles_for_an_h100():
         from triton.compiler import ASTSource
         from dual_sampling.decision import gpu_kernel
         kinds = {"teacher_ptr": "*fp32", "theta_ptr": "*fp32", "row_stride_t": "i64", "row_stride_h": "i64",
-                 "V": "i32", "params_ptr": "*fp64", "alpha0_ptr": "*fp64", "force_ptr": "*i8", "u_ptr": "*fp64",
-                 "masked_ptr": "*i64", "n_masked": "i32", "blocks_ptr": "*fp32", "n_blocks": "i32",
+                 "V": "i32", "params_ptr": "*fp64", "alpha0_ptr": "*fp64", "force_ptr": "*fp64", "u_ptr": "*fp64",
+                 "masked_ptr": "*fp64", "n_masked": "i32", "blocks_ptr": "*fp32", "n_blocks": "i32",
                  "out_ptr": "*fp64"}
         for method, normalized in ((0, True), (1, False)):  # each branch of both compile-time switches
             constants = {"METHOD": method, "THETA_NORMALIZED": normalized, "BLOCK": gpu_kernel.BLOCK,
                          "BLOCK_SCAN": 256, "MAX_PASSES": 200, "TINY": 1e-30}
             source = ASTSource(gpu_kernel._decide_rows, {**kinds, **{k: "constexpr" for k in constants}},
                                constexprs=constants)
-            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": gpu_kernel.NUM_WARPS})
             assert len(compiled.asm["cubin"]) > 10000
         print("COMPILED")
     """)
@@ -103,8 +104,8 @@ def test_on_a_gpu_the_kernel_draws_what_the_cpu_kernel_draws():
             gk.decide_gpu(
                 teacher.cuda(),
                 theta.cuda(),
-                torch.tensor(uniforms, dtype=torch.float64, device="cuda"),
-                torch.zeros(64, dtype=torch.bool, device="cuda"),
+                uniforms,
+                [False] * 64,
                 computer,
                 None,
             )

@@ -53,7 +53,9 @@ def kernel_rows(rows: Sequence, alpha_computer: AlphaComputer, device: torch.dev
 def masked_ids(masked_tokens: Sequence[Sequence[int]] | None, rows: int, vocab: int) -> np.ndarray:
     """Both kernels' form of each row's stop tokens masked before min_tokens: ``[rows, m]`` int64 of distinct
     in-vocabulary ids per row, padded with −1 (m ≥ 1, so every row has a view)."""
-    per_row = [sorted({int(t) for t in ids if 0 <= int(t) < vocab}) for ids in (masked_tokens or [()] * rows)]
+    if not masked_tokens or not any(masked_tokens):  # the common case, without a loop over the rows
+        return np.full((rows, 1), -1, dtype=np.int64)
+    per_row = [sorted({int(t) for t in ids if 0 <= int(t) < vocab}) for ids in masked_tokens]
     out = np.full((rows, max([1, *(len(ids) for ids in per_row)])), -1, dtype=np.int64)
     for r, ids in enumerate(per_row):
         out[r, : len(ids)] = ids

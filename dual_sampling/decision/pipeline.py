@@ -39,7 +39,7 @@ from torch import Tensor
 
 from alpha import AlphaComputer, geometric_log_weights
 from alpha.base import check_log_prob_pair
-from dual_sampling.decision.fusable import kernel_device, kernel_rows, masked_ids
+from dual_sampling.decision.fusable import kernel_device, kernel_rows
 
 __all__ = [
     "LOGIT_BIAS_LIMIT",
@@ -369,7 +369,7 @@ def decide(
     every = len(fast) == len(rows)  # then no V-sized copy of the inputs is made
     teacher_part = teacher_logits if every else teacher_logits[index.to(teacher_logits.device)]
     theta_part = theta_logits if every else theta_logits[index.to(theta_logits.device)]
-    warm = None if alpha_init is None else alpha_init[index.to(alpha_init.device)]
+    warm = alpha_init if alpha_init is None or every else alpha_init[index.to(alpha_init.device)]
     uniforms = [counter_uniform(rows[i].seed, steps[i]) for i in fast]
     forced = [rows[i].force_first_token and steps[i] == 0 for i in fast]
     masked = [rows[i].stop_token_ids if steps[i] < rows[i].min_tokens else () for i in fast]
@@ -386,17 +386,7 @@ def decide(
     else:
         from dual_sampling.decision.gpu_kernel import decide_gpu
 
-        device = teacher_logits.device
-        out = decide_gpu(
-            teacher_part,
-            theta_part,
-            torch.tensor(uniforms, dtype=torch.float64).to(device, non_blocking=True),
-            torch.tensor(forced, dtype=torch.bool).to(device, non_blocking=True),
-            alpha_computer,
-            warm,
-            theta_normalized,
-            torch.from_numpy(masked_ids(masked, len(fast), teacher_logits.shape[-1])).to(device, non_blocking=True),
-        )
+        out = decide_gpu(teacher_part, theta_part, uniforms, forced, alpha_computer, warm, theta_normalized, masked)
         decided = out.cpu()  # the step's one wait on the device: the tokens and records go to the host anyway
     handed_back = [fast[k] for k in (decided[:, 5] != 0).nonzero().flatten()]
     if handed_back:
