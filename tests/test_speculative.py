@@ -1,0 +1,174 @@
+"""The speculative mixture rule (``dual_sampling.decision.speculative``) against independent oracles.
+
+- Exactness: over many seeds, the first two tokens of speculative rounds on a bigram pair (every row known in closed
+  form) follow q computed in float64 NumPy, by a chi-square test at level 0.001; the same test fails when the rule
+  targets π_t instead of q (the positive control).
+- The mean acceptance equals Σ min(π_θ, q) from float64 NumPy, within binomial error.
+- Records (α, log π_t, log π_θ, log q) against float64 NumPy, for kl_symmetry, on every emitted token.
+- Seeds reproduce whatever the batch; bad spans are refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from alpha import get_alpha_computer
+from dual_sampling.decision.pipeline import inverse_cdf
+from dual_sampling.decision.speculative import Span, stream_uniform, verify_drafts
+from tests.oracles import np_alpha_kl, np_log_softmax, np_mix
+from tests.tolerances import ALPHA_ATOL
+
+VOCAB = 6
+START = 0
+GAMMA = 2
+TRIALS = 12_000
+LEVEL = 1e-3
+"""The chi-square test's level: a correct rule fails it with probability 0.001 (the seeds are fixed, so the outcome is
+the same every run)."""
+
+
+def bigram_pair(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher and theta logits ``[V, V]``: row ``prev`` is each model's next-token logits after token ``prev``."""
+    g = torch.Generator().manual_seed(seed)
+    return 1.2 * torch.randn(VOCAB, VOCAB, generator=g, dtype=torch.float64), 0.8 * torch.randn(
+        VOCAB, VOCAB, generator=g, dtype=torch.float64
+    )
+
+
+def draft(theta: torch.Tensor, last: list[int], seeds: list[int], steps: list[int]) -> list[int]:
+    """Theta's draws after ``last`` (inverse CDF with the ``draft`` stream's uniforms)."""
+    u = torch.tensor([stream_uniform(s, k, "draft") for s, k in zip(seeds, steps)], dtype=torch.float64)
+    token, _ = inverse_cdf(torch.softmax(theta[last], -1), u)
+    return token.tolist()
+
+
+def first_two_tokens(teacher: torch.Tensor, theta: torch.Tensor, computer, seeds: list[int]) -> list[tuple[int, int]]:
+    """Speculative rounds of γ = 2 drafts (with the bonus row) from START until every seed has two tokens."""
+    emitted: list[list[int]] = [[] for _ in seeds]
+    while True:
+        active = [i for i, e in enumerate(emitted) if len(e) < 2]
+        if not active:
+            return [(e[0], e[1]) for e in emitted]
+        last = [emitted[i][-1] if emitted[i] else START for i in active]
+        steps = [len(emitted[i]) for i in active]
+        act_seeds = [seeds[i] for i in active]
+        y1 = draft(theta, last, act_seeds, steps)
+        y2 = draft(theta, y1, act_seeds, [k + 1 for k in steps])
+        prefixes = torch.tensor([[a, b, c] for a, b, c in zip(last, y1, y2)]).reshape(-1)
+        spans = [
+            Span(start=3 * k, drafts=(y1[k], y2[k]), seed=act_seeds[k], step=steps[k], bonus_row=True)
+            for k in range(len(active))
+        ]
+        rounds = verify_drafts(teacher[prefixes].float(), theta[prefixes].float(), spans, computer)
+        for i, r in zip(active, rounds):
+            emitted[i].extend(r.tokens)
+
+
+def q_table(teacher: torch.Tensor, theta: torch.Tensor, alpha_of) -> np.ndarray:
+    """q(· | prev) ``[V, V]`` in float64 NumPy, with α per row from ``alpha_of(log π_θ row, log π_t row)``."""
+    rows = []
+    for prev in range(VOCAB):
+        lt, lth = np_log_softmax(teacher[prev].numpy()), np_log_softmax(theta[prev].numpy())
+        rows.append(np_mix(lth, lt, alpha_of(lth, lt)))
+    return np.array(rows)
+
+
+def chi_square_p(pairs: list[tuple[int, int]], q: np.ndarray) -> float:
+    expected = np.outer(q[START], np.ones(VOCAB)) * q * len(pairs)  # P(a, b) = q(a | START)·q(b | a)
+    assert expected.min() >= 5, "too few expected counts for the chi-square approximation"
+    observed = np.zeros((VOCAB, VOCAB))
+    for a, b in pairs:
+        observed[a, b] += 1
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    dof = VOCAB * VOCAB - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+@pytest.mark.parametrize(
+    ("method", "alpha_of"),
+    [("fixed", lambda lth, lt: 0.4), ("kl_symmetry", np_alpha_kl)],
+    ids=["fixed", "kl_symmetry"],
+)
+def test_emitted_tokens_follow_q(method, alpha_of):
+    teacher, theta = bigram_pair()
+    computer = get_alpha_computer(method, alpha=0.4) if method == "fixed" else get_alpha_computer(method)
+    pairs = first_two_tokens(teacher, theta, computer, list(range(TRIALS)))
+    assert chi_square_p(pairs, q_table(teacher, theta, alpha_of)) > LEVEL
+
+
+def test_the_positive_control_fails_when_the_rule_targets_the_teacher():
+    """The same rounds checked against π_t (α = 1) instead of q at α = 0.4: the test must reject them."""
+    teacher, theta = bigram_pair()
+    pairs = first_two_tokens(teacher, theta, get_alpha_computer("fixed", alpha=1.0), list(range(TRIALS)))
+    assert chi_square_p(pairs, q_table(teacher, theta, lambda lth, lt: 0.4)) < LEVEL
+
+
+def test_mean_acceptance_is_the_overlap_of_theta_and_q():
+    """Each draft at START is accepted with probability Σ min(π_θ, q); over many seeds the rate matches it."""
+    teacher, theta = bigram_pair()
+    seeds = list(range(TRIALS))
+    y1 = draft(theta, [START] * len(seeds), seeds, [0] * len(seeds))
+    rows = torch.tensor([START] * len(seeds))
+    spans = [Span(start=k, drafts=(y1[k],), seed=s, step=0) for k, s in enumerate(seeds)]
+    rounds = verify_drafts(teacher[rows].float(), theta[rows].float(), spans, get_alpha_computer("fixed", alpha=0.4))
+    rate = sum(r.accepted for r in rounds) / len(rounds)
+    lth, lt = np_log_softmax(theta[START].numpy()), np_log_softmax(teacher[START].numpy())
+    overlap = float(np.minimum(np.exp(lth), np_mix(lth, lt, 0.4)).sum())
+    assert abs(rate - overlap) < 4 * math.sqrt(overlap * (1 - overlap) / len(rounds))
+    assert all(len(r.tokens) == 1 for r in rounds)  # one draft: accepted, or replaced by the residual's draw
+
+
+def test_records_against_float64():
+    g = torch.Generator().manual_seed(11)
+    teacher, theta = 3.0 * torch.randn(7, 300, generator=g), 1.5 * torch.randn(7, 300, generator=g)
+    spans = [Span(0, (5, 17, 2), seed=1, step=0, bonus_row=True), Span(4, (9, 9), seed=2, step=7, bonus_row=True)]
+    rounds = verify_drafts(teacher, theta, spans, get_alpha_computer("kl_symmetry"))
+    checked = 0
+    for span, r in zip(spans, rounds):
+        assert r.tokens[: r.accepted] == list(span.drafts[: r.accepted])
+        assert len(r.tokens) == r.accepted + 1 or (r.accepted == len(span.drafts) and not span.bonus_row)
+        for j, token in enumerate(r.tokens):
+            lt = np_log_softmax(teacher[span.start + j].double().numpy())
+            lth = np_log_softmax(theta[span.start + j].double().numpy())
+            a = np_alpha_kl(lth, lt)
+            assert abs(float(r.alpha[j]) - a) < ALPHA_ATOL
+            np.testing.assert_allclose(float(r.logp_teacher[j]), lt[token], atol=2e-5)
+            np.testing.assert_allclose(float(r.logp_theta[j]), lth[token], atol=2e-5)
+            np.testing.assert_allclose(float(r.logq[j]), np.log(np_mix(lth, lt, a)[token]), atol=5e-5)
+            checked += 1
+    assert checked >= 2
+
+
+def test_seeds_reproduce_whatever_the_batch():
+    g = torch.Generator().manual_seed(4)
+    teacher, theta = 2.0 * torch.randn(6, 200, generator=g), 2.0 * torch.randn(6, 200, generator=g)
+    computer = get_alpha_computer("kl_symmetry")
+    a, b = Span(0, (3, 4), seed=5, step=2, bonus_row=True), Span(3, (7, 8), seed=6, step=0, bonus_row=True)
+    together = verify_drafts(teacher, theta, [a, b], computer)
+    alone = verify_drafts(teacher[3:], theta[3:], [Span(0, b.drafts, b.seed, b.step, True)], computer)
+    assert together[1].tokens == alone[0].tokens
+    torch.testing.assert_close(together[1].logq, alone[0].logq)
+    again = verify_drafts(teacher, theta, [b, a], computer)
+    assert [r.tokens for r in again] == [together[1].tokens, together[0].tokens]
+
+
+def test_alpha_zero_accepts_every_draft():
+    """At α = 0, q is π_θ: no draft is rejected, and the bonus row is drawn from π_θ."""
+    g = torch.Generator().manual_seed(8)
+    teacher, theta = torch.randn(4, 100, generator=g), torch.randn(4, 100, generator=g)
+    spans = [Span(0, (1, 2, 3), seed=s, step=0, bonus_row=True) for s in range(200)]
+    rounds = verify_drafts(teacher, theta, spans, get_alpha_computer("fixed", alpha=0.0))
+    assert all(r.accepted == 3 and len(r.tokens) == 4 for r in rounds)
+
+
+def test_bad_spans_are_refused_by_name():
+    rows = torch.zeros(3, 10)
+    computer = get_alpha_computer("fixed")
+    with pytest.raises(ValueError, match=r"spans\[1\]: rows"):
+        verify_drafts(rows, rows, [Span(0, (1,), 0, 0), Span(2, (1, 2), 0, 0)], computer)
+    with pytest.raises(ValueError, match=r"spans\[0\]\.drafts"):
+        verify_drafts(rows, rows, [Span(0, (10,), 0, 0)], computer)
