@@ -209,36 +209,10 @@ class LockstepDriver:
         return flight
 
     async def _fly(self, flight: Flight) -> None:
-        """Submit one request to both engines, relay the teacher's tokens, and verify the end."""
-        request = flight.request
+        """Run one request on the engines (:meth:`_relay`); its end, however it comes, reaches the caller's stream,
+        and the slot is released once the engines let the request go."""
         try:
-            teacher_params, theta_params = engine_sampling_params(flight)
-            theta_task = asyncio.create_task(
-                _last(
-                    self.engines.theta.generate(
-                        {"prompt_token_ids": request.theta_prompt_ids}, theta_params, flight.request_id
-                    )
-                )
-            )
-            try:
-                async for out in self.engines.teacher.generate(
-                    {"prompt_token_ids": request.teacher_prompt_ids}, teacher_params, flight.request_id
-                ):
-                    completion = out.outputs[0]
-                    start = len(flight.tokens)
-                    flight.tokens += completion.token_ids
-                    if out.finished:
-                        theta_out = await theta_task
-                        sample = self._finish(flight, list(theta_out.outputs[0].token_ids), completion.finish_reason)
-                        flight.outbox.put_nowait(delta_of(self.session, flight, start, sample))
-                        return
-                    if len(flight.tokens) > start:
-                        flight.outbox.put_nowait(delta_of(self.session, flight, start))
-                raise RequestFailed("the teacher engine ended a request without a final output")
-            finally:
-                if not theta_task.done():
-                    theta_task.cancel()
-                await _settle(theta_task)
+            await self._relay(flight)
         except asyncio.CancelledError:
             flight.outbox.put_nowait(self.failure or EnginePairDead("the dual engine was closed"))
             raise
@@ -248,6 +222,37 @@ class LockstepDriver:
             self.session.close_slot(flight.slot)
             self.slots.release(flight.slot)
             self._flights.pop(flight.request_id, None)
+
+    async def _relay(self, flight: Flight) -> None:
+        """Submit one request to both engines, relay the teacher's tokens, and verify the end."""
+        request = flight.request
+        teacher_params, theta_params = engine_sampling_params(flight)
+        theta_task = asyncio.create_task(
+            _last(
+                self.engines.theta.generate(
+                    {"prompt_token_ids": request.theta_prompt_ids}, theta_params, flight.request_id
+                )
+            )
+        )
+        try:
+            async for out in self.engines.teacher.generate(
+                {"prompt_token_ids": request.teacher_prompt_ids}, teacher_params, flight.request_id
+            ):
+                completion = out.outputs[0]
+                start = len(flight.tokens)
+                flight.tokens += completion.token_ids
+                if out.finished:
+                    theta_out = await theta_task
+                    sample = self._finish(flight, list(theta_out.outputs[0].token_ids), completion.finish_reason)
+                    flight.outbox.put_nowait(delta_of(self.session, flight, start, sample))
+                    return
+                if len(flight.tokens) > start:
+                    flight.outbox.put_nowait(delta_of(self.session, flight, start))
+            raise RequestFailed("the teacher engine ended a request without a final output")
+        finally:
+            if not theta_task.done():
+                theta_task.cancel()
+            await _settle(theta_task)
 
     def _finish(self, flight: Flight, theta_tokens: list[int], teacher_finish: str | None) -> SampleRecord:
         """The verified sample of a request both engines have ended, counted."""

@@ -114,10 +114,36 @@ class EnginePair:
     def _user_kwargs(self, role: str) -> dict[str, Any]:
         return Role(role).pick(self.config.teacher_engine_kwargs, self.config.theta_engine_kwargs)
 
+    def base_kwargs(self, model: str, kv_bytes: int) -> dict[str, Any]:
+        """The vLLM engine arguments every engine of a dual engine starts with (lockstep's and the speculative one)."""
+        from processors import DualSamplingWorkerExtension
+
+        cfg = self.config
+        return dict(
+            model=model,
+            tokenizer=cfg.model_teacher,  # one tokenizer for both: the same stop ids and EOS on both sides
+            dtype=cfg.dtype,
+            max_model_len=self.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=self.budget,
+            # A partial prefill would hand the processors a logits row that vLLM then discards.
+            enable_chunked_prefill=False,
+            # The decision needs each step's tokens before the next step is scheduled.
+            async_scheduling=False,
+            kv_cache_memory_bytes=kv_bytes,
+            enforce_eager=cfg.enforce_eager,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            seed=0,
+            generation_config="vllm",
+            disable_log_stats=True,
+            # Weight and alpha updates go through it: vLLM's reload alone leaves a tied output projection stale on
+            # the CPU.
+            worker_extension_cls=_qualname(DualSamplingWorkerExtension),
+        )
+
     def engine_kwargs(self, role: str) -> dict[str, Any]:
         """The vLLM engine arguments of ``role``."""
         from processors import (
-            DualSamplingWorkerExtension,
             TeacherLockstepScheduler,
             TeacherSyncLogitsProcessor,
             ThetaLockstepScheduler,
@@ -132,26 +158,9 @@ class EnginePair:
         lends = role == Role.TEACHER and self.binding  # theta's CPUs, lent to the teacher's processor
         helper_cpus = tuple(int(c) for c in self.binding[Role.THETA].split(",")) if lends else ()
         kwargs = dict(
-            model=model,
-            tokenizer=cfg.model_teacher,  # one tokenizer for both: the same stop ids and EOS on both sides
-            dtype=cfg.dtype,
-            max_model_len=self.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=self.budget,
-            # A partial prefill would hand the processors a logits row that vLLM then discards.
-            enable_chunked_prefill=False,
-            # Lockstep needs each step's tokens before the next step is scheduled.
-            async_scheduling=False,
-            kv_cache_memory_bytes=kv_bytes,
-            enforce_eager=cfg.enforce_eager,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            seed=0,
-            generation_config="vllm",
-            disable_log_stats=True,
+            self.base_kwargs(model, kv_bytes),
             scheduler_cls=role.pick(TeacherLockstepScheduler, ThetaLockstepScheduler),
             logits_processors=[role.pick(TeacherSyncLogitsProcessor, ThetaSyncLogitsProcessor)],
-            # Weight updates go through it: vLLM's reload alone leaves a tied output projection stale on the CPU.
-            worker_extension_cls=_qualname(DualSamplingWorkerExtension),
             additional_config=LockstepConfig(
                 role,
                 self.session_name,
