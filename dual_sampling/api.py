@@ -80,6 +80,12 @@ class OptimalSamplingDual:
                     f"fewer than the tokenizer's {self.vocab} tokens"
                 )
         self.max_model_len = context_length(cfg.model_teacher, cfg.model_theta, cfg.max_model_len)
+        """Prompt plus generated tokens a request may use: in speculative mode, the engine's context less 2γ positions.
+        vLLM drafts for a batch only while its longest sequence has γ positions to spare beyond a round's γ drafts
+        (else no request in it gets θ rows), so every request keeps 2γ free."""
+        engine_len = self.max_model_len
+        if cfg.mode == "speculative":
+            self.max_model_len -= 2 * cfg.num_speculative_tokens
         self.eos_token_ids = sorted(
             {i for mc in (t_cfg, th_cfg) for i in _as_list(mc.get("eos_token_id"))}
             | set(_as_list(self.tokenizer.eos_token_id))
@@ -88,15 +94,30 @@ class OptimalSamplingDual:
             raise ValueError("neither model nor the tokenizer defines an EOS token id")
         self._weights_checks: dict[Role, WeightsCheck] = {}
         _exit_on_sigterm()
-        self.driver = LockstepDriver(
-            lambda session_name: EnginePair(cfg, session_name, self.max_model_len),
-            self.tokenizer,
+        driver_settings = dict(
             vocab=self.vocab,
             max_model_len=self.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
             sync_timeout=cfg.sync_timeout,
             max_dense_logprobs=cfg.max_dense_logprobs,
         )
+        if cfg.mode == "speculative":
+            from dual_sampling.driver.speculative_driver import SpeculativeDriver
+            from dual_sampling.driver.speculative_engine import SpeculativeEngine
+
+            self.driver = SpeculativeDriver(
+                lambda session_name: SpeculativeEngine(cfg, session_name, engine_len),
+                self.tokenizer,
+                alpha=(cfg.alpha_method, cfg.alpha_kwargs),
+                gamma=cfg.num_speculative_tokens,
+                **driver_settings,
+            )
+        else:
+            self.driver = LockstepDriver(
+                lambda session_name: EnginePair(cfg, session_name, self.max_model_len),
+                self.tokenizer,
+                **driver_settings,
+            )
 
     # ------------------------------------------------------------------ blocking API
 

@@ -26,6 +26,7 @@ __all__ = [
     "MAX_COUNT",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_CHARS",
+    "MODES",
     "NEUTRAL_PENALTIES",
     "RUNTIME_ONLY",
     "UNSUPPORTED_SAMPLING",
@@ -54,6 +55,8 @@ NEUTRAL_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetit
 """vLLM's penalties and the value at which each does nothing: any other value is refused by name."""
 UNSUPPORTED_SAMPLING = (*NEUTRAL_PENALTIES, "bad_words")
 """vLLM options that would act after the token is forced; refused by name."""
+MODES = ("lockstep", "speculative")
+"""How a dual engine draws tokens from q (:attr:`EngineOptions.mode`)."""
 RUNTIME_ONLY = {"changes_records": False}
 """Field metadata of a setting that changes how samples are drawn (speed, memory, progress, where), never which:
 a data run leaves it out of its identity, so ``--resume`` may change it."""
@@ -294,6 +297,15 @@ class EngineOptions:
     2,048 tokens); 0 refuses dense log-probabilities."""
     use_tqdm: bool = field(default=True, metadata=RUNTIME_ONLY)
     """Show a progress bar over samples in generate()."""
+    mode: str = "lockstep"
+    """How tokens are drawn from q. "lockstep": a teacher engine and a theta engine decide every token together.
+    "speculative": one engine runs the teacher with theta as its draft model; theta drafts ``num_speculative_tokens``
+    tokens, one teacher forward checks them against q, and every token still follows q exactly (docs/theory.md,
+    "Speculative mixture sampling"). Its limits: both models see the same prompt (no teacher prompts), only plain
+    sampling is served (temperature 1; no top-k, top-p, min-p, logit bias, min_tokens, teacher support, top or dense
+    log-probabilities), and theta's weights cannot be updated in place."""
+    num_speculative_tokens: int = 4
+    """γ, theta's drafts per teacher forward (``mode="speculative"`` only)."""
 
     @property
     def alpha_kwargs(self) -> dict[str, Any]:
@@ -340,6 +352,15 @@ class EngineOptions:
         )
         for name in ("teacher_engine_kwargs", "theta_engine_kwargs"):
             _need(isinstance(getattr(self, name), dict), f"{name} must be a dict of vLLM engine arguments")
+        _need(self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}")
+        _need(
+            is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 32,
+            f"num_speculative_tokens must be an integer in [1, 32], got {self.num_speculative_tokens!r}",
+        )
+        _need(
+            self.mode == "lockstep" or not self.theta_engine_kwargs,
+            "theta_engine_kwargs: in mode='speculative' theta runs in the teacher's engine (use teacher_engine_kwargs)",
+        )
 
 
 @dataclass

@@ -5,6 +5,8 @@ worker to do, through ``collective_rpc``, while no request runs on it.
   reload is not enough for tied models on the CPU).
 - ``dual_sampling_set_alpha``: a new alpha computer for the teacher's processor (a trust_region budget annealed
   between distillation rounds, say), built in the worker from its registry name and configuration.
+- ``dual_sampling_install_speculative``: in ``mode="speculative"``, the mixture's sampling step and theta's seeded
+  drafts on the teacher engine's model runner (:mod:`processors.speculative`).
 """
 
 from __future__ import annotations
@@ -39,8 +41,24 @@ class DualSamplingWorkerExtension:
         worker: Any = self
         computer = get_alpha_computer(method, **config)
         taken = 0
+        speculative = getattr(worker.model_runner, "dual_sampling_speculative", None)
+        if speculative is not None:
+            speculative.alpha_computer = computer
+            taken += 1
         for processor in worker.model_runner.input_batch.logitsprocs.all:
             if isinstance(processor, TeacherSyncLogitsProcessor):
                 processor.alpha_computer = computer
                 taken += 1
         return taken
+
+    def dual_sampling_install_speculative(self, session: str, method: str, config: dict[str, Any], vocab: int) -> int:
+        """Install :class:`processors.speculative.SpeculativeSampler` on this worker's model runner, deciding with
+        ``get_alpha_computer(method, **config)`` over the first ``vocab`` ids. Returns γ, the runner's draft length."""
+        from processors.speculative import SpeculativeSampler
+
+        worker: Any = self
+        runner = worker.model_runner
+        if getattr(runner, "drafter", None) is None:
+            raise RuntimeError("this engine runs no draft model: mode='speculative' needs speculative_config")
+        SpeculativeSampler(runner, session, method, config, vocab).install()
+        return int(runner.num_spec_tokens)

@@ -172,3 +172,41 @@ def test_bad_spans_are_refused_by_name():
         verify_drafts(rows, rows, [Span(0, (1,), 0, 0), Span(2, (1, 2), 0, 0)], computer)
     with pytest.raises(ValueError, match=r"spans\[0\]\.drafts"):
         verify_drafts(rows, rows, [Span(0, (10,), 0, 0)], computer)
+
+
+def test_the_speculative_driver_refuses_every_sampling_field_it_cannot_serve_by_name():
+    """Every RowSampling field but the seed and the stop tokens, set away from its default, is refused by name (the
+    list is derived from the dataclass, so a new field is refused until the mode serves it)."""
+    import dataclasses
+
+    from dual_sampling.decision.pipeline import RowSampling
+    from dual_sampling.driver.requests import DualRequest
+    from dual_sampling.driver.speculative_driver import SERVED, check_speculative
+
+    changed = {
+        "temperature": 0.5,
+        "top_k": 3,
+        "top_p": 0.9,
+        "min_p": 0.1,
+        "min_tokens": 2,
+        "logit_bias": {1: 1.0},
+        "force_first_token": True,
+        "teacher_support_top_k": 5,
+        "teacher_support_top_p": 0.9,
+        "top_logprobs": 2,
+        "dense_logprobs": 4,
+    }
+    assert set(changed) == {f.name for f in dataclasses.fields(RowSampling)} - set(SERVED)
+    prompt = [5, 6, 7]
+    ok = DualRequest(prompt, prompt, RowSampling(seed=3, stop_token_ids=(2,)), max_tokens=8)
+    check_speculative(ok)
+    for name, value in changed.items():
+        bad = dataclasses.replace(ok, sampling=dataclasses.replace(ok.sampling, **{name: value}))
+        with pytest.raises(ValueError, match=name):
+            check_speculative(bad)
+    with pytest.raises(ValueError, match="teacher_prompts"):
+        check_speculative(dataclasses.replace(ok, teacher_prompt_ids=[9, *prompt]))
+    with pytest.raises(ValueError, match="at least 2"):
+        check_speculative(dataclasses.replace(ok, teacher_prompt_ids=[5], theta_prompt_ids=[5]))
+    with pytest.raises(ValueError, match="stop token"):
+        check_speculative(dataclasses.replace(ok, teacher_prompt_ids=[5, 2], theta_prompt_ids=[5, 2]))

@@ -154,6 +154,10 @@ class Stat(IntEnum):
     FOLLOWER_DIVERGED = STATS_BASE + 15
     """Plan entries the theta scheduler could not run (each fails its request alone)."""
     PREEMPTIONS_REFUSED = STATS_BASE + 16
+    DRAFTED = STATS_BASE + 17
+    """Theta's drafts the teacher checked (``mode="speculative"``; written by its sampling step)."""
+    ACCEPTED = STATS_BASE + 18
+    """Of those, the drafts kept (the rest were replaced by a draw from the residual)."""
 
 
 HEADER_WORDS = 64
@@ -313,6 +317,7 @@ WRITERS: dict[Slot, tuple[str, ...]] = {
     Slot.THETA_STEP: ("theta processor",),
     Slot.TEACHER_STEP: ("teacher processor",),
     Slot.TOKEN: ("teacher processor",),
+    # In mode="speculative" the teacher engine's sampling step (processors.speculative) is the teacher processor.
     Slot.NUM_RECORDS: ("teacher processor",),
     # A request fails where its failure is seen: a processor in its row's work (bad logits, a timeout,
     # an exception), a scheduler in its batch (divergence, preemption, a stop-string check, no plan, a
@@ -320,9 +325,10 @@ WRITERS: dict[Slot, tuple[str, ...]] = {
     # code and step, kept only if none is recorded.
     Slot.ERROR: ("teacher processor", "theta processor", "teacher scheduler", "theta scheduler"),
     # On each side, the processor releases a request that reached the model runner, the scheduler one that
-    # never did: never both for one key.
-    Slot.TEACHER_RELEASED: ("teacher processor", "teacher scheduler"),
-    Slot.THETA_RELEASED: ("theta processor", "theta scheduler"),
+    # never did: never both for one key. In mode="speculative" no plugin runs there: the driver releases both
+    # once vLLM has ended the request (its final output came).
+    Slot.TEACHER_RELEASED: ("teacher processor", "teacher scheduler", "speculative driver"),
+    Slot.THETA_RELEASED: ("theta processor", "theta scheduler", "speculative driver"),
 }
 """Which role writes each slot word. Words with several writers are written by single stores of values that agree.
 

@@ -1,0 +1,100 @@
+"""The one vLLM engine of ``mode="speculative"``: the teacher, with theta as its draft model.
+
+:class:`SpeculativeEngine` is an :class:`~dual_sampling.driver.pair.EnginePair` with one engine: the same start,
+listing of shared-memory files, health reading and stop, but one ``AsyncLLM`` whose ``speculative_config`` runs
+theta as a draft model (vLLM's ``draft_model`` method, probabilistic drafts). The mixture's sampling step is
+installed on its model runner after start (``processors.speculative``, through the worker extension). It has no
+lockstep scheduler and no logits processors: vLLM refuses custom logits processors while speculation is on, and
+one engine needs no pairing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from dual_sampling.driver import engine_processes
+from dual_sampling.driver.pair import EnginePair, _qualname
+from dual_sampling.lockstep import Role
+from dual_sampling.options import default_kv_cache_bytes
+
+__all__ = ["SpeculativeEngine"]
+
+
+class SpeculativeEngine(EnginePair):
+    """One teacher ``AsyncLLM`` drafting with theta; see the module docstring."""
+
+    @property
+    def theta(self) -> Any:
+        return None  # theta runs inside the teacher's engine
+
+    @property
+    def gamma(self) -> int:
+        return self.config.num_speculative_tokens
+
+    def engine_kwargs(self, role: str = Role.TEACHER) -> dict[str, Any]:
+        cfg = self.config
+        # Both models' KV share the engine's cache (max_model_len already holds the drafts' room).
+        kv_bytes = cfg.kv_cache_memory_bytes or sum(
+            default_kv_cache_bytes(m, cfg.max_num_seqs, self.max_model_len, cfg.dtype)
+            for m in (cfg.model_teacher, cfg.model_theta)
+        )
+        kwargs = dict(
+            self.base_kwargs(cfg.model_teacher, kv_bytes),
+            speculative_config={
+                "method": "draft_model",
+                "model": cfg.model_theta,
+                "num_speculative_tokens": self.gamma,
+                "draft_sample_method": "probabilistic",
+            },
+        )
+        kwargs.update(cfg.teacher_engine_kwargs)
+        return kwargs
+
+    def _start_engines_here(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        # One engine: its model threads may use every CPU (lockstep splits them between two).
+        cpus = ",".join(map(str, sorted(os.sched_getaffinity(0)))) if self.binding else None
+        with engine_processes.engine_cpus(cpus):
+            self.engines[Role.TEACHER] = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_kwargs()))
+
+    def verify(self) -> None:
+        """Read the engine's effective settings and refuse any the speculative mixture cannot run with, naming it."""
+        from processors import DualSamplingWorkerExtension
+
+        vc = self.teacher.vllm_config
+        sc, pc, spec = vc.scheduler_config, vc.parallel_config, vc.speculative_config
+        problems = []
+        if spec is None or spec.method != "draft_model":
+            problems.append("speculative_config: no draft model (the mode drafts with theta)")
+        else:
+            if spec.num_speculative_tokens != self.gamma:
+                problems.append(f"num_speculative_tokens is {spec.num_speculative_tokens}, not {self.gamma}")
+            if spec.draft_sample_method != "probabilistic" or spec.rejection_sample_method != "standard":
+                problems.append(
+                    f"draft_sample_method={spec.draft_sample_method!r} and rejection_sample_method="
+                    f"{spec.rejection_sample_method!r}: theta's rows are kept only with 'probabilistic' and 'standard'"
+                )
+            if spec.num_speculative_tokens_per_batch_size:
+                problems.append("num_speculative_tokens_per_batch_size: γ must not change with the batch")
+        if pc.worker_extension_cls != _qualname(DualSamplingWorkerExtension):
+            problems.append(
+                f"worker_extension_cls is {pc.worker_extension_cls!r} (the mixture's step is installed by it)"
+            )
+        if sc.max_num_batched_tokens < sc.max_num_seqs * (self.gamma + 2):
+            # A running request left out of a step (γ + 1 tokens and a drafting slot each) would miss its θ rows.
+            problems.append(
+                f"max_num_batched_tokens={sc.max_num_batched_tokens} is below max_num_seqs x (γ + 2) = "
+                f"{sc.max_num_seqs * (self.gamma + 2)}"
+            )
+        if sc.async_scheduling:
+            problems.append("async_scheduling is on (a step would be scheduled before its tokens exist)")
+        if vc.use_v2_model_runner:
+            problems.append("Model Runner V2 is on; the mixture's step replaces V1's (set VLLM_USE_V2_MODEL_RUNNER=0)")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(pc, name) != 1:
+                problems.append(f"{name}={getattr(pc, name)}; only 1 is supported")
+        if problems:
+            raise ValueError("the speculative engine's settings: " + "; ".join(problems))

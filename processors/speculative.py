@@ -1,0 +1,172 @@
+"""The speculative mixture's plugin: the teacher engine's sampling step, replaced, and its drafter's draws.
+
+In ``mode="speculative"`` one vLLM engine runs the teacher with theta as its draft model (vLLM's ``draft_model``
+speculation: theta's KV cache, its γ draft steps and the rollback of rejected drafts are vLLM's). Two of the model
+runner's steps are replaced, on the runner object, by the worker extension (``dual_sampling_install_speculative``):
+
+- ``runner._sample`` (the step that turns the teacher's logits into tokens): for every request, theta's drafts are
+  checked against q with :func:`dual_sampling.decision.speculative.verify_drafts`, and the emitted tokens and their
+  records (α, log π_t, log π_θ, log q) are written to the request's slot of the shared-memory session, as the
+  lockstep teacher writes them. vLLM's rejection sampler targets π_t; a plugin that changes only its target
+  (a logits processor) is refused by vLLM while speculation is on, so the seam is this method, which has the request
+  ids, the raw logits and the drafts.
+- ``drafter._sample_from_logits`` (theta's draw of each draft): inverse CDF with the (seed, position) counter on its
+  ``draft`` stream, so a seed reproduces its drafts whatever the batch (vLLM's draws use one global generator), and
+  the row it returns is log π_θ (vLLM keeps it for its rejection sampler; here only this module reads it back).
+
+The first token after the prompt: vLLM draws it from the teacher's prefill row alone, with no θ row. The driver
+therefore submits the prompt without its last token and this step emits that token itself (``force`` in the
+pairing); the drafter then conditions on the whole prompt, and every generated token has both rows. After γ
+accepted drafts the position beyond has no θ row either (the drafter stops at γ), so a round ends there without a
+bonus token; where vLLM scheduled fewer than γ drafts, theta's next row exists and the round may end with a draw
+from q there.
+
+A request whose rows are missing (drafts zeroed by vLLM because a sequence outgrew the drafter: the driver's length
+cap prevents it) or not finite fails alone: its slot records the error and the step emits its first stop token,
+which ends it in vLLM. Nothing falls back to one model's distribution.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from alpha import get_alpha_computer
+from dual_sampling.decision.pipeline import inverse_cdf
+from dual_sampling.decision.speculative import Span, stream_uniform, verify_drafts
+from dual_sampling.lockstep import ErrorCode, Slot, Stat, SyncSession, Writer
+from processors.base import request_pairing
+
+__all__ = ["SpeculativeSampler"]
+
+logger = logging.getLogger(__name__)
+
+
+class SpeculativeSampler:
+    """Replaces a model runner's sampling step and its drafter's draws; see the module docstring."""
+
+    def __init__(self, runner: Any, session: str, alpha_method: str, alpha_config: dict, vocab: int) -> None:
+        self.runner = runner
+        self.session = SyncSession.attach(session)
+        self.alpha_computer = get_alpha_computer(alpha_method, **alpha_config)
+        self.vocab = vocab
+        self._plan: list[tuple[int, int]] = []
+        """(seed, index of the next generated token) per batch row, for the drafts proposed after this step."""
+        self._draft_calls = 0
+        self._warned = False
+
+    def install(self) -> None:
+        self.runner._sample = self.sample
+        self.runner.drafter._sample_from_logits = self.draft
+        self.runner.dual_sampling_speculative = self
+
+    # ------------------------------------------------------------------ the teacher's step
+
+    def sample(self, logits: torch.Tensor, metadata: Any) -> Any:
+        from vllm.v1.outputs import SamplerOutput
+
+        runner, vocab = self.runner, self.vocab
+        req_ids = list(runner.input_batch.req_ids)
+        b = len(req_ids)
+        # With speculation on, vLLM builds the metadata at every step (a request without drafts has n = 0).
+        num_draft = list(metadata.num_draft_tokens)
+        cu = metadata.cu_num_draft_tokens.tolist()
+        target = metadata.target_logits_indices.tolist()
+        bonus = metadata.bonus_logits_indices.tolist()
+        draft_ids = metadata.draft_token_ids.tolist()
+        gamma = int(runner.num_spec_tokens)
+        probs_row = {rid: i for i, rid in enumerate(runner._draft_prob_req_ids or ())}
+        out = torch.full((b, max(num_draft, default=0) + 1), -1, dtype=torch.int32)
+        teacher_rows, theta_rows, spans, owners = [], [], [], []
+        rows_so_far = 0
+        self._plan = []
+        for i, rid in enumerate(req_ids):
+            state = runner.requests[rid]
+            pairing = request_pairing(state.sampling_params, "teacher")
+            seed, done = int(pairing["sampling"]["seed"]), len(state.output_token_ids)
+            self._plan.append((seed, max(done - 1, 0)))
+            if done == 0:  # the prompt's last token, held back by the driver: theta drafts from the whole prompt
+                out[i, 0] = int(pairing["force"])
+                continue
+            n, row = num_draft[i], probs_row.get(rid)
+            if row is None or runner._draft_probs is None:
+                self._fail(i, pairing, ErrorCode.DECISION_ERROR, done - 1, out, "no draft rows")
+                continue
+            # The drafter computed γ rows; when vLLM scheduled fewer drafts (n < γ), theta's row after the last one
+            # is at hand, and the teacher's bonus row beside it: the round may end with a draw from q there.
+            extra = int(n < gamma)
+            teacher_rows.append(logits[target[cu[i] - n : cu[i]] + [bonus[i]] * extra, :vocab])
+            theta_rows.append(runner._draft_probs[row, : n + extra, :vocab])  # log π_θ: what draft() returned
+            spans.append(Span(rows_so_far, tuple(draft_ids[cu[i] - n : cu[i]]), seed, done - 1, bool(extra)))
+            rows_so_far += n + extra
+            # Generated tokens this request may still take: vLLM cuts a row at max_tokens, the slot must hold it.
+            owners.append((i, pairing, int(state.sampling_params.max_tokens) - done))
+        if spans:
+            self._verify(torch.cat(teacher_rows).float(), torch.cat(theta_rows).float(), spans, owners, out)
+        self.session.add_stat(Stat.TEACHER_STEPS, 1)
+        self.session.add_stat(Stat.TEACHER_ROWS, b)  # the health watch reads rows served as progress
+        self._draft_calls = 0
+        return SamplerOutput(sampled_token_ids=out.to(logits.device), logprobs_tensors=None)
+
+    def _verify(self, teacher: torch.Tensor, theta: torch.Tensor, spans: list[Span], owners: list, out) -> None:
+        finite = torch.isfinite(teacher).all(-1) & ~torch.isnan(theta).any(-1) & (theta < math.inf).all(-1)
+        good = []
+        for span, (i, pairing, left) in zip(spans, owners):
+            if bool(finite[span.start : span.start + span.rows].all()):
+                good.append((span, i, pairing, left))
+            else:
+                self._fail(i, pairing, ErrorCode.BAD_LOGITS, span.step, out, "non-finite logits")
+        if not good:
+            return
+        try:
+            rounds = verify_drafts(teacher, theta, [g[0] for g in good], self.alpha_computer, theta_normalized=True)
+        except Exception:  # an exception here fails these requests, never the engine
+            logger.exception("dual-sampling: the speculative decision failed")
+            for span, i, pairing, _ in good:
+                self._fail(i, pairing, ErrorCode.DECISION_ERROR, span.step, out, "decision error")
+            return
+        s = self.session
+        s.add_stat(Stat.DRAFTED, sum(len(g[0].drafts) for g in good))  # drafts past max_tokens count too
+        s.add_stat(Stat.ACCEPTED, sum(r.accepted for r in rounds))
+        for (span, i, pairing, left), r in zip(good, rounds):
+            emitted = min(len(r.tokens), left)
+            records = torch.stack([r.alpha, r.logp_teacher, r.logp_theta, r.logq], -1)[:emitted]
+            slot, step = int(pairing["slot"]), span.step
+            if int(s.control[slot, Slot.KEY]) != int(pairing["key"]):  # the driver closed it (an abort): not ours now
+                out[i, :emitted] = torch.tensor(r.tokens[:emitted], dtype=torch.int32)
+                continue
+            if not bool(torch.isfinite(records).all()):
+                self._fail(i, pairing, ErrorCode.NON_FINITE, step, out, "non-finite records")
+                continue
+            s.records[slot, step : step + emitted] = records.numpy()
+            s.tokens[slot, step : step + emitted] = r.tokens[:emitted]
+            s.control[slot, Slot.NUM_RECORDS] = step + emitted
+            out[i, :emitted] = torch.tensor(r.tokens[:emitted], dtype=torch.int32)
+            self._plan[i] = (span.seed, step + emitted)
+
+    def _fail(self, i: int, pairing: dict, code: ErrorCode, step: int, out: torch.Tensor, why: str) -> None:
+        """Fail one request: its slot records ``code``, and its first stop token ends it in vLLM."""
+        logger.warning("dual-sampling: request in slot %s failed at step %s: %s", pairing["slot"], step, why)
+        self.session.fail_slot(int(pairing["slot"]), int(pairing["key"]), code, step, Writer.TEACHER_PROCESSOR)
+        out[i, 0] = int(pairing["sampling"]["stop_token_ids"][0])
+
+    # ------------------------------------------------------------------ theta's drafts
+
+    def draft(self, logits: torch.Tensor, sampling_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Theta's draft of every batch row at the next draft position: (token ids, log π_θ rows)."""
+        k, self._draft_calls = self._draft_calls, self._draft_calls + 1
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        logp[:, self.vocab :] = -math.inf  # padding rows of the embedding are never drafted
+        rows = logp.shape[0]
+        if len(self._plan) != rows and not self._warned:
+            self._warned = True
+            logger.warning(
+                "dual-sampling: %d draft rows for %d requests; drafts are not seed-reproducible", rows, len(self._plan)
+            )
+        plan = self._plan if len(self._plan) == rows else [(0, 0)] * rows
+        u = torch.tensor([stream_uniform(seed, nxt + k, "draft") for seed, nxt in plan], dtype=torch.float64)
+        tokens, _ = inverse_cdf(logp[:, : self.vocab].exp(), u)
+        return tokens.to(logits.device), logp

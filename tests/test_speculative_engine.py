@@ -1,0 +1,150 @@
+"""``mode="speculative"`` on a real vLLM engine (the tiny pair): theta drafts inside the teacher's engine and the
+teacher's step checks every draft against q (``processors.speculative``).
+
+- Records (α, log π_t, log π_θ, log q) against re-scoring in plain transformers, with the lockstep mode's oracle
+  and tolerance.
+- The first two tokens over 1,500 seeds follow q at a fixed α: their randomised probability integral transforms
+  under q (from re-scoring in float64) are independent uniforms, by a chi-square test on a 5 x 5 grid at level 0.001;
+  the same draws fail the test under π_t, so it has the power to tell.
+- Seeds reproduce whatever else is in the batch; the acceptance counters add up; what the mode cannot serve is
+  refused by name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.oracles import assert_records_match_rescoring, np_mix, rescore
+
+pytestmark = pytest.mark.engine
+
+GAMMA = 3
+ALPHA = 0.5
+"""The fixed teacher weight of the exactness test."""
+SEEDS = 1500
+LEVEL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def spec_engine(tiny_same):
+    from dual_sampling import OptimalSamplingDual
+
+    teacher, theta = tiny_same
+    with OptimalSamplingDual(
+        teacher,
+        theta,
+        mode="speculative",
+        num_speculative_tokens=GAMMA,
+        max_num_seqs=16,
+        max_model_len=256,
+        sync_timeout=30,
+        use_tqdm=False,
+    ) as engine:
+        yield engine
+
+
+PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3, 4,"]
+
+
+def samples(out) -> list:
+    return [s for r in out.requests for s in r.samples]
+
+
+def test_records_match_rescoring(spec_engine, hf_models):
+    out = spec_engine.generate(PROMPTS, max_tokens=24, n=2, seed=3)
+    checked = sum(assert_records_match_rescoring(r, *hf_models, spec_engine.vocab, "kl_symmetry") for r in out.requests)
+    assert checked == sum(len(s.token_ids) for s in samples(out)) > 0
+    assert all(s.finish_reason in ("stop", "length") for s in samples(out))
+    stats = spec_engine.get_sync_statistics()
+    assert stats["mode"] == "speculative" and stats["drafted"] > 0
+    assert 0 < stats["accepted"] <= stats["drafted"]
+    assert stats["acceptance"] == pytest.approx(stats["accepted"] / stats["drafted"])
+
+
+def _rows(model, prompt: list[int], firsts: list[int], vocab: int) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    """log-probabilities in float64: the row after ``prompt`` and, for each first token a, the row after it (one
+    batched forward)."""
+    first = rescore(model, prompt, [0], vocab)[0].numpy()
+    unique = sorted(set(firsts))
+    with torch.no_grad():
+        logits = model(torch.tensor([[*prompt, a] for a in unique])).logits[:, -1, :vocab]
+    after = torch.log_softmax(logits.double(), -1).numpy()
+    return first, dict(zip(unique, after))
+
+
+def _pit(p: np.ndarray, token: int, v: float) -> float:
+    """Randomised probability integral transform of ``token`` under ``p`` (tokens ordered by decreasing p):
+    uniform on [0, 1) when the token is drawn from p."""
+    order = np.argsort(-p, kind="stable")
+    rank = int(np.flatnonzero(order == token)[0])
+    return float(p[order[:rank]].sum() + v * p[token])
+
+
+def _uniform_grid_p(u: np.ndarray, bins: int = 5) -> float:
+    """Chi-square p-value of pairs ``u`` ``[n, 2]`` against independent uniforms, on a bins x bins grid."""
+    cells = np.minimum((u * bins).astype(int), bins - 1)
+    observed = np.bincount(cells[:, 0] * bins + cells[:, 1], minlength=bins * bins)
+    expected = len(u) / bins**2
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    dof = bins * bins - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def test_first_two_tokens_follow_q(spec_engine, hf_models):
+    """At a fixed α (set through update_alpha, which the mode serves too). q spreads over thousands of tokens here
+    (theta is flat), so the two tokens are tested through their randomised PITs: under q, (F_q0(y0), F_q1(y1 | y0))
+    are independent uniforms whatever the vocabulary."""
+    hf_teacher, hf_theta = hf_models
+    vocab = spec_engine.vocab
+    prompt = spec_engine.tokenizer(PROMPTS[0])["input_ids"]
+    spec_engine.update_alpha("fixed", alpha=ALPHA)
+    try:
+        out = spec_engine.generate([prompt], max_tokens=2, n=SEEDS, seed=11)
+    finally:
+        spec_engine.update_alpha("kl_symmetry")
+    pairs = [s.token_ids[:2] for s in samples(out) if len(s.token_ids) == 2]  # a stop token first: ~1e-5 of q
+    assert len(pairs) >= SEEDS - 5
+    firsts = [a for a, _ in pairs]
+    t0, t1 = _rows(hf_teacher, prompt, firsts, vocab)
+    h0, h1 = _rows(hf_theta, prompt, firsts, vocab)
+    q0 = np_mix(h0, t0, ALPHA)
+    q1 = {a: np_mix(h1[a], t1[a], ALPHA) for a in t1}
+    v = np.random.default_rng(0).random((len(pairs), 2))
+    under_q = np.array([[_pit(q0, a, v[i, 0]), _pit(q1[a], b, v[i, 1])] for i, (a, b) in enumerate(pairs)])
+    assert _uniform_grid_p(under_q) > LEVEL
+    # The same draws against the teacher's own distribution: rejected, so the test can tell the two apart.
+    under_t = np.array(
+        [[_pit(np.exp(t0), a, v[i, 0]), _pit(np.exp(t1[a]), b, v[i, 1])] for i, (a, b) in enumerate(pairs)]
+    )
+    assert _uniform_grid_p(under_t) < LEVEL
+
+
+def test_seeds_reproduce_whatever_the_batch(spec_engine):
+    alone = spec_engine.generate([PROMPTS[1]], max_tokens=16, seed=5, prompt_keys=["b"])
+    crowded = spec_engine.generate(PROMPTS, max_tokens=16, seed=5, prompt_keys=["a", "b", "c"])
+    again = spec_engine.generate([PROMPTS[1]], max_tokens=16, seed=5, prompt_keys=["b"])
+    sample = samples(alone)[0]
+    assert sample.token_ids == samples(again)[0].token_ids and sample.logq == samples(again)[0].logq
+    assert crowded.requests[1].samples[0].seed == sample.seed
+    assert crowded.requests[1].samples[0].token_ids == sample.token_ids
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"top_k": 5}, "top_k"),
+        ({"temperature": 0.7}, "temperature"),
+        ({"teacher_prompts": ["A hint. Once upon a time"]}, "teacher_prompts"),
+        ({"min_tokens": 2}, "min_tokens"),
+    ],
+)
+def test_what_the_mode_cannot_serve_is_refused_by_name(spec_engine, options, named):
+    with pytest.raises(ValueError, match=named):
+        spec_engine.generate([PROMPTS[0]], max_tokens=4, **options)
+
+
+def test_theta_weights_cannot_be_updated_in_place(spec_engine, tiny_same):
+    with pytest.raises(ValueError, match="role='theta'"):
+        spec_engine.update_theta(tiny_same[1])
