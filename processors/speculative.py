@@ -129,7 +129,9 @@ class SpeculativeSampler:
                 self._fail(i, pairing, ErrorCode.DECISION_ERROR, span.step, out, "decision error")
             return
         s = self.session
-        s.add_stat(Stat.DRAFTED, sum(len(g[0].drafts) for g in good))  # drafts past max_tokens count too
+        # Checked: the drafts up to and including a round's first rejection (those after it are never looked at), so
+        # accepted / checked estimates the per-position acceptance Σ min(π_θ, q).
+        s.add_stat(Stat.DRAFTED, sum(min(len(g[0].drafts), r.accepted + 1) for g, r in zip(good, rounds)))
         s.add_stat(Stat.ACCEPTED, sum(r.accepted for r in rounds))
         for (span, i, pairing, left), r in zip(good, rounds):
             emitted = min(len(r.tokens), left)

@@ -155,9 +155,10 @@ class Stat(IntEnum):
     """Plan entries the theta scheduler could not run (each fails its request alone)."""
     PREEMPTIONS_REFUSED = STATS_BASE + 16
     DRAFTED = STATS_BASE + 17
-    """Theta's drafts the teacher checked (``mode="speculative"``; written by its sampling step)."""
+    """Theta's drafts the teacher checked against q (``mode="speculative"``; written by its sampling step): those up
+    to and including each round's first rejection (the drafts after it are never looked at)."""
     ACCEPTED = STATS_BASE + 18
-    """Of those, the drafts kept (the rest were replaced by a draw from the residual)."""
+    """Of those, the drafts kept; accepted / drafted estimates the per-position acceptance Σ min(π_θ, q)."""
 
 
 HEADER_WORDS = 64
