@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint install models bench bench-gemma bench-alpha bench-ray bench-datagen bench-dense experiment-distill gpu-check clean
+.PHONY: demo test test-fast lint install models bench bench-gemma bench-alpha bench-ray bench-datagen bench-dense bench-speculative experiment-distill gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,10 @@ bench-dense: models
 # checked, then timed at b in {8, 64, 256} and V in {151,936, 262,144}; one JSON file and a Markdown table.
 gpu-check:
 	PYTHONPATH=. $(PYTHON) examples/bench_gpu.py --output bench-out/gpu-check.json
+	PYTHONPATH=. $(PYTHON) examples/bench_verify_gpu.py --output bench-out/verify-gpu.json
+
+bench-speculative: models
+	$(PY) examples/bench_speculative.py --output bench-out/speculative.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -90,6 +90,36 @@ def test_the_gpu_check_script_runs_end_to_end_on_the_cpu(tmp_path):
     assert "decide kl_symmetry" in out.with_suffix(".md").read_text()
 
 
+def test_the_verification_benchmark_runs_on_the_cpu_and_models_rounds_as_the_rule_emits_them(tmp_path):
+    """``make gpu-check``'s second script with --smoke (tiny shapes on the CPU), and its tokens per round against
+    a simulation of the rule's round lengths (no bonus token after γ accepted drafts)."""
+    out = tmp_path / "verify.json"
+    done = subprocess.run(
+        [sys.executable, "examples/bench_verify_gpu.py", "--smoke", "--output", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    (figures,) = report["figures"].values()
+    assert all(figures[k] > 0 for k in ("teacher_decode_ms", "teacher_verify_4_ms", "theta_decode_ms"))
+    assert {r["acceptance"] for r in report["layouts"]} == {0.61, 0.78}
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from bench_verify_gpu import tokens_per_round
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    rng = np.random.default_rng(0)
+    for beta, gamma in ((0.61, 4), (0.9, 8)):
+        kept = rng.random((200_000, gamma)) < beta
+        first_rejection = np.where(kept.all(1), gamma, kept.argmin(1))  # drafts kept before the first rejection
+        emitted = np.minimum(first_rejection + 1, gamma)  # + the residual draw, none after γ kept
+        assert abs(emitted.mean() - tokens_per_round(beta, gamma)) < 0.01
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_the_kernel_draws_what_the_cpu_kernel_draws():
     if not torch.cuda.is_available():
