@@ -131,6 +131,30 @@ def test_seeds_reproduce_whatever_the_batch(spec_engine):
     assert crowded.requests[1].samples[0].token_ids == sample.token_ids
 
 
+def test_streamed_deltas_join_into_the_sample_and_an_abort_ends_the_request(spec_engine):
+    import asyncio
+
+    async def run():
+        tokens, records, final = [], [], None
+        async for delta in spec_engine.stream(PROMPTS[2], max_tokens=20, seed=9):
+            tokens += delta.token_ids
+            records.append(delta.records)
+            final = delta.sample or final
+        aborted = None
+        async for delta in spec_engine.stream(PROMPTS[0], max_tokens=200, seed=9, request_id="spec-abort"):
+            if delta.sample is not None:
+                aborted = delta.sample
+            elif delta.token_ids:
+                spec_engine.abort("spec-abort")
+        return tokens, np.concatenate(records), final, aborted
+
+    tokens, records, final, aborted = asyncio.run(run())
+    assert final is not None and final.error is None and tokens == final.token_ids
+    np.testing.assert_allclose(records[:, 3], final.logq, rtol=0, atol=0)
+    assert aborted.finish_reason == "abort" and len(aborted.token_ids) < 200
+    assert spec_engine.get_sync_statistics()["in_flight"] == 0
+
+
 @pytest.mark.parametrize(
     ("options", "named"),
     [
