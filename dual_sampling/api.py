@@ -86,6 +86,11 @@ class OptimalSamplingDual:
         engine_len = self.max_model_len
         if cfg.mode == "speculative":
             self.max_model_len -= 2 * cfg.num_speculative_tokens
+            if self.max_model_len < 2:
+                raise ValueError(
+                    f"num_speculative_tokens={cfg.num_speculative_tokens}: mode='speculative' keeps 2γ of "
+                    f"max_model_len={engine_len} free, which leaves no room for a request"
+                )
         self.eos_token_ids = sorted(
             {i for mc in (t_cfg, th_cfg) for i in _as_list(mc.get("eos_token_id"))}
             | set(_as_list(self.tokenizer.eos_token_id))
@@ -386,6 +391,11 @@ class OptimalSamplingDual:
         return DualRequest(
             list(pair.teacher_ids), list(pair.theta_ids), row, min(opts.max_tokens, pair.room), tuple(opts.stop)
         )
+
+    def check(self, pair: PromptPair, opts: SamplingOptions) -> None:
+        """Refuse, with a ValueError that begins with the field's name, a prompt pair and options this engine cannot
+        serve: the checks a sample's start runs, for callers that answer before starting (the server)."""
+        self.driver.check(self.request(pair, opts, opts.seed))
 
     def prepare(self, prompt: str | Sequence[int], teacher_prompt: str | Sequence[int] | None = None) -> PromptPair:
         """One prompt tokenized for each engine (theta's ``prompt``; the teacher's ``teacher_prompt``, or the same),

@@ -155,6 +155,33 @@ def test_streamed_deltas_join_into_the_sample_and_an_abort_ends_the_request(spec
     assert spec_engine.get_sync_statistics()["in_flight"] == 0
 
 
+def test_the_server_serves_the_mode_and_refuses_a_teacher_prompt_by_name(spec_engine):
+    """The OpenAI-compatible server over a speculative engine: a chat completion equals the offline sample of the
+    same seed; teacher messages (a hint) are refused with a 400 that names the field."""
+    from openai import BadRequestError, OpenAI
+
+    from dual_sampling.server.app import build_app
+    from dual_sampling.server.serve_options import ServeOptions
+    from tests.test_serve import Server
+
+    server = Server(build_app(spec_engine, ServeOptions(api_key="k", max_n=2)))
+    try:
+        client = OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
+        messages = [{"role": "user", "content": "Count to five."}]
+        r = client.chat.completions.create(model="dual", messages=messages, max_tokens=10, seed=4)
+        prompt = spec_engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        offline = samples(spec_engine.generate([prompt], max_tokens=10, seed=4))[0]
+        extra = r.choices[0].model_extra["dual_sampling"]
+        assert r.choices[0].message.content == offline.text and extra["error"] is None
+        assert r.usage.completion_tokens == len(offline.token_ids)
+        with pytest.raises(BadRequestError, match="teacher"):
+            client.chat.completions.create(
+                model="dual", messages=messages, max_tokens=4, extra_body={"teacher_messages": messages * 2}
+            )
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize(
     ("options", "named"),
     [

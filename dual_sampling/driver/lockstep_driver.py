@@ -155,7 +155,7 @@ class LockstepDriver:
         engines' outputs for it, so its slot is released only once both engines let it go.
         """
         self._check_alive()
-        check_request(request, self.max_model_len, self.session.layout.dense_k)
+        self.check(request)
         request_id = request.request_id or f"ds-{next(self._ids)}"
         if request_id in self._queued or request_id in self._flights:
             raise ValueError(f"request id {request_id!r} is already in flight")
@@ -191,6 +191,10 @@ class LockstepDriver:
         finally:
             if not flight.task.done():
                 self.abort(flight.request_id)
+
+    def check(self, request: DualRequest) -> None:
+        """Refuse, naming the field, a request this driver cannot serve (:meth:`stream` runs it first)."""
+        check_request(request, self.max_model_len, self.session.layout.dense_k)
 
     async def sample(self, request: DualRequest) -> SampleRecord:
         """Draw one sample and return it whole."""

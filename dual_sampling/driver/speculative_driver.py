@@ -39,8 +39,8 @@ def check_speculative(request: DualRequest) -> None:
     for f in dataclasses.fields(RowSampling):
         if f.name not in SERVED and getattr(request.sampling, f.name) != getattr(defaults, f.name):
             raise ValueError(
-                f"{f.name}={getattr(request.sampling, f.name)!r} is not served in mode='speculative' "
-                f"(only plain sampling at temperature 1; use mode='lockstep')"
+                f"{f.name} is not served in mode='speculative' (got {getattr(request.sampling, f.name)!r}; only "
+                "plain sampling at temperature 1; use mode='lockstep')"
             )
     if request.teacher_prompt_ids != request.theta_prompt_ids:
         raise ValueError(
@@ -78,10 +78,9 @@ class SpeculativeDriver(LockstepDriver):
             raise RuntimeError(f"the speculative step was installed on {len(gammas)} workers with γ = {gammas}")
         return engines
 
-    async def stream(self, request: DualRequest):
+    def check(self, request: DualRequest) -> None:
+        super().check(request)
         check_speculative(request)
-        async for delta in super().stream(request):
-            yield delta
 
     def _abort(self, request_id: str) -> bool:
         flight = self._flights.get(request_id)

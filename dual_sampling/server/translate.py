@@ -183,6 +183,12 @@ class Translator:
             # The request's names for the SamplingOptions fields it names otherwise.
             renamed = {"max_tokens": max_tokens_field, "top_logprobs": "top_logprobs" if kind == "chat" else "logprobs"}
             raise BadRequest(str(exc), renamed.get(name, name)) from None
+        try:
+            self.dual.check(pair, sampling)  # what this engine serves (mode="speculative" serves less)
+        except ValueError as exc:
+            name = str(exc).split(" ")[0].rstrip(":")
+            teacher = "teacher_messages" if kind == "chat" else "teacher_prompt"
+            raise BadRequest(str(exc), {"teacher_prompts": teacher}.get(name, name)) from None
         stream_options = getattr(req, "stream_options", None)
         return Job(
             kind,
