@@ -213,8 +213,7 @@ class LockstepDriver:
         return flight
 
     async def _fly(self, flight: Flight) -> None:
-        """Run one request on the engines (:meth:`_relay`); its end, however it comes, reaches the caller's stream,
-        and the slot is released once the engines let the request go."""
+        """Run one request (:meth:`_relay`); its end, however it comes, reaches the caller's stream."""
         try:
             await self._relay(flight)
         except asyncio.CancelledError:
@@ -231,13 +230,10 @@ class LockstepDriver:
         """Submit one request to both engines, relay the teacher's tokens, and verify the end."""
         request = flight.request
         teacher_params, theta_params = engine_sampling_params(flight)
-        theta_task = asyncio.create_task(
-            _last(
-                self.engines.theta.generate(
-                    {"prompt_token_ids": request.theta_prompt_ids}, theta_params, flight.request_id
-                )
-            )
+        theta = self.engines.theta.generate(
+            {"prompt_token_ids": request.theta_prompt_ids}, theta_params, flight.request_id
         )
+        theta_task = asyncio.create_task(_last(theta))
         try:
             async for out in self.engines.teacher.generate(
                 {"prompt_token_ids": request.teacher_prompt_ids}, teacher_params, flight.request_id
