@@ -1,4 +1,4 @@
-"""The per-test time budget: a test whose setup, call or teardown takes longer than its budget fails the run.
+"""The per-test time budget: every phase past its budget is reported; one far past it fails the run.
 
 The suite's time is spent twice per change (a local run and CI), so it is held to a budget
 test by test, not only in total. Every phase of a test (setup, with the fixtures it starts;
@@ -7,10 +7,15 @@ the call; teardown) gets :data:`DEFAULT_BUDGET_S` seconds. A test that needs mor
 test cannot be made cheaper. A session fixture's start is counted in the setup of the first test
 that uses it, so an engine fixture's start must fit in that test's budget too.
 
+Budgets are wall-clock seconds measured on one 2-core machine, and machines of that kind differ
+by up to 2× (a fresh clone took 18.7 min on one and 32.7 min on another). So the budget is a
+target, not a timed assertion: a phase past it is listed in the run's summary, and only a phase
+past :data:`FAIL_FACTOR` times its budget fails the run. That catches a test that grew by an
+order of magnitude (an engine started per test instead of per session, a hang cut short by a
+timeout) and never a machine that is merely slower.
+
 The check runs on every ``pytest`` run of the whole suite and of any part of it; set
 ``DUAL_SAMPLING_NO_BUDGET=1`` to report without failing (a debugger, a loaded machine).
-Budgets are wall-clock seconds on the 2-core CI machine, with room for its noise (the slowest
-tests vary by ±20 % between runs).
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ import os
 import pytest
 
 DEFAULT_BUDGET_S = 60.0
-"""Seconds any phase of a test may take without an exemption."""
+"""Seconds any phase of a test may take without an exemption (the target the summary reports against)."""
+
+FAIL_FACTOR = 3.0
+"""A phase fails the run only past this multiple of its budget: room for a machine 2× slower, with its noise."""
 
 
 def budget_of(item: pytest.Item, default: float = DEFAULT_BUDGET_S) -> float:
@@ -35,12 +43,18 @@ def budget_of(item: pytest.Item, default: float = DEFAULT_BUDGET_S) -> float:
 
 
 class BudgetCheck:
-    """Collects each phase's duration and, at the end, fails the session for any phase past its test's budget."""
+    """Collects each phase's duration; at the end, lists the phases past their budget and fails the session for any
+    past ``fail_factor`` times it."""
 
-    def __init__(self, default: float = DEFAULT_BUDGET_S) -> None:
+    def __init__(self, default: float = DEFAULT_BUDGET_S, fail_factor: float = FAIL_FACTOR) -> None:
         self.default = default
         """Seconds per phase of a test without an exemption."""
+        self.fail_factor = fail_factor
+        """Multiple of a budget past which a phase fails the run."""
         self.over: list[str] = []
+        """Phases past their budget, as summary lines."""
+        self.failing: list[str] = []
+        """Phases past ``fail_factor`` times their budget (also in ``over``)."""
         self.budgets: dict[str, float] = {}
 
     @pytest.hookimpl
@@ -50,8 +64,12 @@ class BudgetCheck:
     @pytest.hookimpl
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         budget = self.budgets.get(report.nodeid, self.default)
-        if report.duration > budget:
-            self.over.append(f"{report.nodeid} ({report.when}): {report.duration:.1f} s, budget {budget:g} s")
+        if report.duration <= budget:
+            return
+        line = f"{report.nodeid} ({report.when}): {report.duration:.1f} s, budget {budget:g} s"
+        self.over.append(line)
+        if report.duration > self.fail_factor * budget:
+            self.failing.append(f"{line}, fails past {self.fail_factor * budget:g} s")
 
     @pytest.hookimpl
     def pytest_terminal_summary(self, terminalreporter) -> None:
@@ -59,8 +77,12 @@ class BudgetCheck:
             terminalreporter.section("tests over their time budget (tests/budget.py)")
             for line in self.over:
                 terminalreporter.write_line(line)
+        if self.failing:
+            terminalreporter.section(f"tests over {self.fail_factor:g}x their time budget: the run fails")
+            for line in self.failing:
+                terminalreporter.write_line(line)
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
-        if self.over and not os.environ.get("DUAL_SAMPLING_NO_BUDGET") and session.exitstatus == 0:
+        if self.failing and not os.environ.get("DUAL_SAMPLING_NO_BUDGET") and session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
