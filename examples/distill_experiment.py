@@ -7,13 +7,17 @@ sampled from:
   student        α = 0: the student's own samples (on-policy distillation as published)
   teacher        α = 1: the teacher's samples
   kl_symmetry    α per token, dual-sampling's default
-  trust_region   α per token, the largest with KL(q_α‖π_θ) ≤ ε, ε falling linearly to 0 over the rounds (trust-region
-                 behaviour blending); ε chosen by --pilot, before the run
+  trust_region   α per token, the largest with KL(q_α‖π_θ) ≤ ε (trust-region behaviour blending's rule), ε falling
+                 linearly by a quarter of its start a round: 0.8, 0.6, 0.4, 0.2 nats over the four rounds. It never
+                 reaches 0, so this arm never returns to the student's own samples as the published method does;
+                 its verdict is on this schedule only. ε chosen by --pilot, before the run
 
 Held equal across arms: the loss (the per-prefix reverse KL over the whole vocabulary), no importance
 weighting, the learning rate, the optimizer steps, and the generated tokens of every round (draws continue until the
 budget is met; the last sample is cut). Seeds are paired: a seed fixes the prompt order and the sampling seeds of
-every arm.
+every arm, and each arm trains on that order's problems in sequence (a problem counts as used once a sample of it is
+trained on). The run of docs/distillation.json predates that accounting: a draw of 8 problems counted all 8 even when
+fewer samples were taken, so its arms of one seed shared only part of their problems (the doc gives the counts).
 
 The primary metric, fixed before the run: the final student's KL(π_θ‖π_t) per token on its own samples (48 held-out
 problems, 2 samples each at temperature 1, at most 128 tokens; exact sums over the vocabulary in float64, transformers
@@ -73,7 +77,8 @@ class Design:
     keep_layers: int = 20
     """Layers of SmolLM2-135M-Instruct's 30 that the student keeps (a start far from the teacher)."""
     seeds: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
-    """Paired seeds: each fixes the prompt order and the sampling seeds of every arm."""
+    """Paired seeds: each fixes the prompt order and the sampling seeds of every arm (and, since the loop counts only
+    the problems trained on, the problems every arm trains on)."""
     rounds: int = 4
     """Sample-train-update rounds per cell."""
     tokens_per_round: int = 1024
@@ -88,7 +93,8 @@ class Design:
     max_tokens: int = 128
     """Longest sample, training and held out."""
     kl_budget: float = 0.8
-    """trust_region's starting ε (nats), falling linearly to 0 over the rounds. Chosen by --pilot before the run, by
+    """trust_region's starting ε (nats), falling linearly to ε/rounds in the last round (0.2 nats: never 0, the
+    warm-up being as long as the run; ``DistillConfig.kl_budget_warmup_rounds``). Chosen by --pilot before the run, by
     a rule fixed before it: the budget of PILOT_BUDGETS whose mean α on the starting student's first samples is
     closest to kl_symmetry's (on the 20-layer student: 0.489 at ε = 0.8 against 0.500; 0.357 at 0.4, 0.672 at 1.6),
     so that both mixture arms start from about the same blend and differ in how they place and anneal it."""
@@ -211,12 +217,18 @@ class HeldOut:
         rows = sums["own"]
         metrics["own_kl_student_teacher_per_sequence"] = statistics.fmean(r["kl_student_teacher"] for r in rows)
         metrics["own_student_entropy"] = sum(r["student_entropy"] for r in rows) / sum(r["tokens"] for r in rows)
+        # The teacher's entropy on the same states: the scale the KLs are read against.
+        metrics["own_teacher_entropy"] = sum(r["teacher_entropy"] for r in rows) / sum(r["tokens"] for r in rows)
         metrics["own_tokens"] = sum(r["tokens"] for r in rows)
-        metrics["own_per_sequence"] = [
-            {"tokens": r["tokens"], "kl_student_teacher": r["kl_student_teacher"]} for r in rows
-        ]
         own_pairs = [(p, s) for p, group in zip(self.prompt_ids, own) for s in group]
         texts = [s for _, s in own_pairs]
+        # An answer ended when its last token is an EOS id (the sampler stops there); one cut at max_tokens did not.
+        ended = [bool(s) and s[-1] in self.eos_ids for s in texts]
+        metrics["own_end_rate"] = statistics.fmean(ended)
+        metrics["own_per_sequence"] = [
+            {"tokens": r["tokens"], "kl_student_teacher": r["kl_student_teacher"], "ended": e}
+            for r, e in zip(rows, ended)
+        ]
         metrics["own_length"] = statistics.fmean(map(len, texts))
         metrics["own_repetition"] = statistics.fmean(map(repetition_rate, texts))
         metrics["own_distinct_2"] = statistics.fmean(d for d in map(distinct_n, texts) if d == d)
@@ -315,7 +327,10 @@ SECONDARY = [
     "own_distinct_2",
     "own_length",
     "own_student_entropy",
+    "own_teacher_entropy",
+    "own_end_rate",
 ]
+"""The secondary metrics; the last two are saved by cells run after docs/distillation.json was (its cells lack them)."""
 
 
 def analyse(cells: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
@@ -327,8 +342,8 @@ def analyse(cells: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
     for arm in ARMS:
         table[arm] = {}
         for key in [PRIMARY, *SECONDARY]:
-            values = [by[(arm, s)][key] for s in complete]
-            if values:
+            values = [by[(arm, s)][key] for s in complete if key in by[(arm, s)]]
+            if values and len(values) == len(complete):  # a metric older cells lack is not summarised from a part
                 table[arm][key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
     verdicts: dict[str, Any] = {}
     for mix in MIXTURE_ARMS:
@@ -362,7 +377,7 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(rows_, cols, figsize=(4.2 * cols, 3.2 * rows_), squeeze=False)
     for ax, key in zip(axes.flat, keys):
         for i, arm in enumerate(ARMS):
-            values = [c[key] for c in cells if c["arm"] == arm]
+            values = [c[key] for c in cells if c["arm"] == arm and key in c]
             ax.scatter([i] * len(values), values, s=14, alpha=0.7)
             if values:
                 ax.hlines(statistics.median(values), i - 0.3, i + 0.3, color="black")

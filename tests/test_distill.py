@@ -368,6 +368,41 @@ def test_the_trust_region_budget_anneals_linearly_to_zero():
         DistillConfig(prompts="p.jsonl", output="o", source=PAIR, engine=engine, kl_budget_warmup_rounds=-1)
 
 
+def test_arms_whose_samples_differ_in_length_train_on_one_sequence_of_problems():
+    """Two arms of one seed: one's samples all run to the cap, the other's end early on every third problem, so a round
+    takes 4 samples of one arm's draw of 8 and more of the other's. Each round trains on exactly the budget, and both
+    arms train on the seeded order's problems in sequence, none skipped: the arm that needs more problems has walked
+    further along the same sequence. (Counting every drawn problem as used skipped the rest of each draw: arms of one
+    seed then shared only part of their problems.)"""
+    from dual_sampling.distill.loop import draw_round
+    from dual_sampling.records import RequestRecord, SampleRecord
+
+    order = list(range(50))
+    np.random.default_rng(5).shuffle(order)
+
+    def arm(length):
+        def draw(picks):  # one sample per problem; the problem's id stands in for its prompt ids
+            return [
+                RequestRecord(i, [p], [p], [SampleRecord("", [7] * n, "stop" if n < 16 else "length", seed=0)])
+                for i, (p, n) in enumerate((p, length(p)) for p in picks)
+            ]
+
+        return draw
+
+    walks = {}
+    for name, draw in (("at_cap", arm(lambda p: 16)), ("stopping", arm(lambda p: 16 if p % 3 else 5))):
+        used, trained = 0, []
+        for r in range(1, 5):
+            taken, used = draw_round(r, draw, order, used, per_draw=8, budget=64)
+            assert sum(len(s.token_ids) for s, _ in taken) == 64
+            trained += [req.theta_prompt_token_ids[0] for _, req in taken]
+            assert used == len(trained)  # a problem counts once its sample is trained on, and only then
+        walks[name] = trained
+    assert walks["at_cap"] == order[:16]
+    assert walks["stopping"] == order[: len(walks["stopping"])]
+    assert len(walks["stopping"]) > 16
+
+
 @pytest.mark.parametrize("loss", ["reverse", "reverse_full"])
 def test_a_run_samples_each_round_with_its_budget_and_gives_the_engine_its_alpha_back(
     dual_engine, tiny_same, prompts_file, tmp_path, loss
@@ -376,7 +411,7 @@ def test_a_run_samples_each_round_with_its_budget_and_gives_the_engine_its_alpha
     engine = EngineOptions(alpha_method="trust_region", alpha_config={"kl_budget": 0.05}, max_dense_logprobs=16)
     settings = small_run(tiny_same, prompts_file, tmp_path, eval_max_tokens=8, rounds=2, prompts_per_round=8)
     settings.update(engine=engine, kl_budget_warmup_rounds=1, steps_per_round=1, plot=False, loss=loss)
-    # An equal budget of generated tokens, and no held-out metrics: draws of 4 prompts (at most 32 tokens each) until
+    # An equal budget of generated tokens, and no held-out metrics: draws of 8 prompts (at most 8 tokens each) until
     # 41 tokens, the last sample cut.
     settings.update(tokens_per_round=41, eval_every=0)
     started = dual_engine.alpha_settings
@@ -388,7 +423,8 @@ def test_a_run_samples_each_round_with_its_budget_and_gives_the_engine_its_alpha
         assert dual_engine.alpha_settings == started  # the run's budget was the run's only
         assert all(0 < r["loss"] < math.inf for r in rows[1:])
         assert [r["tokens"] for r in rows] == [0, 41, 82]
-        assert [r["prompts_used"] for r in rows] == [0, 8, 16]  # two draws a round, the walk continued
+        # One sample per problem: a round uses the problems it trained on, and the next continues the walk there.
+        assert [r["prompts_used"] for r in rows] == [0, rows[1]["samples"], rows[1]["samples"] + rows[2]["samples"]]
         assert all("kl_teacher_student" not in r for r in rows)
         assert not (tmp_path / "run" / "eval_set.json").exists()
     finally:

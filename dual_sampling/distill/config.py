@@ -47,7 +47,9 @@ class DistillConfig:
     """Sample-train-update rounds."""
     prompts_per_round: int = 16
     """Problems sampled per draw (one sample each, n > 1 for more); the file is walked in a seeded order, continued
-    from round to round."""
+    from round to round. A problem counts as used once a sample of it is trained on: the problems of a draw after
+    the last one trained on are drawn again next, so runs of one seed whose samples differ in length (other α) train
+    on the same problems in the same order (``prompts_used`` in metrics.jsonl)."""
     tokens_per_round: int = 0
     """0: each round trains on one draw of ``prompts_per_round`` problems. > 0: an equal budget of generated tokens:
     each round draws until its samples hold this many tokens, and the last sample is cut to its first tokens to meet
@@ -81,9 +83,11 @@ class DistillConfig:
     figure pass (a NaN still stops the run; the figures are reported either way). The trainer's figure is computed in
     training mode, as its loss is: a student with dropout would differ by its dropout, not by a stale θ."""
     kl_budget_warmup_rounds: int = 0
-    """With ``alpha_method: trust_region``: the rounds over which its ``kl_budget`` ε (of ``alpha_config``) falls
-    linearly to 0, as trust-region behaviour blending anneals it: round r samples with ε·max(0, 1 − (r − 1)/W).
-    Each round's ε is in metrics.jsonl (``kl_budget``). 0 keeps ε for every round."""
+    """With ``alpha_method: trust_region``: W, the rounds over which its ``kl_budget`` ε (of ``alpha_config``) falls
+    linearly, as trust-region behaviour blending anneals it: round r samples with ε·max(0, 1 − (r − 1)/W), so round
+    W samples with ε/W and the budget is 0 (pure student sampling) from round W + 1 on. A run of ``rounds`` ≤ W never
+    reaches 0: give it more rounds than W to end on the student's own samples, as the published method does. Each
+    round's ε is in metrics.jsonl (``kl_budget``). 0 keeps ε for every round."""
     resume: bool = field(default=False, metadata=RUNTIME_ONLY)
     """Continue the run in ``output`` from its last complete round (same settings; ``rounds`` may grow)."""
     plot: bool = field(default=True, metadata=RUNTIME_ONLY)

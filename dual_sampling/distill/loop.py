@@ -19,6 +19,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +35,10 @@ from dual_sampling.distill.loss import (
     top_k_forward_kl,
 )
 from dual_sampling.distill.mismatch import Mismatch, SamplerMismatchError, record_gaps
-from dual_sampling.records import SampleRecord
+from dual_sampling.records import RequestRecord, SampleRecord
 from dual_sampling.run_output import fresh_dir, remove_path, single_writer, write_no_follow
 
-__all__ = ["Distiller", "check_resume", "plot_run", "run_distillation"]
+__all__ = ["Distiller", "check_resume", "draw_round", "plot_run", "run_distillation"]
 
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
@@ -66,6 +67,45 @@ def check_resume(config: DistillConfig) -> None:
     changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
     if changed:
         raise ValueError(f"--resume with other settings than the run in {config.output}: {changed}")
+
+
+def draw_round(
+    r: int,
+    draw: Callable[[list[int]], Sequence[RequestRecord]],
+    order: Sequence[int],
+    used: int,
+    per_draw: int,
+    budget: int,
+) -> tuple[list[tuple[SampleRecord, RequestRecord]], int]:
+    """Round ``r``'s complete samples, each with its request, in draw order, and the count of problems used after it.
+
+    ``draw(picks)`` samples the training rows ``picks`` (one request each, in their order). The round walks ``order``
+    from position ``used`` (wrapping), ``per_draw`` rows a draw: one draw, or with ``budget`` > 0 draws until the
+    samples hold ``budget`` tokens, the last sample cut to meet it exactly. A problem counts as used only up to the
+    last one of its draw that a sample was taken from; the draw's later problems are drawn again next, so runs whose
+    samples differ in length (arms of one seed with other α) train on one sequence of problems.
+    """
+    taken: list[tuple[SampleRecord, RequestRecord]] = []
+    tokens = 0
+    while not taken or tokens < budget:
+        picks = [order[(used + i) % len(order)] for i in range(per_draw)]
+        requests = draw(picks)
+        complete = [(i, s, req) for i, req in enumerate(requests) for s in req.samples if s.ok and s.token_ids]
+        if not complete:
+            raise RuntimeError(
+                f"round {r}: no sample completed (errors: {[s.error for q in requests for s in q.samples]})"
+            )
+        last = -1  # the draw's last problem a sample was taken from
+        for i, s, req in complete:
+            if budget and tokens >= budget:
+                break
+            if budget and tokens + len(s.token_ids) > budget:
+                s = s.first(budget - tokens)
+            taken.append((s, req))
+            tokens += len(s.token_ids)
+            last = i
+        used += last + 1
+    return taken, used
 
 
 class Distiller:
@@ -228,37 +268,22 @@ class Distiller:
 
     def _sample(self, r: int, used: int) -> tuple[list[SampleRecord], list[tuple[list[int], list[int]]], int]:
         """Round ``r``'s samples from q (complete ones only), each one's (teacher, theta) prompt ids, and the count of
-        problems drawn so far (``used`` before the round): one draw, or draws until ``tokens_per_round`` tokens."""
+        problems used after the round (``used`` before it): :func:`draw_round` over the seeded order."""
         cfg = self.config
-        budget = cfg.tokens_per_round
-        samples: list[SampleRecord] = []
-        prompt_ids: list[tuple[list[int], list[int]]] = []
-        tokens = 0
-        while not samples or tokens < budget:
-            picks = [self.order[(used + i) % len(self.order)] for i in range(cfg.prompts_per_round)]
-            used += len(picks)
+
+        def draw(picks: list[int]) -> list[RequestRecord]:
             pairs = [self._render(self.train_rows[i], self._hint(self.train_rows[i])) for i in picks]
-            out = self.dual.generate(
+            return self.dual.generate(
                 [theta for _, theta in pairs],
                 teacher_prompts=[teacher for teacher, _ in pairs],
                 sampling=dataclasses.replace(cfg.sampling, seed=cfg.sampling.seed + r),
                 prompt_keys=[str(i) for i in picks],
                 use_tqdm=False,
-            )
-            complete = [(s, req) for req in out.requests for s in req.samples if s.ok and s.token_ids]
-            if not complete:
-                raise RuntimeError(
-                    f"round {r}: no sample completed (errors: {[s.error for q in out.requests for s in q.samples]})"
-                )
-            for s, req in complete:
-                if budget and tokens >= budget:
-                    break
-                if budget and tokens + len(s.token_ids) > budget:
-                    s = s.first(budget - tokens)
-                samples.append(s)
-                prompt_ids.append((list(req.teacher_prompt_token_ids), list(req.theta_prompt_token_ids)))
-                tokens += len(s.token_ids)
-        return samples, prompt_ids, used
+            ).requests
+
+        taken, used = draw_round(r, draw, self.order, used, cfg.prompts_per_round, cfg.tokens_per_round)
+        prompt_ids = [(list(req.teacher_prompt_token_ids), list(req.theta_prompt_token_ids)) for _, req in taken]
+        return [s for s, _ in taken], prompt_ids, used
 
     def _hint(self, row: dict[str, Any]) -> str | None:
         return row.get(self.config.source.hint_field) if self.config.source.hint_field else None
@@ -425,5 +450,8 @@ def plot_run(rows: list[dict[str, Any]], path: Path) -> None:
             ax.set_xlabel("round" if x == "round" else "wall time (s)")
             ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from dual_sampling.run_output import open_no_follow
+
+    with open_no_follow(path, "wb") as f:  # a link planted at plot.png is refused, never written through
+        fig.savefig(f, dpi=110, format="png")
     plt.close(fig)
