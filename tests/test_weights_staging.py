@@ -48,8 +48,8 @@ def test_a_good_folder_is_staged_as_a_private_copy(theta, tmp_path):
     [
         (lambda t: t["model.layers.0.mlp.down_proj.weight"].__setitem__((0, 0), math.nan), "down_proj.weight"),
         (lambda t: t["model.norm.weight"].__setitem__(3, math.inf), "model.norm.weight"),
-        (lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"].long()), "int64"),
-        (lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"] > 0), "bool"),
+        (lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"].long()), "norm.weight' has dtype I64"),
+        (lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"] > 0), "norm.weight' has dtype BOOL"),
         (lambda t: t.pop("model.layers.1.self_attn.o_proj.weight"), "o_proj.weight"),
     ],
     ids=["nan", "inf", "int64", "bool", "missing"],
