@@ -2,9 +2,9 @@
 
 Two runs on one output would interleave their lines and delete each other's checkpoints, so a run holds an
 exclusive lock on ``<output>.lock`` from start to end and a second run fails at once. Inside its output a run writes
-its files through :func:`write_no_follow` (a symlink or FIFO planted at a file's name is refused, never written
-through) and its checkpoint folders through :func:`fresh_dir` (a link planted at ``checkpoints/round-3.partial`` is
-removed, never followed).
+every file through :func:`open_no_follow` (a symlink or FIFO planted at a file's name is refused, never written
+through; :func:`write_no_follow` writes a whole text with it) and its checkpoint folders through :func:`fresh_dir` (a
+link planted at ``checkpoints/round-3.partial`` is removed, never followed).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO, Any
 
-__all__ = ["fresh_dir", "remove_path", "single_writer", "write_no_follow"]
+__all__ = ["fresh_dir", "open_no_follow", "remove_path", "single_writer", "write_no_follow"]
 
 
 @contextmanager
@@ -39,27 +40,45 @@ def single_writer(output: str | Path, lock: Path) -> Iterator[None]:
         held.release()
 
 
-def write_no_follow(path: Path, text: str, append: bool = False) -> None:
-    """Write (or append) ``text`` to ``path``, fsync'd; a symlink at ``path`` is refused (OSError), never followed."""
+_MODES = {"w": 0, "a": os.O_APPEND, "wb": 0, "ab": os.O_APPEND}
+"""The modes :func:`open_no_follow` opens a file in, with the flag each adds: truncated or appended to."""
+
+
+def open_no_follow(path: Path, mode: str = "w") -> IO[Any]:
+    """``path`` opened to write, never through a link: ``mode`` is "w" or "a" (UTF-8 text), "wb" or "ab" (bytes),
+    truncated ("w") or appended to ("a"), made (mode 0644) if missing. The caller closes it.
+
+    A symlink at ``path`` is refused (OSError naming it), never followed, and so is anything there that is not a
+    regular file (a FIFO is neither waited on nor truncated). Only the last component is checked: the folders above it
+    are the run's own.
+    """
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {tuple(_MODES)}, got {mode!r}")
     # O_NONBLOCK: opening a FIFO planted there would otherwise wait for a reader (it is refused just below); no
     # O_TRUNC yet, so a file that is not regular is never truncated.
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags | (os.O_APPEND if append else 0), 0o644)
+        fd = os.open(path, flags | _MODES[mode], 0o644)
     except OSError as exc:
         raise OSError(exc.errno, f"{path} cannot be written without following a link or waiting on a FIFO") from exc
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(f"{path} is not a regular file")
         os.set_blocking(fd, True)
-        if not append:
+        if not mode.startswith("a"):
             os.ftruncate(fd, 0)
-        with os.fdopen(fd, "w", encoding="utf-8", closefd=False) as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-    finally:
+        return os.fdopen(fd, mode, encoding=None if mode.endswith("b") else "utf-8")
+    except BaseException:
         os.close(fd)
+        raise
+
+
+def write_no_follow(path: Path, text: str, append: bool = False) -> None:
+    """Write (or append) ``text`` to ``path``, fsync'd, through :func:`open_no_follow` (a symlink there is refused)."""
+    with open_no_follow(path, "a" if append else "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def remove_path(path: Path) -> None:

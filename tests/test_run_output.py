@@ -1,13 +1,21 @@
-"""A run's output: one writer at a time, and no write through a planted symlink (dual_sampling.run_output)."""
+"""A run's output: one writer at a time, and no write through a planted symlink (dual_sampling.run_output), by any of
+the writers of a data run or a distillation run."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
 import pytest
 
-from dual_sampling.run_output import fresh_dir, remove_path, single_writer, write_no_follow
+import dual_sampling.datagen.sinks as sinks
+from dual_sampling.datagen.durable import write_text_durably
+from dual_sampling.datagen.report import write_report
+from dual_sampling.datagen.schema import record_schema
+from dual_sampling.datagen.sinks import Journal, journal_keys, open_sink, write_rejects
+from dual_sampling.distill.loop import plot_run
+from dual_sampling.run_output import fresh_dir, open_no_follow, remove_path, single_writer, write_no_follow
 
 
 def test_a_second_writer_fails_at_once_naming_the_lock(tmp_path):
@@ -54,3 +62,87 @@ def _record(outcome: list, function, *args) -> None:
         outcome.append(None)
     except BaseException as exc:
         outcome.append(exc)
+
+
+@pytest.mark.parametrize("mode", ["w", "a", "wb", "ab"])
+def test_an_opened_output_file_refuses_a_symlink_or_fifo_and_truncates_or_appends_its_own(tmp_path, mode):
+    payload = "x" if "b" not in mode else b"x"
+    target = _planted_link(tmp_path / "plot.png")
+    with pytest.raises(OSError, match="plot.png cannot be written without following a link"):
+        open_no_follow(tmp_path / "plot.png", mode)
+    assert target.read_text() == "theirs"
+    os.mkfifo(tmp_path / "piped")
+    outcome: list[BaseException | None] = []
+    worker = threading.Thread(target=lambda: _record(outcome, open_no_follow, tmp_path / "piped", mode), daemon=True)
+    worker.start()
+    worker.join(30)
+    assert outcome and isinstance(outcome[0], OSError), outcome
+    own = tmp_path / "own"
+    own.write_text("old")
+    with open_no_follow(own, mode) as f:
+        f.write(payload)
+    assert own.read_text() == ("oldx" if mode.startswith("a") else "x")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        open_no_follow(own, "r+")
+
+
+def _write_records(path):
+    rows = [
+        {"id": f"p{i}", "sample_index": 0, "alpha": [0.2, 0.5, 0.7], "num_tokens": 3, "finish_reason": "stop"}
+        | {"log_w_theta": -0.1 * i, "log_w_teacher": 0.1 * i}
+        for i in range(4)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _parquet_part(tmp_path):
+    sink = open_sink({"parts": tmp_path / "parts"}, resume=False, fmt="records")  # it removes stale part-*.tmp
+    planted = tmp_path / "parts" / "part-000000.parquet.tmp"
+    record = dict.fromkeys(record_schema("records").names) | {"id": "p0", "sample_index": 0}
+    return planted, lambda: sink.write([record])
+
+
+PLOT_ROWS = [{"round": r, "wall_s": 10.0 * r, "kl_teacher_student": 1.0 / (r + 1)} for r in range(3)]
+WRITERS = {
+    # name: (tmp_path -> (the name a link is planted at, the write that must refuse it))
+    "new journal": lambda t: (t / "out.jsonl", lambda: Journal(t / "out.jsonl", resume=False)),
+    "resumed journal": lambda t: (t / "out.jsonl", lambda: Journal(t / "out.jsonl", resume=True)),
+    "journal's torn-tail repair": lambda t: (t / "out.jsonl", lambda: journal_keys(t / "out.jsonl")),
+    "rejects": lambda t: (t / "r.jsonl.tmp", lambda: write_rejects(t / "r.jsonl", [{"id": "p1", "why": "empty"}])),
+    "manifest or summary": lambda t: (t / "summary.json.tmp", lambda: write_text_durably(t / "summary.json", "{}")),
+    "Parquet part": _parquet_part,
+    "Parquet from the journal": lambda t: (
+        t / "out.parquet.tmp",
+        lambda: sinks._write_parquet(t / "none.jsonl", t / "out.parquet", "records"),
+    ),
+    "distillation plot": lambda t: (t / "plot.png", lambda: plot_run(PLOT_ROWS, t / "plot.png")),
+    "report plot": lambda t: (t / "alpha_hist.png", lambda: write_report(_write_records(t / "records.jsonl"), t)),
+    "report summary": lambda t: (t / "summary.md", lambda: write_report(_write_records(t / "records.jsonl"), t)),
+}
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_every_writer_of_a_run_refuses_a_planted_link_and_leaves_its_target_alone(tmp_path, writer):
+    planted, write = WRITERS[writer](tmp_path)
+    target = _planted_link(planted)
+    torn = '{"id": "p0", "sample_index": 0}\n{"torn'  # what a repair would cut, were it to follow the link
+    target.write_text(torn)
+    with pytest.raises(OSError, match=f"{planted.name} cannot be written without following a link"):
+        write()
+    assert target.read_text() == torn
+
+
+def test_plots_are_pngs_in_their_own_files(tmp_path):
+    plot_run(PLOT_ROWS, tmp_path / "plot.png")
+    write_report(_write_records(tmp_path / "records.jsonl"), tmp_path / "report")
+    for png in (tmp_path / "plot.png", tmp_path / "report" / "alpha_hist.png"):
+        assert png.read_bytes().startswith(b"\x89PNG"), png
+
+
+def _planted_link(path):
+    """A symlink at ``path`` to a file of someone else's holding "theirs"; returns that file."""
+    target = path.parent / f"{path.name}.target"
+    target.write_text("theirs")
+    path.symlink_to(target)
+    return target

@@ -1,5 +1,6 @@
 """How every file of a run is written: JSON that holds no NaN or infinity, and renames whose bytes, and then the
-rename itself, reach the disk before anything counts on them.
+rename itself, reach the disk before anything counts on them. A temporary file is written through
+:func:`~dual_sampling.run_output.open_no_follow`: a link planted at its name is refused, never written through.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+from dual_sampling.run_output import open_no_follow
 
 __all__ = ["dumps", "replace_durably", "write_text_durably"]
 
@@ -35,6 +38,8 @@ def replace_durably(tmp: Path, path: Path) -> None:
 
 
 def write_text_durably(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` (UTF-8) through ``<path>.tmp`` (:func:`replace_durably`)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
+    with open_no_follow(tmp) as f:
+        f.write(text)
     replace_durably(tmp, path)

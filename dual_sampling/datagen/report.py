@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from dual_sampling.records import effective_sample_size
+from dual_sampling.run_output import open_no_follow, write_no_follow
 
 __all__ = ["load_records", "write_report"]
 
@@ -109,13 +110,14 @@ def write_report(records_path: str | Path, out_dir: str | Path | None = None) ->
         "![lengths](lengths.png)",
         "",
     ]
-    (out / "summary.md").write_text("\n".join(lines), encoding="utf-8")
+    write_no_follow(out / "summary.md", "\n".join(lines))
     return out
 
 
 def _save(fig, path: Path) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with open_no_follow(path, "wb") as f:  # a link planted at a plot's name is refused, never written through
+        fig.savefig(f, dpi=110, format="png")
     import matplotlib.pyplot as plt
 
     plt.close(fig)

@@ -16,7 +16,7 @@ from dual_sampling.datagen.durable import dumps, replace_durably, write_text_dur
 from dual_sampling.datagen.inputs import batched
 from dual_sampling.datagen.run_config import RunConfig
 from dual_sampling.datagen.schema import record_schema, records_table, table_records
-from dual_sampling.run_output import single_writer
+from dual_sampling.run_output import open_no_follow, single_writer
 
 __all__ = [
     "KEY_COLUMNS",
@@ -100,7 +100,7 @@ def iter_journal(path: Path, repair: bool = True) -> Iterator[dict[str, Any]]:
     if cut is not None:
         if not repair:
             raise ValueError(f"{path} ends in a torn record")
-        with path.open("r+b") as f:
+        with open_no_follow(path, "ab") as f:
             f.truncate(cut)
             f.flush()
             os.fsync(f.fileno())
@@ -126,7 +126,7 @@ class Journal:
     def __init__(self, path: Path, resume: bool) -> None:
         self.path = path
         self.done = journal_keys(path) if resume else set()
-        self.file = path.open("a" if resume else "w", encoding="utf-8")
+        self.file = open_no_follow(path, "a" if resume else "w")
 
     def write(self, records: Iterable[dict[str, Any]], unique: bool = True) -> list[dict[str, Any]]:
         """Append ``records`` (if ``unique``, only pairs not written yet: a retried batch may repeat some); return
@@ -194,7 +194,8 @@ class _PartsSink:
         if fresh:
             final = self.folder / f"part-{self.next:06d}.parquet"
             tmp = final.with_name(final.name + ".tmp")
-            pq.write_table(records_table(fresh, self.format), tmp)
+            with open_no_follow(tmp, "wb") as f:
+                pq.write_table(records_table(fresh, self.format), f)
             replace_durably(tmp, final)
             self.next += 1
         return fresh
@@ -245,7 +246,7 @@ def _write_parquet(journal: Path, output: Path, fmt: str) -> None:
     import pyarrow.parquet as pq
 
     tmp = output.with_name(output.name + ".tmp")
-    with pq.ParquetWriter(tmp, record_schema(fmt)) as writer:
+    with open_no_follow(tmp, "wb") as f, pq.ParquetWriter(f, record_schema(fmt)) as writer:
         for chunk in batched(iter_journal(journal), ROWS_PER_GROUP):
             writer.write_table(records_table(chunk, fmt))
     replace_durably(tmp, output)

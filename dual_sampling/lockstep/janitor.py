@@ -45,7 +45,8 @@ _SCRATCH_NAME = re.compile(r"(?:" + "|".join(SCRATCH_KINDS) + r")-(?P<pid>\d+)-[
 """A scratch folder's name; ``.new`` while it is being made (before its owner file is in it)."""
 _LISTING_NAME = re.compile(r"(?P<session>" + _SESSION_NAME.pattern + r")\.segments(?P<tmp>\.tmp)?")
 _ROWS_HANDLE_NAME = re.compile(r"(?P<session>" + _SESSION_NAME.pattern + r")\.rows(?P<tmp>\.tmp)?")
-"""The device row channel's buffer handle (``lockstep.row_channel``), beside its session."""
+"""The device row channel's buffer handle (``lockstep.row_channel``): in this user's :func:`listing_dir` (older versions
+put it beside its session)."""
 _LISTED_NAME = re.compile(
     r"psm_[0-9A-Za-z_]+"  # multiprocessing.shared_memory (vLLM's message queues and buffers)
     r"|sem\.mp-[0-9a-z_]+"  # multiprocessing's named semaphores
@@ -129,7 +130,7 @@ def cleanup_stale_sessions(shm_dir: Path = SHM_DIR) -> list[str]:
         removed += gone_now
         if path.name not in gone_now:
             listed.add(m["session"])
-    for path in sorted(shm_dir.glob(SESSION_PREFIX + "*.rows*")):
+    for path in [*listings, *sorted(shm_dir.glob(SESSION_PREFIX + "*.rows*"))]:
         m = _ROWS_HANDLE_NAME.fullmatch(path.name)
         if m and _own_file(path) and stale(m["session"], int(m["pid"])):
             path.unlink(missing_ok=True)
@@ -256,12 +257,16 @@ def scratch_dir(kind: str, shm_dir: Path = SHM_DIR) -> Path:
     path = listing_dir(shm_dir) / f"{kind}-{os.getpid()}-{secrets.token_hex(6)}"
     new = path.with_name(path.name + ".new")
     os.mkdir(new, 0o700)
-    fd = os.open(new / OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.write(fd, " ".join(str(word) for word in owner_tag()).encode() + b"\n")
-    finally:
-        os.close(fd)
-    os.rename(new, path)
+        fd = os.open(new / OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, " ".join(str(word) for word in owner_tag()).encode() + b"\n")
+        finally:
+            os.close(fd)
+        os.rename(new, path)
+    except BaseException:  # a full /dev/shm (ENOSPC) must not leave a half-made folder behind
+        shutil.rmtree(new, ignore_errors=True)
+        raise
     return path
 
 
@@ -453,6 +458,14 @@ def write_listing(listing: Path, names: Iterable[str]) -> None:
         except FileNotFoundError:
             if attempt == 2:
                 raise  # the directory was removed again between making it and writing (a cleanup found it empty)
+
+
+def rows_handle(session_name: str, shm_dir: Path = SHM_DIR) -> Path:
+    """Where the device row channel's buffer handle of a session lies: in this user's :func:`listing_dir`, which is
+    made (or checked) here, out of reach of other users (/dev/shm itself is writable by all)."""
+    if not _SESSION_NAME.fullmatch(session_name):
+        raise ValueError(f"{session_name!r} is not a session name ({SESSION_PREFIX}<pid>-<hex>)")
+    return listing_dir(shm_dir) / f"{session_name}.rows"
 
 
 def segments_listing(session_name: str, shm_dir: Path = SHM_DIR) -> Path:

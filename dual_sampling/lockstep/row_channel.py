@@ -11,9 +11,11 @@ that order: :meth:`RowChannel.publish` returns once the rows are where the teach
   any PCIe topology. Theta waits for its copies before it announces; the teacher's copy is
   ordered before its decision on its stream and never waits on the host.
 - ``device``: a ``[slots, V]`` buffer on the teacher's GPU, shared with theta's process through
-  CUDA IPC (the handle lies in a file beside the session). Theta writes its rows there device to
-  device and waits for the write before it announces; the teacher gathers them on its GPU.
-  Needs both engines on the same GPU (or peer-to-peer GPUs).
+  CUDA IPC. Theta writes its rows there device to device and waits for the write before it
+  announces; the teacher gathers them on its GPU. Needs both engines on the same GPU (or
+  peer-to-peer GPUs). The buffer's handle (:class:`BufferHandle`) goes through a file in this
+  user's private folder (mode 0700, the session's ``rows_handle_path``), as JSON: never a pickle,
+  and theta reads it only from a regular file of its own user that no one else may write.
 
 ``auto`` picks device, then pinned, then host (:func:`resolve_transport`), once at start-up. A
 transport that cannot work is refused there, by name.
@@ -21,24 +23,34 @@ transport that cannot work is refused there, by name.
 
 from __future__ import annotations
 
-import pickle
+import base64
+import dataclasses
+import inspect
+import json
+import os
+import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from dual_sampling.lockstep.layout import SyncError
+
 __all__ = [
     "ROW_TRANSPORTS",
+    "BufferHandle",
     "DeviceRows",
     "HostRows",
     "PinnedRows",
     "RowChannel",
     "RowGatherer",
     "open_row_channel",
+    "read_handle",
     "resolve_transport",
+    "write_handle",
 ]
 
 ROW_TRANSPORTS = ("auto", "host", "pinned", "device")
@@ -161,6 +173,160 @@ class PinnedRows(HostRows):
             torch.cuda.cudart().cudaHostUnregister(self.rows.data_ptr())
 
 
+_HANDLE_FORMAT = "dual-sampling rows handle 1"
+"""The ``format`` word of a handle file: a file of any other format (or version) is refused."""
+_HANDLE_MAX_BYTES = 1 << 16
+"""A handle file is a few hundred bytes; no more than this is read of one."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferHandle:
+    """What theta's process needs to open the teacher's rows buffer: its CUDA IPC handles and where the rows lie.
+
+    The arguments :func:`torch.multiprocessing.reductions.reduce_tensor` gives ``rebuild_cuda_tensor`` for a CUDA
+    tensor, by their names there, less those fixed here (a float32 :class:`torch.Tensor` in a typed storage, no
+    gradient). In a file it is JSON, bytes in base64 (:meth:`to_bytes`), parsed field by field (:meth:`from_bytes`):
+    nothing in it is ever run.
+    """
+
+    tensor_size: tuple[int, int]
+    """(slots, vocab)."""
+    tensor_stride: tuple[int, int]
+    """In elements."""
+    tensor_offset: int
+    """Of the buffer in its storage, in elements."""
+    storage_device: int
+    """The teacher's CUDA device index."""
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+    @classmethod
+    def of(cls, buffer: torch.Tensor) -> BufferHandle:
+        """The handle of a float32 ``[slots, vocab]`` CUDA tensor, shared through CUDA IPC from now on."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+        if buffer.device.type != "cuda" or buffer.dtype != torch.float32 or buffer.dim() != 2:
+            raise ValueError(
+                f"the rows buffer must be a float32 [slots, vocab] CUDA tensor, got {buffer.dtype} "
+                f"{tuple(buffer.shape)} on {buffer.device}"
+            )
+        rebuild, args = reduce_tensor(buffer)
+        assert rebuild is rebuild_cuda_tensor  # a CUDA tensor's reduction: its arguments are named by its parameters
+        named = dict(zip(inspect.signature(rebuild_cuda_tensor).parameters, args, strict=True))
+        named["tensor_size"], named["tensor_stride"] = tuple(named["tensor_size"]), tuple(named["tensor_stride"])
+        return cls(**{f.name: named[f.name] for f in dataclasses.fields(cls)})
+
+    def open(self) -> torch.Tensor:
+        """The buffer, mapped into this process (theta's) through CUDA IPC."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        fixed = {"tensor_cls": torch.Tensor, "storage_cls": torch.storage.TypedStorage, "dtype": torch.float32}
+        return rebuild_cuda_tensor(**fixed, requires_grad=False, **dataclasses.asdict(self))
+
+    def to_bytes(self) -> bytes:
+        """The handle as a handle file holds it: one JSON object, bytes in base64."""
+        fields: dict[str, Any] = {"format": _HANDLE_FORMAT}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            fields[f.name] = base64.b64encode(value).decode("ascii") if isinstance(value, bytes) else value
+        return json.dumps(fields).encode("ascii")
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> BufferHandle:
+        """Parse what :meth:`to_bytes` wrote; ValueError naming what is wrong for anything else (a pickle included)."""
+        try:
+            fields = json.loads(data.decode("utf-8"))
+        except ValueError:  # not UTF-8 (a pickle is not), or not JSON
+            raise ValueError("the handle is not JSON") from None
+        if not isinstance(fields, dict) or fields.get("format") != _HANDLE_FORMAT:
+            raise ValueError(f"the handle's format is not {_HANDLE_FORMAT!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(fields) != names | {"format"}:
+            raise ValueError(f"the handle's fields {sorted(set(fields) ^ (names | {'format'}))} are missing or unknown")
+        return cls(**{f.name: _parse_field(f.name, str(f.type), fields[f.name]) for f in dataclasses.fields(cls)})
+
+
+def _parse_field(name: str, kind: str, value: Any) -> Any:
+    """A handle field's ``value`` from JSON as its ``kind`` (the annotation); ValueError naming the field."""
+    if kind == "bool" and isinstance(value, bool):
+        return value
+    if kind == "int" and _integer(value) and value >= 0:
+        return value
+    if kind == "tuple[int, int]" and isinstance(value, list) and len(value) == 2:
+        if all(_integer(v) and v > 0 for v in value):
+            return tuple(value)
+    elif kind == "bytes" and isinstance(value, str) and (decoded := _base64(value)):
+        return decoded
+    wanted = {"bool": "a boolean", "int": "an integer >= 0", "tuple[int, int]": "two positive integers"}
+    raise ValueError(f"the handle's {name} must be {wanted.get(kind, 'non-empty base64')}, got {value!r}")
+
+
+def _integer(value: Any) -> bool:
+    """Whether a JSON value is an integer (JSON's true and false load as Python ints too: they are not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _base64(text: str) -> bytes:
+    """The bytes ``text`` encodes in strict base64; b"" if it is not base64."""
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError:
+        return b""
+
+
+def write_handle(path: Path, handle: BufferHandle) -> None:
+    """The teacher's side: write ``handle`` to ``path`` (mode 0600) in one rename, so a reader never sees part of it.
+
+    ``path`` lies in this user's private folder (the session's ``rows_handle_path``).
+    """
+    tmp = path.with_name(path.name + ".tmp")  # a crash before the rename leaves <session>.rows.tmp
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(handle.to_bytes())
+    os.replace(tmp, path)
+
+
+def read_handle(path: Path) -> BufferHandle | None:
+    """Theta's side: the handle at ``path``, or None while there is none yet.
+
+    Read only from a regular file owned by this process's user that neither group nor others may write, opened without
+    following a link and checked on the opened file (``fstat``), so nothing can be swapped in between. SyncError,
+    naming the path and the reason, for any other file, and for one that is not a handle
+    (:meth:`BufferHandle.from_bytes`).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # ELOOP: a symlink
+        raise SyncError(f"row_transport='device': the rows handle {path} is refused: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        problem = _untrusted(os.fstat(fd))
+        if problem is None:
+            try:
+                return BufferHandle.from_bytes(f.read(_HANDLE_MAX_BYTES))  # a larger file is cut short: not JSON
+            except ValueError as exc:
+                problem = f"malformed: {exc}"
+    raise SyncError(f"row_transport='device': the rows handle {path} is refused: {problem}")
+
+
+def _untrusted(st: os.stat_result) -> str | None:
+    """Why a handle file of status ``st`` is not to be trusted; None if it is a regular file of this user, writable
+    by no one else."""
+    if not stat.S_ISREG(st.st_mode):
+        return f"not a regular file (mode {st.st_mode:o})"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"writable by its group or by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
 class DeviceRows(RowChannel):
     """A rows buffer on the teacher's GPU, shared with theta's process through CUDA IPC."""
 
@@ -171,26 +337,23 @@ class DeviceRows(RowChannel):
 
     @classmethod
     def create(cls, handle_path: Path, slots: int, vocab: int, device: torch.device) -> DeviceRows:
-        """The teacher's side: allocate the buffer and write its IPC handle to ``handle_path`` (atomically)."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
+        """The teacher's side: allocate the buffer and write its handle to ``handle_path`` (:func:`write_handle`)."""
         buffer = torch.full((slots, vocab), float("nan"), dtype=torch.float32, device=device)
-        rebuild, args = reduce_tensor(buffer)
-        tmp = handle_path.with_name(handle_path.name + ".tmp")  # a crash before the rename leaves <session>.rows.tmp
-        tmp.write_bytes(pickle.dumps((rebuild, args)))
-        tmp.rename(handle_path)
+        write_handle(handle_path, BufferHandle.of(buffer))
         return cls(buffer)
 
     @classmethod
     def attach(cls, handle_path: Path, timeout: float) -> DeviceRows:
-        """Theta's side: open the teacher's buffer, waiting up to ``timeout`` seconds for its handle."""
+        """Theta's side: open the teacher's buffer, waiting up to ``timeout`` seconds for its handle.
+
+        SyncError at once for a handle file that is not to be trusted (:func:`read_handle`).
+        """
         deadline = time.monotonic() + timeout
-        while not handle_path.exists():
+        while (handle := read_handle(handle_path)) is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"row_transport='device': the teacher's rows buffer ({handle_path}) never appeared")
             time.sleep(0.01)
-        rebuild, args = pickle.loads(handle_path.read_bytes())
-        return cls(rebuild(*args))
+        return cls(handle.open())
 
     def publish(self, slots: Sequence[int], rows: torch.Tensor) -> None:
         index = torch.tensor(list(slots), device=self.buffer.device)

@@ -28,6 +28,7 @@ from dual_sampling.lockstep.janitor import (
     owner_tag,
     pid_alive,
     remove_if_empty,
+    rows_handle,
 )
 from dual_sampling.lockstep.layout import (
     BELL_WORDS,
@@ -209,8 +210,9 @@ class SyncSession:
 
     @property
     def rows_handle_path(self) -> Path:
-        """Where the device row channel's buffer handle lies (``lockstep.row_channel``); removed with the session."""
-        return self.shm_dir / f"{self.name}.rows"
+        """Where the device row channel's buffer handle lies (``lockstep.row_channel``): in this user's private
+        :func:`~dual_sampling.lockstep.janitor.listing_dir`, never in /dev/shm itself. Removed with the session."""
+        return rows_handle(self.name, self.shm_dir)
 
     @property
     def closed(self) -> bool:
@@ -236,8 +238,8 @@ class SyncSession:
                 self._mm.close()
             if self.owner:
                 self.path.unlink(missing_ok=True)
-                self.rows_handle_path.unlink(missing_ok=True)
-                for directory in own_listing_dirs(self.shm_dir):
+                for directory in own_listing_dirs(self.shm_dir):  # its row handle's (rows_handle_path), and empty ones
+                    (directory / f"{self.name}.rows").unlink(missing_ok=True)
                     remove_if_empty(directory)
 
     def __enter__(self) -> SyncSession:
