@@ -61,10 +61,17 @@ class WeightVersions:
             raise ValueError("version must be a non-empty string of at most 256 characters, got None")
         check_update(role=role, version=version)
         role = Role(role)
-        if version in self.used[role] and version != self.current[role]:
-            raise ValueError(f"version {version!r} already labelled earlier {role} weights; choose a new label")
+        if version != self.current[role]:
+            self.check_new(role, version)
         self.current[role] = version
         self.used[role].add(version)
+
+    def check_new(self, role: object, version: str) -> None:
+        """Refuse (ValueError) a label ``role``'s weights have carried, the current one included: records of two
+        different weights would name one."""
+        role = Role(role)
+        if version in self.used[role]:
+            raise ValueError(f"version {version!r} already labelled earlier {role} weights; choose a new label")
 
     def snapshot(self) -> dict[str, str]:
         """``{"teacher": ..., "theta": ...}``: the labels now, as plain strings."""

@@ -21,7 +21,7 @@ class ServeOptions:
     """Address to bind; only this machine can connect unless it is changed."""
     port: int = 8000
     """TCP port."""
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # a logged repr must not show the key
     """Require ``Authorization: Bearer <key>`` on every route but /health, /metrics and /openapi.json (default: the
     DUAL_SAMPLING_API_KEY variable, if set, which keeps the key out of the process list)."""
     served_model_name: str = "dual"
@@ -42,8 +42,9 @@ class ServeOptions:
     max_connections: int = 1024
     """Connections served at once (uvicorn's limit_concurrency); past it a connection gets 503."""
     header_timeout: float = 10.0
-    """Seconds a new connection may take to send its first request head; past it the connection is closed (a
-    silent socket would otherwise hold one of ``max_connections`` for good)."""
+    """Seconds a connection may take to send a request head: from its opening, from the first byte after a response,
+    or from a response sent before the request's body arrived whole; past it the connection is closed (a silent or
+    dripping socket would otherwise hold one of ``max_connections`` for good)."""
     weights_dirs: list[str] = field(default_factory=list)
     """Folders from which ``POST /update_weights`` may load theta's new weights (a path is resolved, symlinks
     followed, before it is checked); none: weight updates over HTTP are refused. Needs ``api_key``: without a key

@@ -179,16 +179,11 @@ class Translator:
             )
             sampling.check_vocab(self.dual.vocab, self.dual.eos_token_ids)
         except ValueError as exc:
-            name = str(exc).split(" ")[0]
-            # The request's names for the SamplingOptions fields it names otherwise.
-            renamed = {"max_tokens": max_tokens_field, "top_logprobs": "top_logprobs" if kind == "chat" else "logprobs"}
-            raise BadRequest(str(exc), renamed.get(name, name)) from None
+            raise BadRequest(str(exc), _request_field(str(exc), kind, max_tokens_field)) from None
         try:
             self.dual.check(pair, sampling)  # what this engine serves (mode="speculative" serves less)
         except ValueError as exc:
-            name = str(exc).split(" ")[0].rstrip(":")
-            teacher = "teacher_messages" if kind == "chat" else "teacher_prompt"
-            raise BadRequest(str(exc), {"teacher_prompts": teacher}.get(name, name)) from None
+            raise BadRequest(str(exc), _request_field(str(exc), kind, max_tokens_field)) from None
         stream_options = getattr(req, "stream_options", None)
         return Job(
             kind,
@@ -264,6 +259,21 @@ class Translator:
                 return None
             return int(req.top_logprobs or 0)
         return None if req.logprobs is None else int(req.logprobs)
+
+
+def _request_field(message: str, kind: str, max_tokens_field: str) -> str:
+    """The request's name for the field a SamplingOptions or engine check's message begins with ("top_logprobs ...",
+    "prompt: ..."): a completion asks for logprobs where a chat asks for top_logprobs, and a chat's prompt is its
+    messages."""
+    name = message.split(" ")[0].rstrip(":")
+    chat = kind == "chat"
+    renamed = {
+        "max_tokens": max_tokens_field,
+        "top_logprobs": "top_logprobs" if chat else "logprobs",
+        "prompt": "messages" if chat else "prompt",
+        "teacher_prompts": "teacher_messages" if chat else "teacher_prompt",
+    }
+    return renamed.get(name, name)
 
 
 def _messages(messages: Any, param: str) -> list[dict[str, str]]:

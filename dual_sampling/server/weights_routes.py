@@ -4,13 +4,16 @@ folder), ``/update_weight_version`` and ``/weight_info``.
 The route names and bodies are vLLM's where they fit, so a trainer that drives a vLLM server drives this one.
 Two differ: ``/pause`` has no ``keep`` mode (requests frozen across an update would be drawn from two θ), and
 ``/update_weights`` names a folder in ``update_info`` instead of a weight-transfer engine's payload. A folder
-outside the server's ``weights_dirs`` is refused (403), so a client cannot make the server read any path.
+outside the server's ``weights_dirs`` is refused (403), so a client cannot make the server read any path. A label
+theta's weights carried before is refused by both labelling routes (400): records and ``best_of`` tell weights
+apart by their labels.
 The routes are served only with an API key (the guard lets only /health, /metrics and /openapi.json by without
 it): a keyless server would let anyone who reaches its port, or a web page by DNS rebinding, pause it or relabel θ.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -87,14 +90,25 @@ def add_weight_routes(
     async def is_paused():
         return JSONResponse({"is_paused": dual.paused})
 
+    # A label is checked unused before the weights load and taken after: one labelling route at a time, so two
+    # clients cannot both find a label free and give it to two sets of weights.
+    labelling = asyncio.Lock()
+
     @app.post("/update_weights")
     async def update_weights(request: Request):
         async def work():
             req = await body(request, UpdateWeightsRequest)
             path = allowed_weights_path(req.update_info.weights_path, options.weights_dirs)
-            version = await dual.update_theta_async(
-                path, version=req.weight_version, mode=req.mode, follow_symlinks=False
-            )
+            async with labelling:
+                if req.weight_version is not None:
+                    # update_theta takes any label (the caller's to keep unique); a client may not reuse one.
+                    try:
+                        dual.driver.versions.check_new("theta", req.weight_version)
+                    except ValueError as exc:
+                        raise BadRequest(str(exc), "weight_version") from exc
+                version = await dual.update_theta_async(
+                    path, version=req.weight_version, mode=req.mode, follow_symlinks=False
+                )
             return {"message": "Weights updated", "weight_version": version}
 
         return await answer(work)
@@ -103,10 +117,11 @@ def add_weight_routes(
     async def update_weight_version(request: Request):
         async def work():
             req = await body(request, UpdateWeightVersionRequest)
-            try:
-                await dual.set_weight_version_async("theta", req.new_version)
-            except ValueError as exc:  # a label earlier weights carried
-                raise BadRequest(str(exc), "new_version") from exc
+            async with labelling:
+                try:
+                    await dual.set_weight_version_async("theta", req.new_version)
+                except ValueError as exc:  # a label earlier weights carried
+                    raise BadRequest(str(exc), "new_version") from exc
             return {"success": True, "new_version": req.new_version}
 
         return await answer(work)
