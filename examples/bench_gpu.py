@@ -4,9 +4,10 @@
 
 Checks first; the script exits with status 1 if one fails:
 
-- the Triton kernel (``dual_sampling.decision.gpu_kernel``) against the CPU kernel on the same rows and uniforms:
-  the same tokens (a draw at a CDF boundary may round either way: at most one row in 64 differs), α and records
-  within 1e-4;
+- the Triton kernel (``dual_sampling.decision.gpu_kernel``) against the CPU kernel on the same rows and uniforms,
+  every other row with its teacher's three most likely tokens masked (as the stop tokens before min_tokens) and every
+  fourth forced to α = 1 (the first token): the same tokens (a draw at a CDF boundary may round either way: at most
+  one row in 64 differs), α and records within 1e-4;
 - the pinned and the device row transports read back what was written, the device one from a second process
   (CUDA IPC), as the engines use it.
 
@@ -85,7 +86,10 @@ def host_syncs(fn, device: torch.device) -> int:
 
 
 def check_kernel(device: torch.device, vocab: int) -> dict:
-    """The Triton kernel against the CPU kernel: tokens, α and records."""
+    """The Triton kernel against the CPU kernel: tokens, α and records, on plain, masked and forced rows.
+
+    A masked row's draw reads block sums its masked tokens were taken out of: a sum read before that store (a missing
+    barrier) draws another token than the CPU kernel does."""
     from alpha import get_alpha_computer
     from dual_sampling.decision.gpu_kernel import decide_gpu
     from dual_sampling.decision.kernel import decide_fused
@@ -94,23 +98,29 @@ def check_kernel(device: torch.device, vocab: int) -> dict:
     b = 64 if device.type == "cuda" else 4
     teacher, theta = rows(b, vocab, device, seed=1)
     uniforms = [counter_uniform(11, s) for s in range(b)]
+    top = teacher.topk(3, dim=-1).indices.tolist()
+    masked = [top[r] if r % 2 else [] for r in range(b)]
+    forced = [r % 4 == 3 for r in range(b)]
     report = {}
     for name, computer in (("kl_symmetry", get_alpha_computer("kl_symmetry")), ("fixed", get_alpha_computer("fixed"))):
         out = decide_gpu(
             teacher,
             theta,
             uniforms,
-            [False] * b,
+            forced,
             computer,
             None,
             theta_normalized=True,
+            masked_tokens=masked,
         ).cpu()
-        cpu, _ = decide_fused(teacher.cpu(), theta.cpu(), uniforms, [False] * b, computer, None, True)
+        cpu, _ = decide_fused(teacher.cpu(), theta.cpu(), uniforms, forced, computer, None, True, masked)
         cpu = torch.from_numpy(cpu)
         same = float((out[:, 0] == cpu[:, 0]).double().mean())
         worst = float((out[:, 1:5] - cpu[:, 1:5]).abs().max())
         report[name] = {
             "rows": b,
+            "masked_rows": sum(map(bool, masked)),
+            "forced_rows": sum(forced),
             "same_tokens": same,
             "max_record_diff": worst,
             "handed_back": int((out[:, 5] != 0).sum()),

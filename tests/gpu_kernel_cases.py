@@ -20,6 +20,7 @@ from dual_sampling.decision.kernel import decide_fused
 from dual_sampling.decision.pipeline import RowSampling, counter_uniform, decide
 from tests.oracles import np_alpha_kl, np_log_softmax
 from tests.test_draw_boundaries import boundary_cases, pair, reference_cdf
+from tests.test_gpu_kernel import LEVEL, masked_draw_p_values
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run by tests/test_gpu_kernel.py, under TRITON_INTERPRET=1", allow_module_level=True)
@@ -145,3 +146,54 @@ def test_decide_on_a_kernel_device_mixes_kernel_and_reference_rows(interpreted, 
     assert mixed.tokens.tolist() == reference.tokens.tolist()
     for name in ("alpha", "logp_teacher", "logp_theta", "logq"):
         torch.testing.assert_close(getattr(mixed, name), getattr(reference, name).float(), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("forced", [False, True], ids=["masked", "forced-and-masked"])
+def test_masked_rows_draw_q_without_the_masked_tokens(interpreted, forced):
+    """The law of the draw on a masked row (α solved, or forced to 1), by chi-square over 100 seeds on 16 tokens in
+    two 8-token blocks; the positive control (q with the masked tokens kept) must be rejected. tests/test_gpu_kernel.py
+    runs the same on a GPU, where warps run at once (the interpreter runs one program's operations in order, so no
+    missing barrier shows here)."""
+    out, p_masked, p_unmasked = masked_draw_p_values(interpreted.decide_gpu, "cpu", 16, 100, forced, block=8)
+    assert (out[:, 5] == 0).all()
+    assert p_masked > LEVEL, p_masked
+    # 2e-9 (solved α) and 1e-6 (forced) here; with the masked block sums left stale (the store skipped, as a read
+    # before it sees them) p_masked is 1e-9 and 2e-7.
+    assert p_unmasked < LEVEL, p_unmasked
+
+
+def test_a_solve_that_does_not_converge_is_handed_back_not_drawn(interpreted, monkeypatch):
+    """With one pass allowed, a row started at its root converges on it; one started at 0 does not, and comes back
+    (status 1, flagged unconverged) where the reference's solver would raise."""
+    monkeypatch.setattr(interpreted, "_MAX_PASSES", 1)
+    teacher, theta = random_rows(2, 64, seed=5)
+    root = np_alpha_kl(np_log_softmax(theta[0].double().numpy()), np_log_softmax(teacher[0].double().numpy()))
+    out = run(interpreted, teacher, theta, get_alpha_computer("kl_symmetry"), [0.3, 0.3], warm=torch.tensor([root, 0]))
+    assert out[:, 5].tolist() == [0, 1], "status"
+    assert out[:, 7].tolist() == [0, 1], "unconverged"
+    assert out[:, 6].tolist() == [1, 1], "passes"
+
+
+def test_decide_gives_an_unconverged_row_to_the_reference(interpreted, monkeypatch):
+    """decide() as a CUDA device runs it: the row the kernel could not solve in its passes is decided by the reference
+    (which solves it in its own), and matches decide() with every row on the reference."""
+    monkeypatch.setattr(pipeline, "kernel_device", lambda device: "cuda")
+    monkeypatch.setattr(interpreted, "_MAX_PASSES", 1)
+    reference_rows = []
+    reference = pipeline._decide_reference
+
+    def recorded(teacher_logits, *args, **kwargs):
+        reference_rows.append(teacher_logits.shape[0])
+        return reference(teacher_logits, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_decide_reference", recorded)
+    teacher, theta = random_rows(2, 64, seed=6)
+    root = np_alpha_kl(np_log_softmax(theta[0].double().numpy()), np_log_softmax(teacher[0].double().numpy()))
+    rows = [RowSampling(seed=0), RowSampling(seed=1)]
+    warm = torch.tensor([root, 0.0])  # row 0 converges in its one pass, row 1 does not
+    computer = get_alpha_computer("kl_symmetry")
+    mixed = decide(teacher, theta, [1, 1], rows, computer, alpha_init=warm)
+    assert reference_rows == [1], "the unconverged row (and only it) goes to the reference"
+    full = decide(teacher, theta, [1, 1], rows, computer, alpha_init=warm, fused=False)
+    assert mixed.tokens.tolist() == full.tokens.tolist()
+    torch.testing.assert_close(mixed.alpha, full.alpha.float(), atol=2e-5, rtol=0)

@@ -5,6 +5,10 @@
 - Triton's own compiler builds the kernel for an H100 (sm_90), so that what the interpreter accepts is also what a
   GPU runs.
 - Tests marked ``gpu`` run the compiled kernel on a CUDA device and skip without one (``make gpu-check``).
+
+The law of the draw on masked rows (:func:`masked_draw_p_values`) is checked in both places: under the interpreter
+on a small vocabulary, and on a GPU at a real one, where warps run at once and a block sum read before its masked
+value was stored would bias the draw (the interpreter runs one program's operations in order and cannot show that).
 """
 
 from __future__ import annotations
@@ -23,11 +27,84 @@ import torch
 from alpha import get_alpha_computer
 from dual_sampling.decision.kernel import decide_fused
 from dual_sampling.decision.pipeline import counter_uniform
+from tests.oracles import np_alpha_kl, np_log_softmax, np_mix
 
 pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parent.parent
-CASES = 6
+CASES = 10
 """Test cases in tests/gpu_kernel_cases.py (parametrised ones counted once per parameter)."""
+LEVEL = 1e-3
+"""A chi-square p-value under this rejects the law (the draws are fixed by their seeds, so the test is too)."""
+
+
+def masked_row(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(teacher ``[V]``, theta ``[V]`` float32 logits, masked ids) of related models (theta = 0.6·teacher + noise).
+
+    The four masked ids (1 and 5, the middle token and the last: two share the first block, another block holds a
+    third, the last block the fourth) each weigh 12% of the other tokens' mass in either model, so the mask takes
+    about a third of q's (0.32 to 0.35 here, at the solved α and at α = 1).
+    """
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(vocab, generator=g, dtype=torch.float64)
+    theta = 0.6 * teacher + 0.8 * torch.randn(vocab, generator=g, dtype=torch.float64)
+    masked = sorted({1, 5, vocab // 2, vocab - 1})
+    others = torch.ones(vocab, dtype=torch.bool)
+    others[masked] = False
+    for logits in (teacher, theta):
+        logits[masked] = torch.logsumexp(logits[others], 0) + np.log(0.12)
+    return teacher.float(), theta.float(), masked
+
+
+def chi_square_p(tokens: np.ndarray, q: np.ndarray) -> float:
+    """Pearson's chi-square p-value of drawn ``tokens`` against the law ``q`` ``[V]``. Bins are runs of consecutive
+    ids, each closed once it expects 5 draws (the last joins the one before): a draw biased between blocks of the
+    vocabulary, as a stale block sum biases it, moves the counts of whole bins."""
+    expected = q * len(tokens)
+    bins = np.empty(len(q), dtype=np.int64)
+    k, filled = 0, 0.0
+    for i, e in enumerate(expected.tolist()):
+        bins[i] = k
+        filled += e
+        if filled >= 5.0:
+            k, filled = k + 1, 0.0
+    if filled < 5.0 and k > 0:
+        bins[bins == k] = k - 1
+    bins_expected = np.bincount(bins, weights=expected)
+    bins_observed = np.bincount(bins[tokens], minlength=len(bins_expected))
+    stat = float(((bins_observed - bins_expected) ** 2 / bins_expected).sum())
+    dof = len(bins_expected) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def masked_draw_p_values(
+    decide_gpu, device: str, vocab: int, draws: int, forced: bool, **blocks
+) -> tuple[np.ndarray, float, float]:
+    """Draw one masked row (:func:`masked_row`) ``draws`` times, seeds 0…draws−1, with kl_symmetry (α = 1 where
+    ``forced``): (the kernel's ``[draws, 8]`` result, the chi-square p-value against float64 q at the oracle's α with
+    the masked ids removed, and the same against q with them kept: the positive control, which must reject).
+
+    The row is one ``[V]`` tensor expanded to ``[draws, V]`` (stride 0), so a large vocabulary costs no memory; each
+    program still has its own block sums. ``blocks`` goes to ``decide_gpu`` (``block=``, for the interpreter).
+    """
+    teacher, theta, masked = masked_row(vocab, seed=0)
+    lt, lth = np_log_softmax(teacher.double().numpy()), np_log_softmax(theta.double().numpy())
+    alpha = 1.0 if forced else np_alpha_kl(lth, lt)  # α is solved on the whole vocabulary, then the mask applies
+    uniforms = [counter_uniform(seed, 0) for seed in range(draws)]
+    out = decide_gpu(
+        teacher.to(device).expand(draws, vocab),
+        theta.to(device).expand(draws, vocab),
+        uniforms,
+        [forced] * draws,
+        get_alpha_computer("kl_symmetry"),
+        None,
+        masked_tokens=[masked] * draws,
+        **blocks,
+    )
+    out = out.cpu().numpy()
+    tokens = out[:, 0].astype(np.int64)
+    without = lth.copy()
+    without[masked] = -np.inf
+    return out, chi_square_p(tokens, np_mix(without, lt, alpha)), chi_square_p(tokens, np_mix(lth, lt, alpha))
 
 
 def test_the_kernel_against_float64_under_the_interpreter():
@@ -56,6 +133,7 @@ def test_the_kernel_compiles_for_an_h100():
                  "V": "i32", "params_ptr": "*fp64", "alpha0_ptr": "*fp64", "force_ptr": "*fp64", "u_ptr": "*fp64",
                  "masked_ptr": "*fp64", "n_masked": "i32", "blocks_ptr": "*fp32", "n_blocks": "i32",
                  "out_ptr": "*fp64"}
+        barriers = []
         for method, normalized in ((0, True), (1, False)):  # each branch of both compile-time switches
             constants = {"METHOD": method, "THETA_NORMALIZED": normalized, "BLOCK": gpu_kernel.BLOCK,
                          "BLOCK_SCAN": 256, "MAX_PASSES": 200, "TINY": 1e-30}
@@ -64,6 +142,9 @@ def test_the_kernel_compiles_for_an_h100():
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                       options={"num_warps": gpu_kernel.NUM_WARPS})
             assert len(compiled.asm["cubin"]) > 10000
+            # tl.debug_barrier() before the draw: the only barrier in Triton's IR (reductions add theirs later).
+            barriers.append(sum("barrier" in line for line in compiled.asm["ttir"].splitlines()))
+        assert barriers == [1, 1], barriers
         print("COMPILED")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -146,3 +227,18 @@ def test_on_a_gpu_the_kernel_draws_what_the_cpu_kernel_draws():
         assert (out[:, 5] == 0).all()
         assert (out[:, 0] == cpu[:, 0]).mean() >= 63 / 64  # a draw at a CDF boundary may round either way
         np.testing.assert_allclose(out[:, 1:5], cpu[:, 1:5], atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("forced", [False, True], ids=["masked", "forced-and-masked"])
+def test_on_a_gpu_masked_rows_draw_q_without_the_masked_tokens(forced):
+    """16,384 draws of a 151,936-token row with masked ids: the law is q without them (a masked block's sum read by
+    another warp before its store would move draws between blocks), and the positive control rejects."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    import dual_sampling.decision.gpu_kernel as gk
+
+    out, p_masked, p_unmasked = masked_draw_p_values(gk.decide_gpu, "cuda", 151_936, 16_384, forced)
+    assert (out[:, 5] == 0).all()
+    assert p_masked > LEVEL, p_masked
+    assert p_unmasked < LEVEL, p_unmasked

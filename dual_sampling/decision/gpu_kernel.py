@@ -19,12 +19,14 @@ reading the vocabulary in ``BLOCK``-token blocks:
    evaluation finds the block holding u·Σw, then that block's weights are recomputed and
    summed up to the target's place in it. u comes from the same counter of (seed, step) as
    everywhere else, so a seed draws the same token on any device, up to float rounding at a
-   CDF boundary.
+   CDF boundary. A barrier first: the block sums were stored by one thread, and the draw's
+   vector load reads them from every warp.
 
 Nothing in it waits on the host: per-row settings arrive as device tensors, and the result
-``[b, 7]`` stays on the device until the caller copies it (with the tokens) once per step.
+``[b, 8]`` stays on the device until the caller copies it (with the tokens) once per step.
 Rows it cannot decide (a non-finite entry, all weights underflowed, masked tokens holding
-more than half of q's mass) come back with status 1, for the torch reference.
+more than half of q's mass, an α solve that did not converge in ``_MAX_PASSES`` passes, where
+the reference's solver raises) come back with status 1, for the torch reference.
 
 Arithmetic: blocks are summed in float32 (a tree reduction) and blocks together in float64,
 as the CPU kernel does with its 256-token blocks.
@@ -161,7 +163,8 @@ def _decide_rows(
     MAX_PASSES: tl.constexpr,
     TINY: tl.constexpr,
 ):
-    """Decide row ``program_id(0)``; ``out`` receives (token, α, log π_t, log π_θ, log q, status, passes).
+    """Decide row ``program_id(0)``; ``out`` receives (token, α, log π_t, log π_θ, log q, status, passes,
+    unconverged).
 
     ``params`` holds (fixed α, alpha_min, alpha_max, tol, xtol) in float64 (scalar arguments would be float32);
     ``force`` (0 or 1) and ``masked`` (token ids, −1 for none) are float64 too, parts of the same staged copy.
@@ -176,7 +179,7 @@ def _decide_rows(
     h_row = theta_ptr + row * row_stride_h
     blocks_row = blocks_ptr + row * n_blocks
     masked_row = masked_ptr + row * n_masked
-    out_row = out_ptr + row * 7
+    out_row = out_ptr + row * 8
     inf = float("inf")
 
     # 1. Maxima and log-normalisers of both rows, online, and whether every entry is finite.
@@ -223,6 +226,7 @@ def _decide_rows(
     prev_abs_g = tl.full((), inf, tl.float64)
     lo_tried = alpha < -1.0  # False, as a scalar tensor
     hi_tried = alpha < -1.0
+    unconverged = alpha < -1.0
     if METHOD == 1:  # no loop at all for fixed: Triton 3.6 crashes on a while loop whose condition is constant
         going = solve
         while going:
@@ -244,7 +248,10 @@ def _decide_rows(
             to_lo = (target <= lo_b) & (lo_b <= lo) & (~(lo_tried | at_lo))
             to_hi = (~to_lo) & (target >= hi_b) & (hi_b >= hi) & (~(hi_tried | at_hi))
             nxt = tl.where(to_lo, lo, tl.where(to_hi, hi, nxt))
-            if stop:
+            # As the reference's solver: MAX_PASSES evaluations, the last one tested too.
+            out_of_passes = (~stop) & (passes >= MAX_PASSES)
+            unconverged = unconverged | out_of_passes
+            if stop | out_of_passes:
                 going = stop & (~stop)
             else:
                 low = lo_b
@@ -253,7 +260,6 @@ def _decide_rows(
                 alpha = nxt
                 s0, g, k2, k3, k4 = _tilted(t_row, h_row, blocks_row, V, alpha, h_max, t_max, c, BLOCK, False)
                 passes += 1
-                going = passes < MAX_PASSES
 
     # 4. The masked tokens leave q after α is solved (as the reference removes the stop tokens before min_tokens).
     a32 = alpha.to(tl.float32)
@@ -271,9 +277,12 @@ def _decide_rows(
         total -= w
         block_sum = tl.load(blocks_row + safe_m // BLOCK)
         tl.store(blocks_row + safe_m // BLOCK, tl.maximum(block_sum - w.to(tl.float32), 0.0), mask=valid)
-    ok = finite & (s0 >= TINY) & (total >= 0.5 * s0)
+    ok = finite & (s0 >= TINY) & (total >= 0.5 * s0) & (~unconverged)
 
     # 5. The draw: the block holding u·Σw, from the block sums; then the token inside it.
+    # The block sums (the last pass's and the masked ones) were stored by one thread; Triton orders global memory
+    # only where it syncs shared memory, so without this barrier another warp could read a sum before its store.
+    tl.debug_barrier()
     goal_total = tl.load(u_ptr + row).to(tl.float64) * total
     before = tl.zeros((), tl.float64)
     found = tl.full((), -1, tl.int64)
@@ -319,6 +328,7 @@ def _decide_rows(
     tl.store(out_row + 4, log_q)
     tl.store(out_row + 5, tl.where(ok, 0.0, 1.0).to(tl.float64))
     tl.store(out_row + 6, passes.to(tl.float64))
+    tl.store(out_row + 7, unconverged.to(tl.float64))
 
 
 def decide_gpu(
@@ -333,9 +343,11 @@ def decide_gpu(
     block: int = BLOCK,
     num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
-    """Decide ``[b, V]`` rows in one launch; returns ``[b, 7]`` float64 on the rows' device, without waiting for it.
+    """Decide ``[b, V]`` rows in one launch; returns ``[b, 8]`` float64 on the rows' device, without waiting for it.
 
-    Columns: token, α, log π_t, log π_θ, log q, status (0 decided, 1 for the reference), passes. ``uniforms`` (b
+    Columns: token, α, log π_t, log π_θ, log q, status (0 decided, 1 for the reference), passes, unconverged (1
+    where the α solve did not converge in ``_MAX_PASSES`` passes: such a row has status 1 too, and the caller can
+    count them apart from the other rows it hands to the reference). ``uniforms`` (b
     floats), ``force_teacher`` (b bools: α = 1) and ``masked_tokens`` (each row's stop tokens masked before
     min_tokens) are host values, as the CPU kernel takes them; they reach the device in one copy.
     ``alpha_init`` ``[b]`` (on the rows' device) warm-starts kl_symmetry (0.5 where absent). ``block`` sets the block
@@ -375,7 +387,7 @@ def decide_gpu(
     packed = host.to(device, non_blocking=True)
     n_blocks = triton.cdiv(vocab, block)
     blocks = torch.empty((b, n_blocks), dtype=torch.float32, device=device)
-    out = torch.empty((b, 7), dtype=torch.float64, device=device)
+    out = torch.empty((b, 8), dtype=torch.float64, device=device)
     if b == 0:
         return out
     _decide_rows[(b,)](
