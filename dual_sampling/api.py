@@ -30,7 +30,7 @@ from dual_sampling.driver.weights import WeightsCheck, prepared_weights, reload_
 from dual_sampling.lockstep import Role, SyncError
 from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, SamplingOptions, model_config
 from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleDelta, SampleRecord, best_of
-from dual_sampling.vocab import check_tokenizers_match
+from dual_sampling.vocab import check_embedding_rows, check_tokenizers_match
 
 __all__ = ["OptimalSamplingDual", "context_length", "derive_seed"]
 
@@ -73,12 +73,7 @@ class OptimalSamplingDual:
         check_tokenizers_match(self.tokenizer, AutoTokenizer.from_pretrained(cfg.model_theta))
         self.vocab = len(self.tokenizer)
         t_cfg, th_cfg = model_config(cfg.model_teacher), model_config(cfg.model_theta)
-        for role, mc in (("teacher", t_cfg), ("theta", th_cfg)):
-            if mc.get("vocab_size", self.vocab) < self.vocab:
-                raise ValueError(
-                    f"the {role} model has {mc['vocab_size']} embedding rows, "
-                    f"fewer than the tokenizer's {self.vocab} tokens"
-                )
+        check_embedding_rows(t_cfg.get("vocab_size"), th_cfg.get("vocab_size"), self.vocab, cfg.mode)
         self.max_model_len = context_length(cfg.model_teacher, cfg.model_theta, cfg.max_model_len)
         """Prompt plus generated tokens a request may use: in speculative mode, the engine's context less 2γ positions.
         vLLM drafts for a batch only while its longest sequence has γ positions to spare beyond a round's γ drafts

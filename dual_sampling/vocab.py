@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["check_tokenizers_match"]
+__all__ = ["check_embedding_rows", "check_tokenizers_match"]
 
 
 def check_tokenizers_match(teacher, theta) -> None:
@@ -30,4 +30,20 @@ def check_tokenizers_match(teacher, theta) -> None:
         raise ValueError(
             f"tokenizers differ in special tokens: teacher only {sorted(set(a) - set(b))}, "
             f"theta only {sorted(set(b) - set(a))}"
+        )
+
+
+def check_embedding_rows(teacher_rows: int | None, theta_rows: int | None, vocab: int, mode: str) -> None:
+    """Raise ValueError unless both models' embeddings (``vocab_size`` in their configs; None: not stated) cover the
+    tokenizer's ``vocab`` ids, and, in ``mode="speculative"``, have equally many rows."""
+    for role, rows in (("teacher", teacher_rows), ("theta", theta_rows)):
+        if rows is not None and rows < vocab:
+            raise ValueError(f"the {role} model has {rows} embedding rows, fewer than the tokenizer's {vocab} tokens")
+    if mode == "speculative" and teacher_rows != theta_rows:
+        # vLLM's draft-model speculation needs equal embedding sizes (its SpeculativeConfig refuses the pair seconds
+        # into the engine's start); refused here first, by name.
+        raise ValueError(
+            f"mode='speculative': the teacher has {teacher_rows} embedding rows (config vocab_size) and theta "
+            f"{theta_rows}; vLLM's draft model must have as many rows as its target. mode='lockstep' serves "
+            "models with unequal padding"
         )

@@ -28,6 +28,7 @@ which ends it in vLLM. Nothing falls back to one model's distribution.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from typing import Any
@@ -36,7 +37,7 @@ import torch
 
 from alpha import get_alpha_computer
 from dual_sampling.decision.pipeline import inverse_cdf
-from dual_sampling.decision.speculative import Span, stream_uniform, verify_drafts
+from dual_sampling.decision.speculative import Span, send, stream_uniform, verify_drafts
 from dual_sampling.lockstep import ErrorCode, Slot, Stat, SyncSession, Writer
 from processors.base import request_pairing
 
@@ -72,10 +73,13 @@ class SpeculativeSampler:
         req_ids = list(runner.input_batch.req_ids)
         b = len(req_ids)
         # With speculation on, vLLM builds the metadata at every step (a request without drafts has n = 0).
+        # The logits hold, per request, its n drafted positions then its bonus position (vLLM's layout in
+        # _calc_spec_decode_metadata), so the indices are derived on the host from the counts; only the draft ids
+        # are read back from the device (one wait, the other being the decision's result).
         num_draft = list(metadata.num_draft_tokens)
-        cu = metadata.cu_num_draft_tokens.tolist()
-        target = metadata.target_logits_indices.tolist()
-        bonus = metadata.bonus_logits_indices.tolist()
+        cu = list(itertools.accumulate(num_draft))
+        bonus = [c - 1 for c in itertools.accumulate(n + 1 for n in num_draft)]
+        target = [i for n, last in zip(num_draft, bonus) for i in range(last - n, last)]
         draft_ids = metadata.draft_token_ids.tolist()
         gamma = int(runner.num_spec_tokens)
         probs_row = {rid: i for i, rid in enumerate(runner._draft_prob_req_ids or ())}
@@ -105,35 +109,33 @@ class SpeculativeSampler:
             # Generated tokens this request may still take: vLLM cuts a row at max_tokens, the slot must hold it.
             owners.append((i, pairing, int(state.sampling_params.max_tokens) - done))
         if spans:
-            self._verify(torch.cat(teacher_rows).float(), torch.cat(theta_rows).float(), spans, owners, out)
+            self._verify(torch.cat(teacher_rows), torch.cat(theta_rows), spans, owners, out)
         self.session.add_stat(Stat.TEACHER_STEPS, 1)
         self.session.add_stat(Stat.TEACHER_ROWS, b)  # the health watch reads rows served as progress
         self._draft_calls = 0
-        return SamplerOutput(sampled_token_ids=out.to(logits.device), logprobs_tensors=None)
+        sampled = out.pin_memory() if logits.device.type == "cuda" else out
+        return SamplerOutput(sampled_token_ids=sampled.to(logits.device, non_blocking=True), logprobs_tensors=None)
 
     def _verify(self, teacher: torch.Tensor, theta: torch.Tensor, spans: list[Span], owners: list, out) -> None:
-        finite = torch.isfinite(teacher).all(-1) & ~torch.isnan(theta).any(-1) & (theta < math.inf).all(-1)
-        good = []
-        for span, (i, pairing, left) in zip(spans, owners):
-            if bool(finite[span.start : span.start + span.rows].all()):
-                good.append((span, i, pairing, left))
-            else:
-                self._fail(i, pairing, ErrorCode.BAD_LOGITS, span.step, out, "non-finite logits")
-        if not good:
-            return
-        try:
-            rounds = verify_drafts(teacher, theta, [g[0] for g in good], self.alpha_computer, theta_normalized=True)
+        try:  # one wait on the device for the whole batch (verify_drafts)
+            rounds = verify_drafts(teacher, theta, spans, self.alpha_computer, theta_normalized=True)
         except Exception:  # an exception here fails these requests, never the engine
             logger.exception("dual-sampling: the speculative decision failed")
-            for span, i, pairing, _ in good:
+            for span, (i, pairing, _) in zip(spans, owners):
                 self._fail(i, pairing, ErrorCode.DECISION_ERROR, span.step, out, "decision error")
             return
         s = self.session
+        good = []
+        for span, (i, pairing, left), r in zip(spans, owners, rounds):
+            if r.finite:
+                good.append((span, i, pairing, left, r))
+            else:
+                self._fail(i, pairing, ErrorCode.BAD_LOGITS, span.step, out, "non-finite logits")
         # Checked: the drafts up to and including a round's first rejection (those after it are never looked at), so
         # accepted / checked estimates the per-position acceptance Σ min(π_θ, q).
-        s.add_stat(Stat.DRAFTED, sum(min(len(g[0].drafts), r.accepted + 1) for g, r in zip(good, rounds)))
-        s.add_stat(Stat.ACCEPTED, sum(r.accepted for r in rounds))
-        for (span, i, pairing, left), r in zip(good, rounds):
+        s.add_stat(Stat.DRAFTED, sum(min(len(g[0].drafts), g[4].accepted + 1) for g in good))
+        s.add_stat(Stat.ACCEPTED, sum(g[4].accepted for g in good))
+        for span, i, pairing, left, r in good:
             emitted = min(len(r.tokens), left)
             records = torch.stack([r.alpha, r.logp_teacher, r.logp_theta, r.logq], -1)[:emitted]
             slot, step = int(pairing["slot"]), span.step
@@ -160,8 +162,11 @@ class SpeculativeSampler:
     def draft(self, logits: torch.Tensor, sampling_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Theta's draft of every batch row at the next draft position: (token ids, log π_θ rows)."""
         k, self._draft_calls = self._draft_calls, self._draft_calls + 1
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        logp[:, self.vocab :] = -math.inf  # padding rows of the embedding are never drafted
+        # π_θ is normalised over the tokenizer's ids: embedding rows past it (a padded vocabulary) are never drafted,
+        # and a softmax over the whole width would leave the row sub-normalised, so every ratio q/π_θ and the
+        # recorded log π_θ would be off by the mass on the padding rows.
+        logp = torch.full(logits.shape, -math.inf, dtype=torch.float32, device=logits.device)
+        logp[:, : self.vocab] = torch.log_softmax(logits[:, : self.vocab].float(), dim=-1)
         rows = logp.shape[0]
         if len(self._plan) != rows and not self._warned:
             self._warned = True
@@ -169,6 +174,6 @@ class SpeculativeSampler:
                 "dual-sampling: %d draft rows for %d requests; drafts are not seed-reproducible", rows, len(self._plan)
             )
         plan = self._plan if len(self._plan) == rows else [(0, 0)] * rows
-        u = torch.tensor([stream_uniform(seed, nxt + k, "draft") for seed, nxt in plan], dtype=torch.float64)
-        tokens, _ = inverse_cdf(logp[:, : self.vocab].exp(), u)
-        return tokens.to(logits.device), logp
+        u = send([stream_uniform(seed, nxt + k, "draft") for seed, nxt in plan], logits.device)
+        tokens, _ = inverse_cdf(logp[:, : self.vocab].exp(), u)  # on the logits' device: no wait per draft
+        return tokens, logp

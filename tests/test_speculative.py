@@ -210,3 +210,106 @@ def test_the_speculative_driver_refuses_every_sampling_field_it_cannot_serve_by_
         check_speculative(dataclasses.replace(ok, teacher_prompt_ids=[5], theta_prompt_ids=[5]))
     with pytest.raises(ValueError, match="stop token"):
         check_speculative(dataclasses.replace(ok, teacher_prompt_ids=[5, 2], theta_prompt_ids=[5, 2]))
+
+
+def _sequential_rounds(teacher: torch.Tensor, theta: torch.Tensor, spans: list[Span], alpha: float) -> list:
+    """The rule of the module docstring one draft at a time, in float64 NumPy (q at a fixed α), with the same
+    uniforms: the oracle for the batched, device-side verification."""
+    out = []
+    for span in spans:
+        tokens = []
+        for j in range(span.rows):
+            row = span.start + j
+            lt, lth = np_log_softmax(teacher[row].double().numpy()), np_log_softmax(theta[row].double().numpy())
+            q = np_mix(lth, lt, alpha)
+            if j < len(span.drafts):
+                y = span.drafts[j]
+                if stream_uniform(span.seed, span.step + j, "accept") < q[y] / np.exp(lth[y]):
+                    tokens.append(y)
+                    continue
+                weights = np.maximum(q - np.exp(lth), 0.0)
+            else:
+                weights = q
+            u = stream_uniform(span.seed, span.step + j, "draw")
+            tokens.append(int(np.searchsorted(np.cumsum(weights), u * weights.sum())))
+            break
+        out.append(tokens)
+    return out
+
+
+def test_the_batched_rounds_equal_the_rule_applied_one_draft_at_a_time():
+    """Spans of every shape in one batch (no drafts with a bonus row, drafts without one, long and short rounds):
+    the same tokens as the sequential rule in float64 with the same uniforms."""
+    g = torch.Generator().manual_seed(21)
+    teacher, theta = 2.5 * torch.randn(60, 40, generator=g), 2.0 * torch.randn(60, 40, generator=g)
+    spans, start = [], 0
+    for k in range(14):
+        drafts = tuple(int(t) for t in torch.randint(0, 40, (k % 5,), generator=g))
+        span = Span(start, drafts, seed=100 + k, step=k, bonus_row=k % 3 != 1 or not drafts)
+        spans.append(span)
+        start += span.rows
+    rounds = verify_drafts(teacher[:start], theta[:start], spans, get_alpha_computer("fixed", alpha=0.6))
+    assert [r.tokens for r in rounds] == _sequential_rounds(teacher, theta, spans, 0.6)
+    assert any(0 < r.accepted < len(s.drafts) for r, s in zip(rounds, spans))  # rejections inside rounds happened
+    assert all(r.finite for r in rounds)
+
+
+def test_a_non_finite_row_fails_its_span_alone():
+    g = torch.Generator().manual_seed(5)
+    teacher, theta = torch.randn(6, 30, generator=g), torch.log_softmax(torch.randn(6, 30, generator=g), -1)
+    teacher[1, 4] = math.nan
+    theta[4, 0] = math.inf
+    spans = [Span(0, (1, 2), 0, 0), Span(2, (3,), 1, 0, True), Span(4, (5,), 2, 0, True)]
+    rounds = verify_drafts(teacher, theta, spans, get_alpha_computer("kl_symmetry"), theta_normalized=True)
+    assert [r.finite for r in rounds] == [False, True, False]
+    assert torch.isfinite(rounds[1].logq).all() and len(rounds[1].tokens) >= 1
+
+
+class _DeviceWaits(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operations that make the host wait for a tensor's device: a value read back to Python
+    (``.item()``, ``float()``, ``bool()``, ``.tolist()`` go through ``_local_scalar_dense``) or a copy to the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits = 0
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.paused:
+            pass
+        elif func is torch.ops.aten._local_scalar_dense.default:
+            self.waits += 1
+        elif func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
+            self.waits += 1
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("method", ["fixed", "kl_symmetry"])
+def test_the_decision_waits_for_the_device_as_often_for_many_drafts_as_for_one(method):
+    """The device-safety check run on CPU tensors (the same code runs on CUDA): no wait per draft or per span, so one
+    span with one draft and 16 spans of 8 drafts make the same number of waits. The α solve's own convergence
+    checks (a few per call, as many as its passes) are not counted: the count is of the verification itself."""
+    g = torch.Generator().manual_seed(9)
+    solve = get_alpha_computer(method)
+    mode = None
+
+    def computer(*args, **kwargs):
+        mode.paused = True
+        try:
+            return solve(*args, **kwargs)
+        finally:
+            mode.paused = False
+
+    def waits(spans: int, gamma: int) -> int:
+        rows = spans * (gamma + 1)
+        teacher, theta = 2.0 * torch.randn(rows, 500, generator=g), torch.randn(rows, 500, generator=g)
+        batch = [Span(k * (gamma + 1), tuple(range(gamma)), seed=k, step=0, bonus_row=True) for k in range(spans)]
+        nonlocal mode
+        with _DeviceWaits() as mode:
+            rounds = verify_drafts(teacher, theta, batch, computer)
+        assert len(rounds) == spans
+        return mode.waits
+
+    few, many = waits(1, 1), waits(16, 8)
+    assert few == many <= 2, (few, many)

@@ -199,3 +199,117 @@ def test_what_the_mode_cannot_serve_is_refused_by_name(spec_engine, options, nam
 def test_theta_weights_cannot_be_updated_in_place(spec_engine, tiny_same):
     with pytest.raises(ValueError, match="role='theta'"):
         spec_engine.update_theta(tiny_same[1])
+
+
+# ---------------------------------------------------------------------------- padded vocabularies
+
+PADDED_PROMPT = "1, 2, 3, 4,"
+"""Theta puts a third of its mass on the padding rows after this prompt (tiny_models._PADDING_LOGIT_SCALE)."""
+FIRST_TOKEN_SEEDS = 1500
+
+
+@pytest.fixture(scope="module")
+def padded_pair():
+    from dual_sampling.testing.tiny_models import tiny_pair
+
+    return tiny_pair("padded_alike")
+
+
+@pytest.fixture(scope="module")
+def padded_spec_engine(padded_pair):
+    from dual_sampling import OptimalSamplingDual
+
+    teacher, theta = padded_pair
+    with OptimalSamplingDual(
+        teacher,
+        theta,
+        mode="speculative",
+        num_speculative_tokens=GAMMA,
+        max_num_seqs=16,
+        max_model_len=128,
+        sync_timeout=30,
+        use_tqdm=False,
+    ) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def padded_hf_models(padded_pair):
+    from transformers import AutoModelForCausalLM
+
+    return tuple(AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in padded_pair)
+
+
+@pytest.mark.budget(150, reason="a speculative engine on the padded pair and two transformers models start here")
+def test_padded_theta_records_match_rescoring_over_the_tokenizers_ids(padded_spec_engine, padded_hf_models):
+    """Theta's embedding has 1,024 rows past the tokenizer carrying a real share of its mass: the recorded log π_θ
+    (and α, log q) must be normalised over the tokenizer's ids, as the re-scoring oracle is."""
+    out = padded_spec_engine.generate([PADDED_PROMPT, *PROMPTS], max_tokens=16, n=2, seed=7)
+    checked = sum(
+        assert_records_match_rescoring(r, *padded_hf_models, padded_spec_engine.vocab, "kl_symmetry")
+        for r in out.requests
+    )
+    assert checked == sum(len(s.token_ids) for s in samples(out)) > 0
+
+
+def _padded_first_token_rows(hf_teacher, hf_theta, prompt: list[int], vocab: int) -> tuple[np.ndarray, ...]:
+    """After ``prompt`` in float64: log π_t, log π_θ over the tokenizer's ids, and θ's mass on the padding rows."""
+    with torch.no_grad():
+        teacher = torch.log_softmax(hf_teacher(torch.tensor([prompt])).logits[0, -1, :vocab].double(), -1).numpy()
+        full = torch.log_softmax(hf_theta(torch.tensor([prompt])).logits[0, -1].double(), -1).numpy()
+    theta = full[:vocab] - np.log(np.exp(full[:vocab]).sum())
+    return teacher, theta, float(np.exp(full[vocab:]).sum())
+
+
+def _first_token_p(tokens: list[int], law: np.ndarray, order_by: np.ndarray, seed: int = 0) -> float:
+    """Chi-square p-value, on 10 bins, of the tokens' randomised PITs under ``law`` with the tokens ordered by
+    decreasing ``order_by``: uniforms when the tokens are drawn from ``law``, whatever the (fixed) order. Ordered by
+    the acceptance ratio q/π_θ, the test looks where an error in the acceptance step moves mass."""
+    order = np.argsort(-order_by, kind="stable")
+    before = np.empty_like(law)
+    before[order] = np.cumsum(law[order]) - law[order]
+    picked = np.asarray(tokens)
+    u = before[picked] + np.random.default_rng(seed).random(len(picked)) * law[picked]
+    observed = np.bincount(np.minimum((u * 10).astype(int), 9), minlength=10)
+    expected = len(u) / 10
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    return float(torch.special.gammaincc(torch.tensor(4.5, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def test_padded_theta_first_token_follows_q(padded_spec_engine, padded_hf_models):
+    """The first token of 1,500 seeds at a fixed α follows q over the tokenizer's ids. The positive control: the law
+    the rule emits when θ's row is left sub-normalised by its padding mass m (acceptance min(1, q/((1−m)·π_θ)),
+    residual max(0, q − (1−m)·π_θ); total-variation distance 0.074 from q here), sampled as often, fails the same
+    test (it did in 20 of 20 simulated runs)."""
+    engine = padded_spec_engine
+    prompt = engine.tokenizer(PADDED_PROMPT)["input_ids"]
+    engine.update_alpha("fixed", alpha=ALPHA)
+    try:
+        out = engine.generate([prompt], max_tokens=1, n=FIRST_TOKEN_SEEDS, seed=23)
+    finally:
+        engine.update_alpha("kl_symmetry")
+    firsts = [s.token_ids[0] for s in samples(out)]
+    assert len(firsts) == FIRST_TOKEN_SEEDS
+    teacher, theta, padding_mass = _padded_first_token_rows(*padded_hf_models, prompt, engine.vocab)
+    assert padding_mass > 0.2  # the pair must keep the hazard it exists for
+    q = np_mix(theta, teacher, ALPHA)
+    ratio = np.log(q) - theta
+    assert _first_token_p(firsts, q, ratio) > LEVEL
+    kept = (1 - padding_mass) * np.exp(theta)
+    accept = np.minimum(1.0, q / kept)
+    residual = np.maximum(q - kept, 0.0)
+    sub_normalised = np.exp(theta) * accept + (1 - float((np.exp(theta) * accept).sum())) * residual / residual.sum()
+    control = np.random.default_rng(1).choice(len(q), size=FIRST_TOKEN_SEEDS, p=sub_normalised / sub_normalised.sum())
+    assert _first_token_p(control.tolist(), q, ratio) < LEVEL
+
+
+def test_unequal_embedding_sizes_are_refused_before_an_engine_starts():
+    """The padded pair (teacher 128 rows past the tokenizer, theta none), as Qwen2.5-7B with Qwen2.5-1.5B: vLLM's
+    draft model needs equal sizes, so the mode refuses it by name, at once."""
+    from dual_sampling import OptimalSamplingDual
+    from dual_sampling.testing.tiny_models import TINY_PADDED_EXTRA_ROWS, tiny_pair
+
+    teacher, theta = tiny_pair("padded")
+    vocab = 49152
+    with pytest.raises(ValueError, match=rf"{vocab + TINY_PADDED_EXTRA_ROWS} embedding rows.*theta {vocab}.*lockstep"):
+        OptimalSamplingDual(teacher, theta, mode="speculative", use_tqdm=False)

@@ -164,7 +164,7 @@ def inverse_cdf(weights: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     sums = sums.double()
     block_cdf = torch.cumsum(sums, dim=-1)
     total = block_cdf[:, -1]
-    target = u.to(torch.float64) * total
+    target = u.to(device=weights.device, dtype=torch.float64) * total
     block = torch.searchsorted(block_cdf, target.unsqueeze(-1)).squeeze(-1).clamp_max(block_cdf.shape[1] - 1)
     before = torch.where(
         block > 0, block_cdf.gather(-1, (block - 1).clamp_min(0).unsqueeze(-1)).squeeze(-1), torch.zeros_like(target)

@@ -31,18 +31,28 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from alpha import AlphaComputer, geometric_log_weights
 from dual_sampling.decision.pipeline import counter_uniform, inverse_cdf
 
-__all__ = ["STREAMS", "Round", "Span", "stream_uniform", "verify_drafts"]
+__all__ = ["STREAMS", "Round", "Span", "send", "stream_uniform", "verify_drafts"]
 
 STREAMS = {"draw": 0, "accept": 0x5851F42D4C957F2D, "draft": 0x2545F4914F6CDD1D}
 """The counter's streams: ``draw`` is the lockstep mode's own uniform for (seed, step), so a token drawn from q
 (a bonus, or the lockstep decision) uses the same uniform in both modes; ``accept`` decides acceptances and
 ``draft`` theta's drafts."""
+
+
+def send(values: Sequence[float], device: torch.device) -> Tensor:
+    """``values`` as a float64 tensor on ``device``, sent without waiting for the device: from page-locked memory
+    on CUDA (a copy from pageable memory would first wait for the stream's queued work)."""
+    host = torch.tensor(values, dtype=torch.float64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def stream_uniform(seed: int, step: int, stream: str) -> float:
@@ -78,6 +88,9 @@ class Round:
     logp_teacher: Tensor
     logp_theta: Tensor
     logq: Tensor
+    finite: bool = True
+    """False when a row of the span was not finite (a teacher logit not finite, a θ value NaN or +inf): then nothing
+    above is meaningful and the request must fail."""
 
 
 def verify_drafts(
@@ -91,9 +104,16 @@ def verify_drafts(
     """Steps 1–4 of the module docstring for every span of a batch.
 
     ``teacher_logits`` and ``theta_logits`` are ``[N, V]`` over the shared vocabulary, row ``span.start + j`` being
-    position j of that span's round (``theta_normalized``: theta's rows are log-softmax outputs already).
-    ``alpha_init`` ``[N]`` warm-starts the α solve. α is solved for every row in one call, as the lockstep decision
-    solves a batch; the acceptances then run in order along each span.
+    position j of that span's round (``theta_normalized``: theta's rows are log-softmax outputs over those V ids
+    already). ``alpha_init`` ``[N]`` warm-starts the α solve.
+
+    Everything runs on the rows' device, for the whole batch at once: α for every row in one call (as the lockstep
+    decision solves a batch), every draft's acceptance in one comparison, and one draw per span at the row where
+    its round ends (the first rejection's residual, or the bonus row's q). The uniforms are computed on the host
+    from (seed, step) and sent along; the draw's uniform is sent for every position a round could end at, and the
+    one at the actual end is picked on the device. So the decision waits for the device once per call, when the
+    emitted tokens and records come back, however many drafts the batch has (the α computer's own convergence
+    checks aside).
     """
     if teacher_logits.shape != theta_logits.shape or teacher_logits.dim() != 2:
         raise ValueError(
@@ -106,48 +126,139 @@ def verify_drafts(
             raise ValueError(f"spans[{i}]: rows {span.start}..{span.start + span.rows} outside the batch's {n}")
         if any(not 0 <= t < vocab for t in span.drafts):
             raise ValueError(f"spans[{i}].drafts: a token id outside the vocabulary of {vocab}")
+    if not spans:
+        return []
+    device = teacher_logits.device
+    # A row that is not finite fails its span (``Round.finite``), checked with everything else in the one wait; it
+    # is zeroed first, so the α solve and the draws of the other spans stay defined.
+    row_ok = torch.isfinite(teacher_logits).all(-1) & ~(theta_logits.isnan() | (theta_logits == torch.inf)).any(-1)
+    teacher_logits = torch.where(row_ok.unsqueeze(-1), teacher_logits, 0.0)
+    theta_logits = torch.where(row_ok.unsqueeze(-1), theta_logits, 0.0)
     logp_teacher = torch.log_softmax(teacher_logits.float(), dim=-1)
     logp_theta = theta_logits.float() if theta_normalized else torch.log_softmax(theta_logits.float(), dim=-1)
     alpha = alpha_computer(logp_theta, logp_teacher, alpha_init=alpha_init, normalized=True)
     log_weights = geometric_log_weights(logp_theta, logp_teacher, alpha)
     logq = log_weights - torch.logsumexp(log_weights, dim=-1, keepdim=True)
-    return [_verify_span(span, alpha, logp_teacher, logp_theta, logq) for span in spans]
 
-
-def _verify_span(span: Span, alpha: Tensor, logp_teacher: Tensor, logp_theta: Tensor, logq: Tensor) -> Round:
-    rows: list[int] = []
-    tokens: list[int] = []
-    accepted = 0
-    for j, draft in enumerate(span.drafts):
-        row = span.start + j
-        ratio = torch.exp(logq[row, draft].double() - logp_theta[row, draft].double())
-        if stream_uniform(span.seed, span.step + j, "accept") < float(ratio):
-            rows.append(row)
-            tokens.append(draft)
-            accepted += 1
-            continue
-        residual = (logq[row].double().exp() - logp_theta[row].double().exp()).clamp_min_(0.0)
-        u = torch.tensor([stream_uniform(span.seed, span.step + j, "draw")])
-        token, total = inverse_cdf(residual.unsqueeze(0), u)
-        if float(total) <= 0.0:  # q and π_θ equal to rounding: a rejection of probability ~0, drawn from q instead
-            token, _ = inverse_cdf(logq[row].double().exp().unsqueeze(0), u)
-        rows.append(row)
-        tokens.append(int(token))
-        break
-    else:
-        if span.bonus_row:
-            row = span.start + len(span.drafts)
-            u = torch.tensor([stream_uniform(span.seed, span.step + len(span.drafts), "draw")])
-            token, _ = inverse_cdf(logq[row].double().exp().unsqueeze(0), u)
-            rows.append(row)
-            tokens.append(int(token))
-    index = torch.tensor(rows, dtype=torch.int64)
-    picked = torch.tensor(tokens, dtype=torch.int64)
-    return Round(
-        tokens=tokens,
-        accepted=accepted,
-        alpha=alpha[index].double(),
-        logp_teacher=logp_teacher[index, picked].double(),
-        logp_theta=logp_theta[index, picked].double(),
-        logq=logq[index, picked].double(),
+    plan = _Plan.of(spans, device)
+    # Acceptance of every draft at once: u < q(y)/π_θ(y), the ratio in float64.
+    ratio = torch.exp(
+        logq[plan.draft_rows, plan.draft_ids].double() - logp_theta[plan.draft_rows, plan.draft_ids].double()
     )
+    accept = torch.ones(plan.shape, dtype=torch.bool, device=device)
+    accept[plan.draft_cells] = plan.accept_u < ratio
+    # Drafts kept: those before a span's first rejection (cells past its drafts count as accepted, then are cut).
+    accepted = torch.minimum(torch.cumprod(accept.to(torch.int32), dim=1).sum(dim=1), plan.num_drafts)
+    rejected = accepted < plan.num_drafts
+    drawn = rejected | plan.bonus_row  # a round ends with a draw: the residual after a rejection, or q at the bonus
+    end_row = plan.starts + accepted  # a bonus row sits right after the last draft, so the same formula holds
+    end_row = torch.where(drawn, end_row, plan.starts)  # spans ending without a draw: any valid row, unused
+    q_end = logq[end_row].double().exp()
+    residual = (q_end - logp_theta[end_row].double().exp()).clamp_min_(0.0)
+    # At a rejection the residual max(0, q − π_θ); where it has no mass left (q and π_θ equal to rounding, a
+    # rejection of probability ~0) and at the bonus row, q itself.
+    use_residual = rejected & (residual.sum(dim=-1) > 0)
+    weights = torch.where(use_residual.unsqueeze(-1), residual, q_end)
+    draw_u = plan.draw_u.gather(1, accepted.unsqueeze(-1)).squeeze(-1)
+    token, _ = inverse_cdf(weights, draw_u)
+
+    # Every span's emitted tokens in a [S, G + 1] grid: the kept drafts, then the draw; records gathered beside them.
+    columns = torch.arange(plan.shape[1] + 1, device=device)
+    tokens = torch.cat([plan.draft_grid, torch.zeros_like(accepted).unsqueeze(-1)], dim=1)
+    tokens.scatter_(1, accepted.unsqueeze(-1), token.unsqueeze(-1))
+    count = accepted + drawn.long()
+    rows = (plan.starts.unsqueeze(-1) + columns).clamp_max(n - 1)
+    span_rows = plan.num_drafts + plan.bonus_row.long()
+    span_ok = (row_ok[rows] | (columns >= span_rows.unsqueeze(-1))).all(dim=1)
+    records = torch.stack(
+        [
+            alpha.double()[rows],
+            logp_teacher[rows, tokens].double(),
+            logp_theta[rows, tokens].double(),
+            logq[rows, tokens].double(),
+        ],
+        dim=-1,
+    )
+    # The one wait: tokens, counts and records come back together, in one float64 block (ids are exact below 2^53).
+    width = plan.shape[1] + 1
+    block = torch.cat(
+        [records.flatten(1), tokens.double(), *(v.double().unsqueeze(-1) for v in (span_ok, count, accepted))], dim=1
+    ).cpu().numpy()  # read on the host as NumPy: no further tensor reads
+    rounds = []
+    for k in range(len(spans)):
+        c = int(block[k, -2])
+        r = torch.from_numpy(block[k, : 4 * width].reshape(width, 4)[:c].copy())
+        rounds.append(
+            Round(
+                tokens=block[k, 4 * width : 4 * width + c].astype(np.int64).tolist(),
+                accepted=int(block[k, -1]),
+                alpha=r[:, 0],
+                logp_teacher=r[:, 1],
+                logp_theta=r[:, 2],
+                logq=r[:, 3],
+                finite=bool(block[k, -3]),
+            )
+        )
+    return rounds
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A batch's spans laid out as ``[S, G]`` grids (S spans, G the longest draft list), on the rows' device.
+
+    Built on the host from the spans alone (ids, seeds, steps, and the uniforms they give), then sent in one
+    page-locked copy; nothing in it depends on the rows, so sending it never waits for the device."""
+
+    shape: tuple[int, int]
+    starts: Tensor
+    """``[S]`` int64: each span's first row."""
+    num_drafts: Tensor
+    """``[S]`` int64."""
+    bonus_row: Tensor
+    """``[S]`` bool."""
+    draft_grid: Tensor
+    """``[S, G]`` int64: the drafts, 0 past each span's own."""
+    draft_cells: tuple[Tensor, Tensor]
+    """(span, position) of every draft, in span order: ``[D]`` each."""
+    draft_rows: Tensor
+    """``[D]`` int64: the row of every draft."""
+    draft_ids: Tensor
+    """``[D]`` int64: every draft's token id."""
+    accept_u: Tensor
+    """``[D]`` float64: every draft's uniform on the ``accept`` stream."""
+    draw_u: Tensor
+    """``[S, G + 1]`` float64: the ``draw`` stream's uniform at every position a round could end at."""
+
+    @classmethod
+    def of(cls, spans: Sequence[Span], device: torch.device) -> _Plan:
+        s, g = len(spans), max(len(span.drafts) for span in spans)
+        cells = [(k, j) for k, span in enumerate(spans) for j in range(len(span.drafts))]
+        # One float64 block (ids and positions are exact in it): per span start, drafts, bonus, grid, draw uniforms;
+        # per draft span, position, id, accept uniform.
+        per_span = [
+            [span.start, len(span.drafts), float(span.bonus_row)]
+            + list(span.drafts)
+            + [0] * (g - len(span.drafts))
+            + [stream_uniform(span.seed, span.step + j, "draw") for j in range(g + 1)]
+            for span in spans
+        ]
+        per_draft = [
+            [k, j, spans[k].drafts[j], stream_uniform(spans[k].seed, spans[k].step + j, "accept")] for k, j in cells
+        ]
+        block = send([v for row in per_span for v in row] + [v for row in per_draft for v in row], device)
+        spans_part = block[: s * (2 * g + 4)].reshape(s, 2 * g + 4)
+        drafts_part = block[s * (2 * g + 4) :].reshape(len(cells), 4)
+        starts = spans_part[:, 0].long()
+        span_of, position = drafts_part[:, 0].long(), drafts_part[:, 1].long()
+        return cls(
+            shape=(s, g),
+            starts=starts,
+            num_drafts=spans_part[:, 1].long(),
+            bonus_row=spans_part[:, 2] > 0,
+            draft_grid=spans_part[:, 3 : 3 + g].long(),
+            draft_cells=(span_of, position),
+            draft_rows=starts[span_of] + position,
+            draft_ids=drafts_part[:, 2].long(),
+            accept_u=drafts_part[:, 3],
+            draw_u=spans_part[:, 3 + g :],
+        )
