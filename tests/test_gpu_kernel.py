@@ -4,7 +4,9 @@
   process of their own.
 - Triton's own compiler builds the kernel for an H100 (sm_90), so that what the interpreter accepts is also what a
   GPU runs.
-- Tests marked ``gpu`` run the compiled kernel on a CUDA device and skip without one (``make gpu-check``).
+- Tests marked ``gpu`` run the compiled kernel on a CUDA device and skip without one; on a CUDA machine run them with
+  ``pytest -m gpu tests/test_gpu_kernel.py`` (``make gpu-check`` runs only examples/bench_gpu.py and
+  examples/bench_verify_gpu.py).
 
 The law of the draw on masked rows (:func:`masked_draw_p_values`) is checked in both places: under the interpreter
 on a small vocabulary, and on a GPU at a real one, where warps run at once and a block sum read before its masked
@@ -188,6 +190,8 @@ def test_the_verification_benchmark_runs_on_the_cpu_and_models_rounds_as_the_rul
     (figures,) = report["figures"].values()
     assert all(figures[k] > 0 for k in ("teacher_decode_ms", "teacher_verify_4_ms", "theta_decode_ms"))
     assert {r["acceptance"] for r in report["layouts"]} == {0.61, 0.78}
+    assert all(figures[f"decision_{g}_ms"] > 0 for g in (2, 4, 8))  # verify_drafts, as the mode runs it
+    assert all(0 < r["speculative_work_used"] <= 1 for r in report["layouts"])
     sys.path.insert(0, str(ROOT / "examples"))
     try:
         from bench_verify_gpu import tokens_per_round

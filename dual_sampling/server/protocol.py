@@ -194,7 +194,9 @@ class UpdateWeightsRequest(_Strict):
 
     update_info: WeightsFromPath
     weight_version: Annotated[str, _VERSION] | None = Field(
-        default=None, description="The new weights' version label (default: the count of updates)."
+        default=None,
+        description="The new weights' version label: one theta's weights never carried, the current label included "
+        "(a used label is refused, 400); default: the count of updates, or the next count no weights carried.",
     )
     mode: Literal["wait", "abort"] = Field(
         default="wait", description="Requests in flight finish on the old weights (wait) or are aborted (abort)."
