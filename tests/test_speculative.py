@@ -313,3 +313,24 @@ def test_the_decision_waits_for_the_device_as_often_for_many_drafts_as_for_one(m
 
     few, many = waits(1, 1), waits(16, 8)
     assert few == many <= 2, (few, many)
+
+
+def test_the_verification_runs_where_its_rows_are_without_reading_them_back(monkeypatch):
+    """The device-safety check off a GPU: the verification's device work on ``meta`` tensors, which have no data, so
+    every input the host builds (uniforms, the spans' layout) must be sent to the rows' device (a CPU tensor meeting
+    a meta one raises, as a CPU tensor meeting a CUDA one does) and nothing may be read back before the one wait (a
+    host read of a meta tensor raises). The α solve and the mixing's fast-path check read their rows and are
+    replaced by device-pure stand-ins: what is checked is the verification around them."""
+    import dual_sampling.decision.speculative as speculative
+    from alpha.mixing import _mix_with_masks
+    from dual_sampling.decision.speculative import verification_block
+
+    monkeypatch.setattr(speculative, "geometric_log_weights", lambda th, t, a: _mix_with_masks(th, t, a.unsqueeze(-1)))
+
+    def half(logp_theta, logp_teacher, alpha_init=None, normalized=False):
+        return torch.full(logp_theta.shape[:1], 0.5, device=logp_theta.device)
+
+    spans = [Span(0, (1, 2), 0, 0, True), Span(3, (), 1, 5, True), Span(4, (7, 7, 7), 2, 3)]
+    rows = torch.empty(7, 300, device="meta")
+    block = verification_block(rows, rows, spans, half, theta_normalized=True)
+    assert block.device.type == "meta" and block.shape == (3, 5 * 4 + 3)

@@ -38,7 +38,7 @@ from torch import Tensor
 from alpha import AlphaComputer, geometric_log_weights
 from dual_sampling.decision.pipeline import counter_uniform, inverse_cdf
 
-__all__ = ["STREAMS", "Round", "Span", "send", "stream_uniform", "verify_drafts"]
+__all__ = ["STREAMS", "Round", "Span", "send", "stream_uniform", "verification_block", "verify_drafts"]
 
 STREAMS = {"draw": 0, "accept": 0x5851F42D4C957F2D, "draft": 0x2545F4914F6CDD1D}
 """The counter's streams: ``draw`` is the lockstep mode's own uniform for (seed, step), so a token drawn from q
@@ -128,6 +128,40 @@ def verify_drafts(
             raise ValueError(f"spans[{i}].drafts: a token id outside the vocabulary of {vocab}")
     if not spans:
         return []
+    block = verification_block(teacher_logits, theta_logits, spans, alpha_computer, alpha_init, theta_normalized)
+    # The one wait: tokens, counts and records come back together, read on the host as NumPy (no further tensor reads).
+    block = block.cpu().numpy()
+    width = max(len(span.drafts) for span in spans) + 1
+    rounds = []
+    for k in range(len(spans)):
+        c = int(block[k, -2])
+        r = torch.from_numpy(block[k, : 4 * width].reshape(width, 4)[:c].copy())
+        rounds.append(
+            Round(
+                tokens=block[k, 4 * width : 4 * width + c].astype(np.int64).tolist(),
+                accepted=int(block[k, -1]),
+                alpha=r[:, 0],
+                logp_teacher=r[:, 1],
+                logp_theta=r[:, 2],
+                logq=r[:, 3],
+                finite=bool(block[k, -3]),
+            )
+        )
+    return rounds
+
+
+def verification_block(
+    teacher_logits: Tensor,
+    theta_logits: Tensor,
+    spans: Sequence[Span],
+    alpha_computer: AlphaComputer,
+    alpha_init: Tensor | None = None,
+    theta_normalized: bool = False,
+) -> Tensor:
+    """:func:`verify_drafts`' work on the rows' device, without reading anything back: a float64 ``[S, 5(G + 1) + 3]``
+    block, per span its records ``[G + 1, 4]`` (α, log π_t, log π_θ, log q) flattened, its tokens ``[G + 1]``, then
+    finite, count and accepted (ids are exact in float64 below 2^53). G is the longest draft list."""
+    n = teacher_logits.shape[0]
     device = teacher_logits.device
     # A row that is not finite fails its span (``Round.finite``), checked with everything else in the one wait; it
     # is zeroed first, so the α solve and the draws of the other spans stay defined.
@@ -179,27 +213,9 @@ def verify_drafts(
         ],
         dim=-1,
     )
-    # The one wait: tokens, counts and records come back together, in one float64 block (ids are exact below 2^53).
-    width = plan.shape[1] + 1
-    block = torch.cat(
+    return torch.cat(
         [records.flatten(1), tokens.double(), *(v.double().unsqueeze(-1) for v in (span_ok, count, accepted))], dim=1
-    ).cpu().numpy()  # read on the host as NumPy: no further tensor reads
-    rounds = []
-    for k in range(len(spans)):
-        c = int(block[k, -2])
-        r = torch.from_numpy(block[k, : 4 * width].reshape(width, 4)[:c].copy())
-        rounds.append(
-            Round(
-                tokens=block[k, 4 * width : 4 * width + c].astype(np.int64).tolist(),
-                accepted=int(block[k, -1]),
-                alpha=r[:, 0],
-                logp_teacher=r[:, 1],
-                logp_theta=r[:, 2],
-                logq=r[:, 3],
-                finite=bool(block[k, -3]),
-            )
-        )
-    return rounds
+    )
 
 
 @dataclass(frozen=True)
