@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from alpha import get_alpha_computer
+from dual_sampling.decision import kernel, pipeline
 from dual_sampling.decision.fusable import kernel_rows
 from dual_sampling.decision.kernel import decide_fused
-from dual_sampling.decision.pipeline import RowSampling, counter_uniform, decide
+from dual_sampling.decision.pipeline import Decision, RowSampling, counter_uniform, decide
 from tests.tolerances import ALPHA_ATOL, ONE_NORMALISATION_ATOL, TWO_NORMALISATIONS_ATOL
 
 
@@ -159,8 +160,6 @@ def test_a_block_sum_rounded_up_does_not_favour_the_blocks_last_token():
     The two sums can differ in the last bits. A target between them must not fall through to
     the block's last token, whose own weight here is e^-50 of the others'.
     """
-    from dual_sampling.decision import kernel
-
     vocab = 2 * 256
     theta = torch.randn(1, vocab, generator=torch.Generator().manual_seed(8)).numpy()
     theta[0, 255] = theta[0].max() - 50.0
@@ -216,12 +215,59 @@ def test_rows_outside_the_kernels_domain_are_handed_back():
     reference = decide(teacher, theta, [1] * 3, rows, computer, theta_normalized=True, fused=False)
     assert torch.equal(via_kernel.tokens, reference.tokens)
     torch.testing.assert_close(via_kernel.logq, reference.logq, rtol=0, atol=TWO_NORMALISATIONS_ATOL)
+    assert via_kernel.handed_back.tolist() == out[:, 5].astype(bool).tolist()
+    assert not via_kernel.unconverged.any() and not reference.handed_back.any()
+
+
+def unconverged_case(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(teacher, theta, warm start) of two rows for kl_symmetry: row 0 starts at its float64 root, so one pass
+    settles it; row 1 starts at 0, far from its root, and needs several."""
+    teacher, theta = pair(2, 1000, seed=seed)
+    computer = get_alpha_computer("kl_symmetry")
+    root = float64_root(theta.double(), torch.log_softmax(teacher.double(), -1), computer.alpha_min, computer.alpha_max)
+    return teacher, theta, torch.tensor([float(root[0]), 0.0])
+
+
+def test_a_solve_that_does_not_converge_is_handed_back_not_drawn(monkeypatch):
+    """With one pass allowed, the row started at its root converges on it; the other does not and comes back
+    (status 1, flagged unconverged) where the reference's solver would raise. ``_MAX_PASSES`` is read at each call:
+    a constant compiled into the kernel would ignore the patch."""
+    monkeypatch.setattr(kernel, "_MAX_PASSES", 1)
+    teacher, theta, warm = unconverged_case(seed=13)
+    computer = get_alpha_computer("kl_symmetry")
+    out, passes = decide_fused(teacher, theta, [0.3, 0.3], [False, False], computer, warm, theta_normalized=True)
+    assert out[:, 5].tolist() == [0, 1], "status"
+    assert out[:, 7].tolist() == [0, 1], "unconverged"
+    assert out[:, 6].tolist() == [1, 1] and passes == 2, "passes: exactly _MAX_PASSES, the last one tested"
+
+
+def test_decide_gives_an_unconverged_row_to_the_reference_and_counts_it(monkeypatch):
+    """decide() on the CPU: the row the kernel could not solve in its passes is decided by the reference (which
+    solves it in its own), matches decide() with every row on the reference, and is flagged in the Decision."""
+    monkeypatch.setattr(kernel, "_MAX_PASSES", 1)
+    reference_rows = []
+    reference = pipeline._decide_reference
+
+    def recorded(teacher_logits, *args, **kwargs):
+        reference_rows.append(teacher_logits.shape[0])
+        return reference(teacher_logits, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_decide_reference", recorded)
+    teacher, theta, warm = unconverged_case(seed=14)
+    rows = [RowSampling(seed=0), RowSampling(seed=1)]
+    computer = get_alpha_computer("kl_symmetry")
+    mixed = decide(teacher, theta, [1, 1], rows, computer, alpha_init=warm, theta_normalized=True)
+    assert reference_rows == [1], "the unconverged row (and only it) goes to the reference"
+    assert mixed.handed_back.tolist() == [False, True] and mixed.unconverged.tolist() == [False, True]
+    assert Decision.concatenate([mixed, mixed]).unconverged.tolist() == [False, True, False, True]
+    full = decide(teacher, theta, [1, 1], rows, computer, alpha_init=warm, theta_normalized=True, fused=False)
+    assert mixed.tokens.tolist() == full.tokens.tolist()
+    torch.testing.assert_close(mixed.alpha, full.alpha, atol=ALPHA_ATOL, rtol=0)
+    assert not full.handed_back.any() and not full.unconverged.any()
 
 
 def test_row_maximum_and_finiteness_from_the_bits():
     """The kernel's max works on the float bits as integers; compare it with NumPy on the hard cases."""
-    from dual_sampling.decision import kernel
-
     rng = np.random.default_rng(0)
     cases = {
         "mixed signs": rng.standard_normal(1003).astype(np.float32),
@@ -254,8 +300,6 @@ def test_bad_rows_still_raise_a_named_error():
 
 
 def test_exp_polynomial_is_within_float32_resolution():
-    from dual_sampling.decision import kernel
-
     x = np.linspace(-86.0, 0.0, 200001, dtype=np.float32)
     values = np.array([kernel._exp32(v) for v in x[::97]], dtype=np.float64)
     relative = np.abs(values / np.exp(x[::97].astype(np.float64)) - 1)
@@ -269,8 +313,6 @@ def test_the_series_step_lands_where_newtons_step_does_not():
     The cumulants are computed here in float64 from the weights; the root is a float64 bisection.
     Where the truncated series has no root near Newton's step, the step stays Newton's.
     """
-    from dual_sampling.decision import kernel
-
     teacher, theta = pair(1, 4096, seed=11)
     lt, lth = torch.log_softmax(teacher.double(), -1), theta.double()
     root = float(float64_root(lth, lt, 0.0, 1.0))
@@ -307,8 +349,6 @@ def test_a_warm_start_settles_on_the_second_pass():
 
 def test_log_normalisers_in_one_read_whatever_the_maximums_position():
     """The log-normaliser is summed chunk by chunk against the largest value so far; compare with float64."""
-    from dual_sampling.decision import kernel
-
     rng = np.random.default_rng(1)
     noise = (rng.standard_normal(10_000) * 4).astype(np.float32)
     rows = {

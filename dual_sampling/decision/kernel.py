@@ -37,7 +37,8 @@ Differences from the reference:
 
 On rows where the models nearly agree this makes the kernel's α closer to a float64 solve
 than the reference's (``tests/test_decision_kernel.py``). A row the kernel cannot handle (a non-finite
-entry, or mixture weights that all underflow) is reported back and decided by the reference.
+entry, mixture weights that all underflow, or an α solve that did not converge in ``_MAX_PASSES``
+evaluations, where the reference's solver raises) is reported back and decided by the reference.
 
 Its GPU twin is :mod:`dual_sampling.decision.gpu_kernel`; :mod:`dual_sampling.decision.fusable` says which
 rows either takes.
@@ -67,6 +68,8 @@ _BLOCK = 256
 _CHUNK = 2048  # tokens per step of the maxima and log-normaliser pass: both rows' chunks stay in L1
 _ROW_OK, _ROW_FALLBACK = 0, 1
 _MAX_PASSES = 200
+"""α evaluations a row may take, as the reference's solver allows; read at each call (an argument of the compiled
+kernel, not a constant compiled into it)."""
 _TINY = 1e-30
 # Reassociation lets sums and extremes vectorise; no "nnan"/"ninf", so the finiteness checks stay.
 _FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
@@ -381,12 +384,30 @@ def _draw(theta, teacher, alpha, h_max, t_max, blocks, total, u, masked):
 
 @_jit
 def _solve_and_draw(
-    theta, teacher, theta_normalized, method, fixed_alpha, lo, hi, tol, xtol, alpha0, force_one, u, masked, blocks, out
+    theta,
+    teacher,
+    theta_normalized,
+    method,
+    fixed_alpha,
+    lo,
+    hi,
+    tol,
+    xtol,
+    max_passes,
+    alpha0,
+    force_one,
+    u,
+    masked,
+    blocks,
+    out,
 ):
-    """Decide one row; ``out`` receives (token, α, log π_t, log π_θ, log q, status). Returns the passes made.
+    """Decide one row; ``out`` (zeros) receives (token, α, log π_t, log π_θ, log q, status, passes, unconverged).
+    Returns the passes made.
 
     ``masked`` (distinct token ids, −1 as padding) are removed from q after α is solved, as the
-    reference removes the stop tokens before ``min_tokens``.
+    reference removes the stop tokens before ``min_tokens``. An α solve still open after
+    ``max_passes`` evaluations (the last one tested too, as the reference's solver does) hands
+    the row back, flagged unconverged.
     """
     t_max, h_max, lse_t, lse_h, finite = _maxima_and_log_normalisers(teacher, theta, theta_normalized)
     if not finite:
@@ -407,12 +428,13 @@ def _solve_and_draw(
     else:
         s0, g, k2, k3, k4 = _tilted_pass(theta, teacher, alpha, h_max, t_max, c, blocks)
     passes = 1
+    unconverged = False
     if solve:
         low, high = lo, hi
         prev_abs_g = np.inf
         lo_tried = False
         hi_tried = False
-        while passes < _MAX_PASSES:
+        while True:
             if s0 < _TINY:
                 break
             slope = max(k2, 0.0)
@@ -434,6 +456,9 @@ def _solve_and_draw(
                 break  # the reference would step to target; the draw reuses this pass instead
             if hi_b - lo_b <= xtol:
                 break
+            if passes >= max_passes:
+                unconverged = True
+                break
             nxt = target if newton_ok else 0.5 * (lo_b + hi_b)
             if target <= lo_b and lo_b <= lo and not (lo_tried or at_lo):
                 nxt = lo
@@ -443,7 +468,9 @@ def _solve_and_draw(
             alpha = nxt
             s0, g, k2, k3, k4 = _tilted_pass(theta, teacher, alpha, h_max, t_max, c, blocks)
             passes += 1
-    if not s0 >= _TINY:
+    out[6] = passes
+    out[7] = unconverged
+    if unconverged or not s0 >= _TINY:
         out[5] = _ROW_FALLBACK
         return passes
     a32 = np.float32(alpha)
@@ -475,7 +502,21 @@ def _solve_and_draw(
 
 @_jit
 def _decide_batch(
-    theta, teacher, theta_normalized, method, fixed_alpha, lo, hi, tol, xtol, alpha0, force_one, u, masked, out
+    theta,
+    teacher,
+    theta_normalized,
+    method,
+    fixed_alpha,
+    lo,
+    hi,
+    tol,
+    xtol,
+    max_passes,
+    alpha0,
+    force_one,
+    u,
+    masked,
+    out,
 ):
     blocks = np.empty((theta.shape[1] + _BLOCK - 1) // _BLOCK, dtype=np.float64)
     passes = 0
@@ -490,6 +531,7 @@ def _decide_batch(
             hi,
             tol,
             xtol,
+            max_passes,
             alpha0[r],
             force_one[r],
             u[r],
@@ -510,10 +552,12 @@ def decide_fused(
     theta_normalized: bool = False,
     masked_tokens: Sequence[Sequence[int]] | None = None,
 ) -> tuple[np.ndarray, int]:
-    """Decide ``[b, V]`` rows with the kernel; returns (``[b, 6]`` float64, passes).
+    """Decide ``[b, V]`` rows with the kernel; returns (``[b, 8]`` float64, passes in all rows).
 
-    Columns: token, α, log π_t, log π_θ, log q, status (0 decided; 1 to be decided by the
-    reference). ``theta_normalized=True`` says theta's rows are log-softmax outputs already.
+    Columns, as :func:`dual_sampling.decision.gpu_kernel.decide_gpu`'s: token, α, log π_t, log π_θ,
+    log q, status (0 decided; 1 to be decided by the reference), passes, unconverged (1 where the α
+    solve did not converge in ``_MAX_PASSES`` passes; such a row has status 1 too).
+    ``theta_normalized=True`` says theta's rows are log-softmax outputs already.
     ``masked_tokens[r]`` are token ids q must not draw in row r (the stop tokens before
     ``min_tokens``); ids outside the vocabulary are ignored. A row whose masked tokens carry
     more than half of q's mass is handed back to the reference.
@@ -534,7 +578,7 @@ def decide_fused(
         alpha0 = np.full(b, 0.5)
     else:
         alpha0 = np.nan_to_num(alpha_init.detach().double().numpy().reshape(-1), nan=0.5)
-    out = np.zeros((b, 6), dtype=np.float64)
+    out = np.zeros((b, 8), dtype=np.float64)
     masked = masked_ids(masked_tokens, b, teacher.shape[1])
     passes = _decide_batch(
         theta,
@@ -546,6 +590,7 @@ def decide_fused(
         float(alpha_computer.alpha_max),
         float(tol),
         float(xtol),
+        _MAX_PASSES,
         np.ascontiguousarray(alpha0, dtype=np.float64),
         np.asarray(force_teacher, dtype=np.bool_),
         np.asarray(uniforms, dtype=np.float64),

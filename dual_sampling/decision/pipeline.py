@@ -284,6 +284,12 @@ class Decision:
     """``[b, 2, k]``: log π_t of the teacher's and log π_θ of theta's (untempered, unfiltered)."""
     dense_other_logp: Tensor | None = None
     """``[b, 2, k]``: the other model's at the same ids: log π_θ of the teacher's top k, log π_t of theta's."""
+    handed_back: Tensor | None = None
+    """``[b]`` bool: rows a fused kernel gave to the reference (a non-finite entry, weights that underflow, masked
+    tokens holding most of q, an unconverged α solve). Set by :func:`decide`; ``.sum()`` counts them."""
+    unconverged: Tensor | None = None
+    """``[b]`` bool: of those, the rows whose α solve did not converge in the kernel's passes (the reference's solver
+    then solved them; where it cannot either, :func:`decide` raises). Set by :func:`decide`."""
 
     @classmethod
     def concatenate(cls, parts: Sequence[Decision]) -> Decision:
@@ -356,14 +362,19 @@ def decide(
 
     Rows that need no filter are decided by a fused kernel (numba's on the CPU, Triton's on CUDA
     devices), the rest by the torch reference; ``fused=False`` sends every row to the reference.
+    The rows a kernel handed back, and those of them whose α solve did not converge, are flagged in
+    ``handed_back`` and ``unconverged``.
     """
     eligible = [False] * len(rows)
     if fused and top_logprobs == 0:
         eligible = kernel_rows(rows, alpha_computer, teacher_logits.device)
+    b = len(rows)
     if not any(eligible):
-        return _decide_reference(
+        result = _decide_reference(
             teacher_logits, theta_logits, steps, rows, alpha_computer, alpha_init, theta_normalized, top_logprobs
         )
+        result.handed_back, result.unconverged = torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool)
+        return result
     fast = [i for i, e in enumerate(eligible) if e]
     index = torch.tensor(fast)
     every = len(fast) == len(rows)  # then no V-sized copy of the inputs is made
@@ -392,12 +403,16 @@ def decide(
     if handed_back:
         check_log_prob_pair(theta_logits, teacher_logits)  # a bad row is named by its index in this batch
     slow = [i for i, e in enumerate(eligible) if not e] + handed_back
-    b = len(rows)
     result = Decision(
         torch.zeros(b, dtype=torch.int64),
         *(torch.zeros(b) for _ in range(4)),
         torch.ones(b, dtype=torch.bool),
+        handed_back=torch.zeros(b, dtype=torch.bool),
+        unconverged=torch.zeros(b, dtype=torch.bool),
     )
+    result.handed_back[handed_back] = True
+    # Both kernels flag an unconverged solve in column 7 (and hand the row back with status 1).
+    result.unconverged[index] = decided[:, 7] != 0
     for column, name in enumerate(("tokens", "alpha", "logp_teacher", "logp_theta", "logq")):
         getattr(result, name)[index] = decided[:, column].to(getattr(result, name).dtype)
     if slow:
