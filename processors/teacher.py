@@ -184,6 +184,9 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
                     decided[i] = row.filler
         for part, d in parts:
             self._publish(part, d, decided)
+            for stat, flags in ((Stat.KERNEL_HANDED_BACK, d.handed_back), (Stat.KERNEL_UNCONVERGED, d.unconverged)):
+                if flags is not None:  # host tensors: counting them waits for nothing
+                    s.add_stat(stat, int(flags.sum()))
         s.ring(Bell.TEACHER_TOKENS, self.writer)
         s.add_stat(Stat.TEACHER_ROWS, len(ready))
         return decided

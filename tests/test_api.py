@@ -150,6 +150,9 @@ def test_many_requests_mixed_lengths_early_stops_no_timeouts(dual_engine):
     assert (
         after["teacher_timeouts"] == before["teacher_timeouts"] and after["theta_timeouts"] == before["theta_timeouts"]
     )
+    # The kernel's α solve converges on real rows: no row was handed back for that (the counter is the teacher's).
+    assert after["kernel_unconverged"] == before["kernel_unconverged"]
+    assert after["kernel_handed_back"] >= before["kernel_handed_back"] >= 0
     reasons = {s.finish_reason for r in out.requests for s in r.samples}
     assert "stop" in reasons
     for r in out.requests:

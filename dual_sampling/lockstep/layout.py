@@ -159,6 +159,11 @@ class Stat(IntEnum):
     to and including each round's first rejection (the drafts after it are never looked at)."""
     ACCEPTED = STATS_BASE + 18
     """Of those, the drafts kept; accepted / drafted estimates the per-position acceptance Σ min(π_θ, q)."""
+    KERNEL_HANDED_BACK = STATS_BASE + 19
+    """Rows a fused decision kernel handed to the torch reference (``Decision.handed_back``): a row outside the
+    kernel's domain, or one whose α solve did not converge in its passes."""
+    KERNEL_UNCONVERGED = STATS_BASE + 20
+    """Of those, the rows whose α solve did not converge in the kernel (``Decision.unconverged``)."""
 
 
 HEADER_WORDS = 64
