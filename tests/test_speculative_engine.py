@@ -27,21 +27,26 @@ SEEDS = 1500
 LEVEL = 1e-3
 
 
-@pytest.fixture(scope="module")
-def spec_engine(tiny_same):
+def speculative_engine(pair, max_model_len: int):
+    """A speculative engine of γ = GAMMA on ``pair`` (a context manager)."""
     from dual_sampling import OptimalSamplingDual
 
-    teacher, theta = tiny_same
-    with OptimalSamplingDual(
+    teacher, theta = pair
+    return OptimalSamplingDual(
         teacher,
         theta,
         mode="speculative",
         num_speculative_tokens=GAMMA,
         max_num_seqs=16,
-        max_model_len=256,
+        max_model_len=max_model_len,
         sync_timeout=30,
         use_tqdm=False,
-    ) as engine:
+    )
+
+
+@pytest.fixture(scope="module")
+def spec_engine(tiny_same):
+    with speculative_engine(tiny_same, 256) as engine:
         yield engine
 
 
@@ -217,19 +222,7 @@ def padded_pair():
 
 @pytest.fixture(scope="module")
 def padded_spec_engine(padded_pair):
-    from dual_sampling import OptimalSamplingDual
-
-    teacher, theta = padded_pair
-    with OptimalSamplingDual(
-        teacher,
-        theta,
-        mode="speculative",
-        num_speculative_tokens=GAMMA,
-        max_num_seqs=16,
-        max_model_len=128,
-        sync_timeout=30,
-        use_tqdm=False,
-    ) as engine:
+    with speculative_engine(padded_pair, 128) as engine:
         yield engine
 
 
