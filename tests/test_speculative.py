@@ -276,11 +276,9 @@ class _DeviceWaits(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.paused:
-            pass
-        elif func is torch.ops.aten._local_scalar_dense.default:
-            self.waits += 1
-        elif func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
+        read_back = func is torch.ops.aten._local_scalar_dense.default
+        copied_out = func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu")
+        if not self.paused and (read_back or copied_out):
             self.waits += 1
         return func(*args, **kwargs)
 
