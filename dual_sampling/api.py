@@ -30,7 +30,7 @@ from dual_sampling.driver.weights import WeightsCheck, prepared_weights, reload_
 from dual_sampling.lockstep import Role, SyncError
 from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, SamplingOptions, model_config
 from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleDelta, SampleRecord, best_of
-from dual_sampling.vocab import check_embedding_rows, check_tokenizers_match
+from dual_sampling.vocab import check_embedding_rows, check_tokenizers_match, embedding_rows
 
 __all__ = ["OptimalSamplingDual", "context_length", "derive_seed"]
 
@@ -73,7 +73,7 @@ class OptimalSamplingDual:
         check_tokenizers_match(self.tokenizer, AutoTokenizer.from_pretrained(cfg.model_theta))
         self.vocab = len(self.tokenizer)
         t_cfg, th_cfg = model_config(cfg.model_teacher), model_config(cfg.model_theta)
-        check_embedding_rows(t_cfg.get("vocab_size"), th_cfg.get("vocab_size"), self.vocab, cfg.mode)
+        check_embedding_rows(embedding_rows(t_cfg), embedding_rows(th_cfg), self.vocab, cfg.mode)
         self.max_model_len = context_length(cfg.model_teacher, cfg.model_theta, cfg.max_model_len)
         """Prompt plus generated tokens a request may use: in speculative mode, the engine's context less 2γ positions.
         vLLM drafts for a batch only while its longest sequence has γ positions to spare beyond a round's γ drafts

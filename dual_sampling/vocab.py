@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["check_embedding_rows", "check_tokenizers_match"]
+__all__ = ["check_embedding_rows", "check_tokenizers_match", "embedding_rows"]
 
 
 def check_tokenizers_match(teacher, theta) -> None:
@@ -31,6 +31,12 @@ def check_tokenizers_match(teacher, theta) -> None:
             f"tokenizers differ in special tokens: teacher only {sorted(set(a) - set(b))}, "
             f"theta only {sorted(set(b) - set(a))}"
         )
+
+
+def embedding_rows(config: dict) -> int | None:
+    """A model's embedding rows from its config.json: ``vocab_size``, at the top or, for models that wrap a text
+    model (Gemma 3's multimodal checkpoints), in ``text_config``, where vLLM reads it; None where neither says."""
+    return config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
 
 
 def check_embedding_rows(teacher_rows: int | None, theta_rows: int | None, vocab: int, mode: str) -> None:

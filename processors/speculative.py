@@ -84,7 +84,7 @@ class SpeculativeSampler:
         gamma = int(runner.num_spec_tokens)
         probs_row = {rid: i for i, rid in enumerate(runner._draft_prob_req_ids or ())}
         out = torch.full((b, max(num_draft, default=0) + 1), -1, dtype=torch.int32)
-        teacher_rows, theta_rows, spans, owners = [], [], [], []
+        teacher_index, theta_rows, spans, owners = [], [], [], []
         rows_so_far = 0
         self._plan = []
         for i, rid in enumerate(req_ids):
@@ -102,14 +102,17 @@ class SpeculativeSampler:
             # The drafter computed γ rows; when vLLM scheduled fewer drafts (n < γ), theta's row after the last one
             # is at hand, and the teacher's bonus row beside it: the round may end with a draw from q there.
             extra = int(n < gamma)
-            teacher_rows.append(logits[target[cu[i] - n : cu[i]] + [bonus[i]] * extra, :vocab])
+            teacher_index += target[cu[i] - n : cu[i]] + [bonus[i]] * extra
             theta_rows.append(runner._draft_probs[row, : n + extra, :vocab])  # log π_θ: what draft() returned
             spans.append(Span(rows_so_far, tuple(draft_ids[cu[i] - n : cu[i]]), seed, done - 1, bool(extra)))
             rows_so_far += n + extra
             # Generated tokens this request may still take: vLLM cuts a row at max_tokens, the slot must hold it.
             owners.append((i, pairing, int(state.sampling_params.max_tokens) - done))
         if spans:
-            self._verify(torch.cat(teacher_rows), torch.cat(theta_rows), spans, owners, out)
+            # One index for every request's teacher rows, sent as the uniforms are (a list index would be copied
+            # from pageable memory once per request, each copy a wait).
+            index = send(teacher_index, logits.device).long()
+            self._verify(logits.index_select(0, index)[:, :vocab], torch.cat(theta_rows), spans, owners, out)
         self.session.add_stat(Stat.TEACHER_STEPS, 1)
         self.session.add_stat(Stat.TEACHER_ROWS, b)  # the health watch reads rows served as progress
         self._draft_calls = 0

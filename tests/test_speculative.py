@@ -255,14 +255,29 @@ def test_the_batched_rounds_equal_the_rule_applied_one_draft_at_a_time():
 
 
 def test_a_non_finite_row_fails_its_span_alone():
+    """NaN in the teacher, +inf in θ, and a θ row with no finite entry each fail their own span; the other's round
+    is the one it has alone."""
     g = torch.Generator().manual_seed(5)
-    teacher, theta = torch.randn(6, 30, generator=g), torch.log_softmax(torch.randn(6, 30, generator=g), -1)
+    teacher, theta = torch.randn(8, 30, generator=g), torch.log_softmax(torch.randn(8, 30, generator=g), -1)
     teacher[1, 4] = math.nan
     theta[4, 0] = math.inf
-    spans = [Span(0, (1, 2), 0, 0), Span(2, (3,), 1, 0, True), Span(4, (5,), 2, 0, True)]
-    rounds = verify_drafts(teacher, theta, spans, get_alpha_computer("kl_symmetry"), theta_normalized=True)
-    assert [r.finite for r in rounds] == [False, True, False]
-    assert torch.isfinite(rounds[1].logq).all() and len(rounds[1].tokens) >= 1
+    theta[6] = -math.inf
+    spans = [Span(0, (1, 2), 0, 0), Span(2, (3,), 1, 0, True), Span(4, (5,), 2, 0, True), Span(6, (7,), 3, 0, True)]
+    computer = get_alpha_computer("kl_symmetry")
+    rounds = verify_drafts(teacher, theta, spans, computer, theta_normalized=True)
+    assert [r.finite for r in rounds] == [False, True, False, False]
+    alone = verify_drafts(teacher[2:4], theta[2:4], [Span(0, (3,), 1, 0, True)], computer, theta_normalized=True)
+    assert rounds[1].tokens == alone[0].tokens and torch.equal(rounds[1].logq, alone[0].logq)
+
+
+def test_spans_with_no_rows_emit_nothing_and_leave_the_others_alone():
+    g = torch.Generator().manual_seed(6)
+    teacher, theta = torch.randn(2, 30, generator=g), torch.randn(2, 30, generator=g)
+    computer = get_alpha_computer("fixed", alpha=0.5)
+    rounds = verify_drafts(teacher, theta, [Span(0, (1,), 0, 0, True), Span(2, (), 1, 0)], computer)
+    assert rounds[1].tokens == [] and rounds[1].accepted == 0 and len(rounds[0].tokens) >= 1
+    empty = verify_drafts(teacher[:0], theta[:0], [Span(0, (), 1, 0)], computer)
+    assert empty[0].tokens == [] and empty[0].logq.shape == (0,)
 
 
 class _DeviceWaits(torch.utils._python_dispatch.TorchDispatchMode):
@@ -332,3 +347,16 @@ def test_the_verification_runs_where_its_rows_are_without_reading_them_back(monk
     rows = torch.empty(7, 300, device="meta")
     block = verification_block(rows, rows, spans, half, theta_normalized=True)
     assert block.device.type == "meta" and block.shape == (3, 5 * 4 + 3)
+
+
+def test_embedding_rows_are_read_where_vllm_reads_them_and_unequal_ones_are_refused_by_name():
+    from dual_sampling.vocab import check_embedding_rows, embedding_rows
+
+    assert embedding_rows({"vocab_size": 152_064}) == 152_064
+    assert embedding_rows({"text_config": {"vocab_size": 262_208}}) == 262_208  # Gemma 3's multimodal checkpoints
+    assert embedding_rows({}) is None
+    check_embedding_rows(152_064, 151_936, 151_665, "lockstep")  # unequal padding: lockstep serves it
+    with pytest.raises(ValueError, match="152064 embedding rows.*theta 151936.*mode='lockstep'"):
+        check_embedding_rows(152_064, 151_936, 151_665, "speculative")
+    with pytest.raises(ValueError, match="theta model has 100 embedding rows, fewer than the tokenizer's 151665"):
+        check_embedding_rows(152_064, 100, 151_665, "lockstep")

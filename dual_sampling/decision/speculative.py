@@ -46,6 +46,10 @@ STREAMS = {"draw": 0, "accept": 0x5851F42D4C957F2D, "draft": 0x2545F4914F6CDD1D}
 ``draft`` theta's drafts."""
 
 
+_DRAW_CHUNK_ELEMENTS = 1 << 24
+"""Elements of one float64 [spans, V] temporary of the draws (128 MiB): vLLM's memory profile never sees this step."""
+
+
 def send(values: Sequence[float], device: torch.device) -> Tensor:
     """``values`` as a float64 tensor on ``device``, sent without waiting for the device: from page-locked memory
     on CUDA (a copy from pageable memory would first wait for the stream's queued work)."""
@@ -111,9 +115,9 @@ def verify_drafts(
     decision solves a batch), every draft's acceptance in one comparison, and one draw per span at the row where
     its round ends (the first rejection's residual, or the bonus row's q). The uniforms are computed on the host
     from (seed, step) and sent along; the draw's uniform is sent for every position a round could end at, and the
-    one at the actual end is picked on the device. So the decision waits for the device once per call, when the
-    emitted tokens and records come back, however many drafts the batch has (the α computer's own convergence
-    checks aside).
+    one at the actual end is picked on the device. So the decision waits for the device once per call for its
+    result, when the emitted tokens and records come back, however many drafts the batch has; the α computer's
+    input and convergence checks and the mixing's support check read a few values per call besides.
     """
     if teacher_logits.shape != theta_logits.shape or teacher_logits.dim() != 2:
         raise ValueError(
@@ -128,6 +132,8 @@ def verify_drafts(
             raise ValueError(f"spans[{i}].drafts: a token id outside the vocabulary of {vocab}")
     if not spans:
         return []
+    if n == 0:  # spans with no rows (no drafts, no bonus row): nothing to emit
+        return [Round([], 0, *(torch.zeros(0, dtype=torch.float64) for _ in range(4))) for _ in spans]
     block = verification_block(teacher_logits, theta_logits, spans, alpha_computer, alpha_init, theta_normalized)
     # The one wait: tokens, counts and records come back together, read on the host as NumPy (no further tensor reads).
     block = block.cpu().numpy()
@@ -166,6 +172,7 @@ def verification_block(
     # A row that is not finite fails its span (``Round.finite``), checked with everything else in the one wait; it
     # is zeroed first, so the α solve and the draws of the other spans stay defined.
     row_ok = torch.isfinite(teacher_logits).all(-1) & ~(theta_logits.isnan() | (theta_logits == torch.inf)).any(-1)
+    row_ok &= theta_logits.amax(-1) > -torch.inf  # a θ row with no finite entry is no distribution either
     teacher_logits = torch.where(row_ok.unsqueeze(-1), teacher_logits, 0.0)
     theta_logits = torch.where(row_ok.unsqueeze(-1), theta_logits, 0.0)
     logp_teacher = torch.log_softmax(teacher_logits.float(), dim=-1)
@@ -186,15 +193,19 @@ def verification_block(
     rejected = accepted < plan.num_drafts
     drawn = rejected | plan.bonus_row  # a round ends with a draw: the residual after a rejection, or q at the bonus
     end_row = plan.starts + accepted  # a bonus row sits right after the last draft, so the same formula holds
-    end_row = torch.where(drawn, end_row, plan.starts)  # spans ending without a draw: any valid row, unused
-    q_end = logq[end_row].double().exp()
-    residual = (q_end - logp_theta[end_row].double().exp()).clamp_min_(0.0)
-    # At a rejection the residual max(0, q − π_θ); where it has no mass left (q and π_θ equal to rounding, a
-    # rejection of probability ~0) and at the bonus row, q itself.
-    use_residual = rejected & (residual.sum(dim=-1) > 0)
-    weights = torch.where(use_residual.unsqueeze(-1), residual, q_end)
+    end_row = torch.where(drawn, end_row, 0)  # spans ending without a draw: row 0, drawn from but unused
     draw_u = plan.draw_u.gather(1, accepted.unsqueeze(-1)).squeeze(-1)
-    token, _ = inverse_cdf(weights, draw_u)
+    # The draws in chunks of spans, so the float64 [spans, V] temporaries stay near _DRAW_CHUNK_ELEMENTS each.
+    token = torch.empty_like(accepted)
+    chunk = max(1, _DRAW_CHUNK_ELEMENTS // logq.shape[1])
+    for first in range(0, len(spans), chunk):
+        part = slice(first, first + chunk)
+        q_end = logq[end_row[part]].double().exp_()
+        residual = logp_theta[end_row[part]].double().exp_().neg_().add_(q_end).clamp_min_(0.0)
+        # At a rejection the residual max(0, q − π_θ); where it has no mass left (q and π_θ equal to rounding, a
+        # rejection of probability ~0) and at the bonus row, q itself.
+        use_residual = rejected[part] & (residual.sum(dim=-1) > 0)
+        token[part], _ = inverse_cdf(torch.where(use_residual.unsqueeze(-1), residual, q_end), draw_u[part])
 
     # Every span's emitted tokens in a [S, G + 1] grid: the kept drafts, then the draw; records gathered beside them.
     columns = torch.arange(plan.shape[1] + 1, device=device)
