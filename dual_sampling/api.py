@@ -25,12 +25,13 @@ from alpha import get_alpha_computer
 from dual_sampling.driver.lockstep_driver import LockstepDriver
 from dual_sampling.driver.loop_thread import as_coroutine
 from dual_sampling.driver.requests import DualRequest, PromptPair, generation_room
+from dual_sampling.driver.speculative_engine import check_draft_model
 from dual_sampling.driver.versions import check_update
 from dual_sampling.driver.weights import WeightsCheck, prepared_weights, reload_from
 from dual_sampling.lockstep import Role, SyncError
 from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, SamplingOptions, model_config
 from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleDelta, SampleRecord, best_of
-from dual_sampling.vocab import check_embedding_rows, check_tokenizers_match, embedding_rows
+from dual_sampling.vocab import check_embedding_rows, check_tokenizers_match, embedding_rows, eos_token_ids
 
 __all__ = ["OptimalSamplingDual", "context_length", "derive_seed"]
 
@@ -48,12 +49,6 @@ def context_length(model_teacher: str, model_theta: str, max_model_len: int | No
     if chosen > limit:
         raise ValueError(f"max_model_len={chosen} exceeds the models' limit of {limit} positions")
     return chosen
-
-
-def _as_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
 class OptimalSamplingDual:
@@ -80,18 +75,14 @@ class OptimalSamplingDual:
         (else no request in it gets θ rows), so every request keeps 2γ free."""
         engine_len = self.max_model_len
         if cfg.mode == "speculative":
+            check_draft_model(th_cfg)
             self.max_model_len -= 2 * cfg.num_speculative_tokens
             if self.max_model_len < 2:
                 raise ValueError(
                     f"num_speculative_tokens={cfg.num_speculative_tokens}: mode='speculative' keeps 2γ of "
                     f"max_model_len={engine_len} free, which leaves no room for a request"
                 )
-        self.eos_token_ids = sorted(
-            {i for mc in (t_cfg, th_cfg) for i in _as_list(mc.get("eos_token_id"))}
-            | set(_as_list(self.tokenizer.eos_token_id))
-        )
-        if not self.eos_token_ids:
-            raise ValueError("neither model nor the tokenizer defines an EOS token id")
+        self.eos_token_ids = eos_token_ids((cfg.model_teacher, cfg.model_theta), self.tokenizer)
         self._weights_checks: dict[Role, WeightsCheck] = {}
         _exit_on_sigterm()
         driver_settings = dict(

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["check_embedding_rows", "check_tokenizers_match", "embedding_rows"]
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["check_embedding_rows", "check_tokenizers_match", "embedding_rows", "eos_token_ids"]
 
 
 def check_tokenizers_match(teacher, theta) -> None:
@@ -53,3 +58,26 @@ def check_embedding_rows(teacher_rows: int | None, theta_rows: int | None, vocab
             f"{theta_rows}; vLLM's draft model must have as many rows as its target. mode='lockstep' serves "
             "models with unequal padding"
         )
+
+
+def eos_token_ids(model_folders: Iterable[str | Path], tokenizer) -> list[int]:
+    """Every id that ends a generation, sorted: the ``eos_token_id`` (one id or a list) of each model's config.json
+    and generation_config.json, and the tokenizer's. vLLM stops on the generation config's ids too: Qwen2.5's
+    config.json names one of its two (``<|im_end|>``; the generation config adds ``<|endoftext|>``)."""
+    ids = set(_ids(tokenizer.eos_token_id))
+    for folder in model_folders:
+        for name in ("config.json", "generation_config.json"):
+            path = Path(folder) / name
+            if path.is_file():
+                config = json.loads(path.read_text())
+                for section in (config, config.get("text_config", {})):
+                    ids |= set(_ids(section.get("eos_token_id")))
+    if not ids:
+        raise ValueError("neither model nor the tokenizer defines an EOS token id")
+    return sorted(ids)
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]

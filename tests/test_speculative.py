@@ -360,3 +360,36 @@ def test_embedding_rows_are_read_where_vllm_reads_them_and_unequal_ones_are_refu
         check_embedding_rows(152_064, 151_936, 151_665, "speculative")
     with pytest.raises(ValueError, match="theta model has 100 embedding rows, fewer than the tokenizer's 151665"):
         check_embedding_rows(152_064, 100, 151_665, "lockstep")
+
+
+def test_a_theta_with_sliding_and_full_attention_layers_is_refused_for_drafting_by_name():
+    """vLLM 0.32's drafter needs one KV-cache group; Gemma 3's mixed layers make two (its engine failed to start)."""
+    from dual_sampling.driver.speculative_engine import check_draft_model
+
+    check_draft_model({"layer_types": ["full_attention", "full_attention"]})
+    check_draft_model({})
+    for config in (
+        {"layer_types": ["sliding_attention", "full_attention"]},
+        {"text_config": {"layer_types": ["sliding_attention"] * 5 + ["full_attention"]}},
+    ):
+        with pytest.raises(ValueError, match="theta's attention layers are of 2 kinds.*mode='lockstep'"):
+            check_draft_model(config)
+
+
+def test_eos_ids_come_from_both_configs_of_both_models_and_the_tokenizer(tmp_path):
+    """Qwen2.5's config.json names <|im_end|> alone; its generation_config adds <|endoftext|>, on which vLLM stops."""
+    import json
+    from types import SimpleNamespace
+
+    from dual_sampling.vocab import eos_token_ids
+
+    teacher, theta = tmp_path / "teacher", tmp_path / "theta"
+    configs = ((teacher, {"eos_token_id": 2}, [2, 0]), (theta, {"text_config": {"eos_token_id": 7}}, None))
+    for folder, config, generation in configs:
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        if generation is not None:
+            (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": generation}))
+    assert eos_token_ids([teacher, theta], SimpleNamespace(eos_token_id=9)) == [0, 2, 7, 9]
+    with pytest.raises(ValueError, match="EOS"):
+        eos_token_ids([tmp_path / "none"], SimpleNamespace(eos_token_id=None))

@@ -18,7 +18,19 @@ from dual_sampling.driver.pair import EnginePair, _qualname
 from dual_sampling.lockstep import Role
 from dual_sampling.options import default_kv_cache_bytes
 
-__all__ = ["SpeculativeEngine"]
+__all__ = ["SpeculativeEngine", "check_draft_model"]
+
+
+def check_draft_model(theta_config: dict) -> None:
+    """Refuse, by name, a theta vLLM 0.32 cannot draft with: one whose attention layers are of more than one kind
+    (``layer_types`` mixing sliding-window and full attention, as Gemma 2 and 3 do). Such layers get separate KV-cache
+    groups, and vLLM's drafter requires one group (its engine fails to start, seconds in)."""
+    kinds = sorted(set(theta_config.get("layer_types") or theta_config.get("text_config", {}).get("layer_types") or ()))
+    if len(kinds) > 1:
+        raise ValueError(
+            f"mode='speculative': theta's attention layers are of {len(kinds)} kinds ({', '.join(kinds)}; layer_types "
+            "in its config); vLLM's draft model needs them in one KV-cache group. mode='lockstep' serves this model"
+        )
 
 
 class SpeculativeEngine(EnginePair):
