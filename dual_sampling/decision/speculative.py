@@ -28,6 +28,7 @@ q a function of the two rows alone; a caller refuses other requests up front.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -169,14 +170,20 @@ def verification_block(
     finite, count and accepted (ids are exact in float64 below 2^53). G is the longest draft list."""
     n = teacher_logits.shape[0]
     device = teacher_logits.device
-    # A row that is not finite fails its span (``Round.finite``), checked with everything else in the one wait; it
-    # is zeroed first, so the α solve and the draws of the other spans stay defined.
-    row_ok = torch.isfinite(teacher_logits).all(-1) & ~(theta_logits.isnan() | (theta_logits == torch.inf)).any(-1)
-    row_ok &= theta_logits.amax(-1) > -torch.inf  # a θ row with no finite entry is no distribution either
-    teacher_logits = torch.where(row_ok.unsqueeze(-1), teacher_logits, 0.0)
-    theta_logits = torch.where(row_ok.unsqueeze(-1), theta_logits, 0.0)
-    logp_teacher = torch.log_softmax(teacher_logits.float(), dim=-1)
-    logp_theta = theta_logits.float() if theta_normalized else torch.log_softmax(theta_logits.float(), dim=-1)
+    # A row that is not finite fails its span (``Round.finite``), checked with everything else in the one wait.
+    # Three reductions decide it, NaN propagating through each: the teacher's logits all finite (its max and min
+    # finite), θ's row neither NaN nor +inf and not wholly −inf (its max finite).
+    row_ok = (
+        torch.isfinite(teacher_logits.amax(-1))
+        & torch.isfinite(teacher_logits.amin(-1))
+        & torch.isfinite(theta_logits.amax(-1))
+    )
+    # A bad row becomes the uniform distribution, so the α solve and the draws of the other spans stay defined.
+    bad, uniform = ~row_ok.unsqueeze(-1), -math.log(teacher_logits.shape[1])
+    logp_teacher = torch.log_softmax(teacher_logits.float(), dim=-1).masked_fill_(bad, uniform)  # a fresh tensor: ours
+    logp_theta = torch.where(bad, uniform, theta_logits.float())
+    if not theta_normalized:
+        logp_theta = torch.log_softmax(logp_theta, dim=-1)
     alpha = alpha_computer(logp_theta, logp_teacher, alpha_init=alpha_init, normalized=True)
     log_weights = geometric_log_weights(logp_theta, logp_teacher, alpha)
     logq = log_weights - torch.logsumexp(log_weights, dim=-1, keepdim=True)
