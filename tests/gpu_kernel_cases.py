@@ -18,7 +18,7 @@ from alpha import get_alpha_computer
 from dual_sampling.decision import pipeline
 from dual_sampling.decision.kernel import decide_fused
 from dual_sampling.decision.pipeline import RowSampling, counter_uniform, decide
-from tests.oracles import np_alpha_kl, np_log_softmax
+from tests.oracles import np_alpha_kl, np_log_softmax, rows_sent_to_the_reference
 from tests.test_draw_boundaries import boundary_cases, pair, reference_cdf
 from tests.test_gpu_kernel import LEVEL, masked_draw_p_values
 
@@ -179,14 +179,7 @@ def test_decide_gives_an_unconverged_row_to_the_reference(interpreted, monkeypat
     (which solves it in its own), and matches decide() with every row on the reference."""
     monkeypatch.setattr(pipeline, "kernel_device", lambda device: "cuda")
     monkeypatch.setattr(interpreted, "_MAX_PASSES", 1)
-    reference_rows = []
-    reference = pipeline._decide_reference
-
-    def recorded(teacher_logits, *args, **kwargs):
-        reference_rows.append(teacher_logits.shape[0])
-        return reference(teacher_logits, *args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "_decide_reference", recorded)
+    reference_rows = rows_sent_to_the_reference(monkeypatch)
     teacher, theta = random_rows(2, 64, seed=6)
     root = np_alpha_kl(np_log_softmax(theta[0].double().numpy()), np_log_softmax(teacher[0].double().numpy()))
     rows = [RowSampling(seed=0), RowSampling(seed=1)]

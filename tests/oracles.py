@@ -313,3 +313,18 @@ def assert_written_records_match_rescoring(
             request, hf_teacher, hf_theta, vocab, "kl_symmetry", atol, temperature=sampling["temperature"]
         )
     return checked
+
+
+def rows_sent_to_the_reference(monkeypatch) -> list[int]:
+    """Spy on ``decide()``'s torch reference: the returned list gets the row count of every batch it is given."""
+    from dual_sampling.decision import pipeline
+
+    counts: list[int] = []
+    reference = pipeline._decide_reference
+
+    def recorded(teacher_logits, *args, **kwargs):
+        counts.append(teacher_logits.shape[0])
+        return reference(teacher_logits, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_decide_reference", recorded)
+    return counts

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from alpha import get_alpha_computer
-from dual_sampling.decision import kernel, pipeline
+from dual_sampling.decision import kernel
 from dual_sampling.decision.fusable import kernel_rows
 from dual_sampling.decision.kernel import decide_fused
 from dual_sampling.decision.pipeline import Decision, RowSampling, counter_uniform, decide
+from tests.oracles import rows_sent_to_the_reference
 from tests.tolerances import ALPHA_ATOL, ONE_NORMALISATION_ATOL, TWO_NORMALISATIONS_ATOL
 
 
@@ -245,14 +246,7 @@ def test_decide_gives_an_unconverged_row_to_the_reference_and_counts_it(monkeypa
     """decide() on the CPU: the row the kernel could not solve in its passes is decided by the reference (which
     solves it in its own), matches decide() with every row on the reference, and is flagged in the Decision."""
     monkeypatch.setattr(kernel, "_MAX_PASSES", 1)
-    reference_rows = []
-    reference = pipeline._decide_reference
-
-    def recorded(teacher_logits, *args, **kwargs):
-        reference_rows.append(teacher_logits.shape[0])
-        return reference(teacher_logits, *args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "_decide_reference", recorded)
+    reference_rows = rows_sent_to_the_reference(monkeypatch)
     teacher, theta, warm = unconverged_case(seed=14)
     rows = [RowSampling(seed=0), RowSampling(seed=1)]
     computer = get_alpha_computer("kl_symmetry")
