@@ -136,8 +136,8 @@ class SpeculativeSampler:
                 self._fail(i, pairing, ErrorCode.BAD_LOGITS, span.step, out, "non-finite logits")
         # Checked: the drafts up to and including a round's first rejection (those after it are never looked at), so
         # accepted / checked estimates the per-position acceptance Σ min(π_θ, q).
-        s.add_stat(Stat.DRAFTED, sum(min(len(g[0].drafts), g[4].accepted + 1) for g in good))
-        s.add_stat(Stat.ACCEPTED, sum(g[4].accepted for g in good))
+        s.add_stat(Stat.DRAFTED, sum(min(len(span.drafts), r.accepted + 1) for span, *_, r in good))
+        s.add_stat(Stat.ACCEPTED, sum(r.accepted for *_, r in good))
         for span, i, pairing, left, r in good:
             emitted = min(len(r.tokens), left)
             records = torch.stack([r.alpha, r.logp_teacher, r.logp_theta, r.logq], -1)[:emitted]

@@ -94,8 +94,8 @@ class Round:
     logp_theta: Tensor
     logq: Tensor
     finite: bool = True
-    """False when a row of the span was not finite (a teacher logit not finite, a θ value NaN or +inf): then nothing
-    above is meaningful and the request must fail."""
+    """False when a row of the span was not finite (a teacher logit not finite; a θ value NaN or +inf, or no finite θ
+    value at all): then nothing above is meaningful and the request must fail."""
 
 
 def verify_drafts(
