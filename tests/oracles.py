@@ -250,9 +250,13 @@ def assert_records_match_rescoring(
     alpha_method: str,
     atol: float = RESCORE_ATOL,
     alpha_config=None,
+    worst: dict[str, float] | None = None,
     **sampling,
 ) -> int:
-    """Check every sample of ``request`` against the oracle (``sampling``: the options used); return tokens checked."""
+    """Check every sample of ``request`` against the oracle (``sampling``: the options used); return tokens checked.
+
+    ``worst``, if given, is raised to the largest |recorded − oracle| of each record (alpha, logp_teacher,
+    logp_theta, logq; nats, α unitless) before the checks run, so a failing check still reports its figure."""
     checked = 0
     for sample in request.samples:
         assert sample.error is None, sample.error
@@ -262,6 +266,18 @@ def assert_records_match_rescoring(
             alpha[0] = 1.0
         tok = torch.tensor(sample.token_ids).unsqueeze(-1)
         recorded_alpha = torch.tensor(sample.alpha, dtype=torch.float64)
+        # q at the recorded α: the α check below is separate, so an α inside its tolerance is not counted twice.
+        logq = reference_logq(lth, lt, recorded_alpha, **sampling).gather(-1, tok).squeeze(-1)
+        if worst is not None:
+            expected = {
+                "alpha": alpha,
+                "logp_teacher": lt.gather(-1, tok).squeeze(-1),
+                "logp_theta": lth.gather(-1, tok).squeeze(-1),
+                "logq": logq,
+            }
+            for name, value in expected.items():
+                off = (torch.tensor(getattr(sample, name), dtype=torch.float64) - value).abs().max().item()
+                worst[name] = max(worst.get(name, 0.0), off)
         # A forced first step has α = 1 exactly; the conditioning allowance below is for solved steps only.
         forced = 1 if sampling.get("force_first_token") else 0
         torch.testing.assert_close(recorded_alpha[:forced], alpha[:forced], atol=atol, rtol=0)
@@ -271,8 +287,6 @@ def assert_records_match_rescoring(
             assert_trust_region_alpha(recorded_alpha, alpha, lth, lt, alpha_config["kl_budget"], atol)
         else:
             torch.testing.assert_close(recorded_alpha, alpha, atol=atol, rtol=0)
-        # q at the recorded α: the α check above is separate, so an α inside its tolerance is not counted twice.
-        logq = reference_logq(lth, lt, recorded_alpha, **sampling).gather(-1, tok).squeeze(-1)
         assert torch.isfinite(logq).all(), "a sampled token lies outside the support the options allow"
         torch.testing.assert_close(
             torch.tensor(sample.logp_teacher, dtype=torch.float64), lt.gather(-1, tok).squeeze(-1), atol=atol, rtol=0
@@ -285,6 +299,48 @@ def assert_records_match_rescoring(
         )
         checked += len(sample.token_ids)
     return checked
+
+
+def assert_dense_match_rescoring(request, hf_teacher, hf_theta, vocab: int, k: int, atol=RESCORE_ATOL) -> float:
+    """Every sample's dense top-k payload against re-scoring; return the largest |recorded − oracle| (nats).
+
+    For each model (role 0 the teacher, 1 theta): the k ids are that model's own most likely tokens, untempered and
+    unfiltered, with its log-probabilities there in descending order, and the other model's at the same ids. Where
+    the sampled token is among them, its dense value and its record are one number.
+    """
+    largest = 0.0
+    for s in request.samples:
+        assert s.dense_ids.shape == s.dense_logp.shape == s.dense_other_logp.shape == (len(s.token_ids), 2, k)
+        assert s.dense_ids.dtype == np.int32 and np.isfinite(s.dense_logp).all()
+        assert np.isfinite(s.dense_other_logp).all()
+        rescored = [
+            rescore(model, prompt, s.token_ids, vocab)
+            for model, prompt in (
+                (hf_teacher, request.teacher_prompt_token_ids),
+                (hf_theta, request.theta_prompt_token_ids),
+            )
+        ]
+        for role, rows in enumerate(rescored):
+            ids = torch.from_numpy(s.dense_ids[:, role].astype(np.int64))
+            got = torch.from_numpy(s.dense_logp[:, role]).double()
+            other = torch.from_numpy(s.dense_other_logp[:, role]).double()
+            largest = max(
+                largest,
+                (got - rows.gather(1, ids)).abs().max().item(),
+                (other - rescored[1 - role].gather(1, ids)).abs().max().item(),
+            )
+            assert torch.allclose(got, rows.gather(1, ids), atol=atol, rtol=0)
+            kth = rows.topk(k, dim=-1).values[:, -1]
+            # No token outside the set is more likely than its least likely (ties at float32 resolution aside); one
+            # normaliser per row, so the values order exactly as the engine's logits do.
+            assert (got[:, -1] >= kth - 2 * atol).all() and (got[:, :-1] >= got[:, 1:]).all()
+            assert torch.allclose(other, rescored[1 - role].gather(1, ids), atol=atol, rtol=0)
+        for t, token in enumerate(s.token_ids):
+            for role, record in enumerate((s.logp_teacher, s.logp_theta)):
+                hit = np.flatnonzero(s.dense_ids[t, role] == token)
+                if hit.size:
+                    assert s.dense_logp[t, role, hit[0]] == np.float32(record[t])
+    return largest
 
 
 def assert_written_records_match_rescoring(

@@ -11,7 +11,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import psutil
 import pytest
 import torch
@@ -19,8 +18,14 @@ import torch
 from dual_sampling import EnginePairDead, OptimalSamplingDual, SamplingOptions
 from dual_sampling.testing import tiny_models
 from tests import processes
-from tests.oracles import assert_records_match_rescoring, oracle_rows, reference_logq, rescore
-from tests.tolerances import RESCORE_ATOL, TWO_NORMALISATIONS_ATOL
+from tests.oracles import (
+    assert_dense_match_rescoring,
+    assert_records_match_rescoring,
+    oracle_rows,
+    reference_logq,
+    rescore,
+)
+from tests.tolerances import TWO_NORMALISATIONS_ATOL
 
 pytestmark = pytest.mark.engine
 
@@ -54,34 +59,7 @@ def test_dense_logprobs_are_each_models_own_top_k(dual_engine, hf_models):
     out = dual_engine.generate(PROMPTS[1:3], max_tokens=10, temperature=0.7, top_k=5, seed=11, dense_logprobs=k)
     assert_three_streams_agree(out)
     for req in out.requests:
-        s = req.samples[0]
-        assert s.dense_ids.shape == s.dense_logp.shape == s.dense_other_logp.shape == (len(s.token_ids), 2, k)
-        assert s.dense_ids.dtype == np.int32 and np.isfinite(s.dense_logp).all()
-        assert np.isfinite(s.dense_other_logp).all()
-        rescored = [
-            rescore(model, prompt, s.token_ids, dual_engine.vocab)
-            for model, prompt in zip(hf_models, (req.teacher_prompt_token_ids, req.theta_prompt_token_ids))
-        ]
-        for role, rows in enumerate(rescored):
-            ids = torch.from_numpy(s.dense_ids[:, role].astype(np.int64))
-            got = torch.from_numpy(s.dense_logp[:, role]).double()
-            # Each recorded value is the model's log-probability of its token, and no token outside the set is
-            # more likely than the set's least likely (ties at float32 resolution aside).
-            assert torch.allclose(got, rows.gather(1, ids), atol=RESCORE_ATOL, rtol=0)
-            kth = rows.topk(k, dim=-1).values[:, -1]
-            # One normaliser per row: the values order exactly as the engine's logits do.
-            assert (got[:, -1] >= kth - 2 * RESCORE_ATOL).all() and (got[:, :-1] >= got[:, 1:]).all()
-            # The other model at the same ids (log π_θ at the teacher's top k, log π_t at theta's), re-scored.
-            other = torch.from_numpy(s.dense_other_logp[:, role]).double()
-            assert torch.allclose(other, rescored[1 - role].gather(1, ids), atol=RESCORE_ATOL, rtol=0)
-        # The sampled token's own records are the dense rows' values wherever it is among the top k: one number.
-        for t, token in enumerate(s.token_ids):
-            hit = np.flatnonzero(s.dense_ids[t, 0] == token)
-            if hit.size:
-                assert s.dense_logp[t, 0, hit[0]] == np.float32(s.logp_teacher[t])
-            hit = np.flatnonzero(s.dense_ids[t, 1] == token)
-            if hit.size:
-                assert s.dense_logp[t, 1, hit[0]] == np.float32(s.logp_theta[t])
+        assert_dense_match_rescoring(req, *hf_models, dual_engine.vocab, k)
     plain = dual_engine.generate(PROMPTS[1:2], max_tokens=4, seed=11)
     assert plain.requests[0].samples[0].dense_ids is None
     with pytest.raises(ValueError, match="dense_logprobs"):

@@ -202,65 +202,6 @@ def test_an_update_with_requests_in_flight_never_mixes_versions(restore, hf_mode
     assert s.session.held_slots() == []
 
 
-# ---------------------------------------------------------------------- tied word embeddings
-
-
-@pytest.fixture(scope="module")
-def tied():
-    """A pair whose models tie their output projection to their input embedding (as most small students do),
-    on an engine of its own, with their transformers copies."""
-    from transformers import AutoModelForCausalLM
-
-    from dual_sampling.testing import tiny_models
-
-    folders = tiny_models.tiny_pair("same", tied=True)
-    hf = [AutoModelForCausalLM.from_pretrained(f, dtype=torch.float32).eval() for f in folders]
-    assert all(m.config.tie_word_embeddings for m in hf)
-    with OptimalSamplingDual(*folders, max_num_seqs=4, max_model_len=512, sync_timeout=30, use_tqdm=False) as s:
-        yield s, folders, hf
-
-
-def perturbed(model, seed: int):
-    """A copy of ``model`` with new input embeddings (so, tied, a new output projection) and a changed body."""
-    import copy
-
-    changed = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        embedding = changed.get_input_embeddings().weight
-        embedding.add_(0.5 * embedding.std() * torch.randn(embedding.shape, generator=generator))
-        changed.model.layers[0].mlp.down_proj.weight.mul_(1.5)
-    assert changed.get_output_embeddings().weight is changed.get_input_embeddings().weight
-    return changed
-
-
-def test_tied_models_take_new_weights_whole_by_state_dict_and_by_folder(tied, tmp_path):
-    """A tied output projection follows its embedding on every kind of update, on both engines.
-
-    Before the fix (vLLM's CPU reload left the projection's packed matmul weights as they were) the engine's log π
-    here matched the new body with the old projection, off by nats from the new model.
-    """
-    s, (teacher_folder, theta_folder), (hf_teacher, hf_theta) = tied
-    cached = one(s, LONG_PROMPT, max_tokens=8, seed=11, n=2)  # the prompt's blocks are now cached on both engines
-    assert assert_drawn_from(cached, hf_teacher, hf_theta, s.vocab) > 0
-    new_theta = perturbed(hf_theta, seed=1)
-    s.update_theta(new_theta.state_dict(), version="theta-perturbed")
-    for prompt in (LONG_PROMPT, "Once upon a time"):
-        assert assert_drawn_from(one(s, prompt, max_tokens=12, seed=4), hf_teacher, new_theta, s.vocab) > 0
-    new_teacher = perturbed(hf_teacher, seed=2)
-    s.update_teacher(new_teacher.state_dict(), version="teacher-perturbed")
-    assert assert_drawn_from(one(s, LONG_PROMPT, max_tokens=12, seed=5), new_teacher, new_theta, s.vocab) > 0
-    # A folder: the perturbed teacher saved as transformers saves a tied model (no lm_head.weight in it).
-    new_teacher.save_pretrained(tmp_path / "teacher")
-    s.update_theta(str(tmp_path / "teacher"), version="theta-from-folder")
-    after = one(s, LONG_PROMPT, max_tokens=12, seed=6)
-    assert after.samples[0].theta_version == "theta-from-folder"
-    assert assert_drawn_from(after, new_teacher, new_teacher, s.vocab) > 0
-    s.update_teacher(str(teacher_folder))
-    s.update_theta(str(theta_folder))
-    assert assert_drawn_from(one(s, LONG_PROMPT, max_tokens=8, seed=11, n=2), hf_teacher, hf_theta, s.vocab) > 0
-
-
 # ---------------------------------------------------------------------- vLLM's RL routes on the server
 
 

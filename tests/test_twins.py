@@ -34,7 +34,7 @@ EXPECTED = {
         ("LlamaForCausalLM", 0, True, [0, 5, 2], "float32"),
     ),
     "gemma3": (("Gemma3ForCausalLM", 0, True, [2, 0], "float32"), ("Gemma3ForCausalLM", 0, True, [2, 0], "float32")),
-    "mixed": (("Qwen2ForCausalLM", 0, False, [2, 0], "float32"), ("LlamaForCausalLM", 0, True, 2, "float32")),
+    "mixed": (("Qwen2ForCausalLM", 0, False, [2, 0], "float32"), ("LlamaForCausalLM", 0, False, 2, "float32")),
     "mixed-dtype": (
         ("Qwen2ForCausalLM", 192, True, [2, 0], "bfloat16"),
         ("Qwen2ForCausalLM", 192, True, [2, 0], "float32"),

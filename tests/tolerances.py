@@ -62,6 +62,10 @@ TWO_NORMALISATIONS_ATOL = 2 * ONE_NORMALISATION_ATOL
 """One log-probability computed from the same float32 logits by two normalisations (the kernel and torch's
 log_softmax; a mixture at α = 1 and the teacher's own): each within ONE_NORMALISATION_ATOL of the exact value."""
 
+BF16_RESCORE_ATOL = 0.25
+"""|engine log π − transformers re-scoring| where a tiny model runs in bfloat16 in the engine and the oracle keeps
+float32 (its stored bfloat16 weights, upcast exactly): PROVISIONAL."""
+
 ALPHA_ATOL = 5e-6
 """|α − float64 root| for a float32 solve: the solvers stop within ``tol`` = 1e-6 of the root of their own float32
 E_q[d] (the kernel's rule keeps α within tol; the reference's too where Var_q(d) ≥ 1), and that float32 E_q[d] is off
