@@ -13,63 +13,120 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
+import re
 import sys
 import typing
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from dual_sampling.run_settings import composed_parts
+
 __all__ = ["build_parser", "main"]
 
 
+_MARKUP = re.compile(r":[a-z]+:`(~?)([^`]*)`|``([^`]*)``|`([^`]*)`")
+"""Sphinx roles (``:class:`x```), inline literals and default-role text in a docstring."""
+
+
+def _plain(text: str) -> str:
+    """``text`` without reStructuredText markup (a ``~`` role keeps the last dotted part, as Sphinx shows it)."""
+
+    def unmarked(m: re.Match) -> str:
+        if m.group(2) is not None:
+            return m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2)
+        return m.group(3) if m.group(3) is not None else m.group(4)
+
+    return _MARKUP.sub(unmarked, text)
+
+
 def _field_help(cls: type) -> dict[str, str]:
-    """The docstring written under each field of ``cls``, by field name: the one source of the ``--help`` text."""
+    """The docstring written under each field of ``cls``, by field name, in plain text: the one source of the
+    ``--help`` text."""
     import docstring_parser
 
     docs = docstring_parser.parse_from_object(cls).params
-    # argparse formats help with %, so a literal one is doubled
-    return {p.arg_name: " ".join((p.description or "").split()).replace("%", "%%") for p in docs}
+    return {p.arg_name: _plain(" ".join((p.description or "").split())) for p in docs}
 
 
-def _flags(cls: type) -> type:
-    """The fields of ``cls`` that are flags, as the dataclass :class:`HfArgumentParser` reads.
-
-    The parser is handed this copy, not ``cls``: it rewrites the fields it reads (their types), and it
-    would make a flag of a composed dataclass (``RunConfig.sampling``).
-    Each field carries its docstring as ``metadata["help"]`` and no default: a flag not given is left
-    out, so the ``--config`` file and then the dataclass supply it.
-    """
-    hints = typing.get_type_hints(cls)
-    docs = _field_help(cls)
-    specs = []
-    for f in dataclasses.fields(cls):
-        kind = hints[f.name]
-        if dataclasses.is_dataclass(kind):  # a composed config: its own fields are the flags
-            continue
-        metadata: dict[str, Any] = {"help": docs.get(f.name, "")}
-        if typing.get_origin(kind) is dict:  # HfArgumentParser cannot parse a dict: it is given as JSON
-            kind, metadata["metavar"] = json.loads, "JSON"
-        elif typing.get_origin(kind) is list:  # its lists take 1+ values; `--stop` alone stays the empty list
-            kind, metadata["nargs"] = typing.get_args(kind)[0], "*"
-        specs.append((f.name, kind, dataclasses.field(default=argparse.SUPPRESS, metadata=metadata)))
-    return dataclasses.make_dataclass(cls.__name__, specs)
+def _shown(value: Any) -> str:
+    """A default as a user would type it: JSON for dicts and lists, true/false, the bare value otherwise."""
+    if isinstance(value, bool | dict | list):
+        return json.dumps(value)
+    return str(value)
 
 
-def _add_command(sub: Any, name: str, classes: Iterable[type], **kwargs: Any) -> argparse.ArgumentParser:
-    """A subcommand whose flags are the fields of ``classes``; a name two of them share fails here (argparse's
-    conflicting option string), never silently resolved."""
-    views = [_flags(cls) for cls in classes]
-    parser = sub.add_parser(name, dataclass_types=views, **kwargs)
-    # HfArgumentParser adds --no-x only to a flag whose default is True; every boolean has --x and --no-x.
-    for view in views:
-        for f in dataclasses.fields(view):
-            if f.type is bool:
-                no = [f"--no_{f.name}", f"--no-{f.name.replace('_', '-')}"]
-                parser.add_argument(
-                    *no, action="store_false", dest=f.name, default=argparse.SUPPRESS, help=f"set {f.name} to false"
-                )
+class _Switch(argparse.Action):
+    """A boolean flag: ``--x`` sets it, ``--no-x`` clears it (each with its underscore spelling too)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        dashed = option_strings[0][2:]
+        self.negatives = [f"--no-{dashed}", f"--no_{dashed.replace('-', '_')}"]
+        super().__init__([*option_strings, *self.negatives], dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, option_string not in self.negatives)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Lists each flag by its dashed spellings only (``--max-tokens``; ``--max_tokens`` is accepted too)."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        dashed = [s for s in action.option_strings if "_" not in s]
+        if not action.option_strings or not dashed:
+            return super()._format_action_invocation(action)
+        if action.nargs == 0:
+            return ", ".join(dashed)
+        return ", ".join(
+            f"{s} {self._format_args(action, self._get_default_metavar_for_optional(action))}" for s in dashed
+        )
+
+
+def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, kind: Any, help_text: str, default: Any) -> None:
+    """One field as a flag. No parser default: a flag not given is left out of the namespace, so the ``--config``
+    file and then the dataclass supply it; the help shows the default the run would use."""
+    names = [f"--{f.name.replace('_', '-')}"] + ([f"--{f.name}"] if "_" in f.name else [])
+    if default is dataclasses.MISSING:
+        help_text += " (required)"
+    elif "(default:" not in help_text:  # a docstring may say what its default means itself
+        help_text += f" (default: {_shown(default)})"
+    common: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
+    if kind is bool:
+        parser.add_argument(*names, action=_Switch, **common)
+        return
+    args = typing.get_args(kind)
+    if type(None) in args:  # X | None: the flag takes an X; None is the default a flag cannot name
+        kind = next(a for a in args if a is not type(None))
+    if typing.get_origin(kind) is dict:
+        parser.add_argument(*names, type=json.loads, metavar="JSON", **common)
+    elif typing.get_origin(kind) is list:  # `--stop` alone stays the empty list
+        parser.add_argument(*names, type=typing.get_args(kind)[0], nargs="*", **common)
+    else:
+        parser.add_argument(*names, type=kind, metavar=f.name.upper(), **common)
+
+
+def _add_command(
+    sub: Any, name: str, classes: Iterable[type], ignored: frozenset[str] = frozenset(), **kwargs: Any
+) -> argparse.ArgumentParser:
+    """A subcommand whose flags are the fields of ``classes`` (a composed config is not one: its own fields are);
+    ``ignored``: fields the command has no use for, left out. A name two of them share fails here (argparse's
+    conflicting option string), never silently resolved.
+
+    ``classes[0]`` may carry ``PART_DEFAULTS`` (a run's own defaults for its parts' fields): the help shows
+    those."""
+    classes = list(classes)
+    run_defaults = getattr(classes[0], "PART_DEFAULTS", {})
+    part_of = {part_cls: part for part, part_cls in composed_parts(classes[0]).items()}
+    parser = sub.add_parser(name, formatter_class=_HelpFormatter, **kwargs)
+    for cls in classes:
+        hints, docs = typing.get_type_hints(cls), _field_help(cls)
+        overrides = run_defaults.get(part_of.get(cls), {})
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]) or f.name in ignored:
+                continue
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            _add_field(parser, f, hints[f.name], docs.get(f.name, ""), overrides.get(f.name, default))
     return parser
 
 
@@ -157,21 +214,24 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from transformers import HfArgumentParser
+_NO_PROGRESS_BAR = frozenset({"use_tqdm"})
+"""What ``serve`` and ``distill`` leave out: they draw no progress bar (a server has no terminal to draw on, and a
+distillation round logs its own line)."""
 
+
+_CONFIG_HELP = "YAML file with the same keys as the flags, in either spelling; flags override it (default: none)"
+
+
+def build_parser() -> argparse.ArgumentParser:
     from dual_sampling.datagen.run_config import RunConfig
     from dual_sampling.distill import DistillConfig
     from dual_sampling.options import EngineOptions
-    from dual_sampling.run_settings import composed_parts
     from dual_sampling.server.serve_options import ServeOptions
 
     parser = argparse.ArgumentParser(
         prog="dual-sampling", description="Sample from the geometric mixture of two models."
     )
-    # HfArgumentParser's own formatter adds "(default: ...)", which the flags (none has a parser default) never show
-    commands = functools.partial(HfArgumentParser, formatter_class=argparse.HelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=commands)
+    sub = parser.add_subparsers(dest="command", required=True)
 
     g = _add_command(
         sub,
@@ -180,30 +240,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="run (or resume) a distillation data-generation run",
         description="Generate one record per (problem, sample) from the teacher/theta mixture.",
     )
-    g.add_argument("--config", help="YAML file with the same keys as the flags (flags override it)")
+    g.add_argument("--config", help=_CONFIG_HELP)
     g.set_defaults(run=_generate)
 
     d = _add_command(
         sub,
         "distill",
         (DistillConfig, *composed_parts(DistillConfig).values()),
+        ignored=_NO_PROGRESS_BAR,
         help="run (or resume) on-policy distillation: sample from q, train θ, push its weights, evaluate",
         description="Each round samples from the mixture with the current θ, trains θ on the samples (importance "
         "weights π_θ/q), pushes the new weights into the theta engine without a restart and evaluates on held-out "
         "prompts. Writes metrics.jsonl, a checkpoint per round and plot.png to --output.",
     )
-    d.add_argument("--config", help="YAML file with the same keys as the flags (flags override it)")
+    d.add_argument("--config", help=_CONFIG_HELP)
     d.set_defaults(run=_distill)
 
-    r = sub.add_parser("report", help="plots and a Markdown summary of a records file")
-    r.add_argument("records", help="a .jsonl or .parquet records file written by generate")
-    r.add_argument("--out-dir", help="where to write (default: RECORDS.report/)")
+    r = sub.add_parser("report", help="plots and a Markdown summary of the records a generate run wrote")
+    r.add_argument("records", help="what generate wrote: a .jsonl or .parquet file, or a directory of Parquet parts")
+    r.add_argument("--out-dir", "--out_dir", help="where to write (default: RECORDS.report/)")
     r.set_defaults(run=_report)
 
     s = _add_command(
         sub,
         "serve",
         (ServeOptions, EngineOptions),
+        ignored=_NO_PROGRESS_BAR,
         help="serve the mixture behind an OpenAI-compatible HTTP API",
         description="Serve the teacher/theta mixture: /v1/completions, /v1/chat/completions, "
         "/v1/models, /health, /metrics.",
@@ -213,7 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(run=_serve)
 
     m = sub.add_parser("models", help="build the default SmolLM2 teacher and pruned theta folders (no download)")
-    m.add_argument("--keep-layers", type=int, default=24, help="decoder layers the theta model keeps (of 30)")
+    m.add_argument(
+        "--keep-layers",
+        "--keep_layers",
+        type=int,
+        default=24,
+        help="decoder layers the theta model keeps, of 30 (default: 24)",
+    )
     m.set_defaults(run=_models)
     return parser
 

@@ -16,7 +16,6 @@ import typing
 from dataclasses import dataclass
 
 import pytest
-from transformers import HfArgumentParser
 
 from dual_sampling import cli
 from dual_sampling.datagen.run_config import RunConfig
@@ -84,18 +83,61 @@ def test_help_is_the_docstring_under_each_field(helps, command, owner, text):
     assert text in helps[command], f"{owner.__name__}'s field docstring {text!r} is not in `{command} --help`"
 
 
+IGNORED = {"generate": set(), "distill": {"use_tqdm"}, "serve": {"use_tqdm"}}
+"""Fields a command has no use for, so no flag (neither draws a progress bar)."""
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_field_is_a_flag_and_a_composed_config_is_not(helps, command):
     for cls in COMMANDS[command]:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            if dataclasses.is_dataclass(hints[f.name]):  # RunConfig.sampling / .engine: their fields are flags
-                assert not has_flag(helps[command], flag), f"{flag} is a composed config, not a flag"
+            if dataclasses.is_dataclass(hints[f.name]) or f.name in IGNORED[command]:
+                # RunConfig.sampling / .engine: their fields are flags; an ignored field is refused, not taken
+                assert not has_flag(helps[command], flag), f"{flag} is in `{command} --help`"
                 continue
             assert has_flag(helps[command], flag), f"{cls.__name__}.{f.name} has no {flag} in `{command}`"
             if hints[f.name] is bool:  # every boolean can be turned off as well as on
                 assert has_flag(helps[command], "--no-" + flag[2:]), f"no --no-{flag[2:]} in `{command}`"
+    for name in IGNORED[command]:
+        done = run_cli_here(command, "--" + name.replace("_", "-"))
+        assert done.returncode == 2 and "unrecognized arguments" in done.stderr, done.stderr
+
+
+def _flags_of(command: str) -> list[argparse.Action]:
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    return [a for a in sub._actions if a.option_strings and a.dest != "help"]
+
+
+@pytest.mark.parametrize("command", [*COMMANDS, "report", "models"])
+def test_every_flag_shows_its_default_in_plain_text_and_takes_both_spellings(command):
+    """Each flag's help ends with its default (or says it is required); no reStructuredText markup reaches it; the
+    dashed spelling comes first (usage shows it) and the underscore spelling is accepted too; a boolean is listed
+    as --x, --no-x."""
+    help_text = " ".join(run_cli_here(command, "--help").stdout.split())
+    usage = help_text.split(" options: ")[0]
+    for action in _flags_of(command):
+        dashed, *others = action.option_strings
+        assert dashed.startswith("--") and "_" not in dashed, action.option_strings
+        assert "(default:" in action.help or "(required)" in action.help, f"{dashed}: {action.help!r}"
+        assert not re.search(r"``|:[a-z]+:`|`", action.help), f"{dashed} has markup: {action.help!r}"
+        assert "_" not in " ".join(re.findall(r"\[(--[^ \]]+)", usage)), usage
+        name = dashed[2:].replace("-", "_")
+        if "_" in name:
+            assert f"--{name}" in others, f"{dashed}: --{name} is not accepted"
+        if isinstance(action, cli._Switch):
+            assert f"--no-{dashed[2:]}" in action.option_strings and f"{dashed}, --no-{dashed[2:]}" in help_text
+
+
+def test_both_spellings_parse_to_one_setting():
+    parser = cli.build_parser()
+    for spelled in ("--max-tokens", "--max_tokens"):
+        assert parser.parse_args(["generate", spelled, "7"]).max_tokens == 7
+    for spelled, value in (("--no-resume", False), ("--no_resume", False), ("--resume", True)):
+        assert parser.parse_args(["generate", spelled]).resume is value
+    assert parser.parse_args(["serve", "--api-key", "k"]).api_key == "k"
 
 
 def test_unknown_flag_and_unknown_config_key_exit_2_naming_them(tmp_path):
@@ -149,8 +191,8 @@ def test_a_name_two_configs_share_fails_when_the_parser_is_built():
         """Two's top_k."""
 
     parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers(parser_class=HfArgumentParser)
-    with pytest.raises(argparse.ArgumentError, match="conflicting option strings?: --top_k"):
+    sub = parser.add_subparsers()
+    with pytest.raises(argparse.ArgumentError, match="conflicting option strings?: --top-k"):
         cli._add_command(sub, "both", (One, Two))
     assert cli._add_command(sub, "one", (One,)).parse_args(["--top-k", "5"]).top_k == 5  # alone it builds
 

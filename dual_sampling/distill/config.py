@@ -131,6 +131,11 @@ class DistillConfig:
             )
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.engine.mode != "lockstep":
+            raise ValueError(
+                f"mode={self.engine.mode!r}: distillation pushes new θ weights into the theta engine every round, and "
+                "only mode='lockstep' takes them (the speculative mode's draft model is loaded once)"
+            )
         if self.weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
         if not self.tokens_per_round and self.prompts_per_round * self.sampling.n < self.steps_per_round:
