@@ -291,6 +291,17 @@ class EngineOptions:
     """How theta's rows reach the teacher's decision (``lockstep.row_channel``): "host" (shared memory, the CPU's),
     "pinned" (that memory page-locked for the GPUs), "device" (a buffer on the teacher's GPU, shared by CUDA IPC),
     or "auto": device, then pinned, then host, whichever these engines can use. Refused by name at start if not."""
+    teacher_device: int | None = field(default=None, metadata=RUNTIME_ONLY)
+    """CUDA only: the GPU the teacher engine runs on, by this process's numbering (a CUDA_VISIBLE_DEVICES of this
+    process applies first); None: the first. Its processes see that GPU alone (driver/placement.py)."""
+    theta_device: int | None = field(default=None, metadata=RUNTIME_ONLY)
+    """CUDA only: the GPU the theta engine runs on, as teacher_device; the same GPU as the teacher's or another."""
+    teacher_gpu_memory: float | None = field(default=None, metadata=RUNTIME_ONLY)
+    """CUDA only: the share of its GPU's memory the teacher engine may take in all, in (0, 1) (vLLM's
+    gpu_memory_utilization). None: 0.9 on a GPU of its own; on a GPU both engines share, 0.9 split between them in
+    proportion to their weights and KV caches. A share that cannot hold them is refused before any engine starts."""
+    theta_gpu_memory: float | None = field(default=None, metadata=RUNTIME_ONLY)
+    """CUDA only: the theta engine's share of its GPU's memory, as teacher_gpu_memory."""
     max_dense_logprobs: int = field(default=0, metadata=RUNTIME_ONLY)
     """The largest ``dense_logprobs`` a request may ask for. Shared memory holds 24·k bytes per token of every slot's
     context (ids, own and other log-probabilities of both models' top k; k = 64: 1.5 KiB per token, 3 MiB per slot at
@@ -350,6 +361,15 @@ class EngineOptions:
             self.row_transport in ROW_TRANSPORTS,
             f"row_transport must be one of {ROW_TRANSPORTS}, got {self.row_transport!r}",
         )
+        for name in ("teacher_device", "theta_device"):
+            value = getattr(self, name)
+            _need(value is None or (is_int(value) and value >= 0), f"{name} must be a GPU index >= 0, got {value!r}")
+        for name in ("teacher_gpu_memory", "theta_gpu_memory"):
+            value = getattr(self, name)
+            _need(
+                value is None or (is_number(value) and 0 < value < 1),
+                f"{name} must be a share of the GPU's memory in (0, 1), got {value!r}",
+            )
         for name in ("teacher_engine_kwargs", "theta_engine_kwargs"):
             _need(isinstance(getattr(self, name), dict), f"{name} must be a dict of vLLM engine arguments")
         _need(self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}")

@@ -215,7 +215,9 @@ def test_config_names_the_bad_field(tmp_path):
             {"prompts": "p", "output": "o", "teacher": "t", "theta": "s", "loss_top_k": 8, "dense_logprobs": 4}
         )
     with pytest.raises(ValueError, match="mode='speculative': distillation pushes new θ weights"):
-        DistillConfig.from_settings({"prompts": "p", "output": "o", "teacher": "t", "theta": "s", "mode": "speculative"})
+        DistillConfig.from_settings(
+            {"prompts": "p", "output": "o", "teacher": "t", "theta": "s", "mode": "speculative"}
+        )
     for name, value in (("max_weight", 0), ("learning_rate", -1.0), ("rounds", True), ("max_grad_norm", math.nan)):
         with pytest.raises(ValueError, match=f"^{name} must be"):
             DistillConfig(prompts="p.jsonl", output=str(tmp_path), source=PAIR, **{name: value})

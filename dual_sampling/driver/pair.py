@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from dual_sampling.driver import engine_processes
+from dual_sampling.driver import engine_processes, placement
 from dual_sampling.lockstep import (
     SHM_DIR,
     LockstepConfig,
@@ -83,7 +83,9 @@ class EnginePair:
                     f"{role}_engine_kwargs sets {', '.join(overridden)}; the dual engine sets these itself "
                     "(use the DualEngineConfig fields where one exists)"
                 )
-        self.row_transport = _resolve_row_transport(config.row_transport)
+        self.places = self._place()
+        """Each engine's GPU and share of its memory (``driver.placement``); empty off CUDA."""
+        self.row_transport = _resolve_row_transport(config.row_transport, self.places)
         """The row channel both engines open (``lockstep.row_channel``), resolved here, before either starts."""
         self.binding = engine_processes.split_cpu_binding() if config.cpu_binding == "split" else {}
         self.engines: dict[str, Any] = {}
@@ -110,6 +112,41 @@ class EnginePair:
         return self.engines["theta"]
 
     # ------------------------------------------------------------------ start
+
+    ROLES: tuple[Role, ...] = (Role.TEACHER, Role.THETA)
+    """The engines this pair starts."""
+
+    def engine_need_bytes(self, role: Role) -> int:
+        """The least GPU memory ``role``'s engine can start in (its weights and KV cache)."""
+        return placement.engine_need_bytes(
+            self.config, Role(role).pick(self.config.model_teacher, self.config.model_theta), role, self.max_model_len
+        )
+
+    def _place(self) -> dict[Role, placement.EnginePlace]:
+        """Each engine's place on CUDA, checked before any starts (off CUDA, placement settings are refused)."""
+        from vllm.platforms import current_platform
+
+        placement.check_placement_settings(self.config, current_platform.device_type)
+        if current_platform.device_type != "cuda":
+            return {}
+        # NVML's figures: no CUDA context is made in this process, which would take memory on the engines' GPU.
+        gpu_bytes = [current_platform.get_device_total_memory(i) for i in range(current_platform.device_count())]
+        needs = {role: self.engine_need_bytes(role) for role in self.ROLES}
+        return placement.plan_placement(
+            self.config, self.ROLES, needs, gpu_bytes, os.environ.get("CUDA_VISIBLE_DEVICES")
+        )
+
+    def _placement_kwargs(self, role: Role) -> dict[str, Any]:
+        place = self.places.get(role)
+        return {"gpu_memory_utilization": place.memory_share} if place else {}
+
+    def _engine_environment(self, role: Role) -> contextlib.AbstractContextManager[None]:
+        """The environment ``role``'s engine processes are spawned in: its CPUs (``cpu_binding``) and its GPU."""
+        place = self.places.get(role)
+        stack = contextlib.ExitStack()
+        stack.enter_context(engine_processes.engine_cpus(self.binding.get(role)))
+        stack.enter_context(engine_processes.environment("CUDA_VISIBLE_DEVICES", place and place.visible_devices))
+        return stack
 
     def _user_kwargs(self, role: str) -> dict[str, Any]:
         return Role(role).pick(self.config.teacher_engine_kwargs, self.config.theta_engine_kwargs)
@@ -161,6 +198,7 @@ class EnginePair:
             self.base_kwargs(model, kv_bytes),
             scheduler_cls=role.pick(TeacherLockstepScheduler, ThetaLockstepScheduler),
             logits_processors=[role.pick(TeacherSyncLogitsProcessor, ThetaSyncLogitsProcessor)],
+            **self._placement_kwargs(role),
             additional_config=LockstepConfig(
                 role,
                 self.session_name,
@@ -220,10 +258,11 @@ class EnginePair:
         with ThreadPoolExecutor(2, thread_name_prefix="dual-sampling-start") as pool:
             futures = {}
             for role in Role:
-                with engine_processes.engine_cpus(self.binding.get(role)):
+                with self._engine_environment(role):
                     known = engine_processes.spawned_children()
                     futures[role] = pool.submit(start, role)
-                    if self.binding:
+                    # The environment is read when the engine's first process is spawned: keep it until then.
+                    if self.binding or self.places:
                         engine_processes.await_new_child(known, futures[role])
             errors = [_result_into(self.engines, role, futures.pop(role)) for role in Role]
         # Nothing in this frame refers to an engine any more: a lingering frame cannot keep one alive past close().
@@ -420,9 +459,10 @@ _RPC_BASE_LOCK = threading.Lock()
 """One pair of this process starts at a time: VLLM_RPC_BASE_PATH is process-wide while it is set."""
 
 
-def _resolve_row_transport(requested: str) -> str:
-    """The ``row_transport`` for engines on vLLM's platform here. Both engines start in this process's environment,
-    so they see the same GPUs and take the same one: the device transport needs nothing more."""
+def _resolve_row_transport(requested: str, places: dict[Role, placement.EnginePlace]) -> str:
+    """The ``row_transport`` for engines on vLLM's platform here, placed at ``places``: the device transport needs
+    both on one GPU (engines not placed see the same GPUs and take the same one)."""
     from vllm.platforms import current_platform
 
-    return resolve_transport(requested, current_platform.device_type)
+    devices = {place.visible_devices for place in places.values()}
+    return resolve_transport(requested, current_platform.device_type, same_device=len(devices) <= 1)

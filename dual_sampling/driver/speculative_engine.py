@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dual_sampling.driver import engine_processes
+from dual_sampling.driver import engine_processes, placement
 from dual_sampling.driver.pair import EnginePair, _qualname
 from dual_sampling.lockstep import Role
 from dual_sampling.options import default_kv_cache_bytes
@@ -44,6 +44,18 @@ class SpeculativeEngine(EnginePair):
     def gamma(self) -> int:
         return self.config.num_speculative_tokens
 
+    ROLES = (Role.TEACHER,)
+
+    def engine_need_bytes(self, role: Role) -> int:
+        """The one engine holds both models' weights and, unless ``kv_cache_memory_bytes`` is given, both models'
+        KV caches (see engine_kwargs)."""
+        cfg, theta = self.config, self.config.model_theta
+        if cfg.kv_cache_memory_bytes:
+            extra = placement.weight_bytes(theta, placement.engine_dtype(cfg, role))
+        else:
+            extra = placement.engine_need_bytes(cfg, theta, role, self.max_model_len)
+        return super().engine_need_bytes(role) + extra
+
     def engine_kwargs(self, role: str = Role.TEACHER) -> dict[str, Any]:
         cfg = self.config
         # Both models' KV share the engine's cache (max_model_len already holds the drafts' room).
@@ -59,6 +71,7 @@ class SpeculativeEngine(EnginePair):
                 "num_speculative_tokens": self.gamma,
                 "draft_sample_method": "probabilistic",
             },
+            **self._placement_kwargs(Role.TEACHER),
         )
         kwargs.update(cfg.teacher_engine_kwargs)
         return kwargs
@@ -69,7 +82,11 @@ class SpeculativeEngine(EnginePair):
 
         # One engine: its model threads may use every CPU (lockstep splits them between two).
         cpus = ",".join(map(str, sorted(os.sched_getaffinity(0)))) if self.binding else None
-        with engine_processes.engine_cpus(cpus):
+        place = self.places.get(Role.TEACHER)
+        with (
+            engine_processes.engine_cpus(cpus),
+            engine_processes.environment("CUDA_VISIBLE_DEVICES", place and place.visible_devices),
+        ):
             self.engines[Role.TEACHER] = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_kwargs()))
 
     def verify(self) -> None:
