@@ -214,6 +214,10 @@ def test_config_names_the_bad_field(tmp_path):
         DistillConfig.from_settings(
             {"prompts": "p", "output": "o", "teacher": "t", "theta": "s", "loss_top_k": 8, "dense_logprobs": 4}
         )
+    with pytest.raises(ValueError, match=r"^trainer_dtype must be one of \('float32', 'bfloat16'\), got 'float16'"):
+        DistillConfig(prompts="p.jsonl", output=str(tmp_path), source=PAIR, trainer_dtype="float16")
+    with pytest.raises(ValueError, match="^trainer_device must be a torch device"):
+        DistillConfig(prompts="p.jsonl", output=str(tmp_path), source=PAIR, trainer_device="gpu0")
     with pytest.raises(ValueError, match="mode='speculative': distillation pushes new θ weights"):
         DistillConfig.from_settings(
             {"prompts": "p", "output": "o", "teacher": "t", "theta": "s", "mode": "speculative"}
@@ -260,6 +264,43 @@ def small_run(tiny_same, prompts_file, tmp_path, **overrides) -> dict:
         engine=EngineOptions(max_dense_logprobs=16),
         **overrides,
     )
+
+
+def _distiller_without_engine(tiny_same, prompts_file, tmp_path, **settings) -> Distiller:
+    """A Distiller on the tiny pair with a stand-in for the dual engine (what the constructor reads of it), no
+    teacher loaded (eval_every=0)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    teacher, theta = tiny_same
+    tokenizer = AutoTokenizer.from_pretrained(teacher)
+    dual = SimpleNamespace(vocab=len(tokenizer), eos_token_ids={tokenizer.eos_token_id}, tokenizer=tokenizer)
+    cfg = DistillConfig(
+        prompts=str(prompts_file),
+        output=str(tmp_path / "run"),
+        source=ModelsAndPrompts(str(teacher), str(theta), prompt_field="question"),
+        eval_every=0,
+        **settings,
+    )
+    return Distiller(cfg, dual)
+
+
+def test_the_trainer_runs_where_and_how_it_is_told(tiny_same, prompts_file, tmp_path):
+    """trainer_dtype="bfloat16" runs the student's forwards under bfloat16 autocast and keeps its weights float32;
+    a CUDA trainer_device where torch sees none is refused by name before a model loads."""
+    ids = torch.tensor([[1, 2, 3, 4]])
+    plain = _distiller_without_engine(tiny_same, prompts_file, tmp_path)
+    with plain._forward():
+        assert plain.student(ids).logits.dtype == torch.float32
+    mixed = _distiller_without_engine(tiny_same, prompts_file, tmp_path, trainer_dtype="bfloat16")
+    with mixed._forward():
+        assert mixed.student(ids).logits.dtype == torch.bfloat16
+    assert {p.dtype for p in mixed.student.parameters()} == {torch.float32}
+    assert mixed.student.device == mixed.device == torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="trainer_device='cuda:0': torch sees no CUDA device here"):
+            _distiller_without_engine(tiny_same, prompts_file, tmp_path, trainer_device="cuda:0")
 
 
 def test_two_rounds_make_the_held_out_kl_fall_and_a_run_resumes(dual_engine, tiny_same, prompts_file, tmp_path):

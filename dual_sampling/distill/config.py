@@ -7,13 +7,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
+
 from alpha import get_alpha_computer
 from dual_sampling.checks import need_int, need_number
 from dual_sampling.distill.loss import LOSSES, WEIGHTINGS
 from dual_sampling.options import RUNTIME_ONLY, EngineOptions, SamplingOptions
 from dual_sampling.run_settings import ModelsAndPrompts, compose_settings, flat_settings, runtime_only
 
-__all__ = ["DistillConfig"]
+__all__ = ["TRAINER_DTYPES", "DistillConfig"]
+
+TRAINER_DTYPES = ("float32", "bfloat16")
+"""The trainer's compute dtypes (see ``DistillConfig.trainer_dtype``)."""
 
 
 @dataclass
@@ -82,6 +87,16 @@ class DistillConfig:
     times that passes. Raise it for a bf16 engine; ``inf`` lets every finite
     figure pass (a NaN still stops the run; the figures are reported either way). The trainer's figure is computed in
     training mode, as its loss is: a student with dropout would differ by its dropout, not by a stale θ."""
+    trainer_device: str = field(default="cpu", metadata=RUNTIME_ONLY)
+    """Where the student trains and the trainer's teacher runs (held-out metrics, ``reverse_full``): a torch device,
+    "cpu", "cuda" or "cuda:N". On a GPU the engines share, leave them room (``teacher_gpu_memory``,
+    ``theta_gpu_memory``): the trainer holds the student, its gradients and two AdamW moments, 16 bytes a parameter
+    in float32, and the teacher's weights."""
+    trainer_dtype: str = "float32"
+    """The trainer's compute dtype: "float32", or "bfloat16": forwards under bfloat16 autocast (on CUDA, its tensor
+    cores), the weights and AdamW's state kept in float32. bfloat16 rounding moves log π_θ by up to about 0.1 nats on
+    the two-layer twins (``BF16_RESCORE_ATOL`` in tests/tolerances.py), more in deeper models: raise
+    ``max_sampler_mismatch`` to match."""
     kl_budget_warmup_rounds: int = 0
     """With ``alpha_method: trust_region``: W, the rounds over which its ``kl_budget`` ε (of ``alpha_config``) falls
     linearly, as trust-region behaviour blending anneals it: round r samples with ε·max(0, 1 − (r − 1)/W), so round
@@ -131,6 +146,14 @@ class DistillConfig:
             )
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.trainer_dtype not in TRAINER_DTYPES:
+            raise ValueError(f"trainer_dtype must be one of {TRAINER_DTYPES}, got {self.trainer_dtype!r}")
+        try:
+            torch.device(self.trainer_device)
+        except (RuntimeError, TypeError):
+            raise ValueError(
+                f"trainer_device must be a torch device (cpu, cuda, cuda:1), got {self.trainer_device!r}"
+            ) from None
         if self.engine.mode != "lockstep":
             raise ValueError(
                 f"mode={self.engine.mode!r}: distillation pushes new θ weights into the theta engine every round, and "

@@ -43,7 +43,7 @@ def greedy(model: Any, prompts: Sequence[Sequence[int]], max_tokens: int, eos_id
     """Each prompt's greedy continuation (at most ``max_tokens``, ending at and without an EOS id)."""
     out = []
     for prompt in prompts:
-        ids = torch.tensor([list(prompt)])
+        ids = torch.tensor([list(prompt)], device=model.device)
         with torch.no_grad():
             gen = model.generate(
                 ids,
@@ -69,8 +69,8 @@ def sample(
     rows = [list(p) for p in prompts for _ in range(n)]
     width = max(map(len, rows))
     pad = eos_ids[0]
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=model.device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=model.device)
     config = GenerationConfig(
         do_sample=True,
         temperature=1.0,
@@ -95,8 +95,9 @@ def build_eval_set(teacher: Any, prompts: Sequence[Sequence[int]], max_tokens: i
 
 
 def forced_logp(model: Any, prompt: Sequence[int], tokens: Sequence[int], vocab: int) -> torch.Tensor:
-    """log-softmax rows ``[len(tokens), vocab]`` float64 predicting each of ``tokens`` after ``prompt``."""
-    ids = torch.tensor([list(prompt) + list(tokens)])
+    """log-softmax rows ``[len(tokens), vocab]`` float64 predicting each of ``tokens`` after ``prompt``, on the
+    model's device."""
+    ids = torch.tensor([list(prompt) + list(tokens)], device=model.device)
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(tokens), :vocab]
     return torch.log_softmax(logits.double(), -1)
@@ -131,12 +132,14 @@ def continuation_logp(
     if not live:
         return out
     with torch.no_grad():
-        head = model(torch.tensor([list(prompt)]), use_cache=True)
+        head = model(torch.tensor([list(prompt)], device=model.device), use_cache=True)
         first = torch.log_softmax(head.logits[0, -1, :vocab].double(), -1)
         width = max(len(continuations[i]) for i in live)
-        ids = torch.tensor([list(continuations[i]) + [0] * (width - len(continuations[i])) for i in live])
+        ids = torch.tensor(
+            [list(continuations[i]) + [0] * (width - len(continuations[i])) for i in live], device=model.device
+        )
         mask = torch.tensor([[1] * len(prompt) + [1] * len(continuations[i]) + [0] * (width - len(continuations[i]))
-                             for i in live])  # fmt: skip
+                             for i in live], device=model.device)  # fmt: skip
         cache = head.past_key_values
         cache.batch_repeat_interleave(len(live))
         rows = (
@@ -147,7 +150,7 @@ def continuation_logp(
     for j, i in enumerate(live):
         n = len(continuations[i])
         rest = torch.log_softmax(rows[j, : n - 1].double(), -1) if n > 1 else first[:0]
-        out[i] = torch.cat([first.unsqueeze(0), rest])
+        out[i] = torch.cat([first.unsqueeze(0), rest]).cpu()
     return out
 
 
@@ -185,7 +188,7 @@ def evaluate(student: Any, teacher: Any, eval_set: EvalSet, vocab: int, max_toke
         for prompt, answer in zip(eval_set.prompts, answers):
             if answer:
                 lt = forced_logp(teacher, prompt, answer, vocab)
-                ll += float(lt.gather(1, torch.tensor(answer).unsqueeze(1)).sum())
+                ll += float(lt.gather(1, torch.tensor(answer, device=lt.device).unsqueeze(1)).sum())
                 m += len(answer)
         return {
             "kl_teacher_student": kl_ts / n if n else math.nan,

@@ -11,6 +11,7 @@ peer in ``examples/distill_experiment.py``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -116,8 +117,6 @@ class Distiller:
     """
 
     def __init__(self, config: DistillConfig, dual: Any, eval_set: EvalSet | None = None) -> None:
-        from transformers import AutoModelForCausalLM
-
         from dual_sampling.prompts import Renderer
 
         self.config, self.dual = config, dual
@@ -142,13 +141,16 @@ class Distiller:
         self.order = list(range(len(self.train_rows)))
         random.Random(config.sampling.seed).shuffle(self.order)
         held_out = rows[-config.eval_prompts :]
-        self.student = AutoModelForCausalLM.from_pretrained(config.source.theta, dtype=torch.float32)
+        self.device = torch.device(config.trainer_device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"trainer_device={config.trainer_device!r}: torch sees no CUDA device here")
+        self.student = self._load(config.source.theta)
         self.optimizer = torch.optim.AdamW(
             self.student.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
         )
         self.teacher, self.eval_set = None, None
         if config.eval_every or config.loss == "reverse_full":
-            self.teacher = AutoModelForCausalLM.from_pretrained(config.source.teacher, dtype=torch.float32).eval()
+            self.teacher = self._load(config.source.teacher).eval()
         if config.eval_every:
             saved_eval = self.out / "eval_set.json"
             if eval_set is None and config.resume and saved_eval.exists():  # the held-out set of the run resumed
@@ -159,6 +161,17 @@ class Distiller:
                 config.eval_max_tokens,
                 self.eos_ids,
             )
+
+    def _load(self, folder: str) -> Any:
+        """A transformers model from ``folder``, float32, on the trainer's device."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(self.device)
+
+    def _forward(self) -> contextlib.AbstractContextManager[None]:
+        """The context of the trainer's forwards: bfloat16 autocast with ``trainer_dtype="bfloat16"``."""
+        on = self.config.trainer_dtype == "bfloat16"
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if on else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ the run
 
@@ -204,7 +217,7 @@ class Distiller:
                 if done > 0:
                     folder = self._checkpoint(done)
                     state = torch.load(folder / "trainer_state.pt", weights_only=True)
-                    loaded = type(self.student).from_pretrained(folder, dtype=torch.float32)
+                    loaded = self._load(folder)
                     self.student.load_state_dict(loaded.state_dict())
                     self.optimizer.load_state_dict(state["optimizer"])
                     self.dual.update_theta(folder, version=f"round-{done}")
@@ -311,12 +324,13 @@ class Distiller:
             total = 0.0
             for i, c in zip(batch, weights):
                 s, (teacher_prompt, prompt) = samples[i], prompt_ids[i]
-                ids = torch.tensor([prompt + list(s.token_ids)])
-                logits = student(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(s.token_ids), : self.vocab]
+                ids = torch.tensor([prompt + list(s.token_ids)], device=self.device)
+                with self._forward():
+                    logits = student(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(s.token_ids), : self.vocab]
                 if k == 0:  # before any optimizer step this round: the θ that sampled (a spread-out share of samples)
                     gaps.append(record_gaps(logits, s.token_ids, s.logp_theta))
-                kl = self._divergence(logits, s, teacher_prompt)
-                loss = (c.to(kl.dtype) * kl).sum() / tokens
+                kl = self._divergence(logits.float(), s, teacher_prompt)
+                loss = (c.to(kl.device, kl.dtype) * kl).sum() / tokens
                 loss.backward()
                 total += float(loss.detach())
             if k == 0:
@@ -349,17 +363,15 @@ class Distiller:
         """``config.loss`` at each of the sample's positions ``[n]``, from θ's ``logits`` and the sample's dense records
         (``reverse_full``: the teacher's rows, from a forward of the trainer's teacher on its prompt and the tokens)."""
         if self.config.loss == "reverse_full":
-            teacher_logp = forced_logp(self.teacher, teacher_prompt, s.token_ids, self.vocab).float()
+            with self._forward():
+                teacher_logp = forced_logp(self.teacher, teacher_prompt, s.token_ids, self.vocab).float()
             logp = torch.log_softmax(logits.float(), -1)
             return (logp.exp() * (logp - teacher_logp)).sum(-1)
+        on_device = lambda a: torch.from_numpy(a).to(logits.device)
         if self.config.loss == "reverse":
-            ids, teacher_logp = recorded_teacher_logp(
-                *(torch.from_numpy(a) for a in (s.dense_ids, s.dense_logp, s.dense_other_logp))
-            )
+            ids, teacher_logp = recorded_teacher_logp(*map(on_device, (s.dense_ids, s.dense_logp, s.dense_other_logp)))
             return recorded_reverse_kl(logits, ids, teacher_logp)
-        return top_k_forward_kl(
-            logits, torch.from_numpy(s.dense_ids[:, 0].astype("int64")), torch.from_numpy(s.dense_logp[:, 0])
-        )
+        return top_k_forward_kl(logits, on_device(s.dense_ids[:, 0].astype("int64")), on_device(s.dense_logp[:, 0]))
 
     def _evaluate(self) -> dict[str, float]:
         if self.eval_set is None:
