@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,13 +141,15 @@ class EnginePair:
         place = self.places.get(role)
         return {"gpu_memory_utilization": place.memory_share} if place else {}
 
-    def _engine_environment(self, role: Role) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def _engine_environment(self, role: Role) -> Iterator[None]:
         """The environment ``role``'s engine processes are spawned in: its CPUs (``cpu_binding``) and its GPU."""
         place = self.places.get(role)
-        stack = contextlib.ExitStack()
-        stack.enter_context(engine_processes.engine_cpus(self.binding.get(role)))
-        stack.enter_context(engine_processes.environment("CUDA_VISIBLE_DEVICES", place and place.visible_devices))
-        return stack
+        with (
+            engine_processes.engine_cpus(self.binding.get(role)),
+            engine_processes.environment("CUDA_VISIBLE_DEVICES", place and place.visible_devices),
+        ):
+            yield
 
     def _user_kwargs(self, role: str) -> dict[str, Any]:
         return Role(role).pick(self.config.teacher_engine_kwargs, self.config.theta_engine_kwargs)
