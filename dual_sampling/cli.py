@@ -47,7 +47,8 @@ def _field_help(cls: type) -> dict[str, str]:
     import docstring_parser
 
     docs = docstring_parser.parse_from_object(cls).params
-    return {p.arg_name: _plain(" ".join((p.description or "").split())) for p in docs}
+    # argparse formats help with %, so a literal one is doubled
+    return {p.arg_name: _plain(" ".join((p.description or "").split())).replace("%", "%%") for p in docs}
 
 
 def _shown(value: Any) -> str:
@@ -90,7 +91,7 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, kind: Any,
     if default is dataclasses.MISSING:
         help_text += " (required)"
     elif "(default:" not in help_text:  # a docstring may say what its default means itself
-        help_text += f" (default: {_shown(default)})"
+        help_text += f" (default: {_shown(default)})".replace("%", "%%")
     common: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
     if kind is bool:
         parser.add_argument(*names, action=_Switch, **common)

@@ -297,11 +297,12 @@ class EngineOptions:
     theta_device: int | None = field(default=None, metadata=RUNTIME_ONLY)
     """CUDA only: the GPU the theta engine runs on, as teacher_device; the same GPU as the teacher's or another."""
     teacher_gpu_memory: float | None = field(default=None, metadata=RUNTIME_ONLY)
-    """CUDA only: the share of its GPU's memory the teacher engine may take in all, in (0, 1) (vLLM's
-    gpu_memory_utilization). None: 0.9 on a GPU of its own; on a GPU both engines share, 0.9 split between them in
-    proportion to their weights and KV caches. A share that cannot hold them is refused before any engine starts."""
+    """CUDA only: the share of its GPU's memory the teacher engine must find free when it starts, in (0, 1) (vLLM's
+    gpu_memory_utilization). The pair fixes each engine's KV cache, so vLLM sizes nothing from it: it gates the start.
+    None: the engine's need (weights and KV cache) over its GPU's memory. A layout that cannot start is refused
+    before any engine does (driver/placement.py)."""
     theta_gpu_memory: float | None = field(default=None, metadata=RUNTIME_ONLY)
-    """CUDA only: the theta engine's share of its GPU's memory, as teacher_gpu_memory."""
+    """CUDA only: the theta engine's share, as teacher_gpu_memory."""
     max_dense_logprobs: int = field(default=0, metadata=RUNTIME_ONLY)
     """The largest ``dense_logprobs`` a request may ask for. Shared memory holds 24·k bytes per token of every slot's
     context (ids, own and other log-probabilities of both models' top k; k = 64: 1.5 KiB per token, 3 MiB per slot at

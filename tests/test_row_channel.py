@@ -57,7 +57,7 @@ def test_auto_picks_device_then_pinned_then_host(requested, device, same, chosen
     [
         ("device", "cpu", True, "needs CUDA engines"),
         ("pinned", "cpu", True, "needs CUDA engines"),
-        ("device", "cuda", False, "peer-to-peer"),
+        ("device", "cuda", False, "both engines on one GPU"),
         ("shm", "cpu", True, "must be one of"),
     ],
 )

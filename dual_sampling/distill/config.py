@@ -93,9 +93,9 @@ class DistillConfig:
     training mode, as its loss is: a student with dropout would differ by its dropout, not by a stale θ."""
     trainer_device: str = field(default="cpu", metadata=RUNTIME_ONLY)
     """Where the student trains and the trainer's teacher runs (held-out metrics, ``reverse_full``): a torch device,
-    "cpu", "cuda" or "cuda:N". On a GPU the engines share, leave them room (``teacher_gpu_memory``,
-    ``theta_gpu_memory``): the trainer holds the student, its gradients and two AdamW moments, 16 bytes a parameter
-    in float32, and the teacher's weights."""
+    "cpu", "cuda" or "cuda:N". It loads after the engines start, into what their weights and KV caches leave of a
+    GPU they share (docs/gpu.md): the student, its gradients and two AdamW moments, 16 bytes a parameter in float32,
+    and the teacher's weights."""
     trainer_dtype: str = "float32"
     """The trainer's compute dtype: "float32", or "bfloat16": forwards under bfloat16 autocast (on CUDA, its tensor
     cores), the weights and AdamW's state kept in float32. bfloat16 rounding moves the trainer's log π_θ off the

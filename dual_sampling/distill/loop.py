@@ -216,8 +216,9 @@ class Distiller:
             if kept and kept[-1]["round"] == done:
                 if done > 0:
                     folder = self._checkpoint(done)
-                    state = torch.load(folder / "trainer_state.pt", weights_only=True)
-                    loaded = self._load(folder)
+                    state = torch.load(folder / "trainer_state.pt", weights_only=True, map_location=self.device)
+                    # Read on the CPU: load_state_dict copies onto the student's device (no second copy there).
+                    loaded = type(self.student).from_pretrained(folder, dtype=torch.float32)
                     self.student.load_state_dict(loaded.state_dict())
                     self.optimizer.load_state_dict(state["optimizer"])
                     self.dual.update_theta(folder, version=f"round-{done}")

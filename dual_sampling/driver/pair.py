@@ -117,11 +117,19 @@ class EnginePair:
     ROLES: tuple[Role, ...] = (Role.TEACHER, Role.THETA)
     """The engines this pair starts."""
 
-    def engine_need_bytes(self, role: Role) -> int:
-        """The least GPU memory ``role``'s engine can start in (its weights and KV cache)."""
-        return placement.engine_need_bytes(
-            self.config, Role(role).pick(self.config.model_teacher, self.config.model_theta), role, self.max_model_len
+    def kv_cache_bytes(self, role: Role) -> int:
+        """The KV cache ``role``'s engine gets: ``kv_cache_memory_bytes``, or room for max_num_seqs full contexts."""
+        cfg = self.config
+        model = Role(role).pick(cfg.model_teacher, cfg.model_theta)
+        return cfg.kv_cache_memory_bytes or default_kv_cache_bytes(
+            model, cfg.max_num_seqs, self.max_model_len, cfg.dtype
         )
+
+    def engine_need_bytes(self, role: Role) -> int:
+        """The least GPU memory ``role``'s engine can run in (its weights and KV cache)."""
+        model = Role(role).pick(self.config.model_teacher, self.config.model_theta)
+        dtype = placement.engine_dtype(self.config, role)
+        return placement.engine_need_bytes([model], dtype, self.kv_cache_bytes(role))
 
     def _place(self) -> dict[Role, placement.EnginePlace]:
         """Each engine's place on CUDA, checked before any starts (off CUDA, placement settings are refused)."""
@@ -192,9 +200,7 @@ class EnginePair:
 
         cfg, role = self.config, Role(role)
         model = role.pick(cfg.model_teacher, cfg.model_theta)
-        kv_bytes = cfg.kv_cache_memory_bytes or default_kv_cache_bytes(
-            model, cfg.max_num_seqs, self.max_model_len, cfg.dtype
-        )
+        kv_bytes = self.kv_cache_bytes(role)
         lends = role == Role.TEACHER and self.binding  # theta's CPUs, lent to the teacher's processor
         helper_cpus = tuple(int(c) for c in self.binding[Role.THETA].split(",")) if lends else ()
         kwargs = dict(
@@ -242,9 +248,13 @@ class EnginePair:
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         if "VLLM_RPC_BASE_PATH" not in os.environ:
             self.ipc_dir = scratch_dir("ipc")
+        # On CUDA vLLM forks its engine processes unless told otherwise; a placed engine's environment is switched
+        # once its process exists, which the pair sees for spawned processes only.
+        spawn = "spawn" if self.places and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ else None
         with (
             _RPC_BASE_LOCK,
             engine_processes.environment("VLLM_RPC_BASE_PATH", str(self.ipc_dir) if self.ipc_dir else None),
+            engine_processes.environment("VLLM_WORKER_MULTIPROC_METHOD", spawn),
         ):
             self._start_engines_here()
 

@@ -1,4 +1,4 @@
-"""Where each engine of a pair runs on CUDA: its GPU, and its share of that GPU's memory.
+"""Where each engine of a pair runs on CUDA: its GPU, and the memory it must find free there when it starts.
 
 Each engine of a dual engine runs on one GPU (lockstep refuses tensor parallelism). The two may share one GPU or
 take one each:
@@ -7,15 +7,18 @@ take one each:
   processes start, so the pair starts each engine with that variable set to its one device (``teacher_device``,
   ``theta_device``: indices in this process's own numbering, which a ``CUDA_VISIBLE_DEVICES`` of this process maps
   to physical ids first).
-- **Its share** is vLLM's ``gpu_memory_utilization``: the fraction of the GPU's memory that engine may take in all
-  (weights, KV cache, activations). Two vLLM engines on one GPU must split it: each one's default of 0.9 would leave
-  the second nothing. Unset, an engine alone on its GPU takes :data:`GPU_MEMORY_BUDGET`, and two engines sharing one
-  split that budget in proportion to what each needs.
+- **Its share** is vLLM's ``gpu_memory_utilization``. The pair fixes each engine's KV cache
+  (``kv_cache_memory_bytes``, sized so nothing is ever preempted), and with a fixed cache vLLM sizes nothing from the
+  share: an engine takes its weights, its cache and its activations whatever the share says. What the share still
+  does is gate the start: the worker refuses to start unless the GPU has share × its memory free at that moment
+  (``vllm/v1/worker/utils.py``, ``request_memory``). Two engines on one GPU start at once, so either may find the
+  other's weights and cache already there. Unset, an engine's share is its own need (weights at its dtype and its
+  KV cache) over its GPU's memory: the least that lets it start where it can run.
 
-The arithmetic is checked before any engine starts: every share in (0, 1), the shares on one GPU summing to at most
-1, and each share holding at least its engine's weights (at the engine's dtype) and KV cache. That is a lower
-bound, not a prediction: vLLM profiles its activations when it starts and refuses a share that is too small, seconds
-later; the check here refuses, by name and at once, the layouts that cannot work at all.
+The arithmetic is checked before any engine starts, and a layout that cannot start is refused by name: the needs of
+the engines on one GPU must fit its memory together, and each engine's share, with the other engines' needs taken
+out first, must fit too. The needs are lower bounds (activations and CUDA contexts come on top, and memory other
+processes hold is not seen here): vLLM's own gate and its first allocation are the final word.
 
 Where the engines sit decides how theta's rows reach the teacher (``row_transport="auto"``): through a buffer on the
 teacher's GPU when both share it, through page-locked host memory when they do not.
@@ -30,10 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from dual_sampling.lockstep.layout import Role
-from dual_sampling.options import EngineOptions, default_kv_cache_bytes
+from dual_sampling.options import EngineOptions
 
 __all__ = [
-    "GPU_MEMORY_BUDGET",
     "EnginePlace",
     "check_placement_settings",
     "engine_dtype",
@@ -41,12 +43,6 @@ __all__ = [
     "plan_placement",
     "weight_bytes",
 ]
-
-GPU_MEMORY_BUDGET = 0.9
-"""The share of a GPU the engines on it take together unless told (vLLM's own default for one engine)."""
-
-GPU_BLOCK_SIZE = 16
-"""vLLM's KV-cache block size on CUDA: the KV a share must hold is counted in whole blocks of it."""
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I8": 1}
 """Bytes per element of the safetensors dtypes a checkpoint may hold."""
@@ -57,7 +53,7 @@ _ENGINE_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "h
 @dataclass(frozen=True)
 class EnginePlace:
     """One engine's place: its GPU (by this process's numbering), the ``CUDA_VISIBLE_DEVICES`` its processes get,
-    and its share of that GPU's memory (vLLM's ``gpu_memory_utilization``)."""
+    and the share of that GPU's memory it must find free at start (vLLM's ``gpu_memory_utilization``)."""
 
     device: int
     visible_devices: str
@@ -85,14 +81,10 @@ def engine_dtype(cfg: EngineOptions, role: Role) -> str:
     return str(role.pick(cfg.teacher_engine_kwargs, cfg.theta_engine_kwargs).get("dtype", cfg.dtype))
 
 
-def engine_need_bytes(cfg: EngineOptions, model: str, role: Role, max_model_len: int) -> int:
-    """The least memory an engine of ``model`` can start in: its weights at its dtype and its KV cache
-    (``kv_cache_memory_bytes``, or what the pair gives it by default)."""
-    dtype = engine_dtype(cfg, role)
-    kv = cfg.kv_cache_memory_bytes or default_kv_cache_bytes(
-        model, cfg.max_num_seqs, max_model_len, dtype, GPU_BLOCK_SIZE
-    )
-    return weight_bytes(model, dtype) + kv
+def engine_need_bytes(models: list[str], dtype: str, kv_cache_bytes: int) -> int:
+    """The least memory an engine can run in: the weights of ``models`` (the teacher's, and in the speculative mode
+    theta's too) at ``dtype``, and the KV cache the pair gives it."""
+    return sum(weight_bytes(model, dtype) for model in models) + kv_cache_bytes
 
 
 def _given_share(cfg: EngineOptions, role: Role) -> float | None:
@@ -118,7 +110,8 @@ def plan_placement(
 
     ``roles``: the engines started (both in lockstep; the teacher alone in the speculative mode); ``needs``: the
     bytes each needs at least (:func:`engine_need_bytes`); ``gpu_bytes``: each GPU's memory, by this process's
-    numbering; ``visible``: this process's ``CUDA_VISIBLE_DEVICES`` (None: unset).
+    numbering; ``visible``: this process's ``CUDA_VISIBLE_DEVICES`` (None: unset). See the module docstring for
+    what the shares mean and what is checked.
     """
     if not gpu_bytes:
         raise ValueError("teacher_device/theta_device: no CUDA device is visible to this process")
@@ -134,30 +127,26 @@ def plan_placement(
             )
         devices[role] = device
     shares: dict[Role, float] = {}
-    for role in roles:
-        given = _given_share(cfg, role)
-        sharing = [r for r in roles if devices[r] == devices[role]]
-        if given is None:
-            unset = [r for r in sharing if _given_share(cfg, r) is None]
-            room = GPU_MEMORY_BUDGET - sum(_given_share(cfg, r) for r in sharing if r not in unset)
-            if room <= 0:
-                others = ", ".join(f"{r}_gpu_memory" for r in sharing if r not in unset)
-                raise ValueError(f"{others} leaves no memory of GPU {devices[role]} for the {role} engine")
-            given = room * needs[role] / sum(needs[r] for r in unset)
-        shares[role] = given
     for device in sorted(set(devices.values())):
         on_it = [r for r in roles if devices[r] == device]
-        if len(on_it) > 1 and sum(shares[r] for r in on_it) > 1.0:
-            split = " + ".join(f"{r}_gpu_memory={shares[r]:.2f}" for r in on_it)
-            raise ValueError(f"{split} exceed GPU {device}'s memory, which the two engines share: together at most 1")
+        total = gpu_bytes[device]
+        if sum(needs[r] for r in on_it) > total:
+            each = " and ".join(f"the {r} engine {_gib(needs[r])}" for r in on_it)
+            raise ValueError(
+                f"GPU {device} has {_gib(total)}; {each} need more at least (weights and KV cache): place theta on "
+                "another GPU (theta_device), or lower max_num_seqs or max_model_len"
+            )
         for role in on_it:
-            has, need = shares[role] * gpu_bytes[device], needs[role]
-            if has < need:
+            given = _given_share(cfg, role)
+            share = min(1.0, needs[role] / total) if given is None else given
+            others = sum(needs[r] for r in on_it if r != role)
+            if share * total + others > total:
                 raise ValueError(
-                    f"{role}_gpu_memory={shares[role]:.2f} of GPU {device} ({_gib(gpu_bytes[device])}) is "
-                    f"{_gib(has)}; the {role} engine needs at least {_gib(need)} for its weights and KV cache "
-                    "(raise the share, lower max_num_seqs or max_model_len, or place it on a GPU of its own)"
+                    f"{role}_gpu_memory={share:.2f} asks GPU {device} ({_gib(total)}) for {_gib(share * total)} free "
+                    f"when the {role} engine starts, but the other engine on it takes at least {_gib(others)}: lower "
+                    f"it to {(total - others) / total:.2f} or less, or leave it unset"
                 )
+            shares[role] = share
     return {role: EnginePlace(devices[role], physical[devices[role]], shares[role]) for role in roles}
 
 

@@ -46,25 +46,24 @@ class SpeculativeEngine(EnginePair):
 
     ROLES = (Role.TEACHER,)
 
-    def engine_need_bytes(self, role: Role) -> int:
-        """The one engine holds both models' weights and, unless ``kv_cache_memory_bytes`` is given, both models'
-        KV caches (see engine_kwargs)."""
-        cfg, theta = self.config, self.config.model_theta
-        if cfg.kv_cache_memory_bytes:
-            extra = placement.weight_bytes(theta, placement.engine_dtype(cfg, role))
-        else:
-            extra = placement.engine_need_bytes(cfg, theta, role, self.max_model_len)
-        return super().engine_need_bytes(role) + extra
-
-    def engine_kwargs(self, role: str = Role.TEACHER) -> dict[str, Any]:
+    def kv_cache_bytes(self, role: Role = Role.TEACHER) -> int:
+        """Both models' KV share the engine's cache (max_model_len already holds the drafts' room)."""
         cfg = self.config
-        # Both models' KV share the engine's cache (max_model_len already holds the drafts' room).
-        kv_bytes = cfg.kv_cache_memory_bytes or sum(
+        return cfg.kv_cache_memory_bytes or sum(
             default_kv_cache_bytes(m, cfg.max_num_seqs, self.max_model_len, cfg.dtype)
             for m in (cfg.model_teacher, cfg.model_theta)
         )
+
+    def engine_need_bytes(self, role: Role) -> int:
+        """The one engine holds both models' weights and their one KV cache."""
+        cfg = self.config
+        models = [cfg.model_teacher, cfg.model_theta]
+        return placement.engine_need_bytes(models, placement.engine_dtype(cfg, role), self.kv_cache_bytes(role))
+
+    def engine_kwargs(self, role: str = Role.TEACHER) -> dict[str, Any]:
+        cfg = self.config
         kwargs = dict(
-            self.base_kwargs(cfg.model_teacher, kv_bytes),
+            self.base_kwargs(cfg.model_teacher, self.kv_cache_bytes()),
             speculative_config={
                 "method": "draft_model",
                 "model": cfg.model_theta,

@@ -12,8 +12,9 @@ that order: :meth:`RowChannel.publish` returns once the rows are where the teach
   ordered before its decision on its stream and never waits on the host.
 - ``device``: a ``[slots, V]`` buffer on the teacher's GPU, shared with theta's process through
   CUDA IPC. Theta writes its rows there device to device and waits for the write before it
-  announces; the teacher gathers them on its GPU. Needs both engines on the same GPU (or
-  peer-to-peer GPUs). The buffer's handle (:class:`BufferHandle`) goes through a file in this
+  announces; the teacher gathers them on its GPU. Needs both engines on the same GPU (each
+  engine's processes see only their own GPU: driver/placement.py). The buffer's handle
+  (:class:`BufferHandle`) goes through a file in this
   user's private folder (mode 0700, the session's ``rows_handle_path``), as JSON: never a pickle,
   and theta reads it only from a regular file of its own user that no one else may write.
 
@@ -59,7 +60,7 @@ ROW_TRANSPORTS = ("auto", "host", "pinned", "device")
 
 def resolve_transport(requested: str, device_type: str, same_device: bool = True) -> str:
     """The transport for engines on ``device_type`` ("cpu", "cuda", ...): ``requested``, or for "auto" the fastest
-    that works (device, then pinned, then host). ``same_device``: both engines on one GPU or on peer-to-peer GPUs.
+    that works (device, then pinned, then host). ``same_device``: both engines on one GPU.
 
     Raises ValueError naming ``row_transport`` for an unknown value or one these engines cannot use.
     """
@@ -72,7 +73,8 @@ def resolve_transport(requested: str, device_type: str, same_device: bool = True
         raise ValueError(f"row_transport={requested!r} needs CUDA engines; these engines run on {device_type!r}")
     if requested == "device" and not same_device:
         raise ValueError(
-            "row_transport='device' needs both engines on one GPU or on peer-to-peer GPUs; use 'pinned' across others"
+            "row_transport='device' needs both engines on one GPU (each engine sees only its own); use 'pinned' "
+            "across two"
         )
     return requested
 
