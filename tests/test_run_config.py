@@ -18,6 +18,8 @@ def test_identity_leaves_out_exactly_the_settings_marked_runtime_only(tiny_same,
         "ray", "replicas", "cpus_per_replica", "gpus_per_replica", "ray_max_retries", "resume", "batch_size",
         "use_tqdm", "output", "sync_timeout", "max_num_seqs", "max_num_batched_tokens", "cpu_binding",
         "enforce_eager", "enable_prefix_caching", "kv_cache_memory_bytes", "max_dense_logprobs", "row_transport",
+        # Where the engines run (driver/placement.py) changes no record: a run resumed on other GPUs is the same run.
+        "teacher_device", "theta_device", "teacher_gpu_memory", "theta_gpu_memory",
     } == _NOT_IDENTITY  # fmt: skip
     cfg = tiny_config(tiny_same, tmp_path)
     assert set(cfg.identity()) == set(cfg.flat()) - _NOT_IDENTITY
