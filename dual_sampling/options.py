@@ -407,7 +407,8 @@ def model_config(path: str) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
 
 
-_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+ENGINE_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+"""Bytes per element of each engine dtype name (the KV cache's and, in driver/placement.py, the weights')."""
 
 
 def kv_cache_bytes_needed(
@@ -418,7 +419,7 @@ def kv_cache_bytes_needed(
     heads = cfg.get("num_attention_heads", 1)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     kv_heads = cfg.get("num_key_value_heads", heads)
-    per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
+    per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * ENGINE_DTYPE_BYTES.get(dtype, 4)
     blocks = max_num_seqs * -(-max_model_len // block_size) + 1
     return blocks * block_size * per_token
 

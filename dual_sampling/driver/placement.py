@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dual_sampling.lockstep.layout import Role
-from dual_sampling.options import EngineOptions
+from dual_sampling.options import ENGINE_DTYPE_BYTES, EngineOptions
 
 __all__ = [
     "EnginePlace",
@@ -46,8 +46,6 @@ __all__ = [
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I8": 1}
 """Bytes per element of the safetensors dtypes a checkpoint may hold."""
-
-_ENGINE_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
 @dataclass(frozen=True)
@@ -72,7 +70,7 @@ def weight_bytes(folder: str | Path, dtype: str) -> int:
                 continue
             stored = _DTYPE_BYTES.get(entry["dtype"], 4)
             floating = entry["dtype"].startswith(("F", "BF"))
-            total += math.prod(entry["shape"]) * (_ENGINE_DTYPE_BYTES.get(dtype, stored) if floating else stored)
+            total += math.prod(entry["shape"]) * (ENGINE_DTYPE_BYTES.get(dtype, stored) if floating else stored)
     return total
 
 
