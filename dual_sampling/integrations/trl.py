@@ -1,0 +1,390 @@
+"""Mixture rollouts inside TRL's trainers: a stand-in for TRL's vLLM generation backend.
+
+TRL 1.16 routes the generation of its on-policy trainers (GRPO, RLOO, DistillationTrainer, GOLD, IW-OPD, SDFT, SDPO)
+through one object that each trainer builds in its constructor when ``use_vllm=True``:
+``trl.generation.vllm_generation.VLLMGeneration``, with ``generate(prompts, images, num_generations, profiler)`` and
+``sync_weights()``. :meth:`MixtureRollouts.trainer` builds a trainer whose generation object is a
+:class:`MixtureGeneration` instead, with the same two methods, backed by an :class:`~dual_sampling.OptimalSamplingDual`
+in lockstep mode (the speculative mode cannot take new θ weights)::
+
+    with MixtureRollouts(teacher="models/teacher", engine=EngineOptions(alpha_method="trust_region")) as rollouts:
+        trainer = rollouts.trainer(GRPOTrainer, model="models/student", args=GRPOConfig(use_vllm=True), ...)
+        trainer.train()
+
+How the trainer gets it: while the trainer's constructor runs, the name ``VLLMGeneration`` in the modules the
+trainer reads it from is bound to a factory for this trainer, and restored before :meth:`~MixtureRollouts.trainer`
+returns. The trainer therefore runs its own ``use_vllm=True`` path, checks included, and the backend receives exactly
+the sampling fields the trainer would have handed vLLM; those it cannot serve are refused there, by name.
+
+What the trainer receives as log-probabilities: log q of each token, q being the law the token was drawn from
+(q ∝ π_θ^(1−α)·π_t^α, after temperature and the top-k/top-p/min-p filters, as vLLM's ``processed_logprobs``).
+GRPO's importance-sampling correction multiplies each token's loss by exp(log π_θ,T − log q) (π_θ,T: the trainer's
+θ at the sampling temperature, before the update), which is then the mixture's importance weight π_θ/q: exact for
+the mixture, where a student-only sampler's log-probabilities would make it wrong.
+
+α is the teacher weight throughout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import itertools
+import statistics
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+from dual_sampling.checks import need_int, need_number
+from dual_sampling.options import EngineOptions, SamplingOptions
+
+__all__ = ["MixtureGeneration", "MixtureRollouts", "MixtureRolloutsConfig", "RolloutFailed"]
+
+
+@dataclass
+class MixtureRolloutsConfig:
+    """What a :class:`MixtureRollouts` backend owns: the teacher, the engines and the checks. The student is the
+    trainer's model; the sampling fields are the trainer's (see :class:`MixtureGeneration`)."""
+
+    teacher: str
+    """The teacher's local model folder; it must share the student's tokenizer."""
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    """How the two engines run: the α method and its settings (``alpha_method``, ``alpha_config``, bounds), dtype,
+    sizes and placement. ``mode`` must stay ``"lockstep"``."""
+    max_sampler_mismatch: float = 0.05
+    """Largest |log π_θ(trainer) − log π_θ(record)| (nats) allowed on the sampled tokens of the first batch after each
+    weight sync; above it ``generate`` raises :class:`~dual_sampling.distill.mismatch.SamplerMismatchError`. The same
+    threshold and advice as ``DistillConfig.max_sampler_mismatch`` (raise it to about 4 where either side runs
+    bfloat16)."""
+    mismatch_samples: int = 8
+    """Rollouts of that first batch the check re-scores with the trainer's model (spread over the batch; all of a
+    smaller batch). Each costs one forward of the trainer's model."""
+    seed: int = 0
+    """Seed of the first ``generate`` call; call k draws with seed + k, and each rollout's seed is derived from that
+    and its position in the call."""
+    teacher_prompt: Callable[[str], str | Sequence[int] | None] | None = None
+    """Teacher hints: given the student's prompt as text (decoded from the trainer's token ids, special tokens kept),
+    the teacher's prompt (text or token ids), or None for the same prompt. For datasets that carry a privileged field
+    (a reference solution, feedback), as self-distillation setups do: look the row up and put its hint in the
+    teacher's prompt."""
+    on_rollouts: Callable[[Any], None] | None = None
+    """Called with each ``generate`` call's :class:`~dual_sampling.DualGenerationOutput` (every rollout's α,
+    log π_t, log π_θ and log q per token, and its θ version), to keep or inspect the records."""
+
+    def __post_init__(self) -> None:
+        if self.engine.mode != "lockstep":
+            raise ValueError(
+                f"engine.mode={self.engine.mode!r}: a trainer's rollouts need mode='lockstep' (the speculative mode's "
+                "theta engine cannot take new weights)"
+            )
+        need_number("max_sampler_mismatch", self.max_sampler_mismatch, finite=False)
+        need_int("mismatch_samples", self.mismatch_samples, 1)
+        need_int("seed", self.seed, 0)
+        for name in ("teacher_prompt", "on_rollouts"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise ValueError(f"{name} must be callable, got {getattr(self, name)!r}")
+
+
+class RolloutFailed(RuntimeError):
+    """A rollout ended with an error; the trainer cannot train on it, so the step stops instead of skipping it."""
+
+
+class MixtureRollouts:
+    """Mixture rollouts for TRL trainers: owns the teacher and the two engines, builds trainers that sample from q.
+
+    ``MixtureRollouts(config)`` or ``MixtureRollouts(teacher=..., engine=EngineOptions(...), ...)`` (the fields of
+    :class:`MixtureRolloutsConfig`). The engines start when the first trainer is built (the theta engine from the
+    trainer's model folder) and stop at :meth:`close` or the end of the ``with`` block; trainers built in between
+    share them (they must train the same student folder). Nothing runs at construction.
+    """
+
+    def __init__(self, config: MixtureRolloutsConfig | None = None, /, **settings: Any) -> None:
+        if config is not None and settings:
+            raise ValueError(f"pass a MixtureRolloutsConfig or its fields as keywords, not both ({sorted(settings)})")
+        self.config = config if config is not None else MixtureRolloutsConfig(**settings)
+        self._dual: Any = None
+        self._student: str | None = None
+
+    # ------------------------------------------------------------------ building trainers
+
+    def trainer(self, trainer_class: type, /, **kwargs: Any) -> Any:
+        """``trainer_class(**kwargs)`` (a TRL trainer whose config has ``use_vllm=True``), generating with
+        mixture rollouts. Refusals (a field the mixture cannot serve, a config without ``use_vllm``) come before
+        any engine starts, except those only the trainer can work out."""
+        from trl.generation import vllm_generation
+
+        args = kwargs.get("args")
+        if args is None or not getattr(args, "use_vllm", False):
+            raise ValueError(
+                "args.use_vllm must be True: the trainer builds its generation backend only on its vLLM path, "
+                "and that is the one mixture rollouts replace"
+            )
+        if kwargs.get("tools"):
+            raise ValueError("tools: multi-turn tool calls are not served by mixture rollouts (untested)")
+        _vllm_generation_parameters()  # read from TRL's class before the name is rebound
+        trainer = trainer_class.__new__(trainer_class)
+        factory = lambda **fields: MixtureGeneration(self, trainer, **fields)
+        with _generation_bound(trainer_class, vllm_generation, factory):
+            trainer.__init__(**kwargs)
+        if not isinstance(getattr(trainer, "vllm_generation", None), MixtureGeneration):
+            raise TypeError(f"{trainer_class.__name__} did not build a generation backend through VLLMGeneration")
+        if not isinstance(getattr(trainer, "_metrics", None), dict):
+            raise TypeError(f"{trainer_class.__name__} has no _metrics: mixture statistics would have nowhere to go")
+        return trainer
+
+    # ------------------------------------------------------------------ the engines
+
+    @property
+    def dual(self) -> Any:
+        """The running :class:`~dual_sampling.OptimalSamplingDual` (None before the first trainer and after close)."""
+        return self._dual
+
+    def update_alpha(self, method: str | None = None, **alpha_config: Any) -> tuple[str, dict[str, Any]]:
+        """Decide with a new alpha computer from the next rollouts on (``OptimalSamplingDual.update_alpha``): for
+        example a trust-region budget annealed through the trainer's steps from a callback."""
+        if self._dual is None:
+            raise RuntimeError("update_alpha: no engines run yet (build a trainer first)")
+        return self._dual.update_alpha(method, **alpha_config)
+
+    def _start(self, student: str) -> Any:
+        if self._dual is None:
+            from dual_sampling.api import OptimalSamplingDual
+
+            settings = {**dataclasses.asdict(self.config.engine), "use_tqdm": False}
+            self._dual = OptimalSamplingDual(self.config.teacher, student, **settings)
+            self._student = student
+        elif student != self._student:
+            raise ValueError(
+                f"model={student!r}: these engines run the student {self._student!r}; build a MixtureRollouts per "
+                "student"
+            )
+        return self._dual
+
+    def close(self) -> None:
+        """Stop both engines and remove their shared memory (idempotent); a later trainer starts them again."""
+        dual, self._dual, self._student = self._dual, None, None
+        if dual is not None:
+            dual.close()
+
+    def __enter__(self) -> MixtureRollouts:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+@contextmanager
+def _generation_bound(trainer_class: type, home: Any, factory: Callable[..., Any]) -> Iterator[None]:
+    """``VLLMGeneration`` is ``factory`` in TRL's module and in every module of ``trainer_class``'s bases that imported
+    it by name (GRPO and DistillationTrainer at import time; SDFT and SDPO read the module when they build it)."""
+    original = home.VLLMGeneration
+    modules = {home}
+    for base in trainer_class.__mro__:
+        module = sys.modules.get(base.__module__)
+        if getattr(module, "VLLMGeneration", None) is original:
+            modules.add(module)
+    for module in modules:
+        module.VLLMGeneration = factory
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.VLLMGeneration = original
+
+
+@functools.cache
+def _vllm_generation_parameters() -> Mapping[str, inspect.Parameter]:
+    """TRL's ``VLLMGeneration.__init__`` parameters: the fields a trainer hands its generation backend."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    return inspect.signature(VLLMGeneration.__init__).parameters
+
+
+# What the mixture does with each field TRL's trainers hand VLLMGeneration. Sampling fields map to SamplingOptions;
+# engine fields must ask for what the pair does, else they are refused with the reason.
+_ENGINE_FIELDS = {
+    "mode": ("vllm_mode", ("colocate",), "the mixture's engines run beside the trainer ('colocate'); a vLLM server samples one model"),
+    "structured_outputs_regex": ("vllm_structured_outputs_regex", (None,), "structured outputs are not served on q"),
+    "tensor_parallel_size": ("vllm_tensor_parallel_size", (1,), "each engine runs on one device (EngineOptions.*_device)"),
+    "max_model_length": ("vllm_max_model_length", (None,), "the engines' context is EngineOptions.max_model_len"),
+    "enable_sleep_mode": ("vllm_enable_sleep_mode", (False,), "the pair keeps both engines and their KV caches awake"),
+    "model_impl": ("vllm_model_impl", ("auto", "vllm"), "the engines load vLLM's own model implementation"),
+    "trust_remote_code": ("trust_remote_code", (False,), "the engines load local folders with transformers' own code only"),
+}
+"""VLLMGeneration field → (the trainer config's field, the values served, why no other is)."""
+_CAPACITY_HINTS = ("gpu_memory_utilization", "max_num_seqs")
+"""Sizes the trainer picks for its own engine; the pair's are EngineOptions' (``*_gpu_memory``, ``max_num_seqs``)."""
+_SERVER_ONLY = ("server_base_url", "server_host", "server_port", "server_timeout", "group_port")
+"""Read only in mode='server', which is refused."""
+_TRAINER_SETS = ("max_tokens", "n", "best_of", "best_of_score")
+"""SamplingOptions fields that the trainer's own settings decide (max_completion_length, num_generations)."""
+
+
+class MixtureGeneration:
+    """The generation backend of one trainer, with ``VLLMGeneration``'s interface; built by the trainer itself
+    (see :meth:`MixtureRollouts.trainer`), with VLLMGeneration's keyword arguments.
+
+    TRL's sampling fields map to :class:`SamplingOptions` on q: temperature, top_p, top_k (0: off), min_p,
+    max_completion_length (``max_tokens``), and ``generation_kwargs`` whose keys are SamplingOptions fields (``seed``
+    replaces :attr:`MixtureRolloutsConfig.seed`). Refused, naming the field: a repetition penalty other than 1 (not
+    built on q yet), ``logprobs`` > 0 (only the sampled token's log q is returned), any other ``generation_kwargs``
+    key, and engine fields that ask for something the pair does not do (``_ENGINE_FIELDS``).
+    """
+
+    def __init__(self, rollouts: MixtureRollouts, trainer: Any, *, model: Any, accelerator: Any, **fields: Any) -> None:
+        signature = _vllm_generation_parameters()
+        unknown = sorted(set(fields) - set(signature) - {"processing_class"})
+        if unknown:
+            raise TypeError(f"MixtureGeneration: unexpected VLLMGeneration fields {unknown}")
+        for name, (config_field, served, reason) in _ENGINE_FIELDS.items():
+            if name in fields and fields[name] not in served:
+                raise ValueError(f"{config_field}={fields[name]!r}: not served by mixture rollouts: {reason}")
+        if accelerator.num_processes != 1:
+            raise ValueError(
+                f"num_processes={accelerator.num_processes}: mixture rollouts serve one training process (the pair's "
+                "two engines are one sampler; data-parallel ranks would each need their own)"
+            )
+        from accelerate.utils import is_peft_model
+
+        if is_peft_model(model):
+            raise ValueError("model: a PEFT model's adapters are not pushed to the theta engine; merge them first")
+        self.sampling, seed = self._sampling_options(fields)
+        self.processing_class = fields.get("processing_class")
+        self.model = model
+        self.accelerator = accelerator
+        self._rollouts = rollouts
+        self._trainer = trainer
+        self._seeds = itertools.count(rollouts.config.seed if seed is None else seed)
+        self._syncs = 0
+        self._check_next = True  # the engine loaded the folder; the trainer's model may already differ
+        self.logprobs = fields.get("logprobs", signature["logprobs"].default)
+        self.dual = rollouts._start(str(model.name_or_path))
+
+    @staticmethod
+    def _sampling_options(fields: dict[str, Any]) -> tuple[SamplingOptions, int | None]:
+        penalty = fields.get("repetition_penalty")
+        if penalty not in (None, 1, 1.0):
+            raise ValueError(f"repetition_penalty={penalty!r}: penalties on q are not served yet (use 1.0)")
+        logprobs = fields.get("logprobs")
+        if logprobs not in (None, 0):
+            raise ValueError(
+                f"logprobs={logprobs!r}: mixture rollouts return the sampled token's log q only (logprobs 0 or None)"
+            )
+        extra = dict(fields.get("generation_kwargs") or {})
+        allowed = {f.name for f in dataclasses.fields(SamplingOptions)} - set(_TRAINER_SETS)
+        refused = sorted(set(extra) - allowed)
+        if refused:
+            raise ValueError(
+                f"generation_kwargs {refused}: not served on q (the keys served are SamplingOptions fields: "
+                f"{sorted(allowed)})"
+            )
+        seed = extra.pop("seed", None)
+        if seed is not None:
+            need_int("generation_kwargs['seed']", seed, 0)
+        top_p, top_k, min_p = fields.get("top_p"), fields.get("top_k"), fields.get("min_p")
+        options = SamplingOptions(
+            max_tokens=fields.get("max_completion_length", 16),
+            temperature=fields.get("temperature", 1.0),
+            top_p=1.0 if top_p is None else top_p,
+            top_k=-1 if top_k in (None, 0) else top_k,
+            min_p=0.0 if min_p is None else min_p,
+            **extra,
+        )
+        return options, seed
+
+    # ------------------------------------------------------------------ VLLMGeneration's interface
+
+    @property
+    def behaviour_version(self) -> str:
+        """The theta version the next rollouts are drawn with (each record's ``theta_version``)."""
+        return self.dual.weight_versions["theta"]
+
+    def sync_weights(self) -> None:
+        """Push the trainer's current weights into the theta engine under a new version label; the first batch after
+        it is checked against the trainer's model (:attr:`MixtureRolloutsConfig.max_sampler_mismatch`)."""
+        self._syncs += 1
+        state = {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+        self.dual.update_theta(state, version=f"sync-{self._syncs}-step-{self._trainer.state.global_step}")
+        self._check_next = True
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        images: list[Any] | None,
+        num_generations: int,
+        profiler: Any = None,
+    ) -> tuple[list[list[int]], list[list[int]], list | None, list | None]:
+        """One rollout per entry of ``prompts`` (token ids; the trainer has already repeated each prompt
+        ``num_generations`` times, as in TRL's colocate mode). Returns (prompt_ids, completion_ids, logprobs,
+        logprob_token_ids): logprobs ``[B][T][1]`` is each token's log q, logprob_token_ids ``[B][T][1]`` the token;
+        both None where the trainer asked for no log-probabilities (``logprobs=None``)."""
+        if images is not None and any(image is not None for image in images):
+            raise ValueError("images: mixture rollouts serve text prompts only")
+        dual = self.dual
+        sampling = dataclasses.replace(self.sampling, seed=next(self._seeds))
+        prompts = [list(map(int, p)) for p in prompts]
+        with profiler or nullcontext():
+            out = dual.generate(prompts, self._teacher_prompts(prompts), sampling=sampling, use_tqdm=False)
+        samples = [request.samples[0] for request in out.requests]
+        failed = [(i, s.error) for i, s in enumerate(samples) if s.error is not None]
+        if failed:
+            raise RolloutFailed(f"{len(failed)} of {len(samples)} rollouts failed; rollout {failed[0][0]}: {failed[0][1]}")
+        mismatch = self._check(out.requests) if self._check_next else None
+        self._log(samples, mismatch)
+        if self._rollouts.config.on_rollouts is not None:
+            self._rollouts.config.on_rollouts(out)
+        prompt_ids = [list(request.theta_prompt_token_ids) for request in out.requests]
+        completion_ids = [list(s.token_ids) for s in samples]
+        if self.logprobs is None:
+            return prompt_ids, completion_ids, None, None
+        logprobs = [[[float(lq)] for lq in s.logq] for s in samples]
+        token_ids = [[[int(t)] for t in s.token_ids] for s in samples]
+        return prompt_ids, completion_ids, logprobs, token_ids
+
+    # ------------------------------------------------------------------ helpers
+
+    def _teacher_prompts(self, prompts: list[list[int]]) -> list[Any] | None:
+        hint = self._rollouts.config.teacher_prompt
+        if hint is None:
+            return None
+        tokenizer = self.dual.tokenizer
+        chosen = [hint(tokenizer.decode(p, skip_special_tokens=False)) for p in prompts]
+        return [p if c is None else c for p, c in zip(prompts, chosen)]
+
+    def _check(self, requests: list[Any]) -> Any:
+        from dual_sampling.distill.mismatch import SamplerMismatchError, sampler_trainer_mismatch
+
+        cfg = self._rollouts.config
+        step = max(1, len(requests) // cfg.mismatch_samples)
+        chosen = requests[::step][: cfg.mismatch_samples]
+        mismatch = sampler_trainer_mismatch(self.model, chosen, vocab=self.dual.vocab)
+        if not mismatch.max_abs <= cfg.max_sampler_mismatch:
+            raise SamplerMismatchError(
+                f"theta version {self.behaviour_version!r}: the rollouts' log π_θ differ from the trainer's model by "
+                f"up to {mismatch.max_abs:.3g} nats (mean {mismatch.mean_abs:.3g} over {mismatch.tokens} tokens), "
+                f"above max_sampler_mismatch={cfg.max_sampler_mismatch:g}: the theta engine did not sample from the "
+                "model being trained (a sync that did not reach it?)",
+                mismatch,
+            )
+        self._check_next = False
+        return mismatch
+
+    def _log(self, samples: list[Any], mismatch: Any) -> None:
+        """Per-rollout α statistics, log π_θ − log q per token and the behaviour version into the trainer's metrics
+        (averaged over a logging interval, shown with its own)."""
+        mode = "train" if self._trainer.model.training else "eval"
+        metrics = self._trainer._metrics[mode]
+        per_rollout = [statistics.fmean(s.alpha) for s in samples if s.alpha]
+        if per_rollout:
+            metrics["mixture/alpha_mean"].append(statistics.fmean(per_rollout))
+            metrics["mixture/alpha_min"].append(min(per_rollout))
+            metrics["mixture/alpha_max"].append(max(per_rollout))
+        gaps = [t - q for s in samples for t, q in zip(s.logp_theta, s.logq)]
+        if gaps:
+            metrics["mixture/log_theta_minus_log_q"].append(statistics.fmean(gaps))
+        metrics["mixture/behaviour_version"].append(float(self._syncs))
+        if mismatch is not None:
+            metrics["mixture/sampler_mismatch_max"].append(mismatch.max_abs)
