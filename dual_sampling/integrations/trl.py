@@ -261,6 +261,8 @@ class MixtureGeneration:
         self._syncs = 0
         self._check_next = True  # the engine loaded the folder; the trainer's model may already differ
         self.logprobs = fields.get("logprobs", signature["logprobs"].default)
+        self.last_output: Any = None
+        """The latest ``generate`` call's :class:`~dual_sampling.DualGenerationOutput` (its records)."""
         self.dual = rollouts._start(str(model.name_or_path))
 
     @staticmethod
@@ -334,6 +336,7 @@ class MixtureGeneration:
             raise RolloutFailed(f"{len(failed)} of {len(samples)} rollouts failed; rollout {failed[0][0]}: {failed[0][1]}")
         mismatch = self._check(out.requests) if self._check_next else None
         self._log(samples, mismatch)
+        self.last_output = out
         if self._rollouts.config.on_rollouts is not None:
             self._rollouts.config.on_rollouts(out)
         prompt_ids = [list(request.theta_prompt_token_ids) for request in out.requests]

@@ -1,0 +1,293 @@
+"""Mixture rollouts inside TRL's own trainers (``dual_sampling.integrations.trl``), on CPU with tiny models.
+
+GRPO (its importance-sampling correction on) and DistillationTrainer train a few steps each with their generation
+replaced by mixture rollouts. Each rollout is re-scored by plain transformers against the student as it was at the
+sync before it (a copy of the trainer's weights taken right after each sync) and the teacher's folder, in float64
+(:func:`tests.oracles.assert_records_match_rescoring`). The tied student shares one engine pair across the tests of
+this module; the untied one gets its own, which also checks that the engines stop with the ``with`` block.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from dual_sampling.distill.mismatch import SamplerMismatchError, sampler_trainer_mismatch
+from dual_sampling.integrations.trl import MixtureGeneration, MixtureRollouts, MixtureRolloutsConfig
+from dual_sampling.options import EngineOptions
+from dual_sampling.testing.tiny_models import tiny_pair
+from tests.oracles import assert_records_match_rescoring
+from tests.processes import settled, snapshot
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+trl = pytest.importorskip("trl")
+
+PROMPTS = [f"Question {i}: a farmer has {3 * i + 2} hens and buys {i + 1} more. How many hens now?" for i in range(8)]
+ENGINE = dict(max_num_seqs=8, max_model_len=128)
+
+
+def _dataset():
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": PROMPTS})
+
+
+def _common(tmp_path, **overrides):
+    """Trainer settings shared by both trainers: float32 on CPU, every step logged, nothing saved."""
+    settings = dict(
+        output_dir=str(tmp_path),
+        use_vllm=True,
+        per_device_train_batch_size=4,
+        max_completion_length=6,
+        max_steps=2,
+        learning_rate=1e-2,  # large, so each step moves θ well past the check's tolerance
+        bf16=False,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        use_cpu=True,
+    )
+    return {**settings, **overrides}
+
+
+def _grpo(rollouts, student, tmp_path, **overrides):
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(
+        num_generations=4, vllm_importance_sampling_correction=True, **_common(tmp_path, **overrides)
+    )
+    reward = lambda completions, **_: [len(c) / 10 for c in completions]
+    return rollouts.trainer(GRPOTrainer, model=str(student), reward_funcs=reward, args=args, train_dataset=_dataset())
+
+
+def _distillation(rollouts, student, teacher, tmp_path):
+    from trl import DistillationConfig, DistillationTrainer
+
+    args = DistillationConfig(gradient_checkpointing=False, **_common(tmp_path))
+    return rollouts.trainer(
+        DistillationTrainer, model=str(student), teacher_model=str(teacher), args=args, train_dataset=_dataset()
+    )
+
+
+class Recorder:
+    """Every generate call of a trainer's backend: (the trainer's weights at the last sync, what TRL received, the
+    records)."""
+
+    def __init__(self, backend: MixtureGeneration) -> None:
+        self.snapshots: list[dict[str, torch.Tensor]] = []
+        self.calls: list[tuple[int, tuple, object]] = []
+        sync, generate = backend.sync_weights, backend.generate
+
+        def recorded_sync():
+            sync()
+            self.snapshots.append(copy.deepcopy(backend.model.state_dict()))
+
+        def recorded_generate(*args, **kwargs):
+            returned = generate(*args, **kwargs)
+            self.calls.append((len(self.snapshots) - 1, returned, backend.last_output))
+            return returned
+
+        backend.sync_weights, backend.generate = recorded_sync, recorded_generate
+
+
+def _hf(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _check_rollouts(recorder: Recorder, teacher, student, vocab: int, logprobs_returned: bool) -> int:
+    """Each call's records against the student at its sync, and what TRL received against the records."""
+    hf_teacher, hf_student = _hf(teacher), _hf(student)
+    checked = 0
+    assert recorder.snapshots and recorder.calls
+    for index, returned, out in recorder.calls:
+        assert index >= 0, "a generate call came before any sync"
+        hf_student.load_state_dict(recorder.snapshots[index])
+        for request in out.requests:
+            checked += assert_records_match_rescoring(request, hf_teacher, hf_student, vocab, "kl_symmetry")
+        prompt_ids, completion_ids, logprobs, token_ids = returned
+        samples = [r.samples[0] for r in out.requests]
+        assert completion_ids == [s.token_ids for s in samples]
+        assert prompt_ids == [r.theta_prompt_token_ids for r in out.requests]
+        if logprobs_returned:
+            assert logprobs == [[[q] for q in s.logq] for s in samples]
+            assert token_ids == [[[t] for t in s.token_ids] for s in samples]
+        else:
+            assert logprobs is None and token_ids is None
+    # Not vacuous: the second call's rollouts came from weights the first step changed beyond the tolerance.
+    later = [out for index, _, out in recorder.calls if index == 1]
+    assert later, "no rollouts after the first optimizer step"
+    hf_student.load_state_dict(recorder.snapshots[0])
+    assert sampler_trainer_mismatch(hf_student, later[0].requests, vocab=vocab).max_abs > 1e-2
+    return checked
+
+
+def _losses(trainer) -> list[float]:
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    assert losses and all(math.isfinite(x) for x in losses), losses
+    return losses
+
+
+def _mixture_metrics(trainer) -> list[dict]:
+    rows = [row for row in trainer.state.log_history if "mixture/alpha_mean" in row]
+    assert len(rows) == trainer.state.max_steps
+    for row in rows:
+        assert 0.0 < row["mixture/alpha_mean"] < 1.0
+        assert row["mixture/sampler_mismatch_max"] <= 0.05
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tied_pair():
+    return tiny_pair("same", tied=True)
+
+
+HINT = "Hint: add the two numbers. "
+
+
+def hint_odd_questions(prompt: str) -> str | None:
+    """The teacher sees a hint before odd-numbered questions (a privileged field, as self-distillation rows carry)."""
+    number = int(prompt.split(":")[0].removeprefix("Question "))
+    return HINT + prompt if number % 2 else None
+
+
+@pytest.fixture(scope="module")
+def rollouts(tied_pair):
+    """One engine pair for every trainer of the tied student in this module; the teacher gets hints."""
+    teacher, _ = tied_pair
+    with MixtureRollouts(
+        teacher=str(teacher), engine=EngineOptions(**ENGINE), teacher_prompt=hint_odd_questions
+    ) as shared:
+        yield shared
+
+
+@pytest.mark.engine
+def test_grpo_with_importance_correction_trains_on_mixture_rollouts_that_rescore_exactly(rollouts, tied_pair, tmp_path):
+    teacher, student = tied_pair
+    trainer = _grpo(rollouts, student, tmp_path)
+    recorder = Recorder(trainer.vllm_generation)
+    trainer.train()
+    assert len(recorder.calls) == 2  # one batch of four rollouts per step
+    assert _check_rollouts(recorder, teacher, student, rollouts.dual.vocab, logprobs_returned=True) > 0
+    _losses(trainer)
+    rows = _mixture_metrics(trainer)
+    # GRPO's correction ran on log q: its ratio exp(log π_θ − log q) is logged per step.
+    assert all("sampling/importance_sampling_ratio/mean" in row for row in rows)
+    assert [row["mixture/behaviour_version"] for row in rows] == [1.0, 2.0]
+
+
+@pytest.mark.engine
+def test_distillation_trainer_on_mixture_rollouts_discards_log_q_and_rescores_exactly(rollouts, tied_pair, tmp_path):
+    teacher, student = tied_pair
+    trainer = _distillation(rollouts, student, teacher, tmp_path)
+    recorder = Recorder(trainer.vllm_generation)
+    trainer.train()
+    assert _check_rollouts(recorder, teacher, student, rollouts.dual.vocab, logprobs_returned=False) > 0
+    _losses(trainer)
+    _mixture_metrics(trainer)
+    # Two steps of four cover the eight prompts: the odd ones' rollouts were drawn (and re-scored above) with the
+    # teacher on its hinted prompt, the even ones' on the student's.
+    tokenizer = rollouts.dual.tokenizer
+    hinted = []
+    for r in (r for _, _, out in recorder.calls for r in out.requests):
+        theta_text = tokenizer.decode(r.theta_prompt_token_ids)
+        teacher_text = tokenizer.decode(r.teacher_prompt_token_ids)
+        assert teacher_text == (hint_odd_questions(theta_text) or theta_text)
+        hinted.append(teacher_text != theta_text)
+    assert sorted(hinted) == [False] * 4 + [True] * 4
+
+
+@pytest.mark.engine
+def test_a_sync_that_does_not_reach_the_engine_fails_the_next_batch_by_name(rollouts, tied_pair, tmp_path):
+    _, student = tied_pair
+    trainer = _grpo(rollouts, student, tmp_path, max_steps=3)
+    backend = trainer.vllm_generation
+    update, pushes = backend.dual.update_theta, []
+
+    def first_push_only(weights, **kwargs):  # later syncs are lost on the way, as with a skipped update
+        pushes.append(kwargs["version"])
+        return update(weights, **kwargs) if len(pushes) == 1 else kwargs["version"]
+
+    backend.dual.update_theta = first_push_only
+    try:
+        with pytest.raises(SamplerMismatchError, match="max_sampler_mismatch") as failure:
+            trainer.train()
+    finally:
+        del backend.dual.update_theta
+    assert len(pushes) == 2  # failed on the first batch after the lost sync, not later
+    assert failure.value.mismatch.max_abs > 0.05
+
+
+@pytest.mark.engine
+def test_untied_student_engines_start_with_the_trainer_and_leave_nothing_behind(tmp_path):
+    teacher, student = tiny_pair("same", tied=False)
+    before = snapshot()
+    with MixtureRollouts(teacher=str(teacher), engine=EngineOptions(**ENGINE)) as rollouts:
+        assert rollouts.dual is None  # nothing runs before a trainer needs it
+        trainer = _distillation(rollouts, student, teacher, tmp_path)
+        pids = rollouts.dual.engine_pids()
+        assert pids["teacher"] and pids["theta"]
+        recorder = Recorder(trainer.vllm_generation)
+        trainer.train()
+        vocab = rollouts.dual.vocab
+    assert rollouts.dual is None
+    procs, files = settled(before, timeout=30)
+    assert not procs and not files, (procs, files)
+    assert _check_rollouts(recorder, teacher, student, vocab, logprobs_returned=False) > 0
+    _losses(trainer)
+
+
+# ---------------------------------------------------------------------------- refusals: before any engine starts
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (dict(repetition_penalty=1.1), "repetition_penalty"),
+        (dict(vllm_mode="server"), "vllm_mode"),
+        (dict(vllm_tensor_parallel_size=2), "vllm_tensor_parallel_size"),
+        (dict(vllm_enable_sleep_mode=True), "vllm_enable_sleep_mode"),
+        (dict(vllm_structured_outputs_regex="[0-9]+"), "vllm_structured_outputs_regex"),
+        (dict(vllm_max_model_length=64), "vllm_max_model_length"),
+        (dict(generation_kwargs={"frequency_penalty": 0.5}), "frequency_penalty"),
+        (dict(generation_kwargs={"n": 2}), "'n'"),
+        (dict(generation_kwargs={"seed": -1}), r"generation_kwargs\['seed'\]"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(use_vllm=False), "use_vllm"),
+    ],
+)
+def test_fields_the_mixture_cannot_serve_are_refused_by_name_before_any_engine(tied_pair, tmp_path, overrides, field):
+    from trl.generation import vllm_generation
+    from trl.trainer import grpo_trainer
+
+    teacher, student = tied_pair
+    rollouts = MixtureRollouts(teacher=str(teacher), engine=EngineOptions(**ENGINE))
+    with pytest.raises(ValueError, match=field):
+        _grpo(rollouts, student, tmp_path, **overrides)
+    assert rollouts.dual is None
+    # TRL's own class is back under its name in both modules.
+    assert vllm_generation.VLLMGeneration is grpo_trainer.VLLMGeneration
+    assert isinstance(vllm_generation.VLLMGeneration, type)
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        (dict(engine=EngineOptions(mode="speculative")), "engine.mode"),
+        (dict(max_sampler_mismatch=-1.0), "max_sampler_mismatch"),
+        (dict(mismatch_samples=0), "mismatch_samples"),
+        (dict(teacher_prompt="not callable"), "teacher_prompt"),
+    ],
+)
+def test_backend_settings_are_checked_at_construction(settings, field):
+    with pytest.raises(ValueError, match=field):
+        MixtureRollouts(teacher="unused", **settings)
+    with pytest.raises(ValueError, match="not both"):
+        MixtureRollouts(MixtureRolloutsConfig(teacher="unused"), seed=1)
