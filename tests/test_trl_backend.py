@@ -22,7 +22,7 @@ from dual_sampling.testing.tiny_models import tiny_pair
 from tests.oracles import assert_records_match_rescoring
 from tests.processes import settled, snapshot
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = pytest.mark.filterwarnings("ignore:TRL currently supports vLLM:UserWarning")
 
 trl = pytest.importorskip("trl")
 
@@ -58,11 +58,17 @@ def _common(tmp_path, **overrides):
 def _grpo(rollouts, student, tmp_path, **overrides):
     from trl import GRPOConfig, GRPOTrainer
 
-    args = GRPOConfig(
-        num_generations=4, vllm_importance_sampling_correction=True, **_common(tmp_path, **overrides)
-    )
+    args = GRPOConfig(num_generations=4, vllm_importance_sampling_correction=True, **_common(tmp_path, **overrides))
     reward = lambda completions, **_: [len(c) / 10 for c in completions]
     return rollouts.trainer(GRPOTrainer, model=str(student), reward_funcs=reward, args=args, train_dataset=_dataset())
+
+
+def _rloo(rollouts, student, tmp_path):
+    from trl import RLOOConfig, RLOOTrainer
+
+    args = RLOOConfig(num_generations=2, **_common(tmp_path))
+    reward = lambda completions, **_: [len(c) / 10 for c in completions]
+    return rollouts.trainer(RLOOTrainer, model=str(student), reward_funcs=reward, args=args, train_dataset=_dataset())
 
 
 def _distillation(rollouts, student, teacher, tmp_path):
@@ -143,6 +149,16 @@ def _mixture_metrics(trainer) -> list[dict]:
     return rows
 
 
+def _train_and_check(trainer, rollouts, pair, logprobs_returned: bool) -> tuple[Recorder, list[dict]]:
+    """Train, then check every rollout against re-scoring, the losses and the mixture's logged metrics."""
+    teacher, student = pair
+    recorder = Recorder(trainer.vllm_generation)
+    trainer.train()
+    assert _check_rollouts(recorder, teacher, student, rollouts.dual.vocab, logprobs_returned) > 0
+    _losses(trainer)
+    return recorder, _mixture_metrics(trainer)
+
+
 @pytest.fixture(scope="module")
 def tied_pair():
     return tiny_pair("same", tied=True)
@@ -169,14 +185,8 @@ def rollouts(tied_pair):
 
 @pytest.mark.engine
 def test_grpo_with_importance_correction_trains_on_mixture_rollouts_that_rescore_exactly(rollouts, tied_pair, tmp_path):
-    teacher, student = tied_pair
-    trainer = _grpo(rollouts, student, tmp_path)
-    recorder = Recorder(trainer.vllm_generation)
-    trainer.train()
+    recorder, rows = _train_and_check(_grpo(rollouts, tied_pair[1], tmp_path), rollouts, tied_pair, True)
     assert len(recorder.calls) == 2  # one batch of four rollouts per step
-    assert _check_rollouts(recorder, teacher, student, rollouts.dual.vocab, logprobs_returned=True) > 0
-    _losses(trainer)
-    rows = _mixture_metrics(trainer)
     # GRPO's correction ran on log q: its ratio exp(log π_θ − log q) is logged per step.
     assert all("sampling/importance_sampling_ratio/mean" in row for row in rows)
     assert [row["mixture/behaviour_version"] for row in rows] == [1.0, 2.0]
@@ -185,12 +195,7 @@ def test_grpo_with_importance_correction_trains_on_mixture_rollouts_that_rescore
 @pytest.mark.engine
 def test_distillation_trainer_on_mixture_rollouts_discards_log_q_and_rescores_exactly(rollouts, tied_pair, tmp_path):
     teacher, student = tied_pair
-    trainer = _distillation(rollouts, student, teacher, tmp_path)
-    recorder = Recorder(trainer.vllm_generation)
-    trainer.train()
-    assert _check_rollouts(recorder, teacher, student, rollouts.dual.vocab, logprobs_returned=False) > 0
-    _losses(trainer)
-    _mixture_metrics(trainer)
+    recorder, _ = _train_and_check(_distillation(rollouts, student, teacher, tmp_path), rollouts, tied_pair, False)
     # Two steps of four cover the eight prompts: the odd ones' rollouts were drawn (and re-scored above) with the
     # teacher on its hinted prompt, the even ones' on the student's.
     tokenizer = rollouts.dual.tokenizer
@@ -201,6 +206,11 @@ def test_distillation_trainer_on_mixture_rollouts_discards_log_q_and_rescores_ex
         assert teacher_text == (hint_odd_questions(theta_text) or theta_text)
         hinted.append(teacher_text != theta_text)
     assert sorted(hinted) == [False] * 4 + [True] * 4
+
+
+@pytest.mark.engine
+def test_rloo_trains_on_mixture_rollouts_that_rescore_exactly(rollouts, tied_pair, tmp_path):
+    _train_and_check(_rloo(rollouts, tied_pair[1], tmp_path), rollouts, tied_pair, False)
 
 
 @pytest.mark.engine

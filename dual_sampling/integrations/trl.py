@@ -206,13 +206,17 @@ def _vllm_generation_parameters() -> Mapping[str, inspect.Parameter]:
 # What the mixture does with each field TRL's trainers hand VLLMGeneration. Sampling fields map to SamplingOptions;
 # engine fields must ask for what the pair does, else they are refused with the reason.
 _ENGINE_FIELDS = {
-    "mode": ("vllm_mode", ("colocate",), "the mixture's engines run beside the trainer ('colocate'); a vLLM server samples one model"),
+    "mode": (
+        "vllm_mode",
+        ("colocate",),
+        "the pair runs beside the trainer ('colocate'); a vLLM server samples one model",
+    ),
     "structured_outputs_regex": ("vllm_structured_outputs_regex", (None,), "structured outputs are not served on q"),
-    "tensor_parallel_size": ("vllm_tensor_parallel_size", (1,), "each engine runs on one device (EngineOptions.*_device)"),
+    "tensor_parallel_size": ("vllm_tensor_parallel_size", (1,), "each engine runs on one device (EngineOptions)"),
     "max_model_length": ("vllm_max_model_length", (None,), "the engines' context is EngineOptions.max_model_len"),
     "enable_sleep_mode": ("vllm_enable_sleep_mode", (False,), "the pair keeps both engines and their KV caches awake"),
     "model_impl": ("vllm_model_impl", ("auto", "vllm"), "the engines load vLLM's own model implementation"),
-    "trust_remote_code": ("trust_remote_code", (False,), "the engines load local folders with transformers' own code only"),
+    "trust_remote_code": ("trust_remote_code", (False,), "the engines load local folders with vLLM's own models"),
 }
 """VLLMGeneration field → (the trainer config's field, the values served, why no other is)."""
 _CAPACITY_HINTS = ("gpu_memory_utilization", "max_num_seqs")
@@ -333,7 +337,8 @@ class MixtureGeneration:
         samples = [request.samples[0] for request in out.requests]
         failed = [(i, s.error) for i, s in enumerate(samples) if s.error is not None]
         if failed:
-            raise RolloutFailed(f"{len(failed)} of {len(samples)} rollouts failed; rollout {failed[0][0]}: {failed[0][1]}")
+            first, error = failed[0]
+            raise RolloutFailed(f"{len(failed)} of {len(samples)} rollouts failed; rollout {first}: {error}")
         mismatch = self._check(out.requests) if self._check_next else None
         self._log(samples, mismatch)
         self.last_output = out
