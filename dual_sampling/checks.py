@@ -11,12 +11,20 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["is_int", "is_number", "need_int", "need_number"]
+__all__ = ["MAX_COUNT", "is_count", "is_int", "is_number", "need_int", "need_number"]
+
+MAX_COUNT = 2**31 - 1
+"""Largest token count, top-k or token id a request may give: the engines keep them in int32 and int64 tensors."""
 
 
 def is_int(value: Any) -> bool:
     """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_count(value: Any, least: int) -> bool:
+    """An int (not a bool) in [least, MAX_COUNT]."""
+    return is_int(value) and least <= value <= MAX_COUNT
 
 
 def is_number(value: Any) -> bool:

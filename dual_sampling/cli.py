@@ -42,11 +42,11 @@ def _plain(text: str) -> str:
 
 
 def _field_help(cls: type) -> dict[str, str]:
-    """The docstring written under each field of ``cls``, by field name, in plain text: the one source of the
-    ``--help`` text."""
+    """The docstring written under each field of ``cls`` (or of the base class that declares it), by field name, in
+    plain text: the one source of the ``--help`` text."""
     import docstring_parser
 
-    docs = docstring_parser.parse_from_object(cls).params
+    docs = [p for base in reversed(cls.__mro__[:-1]) for p in docstring_parser.parse_from_object(base).params]
     # argparse formats help with %, so a literal one is doubled
     return {p.arg_name: _plain(" ".join((p.description or "").split())).replace("%", "%%") for p in docs}
 

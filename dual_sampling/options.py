@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from alpha import get_alpha_computer
-from dual_sampling.checks import is_int, is_number
-from dual_sampling.decision.pipeline import LOGIT_BIAS_LIMIT, RowSampling
+from dual_sampling.checks import MAX_COUNT, is_count, is_int, is_number
+from dual_sampling.decision.pipeline import RowSampling
+from dual_sampling.decision.stages import LOGIT_BIAS_LIMIT, STAGES, DecisionOptions
 from dual_sampling.lockstep import TOP_LOGPROBS_MAX
 from dual_sampling.lockstep.row_channel import ROW_TRANSPORTS
 
@@ -39,18 +40,12 @@ __all__ = [
 ]
 
 BEST_OF_SCORES = ("logq", "logp_theta", "logp_teacher")
-MAX_COUNT = 2**31 - 1
-"""Largest token count, top-k or token id a request may give: the engines keep them in int32 and int64 tensors."""
 SEED_RANGE = (-(2**63), 2**63 - 1)
 """Seeds are 64-bit signed integers, as in vLLM's request models."""
 MAX_STOP_STRINGS = 16
 """Stop strings per request at most: the leader engine checks each on every step."""
 MAX_STOP_STRING_CHARS = 256
 """Characters per stop string at most."""
-MIN_TEMPERATURE = 1e-2
-"""The smallest non-zero temperature: below it the tempered log q overflows float32 (0 is greedy)."""
-MAX_TEMPERATURE = 100.0
-"""The largest temperature: past it q is uniform over the kept tokens to float32 precision."""
 NEUTRAL_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 """vLLM's penalties and the value at which each does nothing: any other value is refused by name."""
 UNSUPPORTED_SAMPLING = (*NEUTRAL_PENALTIES, "bad_words")
@@ -67,10 +62,6 @@ def _need(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _is_count(value: Any, low: int) -> bool:
-    return is_int(value) and low <= value <= MAX_COUNT
-
-
 def _is_text(value: Any) -> bool:
     """A str that UTF-8 can encode (JSON may carry lone surrogates, which no tokenizer takes)."""
     if not isinstance(value, str):
@@ -83,21 +74,13 @@ def _is_text(value: Any) -> bool:
 
 
 @dataclass
-class SamplingOptions:
-    """How to sample from q ∝ π_θ^(1−α)·π_t^α. Every filter acts on q; α is the teacher weight."""
+class SamplingOptions(DecisionOptions):
+    """How to sample from q ∝ π_θ^(1−α)·π_t^α. Every filter acts on q; α is the teacher weight. The per-token
+    settings are :class:`~dual_sampling.decision.stages.DecisionOptions`' (each checked by the stage that applies
+    it); these are the request's."""
 
     max_tokens: int = 256
     """Generated tokens per sample at most (also capped by the room the longer prompt leaves in max_model_len)."""
-    temperature: float = 1.0
-    """Divides log q before the draw; 0 is greedy (the mode of q), otherwise in [0.01, 100]."""
-    top_p: float = 1.0
-    """Nucleus filter on the tempered q, in (0, 1]; 1 is off."""
-    top_k: int = -1
-    """Keep the k most likely tokens of q; -1 is off."""
-    min_p: float = 0.0
-    """Drop tokens below min_p times the most likely token's probability, in [0, 1]; 0 is off."""
-    min_tokens: int = 0
-    """Generated tokens before any stop token or stop string may end a sample."""
     stop: list[str] = field(default_factory=list)
     """Stop strings (at most 16, of at most 256 characters): a sample ends at the token that completes one; its
     text ends before it."""
@@ -109,22 +92,8 @@ class SamplingOptions:
     """Draw this many samples per prompt (>= n) and keep the n with the highest summed best_of_score."""
     best_of_score: str = "logq"
     """Score for best_of: logq, logp_theta or logp_teacher, summed over the sample's tokens."""
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    """Added to log q per token id before temperature; clamped to ±100 as in vLLM."""
-    force_first_token: bool = False
-    """Sample the first token from the teacher alone (α = 1 at step 0)."""
-    teacher_support_top_k: int = -1
-    """Restrict q to the teacher's k most likely tokens; -1 is off."""
-    teacher_support_top_p: float = 1.0
-    """Restrict q to the teacher's top-p set, in (0, 1]; 1 is off."""
     seed: int = 0
     """Seed of the call; sample j of prompt i is drawn with a seed derived from (seed, prompt key, j)."""
-    top_logprobs: int = 0
-    """Also record, per token, this many of q's most likely tokens with their log-probabilities (0-20)."""
-    dense_logprobs: int = 0
-    """Also record, per token, the teacher's k most likely tokens and theta's k most likely, each with both log π_t
-    and log π_θ (untempered, unfiltered: the models' own distributions at that position); at most the engine's
-    ``max_dense_logprobs``. The dense signal of a distillation loss, forward (the teacher's top k) or reverse (θ's)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -142,24 +111,11 @@ class SamplingOptions:
             if is_int(getattr(self, name)):
                 setattr(self, name, float(getattr(self, name)))
         _need(
-            _is_count(self.max_tokens, 1),
+            is_count(self.max_tokens, 1),
             f"max_tokens must be an integer >= 1 (at most {MAX_COUNT}), got {self.max_tokens!r}",
         )
-        _need(
-            is_number(self.temperature)
-            and (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE),
-            f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {self.temperature!r}",
-        )
-        _need(is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must lie in (0, 1], got {self.top_p!r}")
-        _need(
-            self.top_k == -1 or _is_count(self.top_k, 1),
-            f"top_k must be -1 (off) or an integer in [1, {MAX_COUNT}], got {self.top_k!r}",
-        )
-        _need(is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must lie in [0, 1], got {self.min_p!r}")
-        _need(
-            is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-            f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
-        )
+        for stage in STAGES:  # after max_tokens: min_tokens is checked against it
+            stage.check(self)
         _need(
             isinstance(self.stop, list) and len(self.stop) <= MAX_STOP_STRINGS,
             f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
@@ -170,36 +126,21 @@ class SamplingOptions:
             f"got {[s[:40] if isinstance(s, str) else s for s in self.stop]!r}",
         )
         _need(
-            all(_is_count(t, 0) for t in self.stop_token_ids),
+            all(is_count(t, 0) for t in self.stop_token_ids),
             f"stop_token_ids must be token ids in [0, {MAX_COUNT}], got {self.stop_token_ids[:5]!r}",
         )
-        _need(_is_count(self.n, 1), f"n must be an integer >= 1 (at most {MAX_COUNT}), got {self.n!r}")
+        _need(is_count(self.n, 1), f"n must be an integer >= 1 (at most {MAX_COUNT}), got {self.n!r}")
         _need(
-            self.best_of is None or (_is_count(self.best_of, 1) and self.best_of >= self.n),
+            self.best_of is None or (is_count(self.best_of, 1) and self.best_of >= self.n),
             f"best_of must be an integer >= n={self.n}, got {self.best_of!r}",
         )
         _need(
             self.best_of_score in BEST_OF_SCORES,
             f"best_of_score must be one of {BEST_OF_SCORES}, got {self.best_of_score!r}",
         )
-        for token, bias in self.logit_bias.items():
-            _need(_is_count(token, 0), f"logit_bias keys must be token ids in [0, {MAX_COUNT}], got {token!r}")
-            _need(is_number(bias), f"logit_bias for token {token} must be a finite number, got {bias!r}")
-        self.logit_bias = {
-            t: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(b))) for t, b in self.logit_bias.items()
-        }
         _need(
             isinstance(self.force_first_token, bool),
             f"force_first_token must be true or false, got {self.force_first_token!r}",
-        )
-        _need(
-            self.teacher_support_top_k == -1 or _is_count(self.teacher_support_top_k, 1),
-            f"teacher_support_top_k must be -1 (off) or an integer in [1, {MAX_COUNT}], "
-            f"got {self.teacher_support_top_k!r}",
-        )
-        _need(
-            is_number(self.teacher_support_top_p) and 0 < self.teacher_support_top_p <= 1,
-            f"teacher_support_top_p must lie in (0, 1], got {self.teacher_support_top_p!r}",
         )
         _need(
             is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
@@ -217,13 +158,12 @@ class SamplingOptions:
     def row(self, seed: int, masked_before_min_tokens: Sequence[int] = ()) -> RowSampling:
         """The engine-side settings of one sample: the one mapping from these options.
 
-        Every :class:`RowSampling` field takes the option of the same name, except ``seed`` (the
-        sample's own, given here) and ``stop_token_ids``: the tokens masked while fewer than
+        The :class:`DecisionOptions` fields are these options'; ``seed`` is the sample's own (given here) and
+        ``stop_token_ids``: the tokens masked while fewer than
         ``min_tokens`` were generated, ``masked_before_min_tokens`` (the EOS ids) and
         :attr:`stop_token_ids` together.
         """
-        own = {"seed", "stop_token_ids"}
-        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(RowSampling) if f.name not in own}
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(DecisionOptions)}
         stops = tuple(sorted(set(masked_before_min_tokens) | set(self.stop_token_ids)))
         return RowSampling(seed=seed, stop_token_ids=stops, **shared)
 

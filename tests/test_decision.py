@@ -18,8 +18,8 @@ from dual_sampling.decision.pipeline import (
     dense_top,
     draw_tokens,
     inverse_cdf,
-    keep_top_k_top_p,
 )
+from dual_sampling.decision.stages import keep_top_k_top_p
 from tests.oracles import np_alpha_kl, np_mix
 from tests.tolerances import ALPHA_ATOL, ONE_NORMALISATION_ATOL, TWO_NORMALISATIONS_ATOL
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from alpha import AlphaComputer, FixedAlpha, KLSymmetryAlpha
+from dual_sampling.decision.stages import STAGES
 
 __all__ = ["KERNEL_ALPHA_METHODS", "kernel_device", "kernel_rows", "masked_ids"]
 
@@ -33,21 +34,12 @@ def kernel_device(device: torch.device) -> str | None:
 
 
 def kernel_rows(rows: Sequence, alpha_computer: AlphaComputer, device: torch.device) -> list[bool]:
-    """Which rows a kernel decides: temperature 1 and no filter, support constraint, logit bias or top
-    log-probabilities (the stop tokens masked before min_tokens are allowed), with a kernel's alpha computer."""
+    """Which rows a kernel decides: rows that use no stage the kernels lack (``Stage.fusable``: of today's stages,
+    only min_tokens' masking) and record no top log-probabilities, with a kernel's alpha computer."""
     if kernel_device(device) is None or type(alpha_computer) not in KERNEL_ALPHA_METHODS:
         return [False] * len(rows)
-    return [
-        r.temperature == 1.0
-        and r.top_k <= 0
-        and r.top_p >= 1.0
-        and r.min_p <= 0.0
-        and r.teacher_support_top_k <= 0
-        and r.teacher_support_top_p >= 1.0
-        and not r.logit_bias
-        and r.top_logprobs == 0
-        for r in rows
-    ]
+    unfused = [stage for stage in STAGES if not stage.fusable]
+    return [r.top_logprobs == 0 and not any(stage.used(r) for stage in unfused) for r in rows]
 
 
 def masked_ids(masked_tokens: Sequence[Sequence[int]] | None, rows: int, vocab: int) -> np.ndarray:

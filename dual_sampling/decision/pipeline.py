@@ -7,11 +7,12 @@ Order of operations (per row; α is the teacher weight):
 2. α from the alpha computer, on those untempered distributions, clamped to
    [alpha_min, alpha_max]; α = 1 at step 0 when ``force_first_token`` is set.
 3. log q = geometric_mix(log π_θ, log π_t, α), kept unnormalised until the draw.
-4. Teacher-support constraint: tokens outside the teacher's top-k / top-p set are removed.
-5. min_tokens: the stop tokens are removed while fewer than min_tokens were generated.
-6. logit_bias is added (each value clamped to ±100, as vLLM does).
-7. Temperature divides log q (0 means greedy).
-8. top_k, top_p and min_p filter the tempered distribution.
+4–8. The stages of :mod:`dual_sampling.decision.stages`, in this order:
+   4. teacher support: tokens outside the teacher's top-k / top-p set are removed;
+   5. min_tokens: the stop tokens are removed while fewer than min_tokens were generated;
+   6. logit_bias is added (each value clamped to ±100, as vLLM does);
+   7. temperature divides log q (0 means greedy);
+   8. top_k, top_p and min_p filter the tempered distribution.
 9. Renormalise and draw with a counter-based uniform of (seed, step): the same seed gives
    the same token whatever the batch composition or timing. The recorded log q is the
    log-probability of the drawn token under this final distribution (0 for greedy).
@@ -19,7 +20,7 @@ Order of operations (per row; α is the teacher weight):
 vLLM's own stages (min_tokens, logit_bias, penalties, bad words) are never handed to the
 engines: a token forced after them could be masked to -inf. The supported ones run here.
 
-:func:`decide` hands the rows that skip steps 4 and 6–8 (``dual_sampling.decision.fusable``) to a fused
+:func:`decide` hands the rows that use no stage the kernels lack (``dual_sampling.decision.fusable``) to a fused
 kernel, one pass per α evaluation and no V-sized temporaries: ``dual_sampling.decision.kernel`` on the
 CPU, ``dual_sampling.decision.gpu_kernel`` on CUDA devices (a decided batch then comes back to the
 host in one copy). The torch code below stays the reference for every other row and device, and in
@@ -31,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -40,21 +41,18 @@ from torch import Tensor
 from alpha import AlphaComputer, geometric_log_weights
 from alpha.base import check_log_prob_pair
 from dual_sampling.decision.fusable import kernel_device, kernel_rows
+from dual_sampling.decision.stages import LOGIT_BIAS_LIMIT, STAGES, DecisionOptions, StageBatch
 
 __all__ = [
-    "LOGIT_BIAS_LIMIT",
     "Decision",
     "RowSampling",
     "counter_uniform",
     "decide",
     "draw_tokens",
     "inverse_cdf",
-    "keep_top_k_top_p",
 ]
 
 _MASK64 = (1 << 64) - 1
-LOGIT_BIAS_LIMIT = 100.0
-"""logit_bias values are clamped to ±this, as vLLM clamps them."""
 
 
 def counter_uniform(seed: int, step: int) -> float:
@@ -66,30 +64,15 @@ def counter_uniform(seed: int, step: int) -> float:
     return (z >> 11) * (1.0 / (1 << 53))
 
 
-@dataclass
-class RowSampling:
-    """Per-request sampling settings as the teacher processor receives them (plain data, picklable).
-
-    Built from ``SamplingOptions`` by ``SamplingOptions.row``: every field but ``seed`` and
-    ``stop_token_ids`` has the same name and meaning there.
-    """
+@dataclass(kw_only=True)
+class RowSampling(DecisionOptions):
+    """One sample's settings as the teacher processor receives them (plain data, picklable): the request's
+    :class:`DecisionOptions` with the sample's own seed and stop tokens. Built by ``SamplingOptions.row``."""
 
     seed: int = 0
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    min_p: float = 0.0
-    min_tokens: int = 0
+    """The sample's seed: its uniforms are ``counter_uniform(seed, step)``."""
     stop_token_ids: tuple[int, ...] = ()
     """Tokens masked while fewer than min_tokens were generated (EOS ids and the user's stop ids)."""
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    force_first_token: bool = False
-    teacher_support_top_k: int = -1
-    teacher_support_top_p: float = 1.0
-    top_logprobs: int = 0
-    """How many of q's most likely tokens to record with their log-probabilities (0: none)."""
-    dense_logprobs: int = 0
-    """How many of each model's own most likely tokens to record with log π_t and log π_θ (0: none)."""
 
     def __post_init__(self) -> None:
         # Plain Python numbers of the declared kinds: the settings cross to the engines as JSON-like data.
@@ -117,31 +100,6 @@ class RowSampling:
         d["stop_token_ids"] = tuple(d.get("stop_token_ids", ()))
         d["logit_bias"] = {int(k): float(v) for k, v in (d.get("logit_bias") or {}).items()}
         return cls(**d)
-
-
-def keep_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor | None = None) -> Tensor | None:
-    """Bool mask ``[b, V]`` of the tokens each row keeps, or None when no filter is active.
-
-    ``top_k`` ``[b]`` (≤ 0: off), ``top_p`` ``[b]`` in (0, 1] (1: off), ``min_p`` ``[b]`` in [0, 1]
-    (0: off). The most likely token is always kept. Tokens already at -inf stay there.
-    """
-    keep = None
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        rank = torch.arange(logits.shape[-1], device=logits.device).expand_as(sorted_logits)
-        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, logits.shape[-1]))
-        keep_sorted = rank < k.unsqueeze(-1)
-        probs = torch.softmax(sorted_logits.double(), dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each token
-        keep_sorted &= before < top_p.double().unsqueeze(-1)
-        keep_sorted[:, 0] = True
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    if min_p is not None and bool((min_p > 0).any()):
-        logp = torch.log_softmax(logits, dim=-1)
-        top = logp.max(dim=-1, keepdim=True).values
-        above = logp >= top + torch.log(min_p.clamp_min(1e-30)).unsqueeze(-1)
-        keep = above if keep is None else keep & above
-    return keep
 
 
 _CDF_BLOCK = 256
@@ -198,7 +156,8 @@ def draw_tokens(
     overwrite: bool = False,
     top_logprobs: int = 0,
 ) -> Draw:
-    """Apply steps 4–9 above to ``logq`` ``[b, V]`` and draw one token per row.
+    """Apply steps 4–8 above (the :data:`~dual_sampling.decision.stages.STAGES`, in their order) to ``logq``
+    ``[b, V]`` and draw one token per row (step 9).
 
     ``logq`` is log q up to a per-row constant (it need not be normalised). With
     ``overwrite=True`` the stages work in ``logq`` itself, which saves a V-sized copy.
@@ -217,27 +176,11 @@ def draw_tokens(
             x, owned = x.clone(), True
         return x
 
-    sup_k = torch.tensor([r.teacher_support_top_k for r in rows], device=dev)
-    sup_p = torch.tensor([r.teacher_support_top_p for r in rows], device=dev, dtype=x.dtype)
-    support = keep_top_k_top_p(logp_teacher, sup_k, sup_p)
-    if support is not None:
-        writable().masked_fill_(~support, -math.inf)
-    for i, (r, s) in enumerate(zip(rows, steps)):
-        if s < r.min_tokens and r.stop_token_ids:
-            writable()[i, [t for t in r.stop_token_ids if t < vocab]] = -math.inf
-        if r.logit_bias:
-            ids = torch.tensor(list(r.logit_bias), device=dev)
-            writable()[i, ids] += torch.tensor(list(r.logit_bias.values()), device=dev, dtype=x.dtype)
-    temps = torch.tensor([r.temperature for r in rows], device=dev, dtype=x.dtype)
-    greedy = temps == 0
-    if bool((temps != 1).any()):
-        writable().div_(torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(-1))
-    top_k = torch.tensor([r.top_k for r in rows], device=dev)
-    top_p = torch.tensor([r.top_p for r in rows], device=dev, dtype=x.dtype)
-    min_p = torch.tensor([r.min_p for r in rows], device=dev, dtype=x.dtype)
-    keep = keep_top_k_top_p(x, top_k, top_p, min_p)
-    if keep is not None:
-        writable().masked_fill_(~keep, -math.inf)
+    batch = StageBatch(logp_teacher, steps, rows)
+    for stage in STAGES:
+        if any(stage.used(r) for r in rows):
+            stage.apply(writable(), batch)
+    greedy = torch.tensor([r.temperature == 0 for r in rows], device=dev)
     top = x.amax(dim=-1)
     ok = top > -math.inf
     shift = torch.where(ok, top, torch.zeros_like(top))
