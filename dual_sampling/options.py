@@ -20,6 +20,7 @@ from dual_sampling.decision.pipeline import RowSampling
 from dual_sampling.decision.stages import LOGIT_BIAS_LIMIT, STAGES, DecisionOptions
 from dual_sampling.lockstep import TOP_LOGPROBS_MAX
 from dual_sampling.lockstep.row_channel import ROW_TRANSPORTS
+from dual_sampling.records import BEST_OF_SCORES
 
 __all__ = [
     "BEST_OF_SCORES",
@@ -39,7 +40,6 @@ __all__ = [
     "model_config",
 ]
 
-BEST_OF_SCORES = ("logq", "logp_theta", "logp_teacher")
 SEED_RANGE = (-(2**63), 2**63 - 1)
 """Seeds are 64-bit signed integers, as in vLLM's request models."""
 MAX_STOP_STRINGS = 16
@@ -89,9 +89,10 @@ class SamplingOptions(DecisionOptions):
     n: int = 1
     """Samples per prompt."""
     best_of: int | None = None
-    """Draw this many samples per prompt (>= n) and keep the n with the highest summed best_of_score."""
+    """Draw this many samples per prompt (>= n) and keep the n with the highest best_of_score."""
     best_of_score: str = "logq"
-    """Score for best_of: logq, logp_theta or logp_teacher, summed over the sample's tokens."""
+    """Score for best_of: logq, logp_theta or logp_teacher summed over the sample's tokens, or with _mean (logq_mean,
+    ...) averaged per token, which does not favour short samples."""
     seed: int = 0
     """Seed of the call; sample j of prompt i is drawn with a seed derived from (seed, prompt key, j)."""
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 
 __all__ = [
+    "BEST_OF_SCORES",
     "DualGenerationOutput",
     "RequestRecord",
     "SampleDelta",
@@ -130,13 +131,23 @@ class SampleDelta:
     teacher's top k at ``[:, 0]`` and theta's at ``[:, 1]`` (see :attr:`SampleRecord.dense_ids`)."""
 
 
+_SCORED_RECORDS = ("logq", "logp_theta", "logp_teacher")
+BEST_OF_SCORES = (*_SCORED_RECORDS, *(f"{name}_mean" for name in _SCORED_RECORDS))
+"""The scores best_of ranks by: a per-token record summed over the sample, or with ``_mean`` averaged per token."""
+
+
 def best_of_score(sample: SampleRecord, name: str) -> float:
-    """A sample's best_of score: ``name`` (logq, logp_theta or logp_teacher) summed over its tokens.
+    """A sample's best_of score ``name`` (one of :data:`BEST_OF_SCORES`): logq, logp_theta or logp_teacher summed
+    over its tokens, or with ``_mean`` their mean per token (length-normalised: a sum favours short samples, since
+    every token adds a negative log-probability).
 
     -inf for a sample that failed or was aborted, so it ranks below every complete one.
     """
-    values = {"logq": sample.logq, "logp_theta": sample.logp_theta, "logp_teacher": sample.logp_teacher}[name]
-    return math.fsum(values) if sample.error is None and sample.finish_reason != "abort" else -math.inf
+    if sample.error is not None or sample.finish_reason == "abort":
+        return -math.inf
+    values = getattr(sample, name.removesuffix("_mean"))
+    total = math.fsum(values)
+    return total / max(len(values), 1) if name.endswith("_mean") else total
 
 
 def best_of(samples: Sequence[SampleRecord], n: int, score: str) -> list[int]:

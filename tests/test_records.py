@@ -32,6 +32,18 @@ def test_best_of_scores_sum_the_named_values(name):
     assert best_of_score(s, name) == math.fsum(getattr(s, name))
 
 
+@pytest.mark.parametrize("name", ["logq", "logp_theta", "logp_teacher"])
+def test_length_normalised_scores_average_the_named_values_per_token(name):
+    s = sample([-0.5, -1.25, -2.0])
+    assert best_of_score(s, f"{name}_mean") == pytest.approx(math.fsum(getattr(s, name)) / 3, abs=1e-15)
+
+
+def test_a_length_normalised_score_stops_favouring_short_samples():
+    short, long = sample([-1.0, -1.0]), sample([-0.5] * 10)  # log q sums -2 and -5; means -1 and -0.5
+    assert best_of([short, long], 1, "logq") == [0]
+    assert best_of([short, long], 1, "logq_mean") == [1]
+
+
 def test_aborted_and_failed_samples_rank_below_every_complete_one():
     complete = sample([-30.0] * 8)  # a long, unlikely sample
     aborted = sample([-0.1], finish_reason="abort")  # short, so its sum alone would win

@@ -1,6 +1,6 @@
 """Mixture rollouts inside TRL's own trainers (``dual_sampling.integrations.trl``), on CPU with tiny models.
 
-GRPO (its importance-sampling correction on) and DistillationTrainer train a few steps each with their generation
+GRPO (its importance-sampling correction on), RLOO and DistillationTrainer train a few steps each with their generation
 replaced by mixture rollouts. Each rollout is re-scored by plain transformers against the student as it was at the
 sync before it (a copy of the trainer's weights taken right after each sync) and the teacher's folder, in float64
 (:func:`tests.oracles.assert_records_match_rescoring`). The tied student shares one engine pair across the tests of
@@ -82,20 +82,20 @@ def _distillation(rollouts, student, teacher, tmp_path):
 
 class Recorder:
     """Every generate call of a trainer's backend: (the trainer's weights at the last sync, what TRL received, the
-    records)."""
+    records, the prompts TRL asked with)."""
 
     def __init__(self, backend: MixtureGeneration) -> None:
         self.snapshots: list[dict[str, torch.Tensor]] = []
-        self.calls: list[tuple[int, tuple, object]] = []
+        self.calls: list[tuple[int, tuple, object, list]] = []
         sync, generate = backend.sync_weights, backend.generate
 
         def recorded_sync():
             sync()
             self.snapshots.append(copy.deepcopy(backend.model.state_dict()))
 
-        def recorded_generate(*args, **kwargs):
-            returned = generate(*args, **kwargs)
-            self.calls.append((len(self.snapshots) - 1, returned, backend.last_output))
+        def recorded_generate(prompts, *args, **kwargs):
+            returned = generate(prompts, *args, **kwargs)
+            self.calls.append((len(self.snapshots) - 1, returned, backend.last_output, [list(p) for p in prompts]))
             return returned
 
         backend.sync_weights, backend.generate = recorded_sync, recorded_generate
@@ -107,27 +107,29 @@ def _hf(folder):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def _check_rollouts(recorder: Recorder, teacher, student, vocab: int, logprobs_returned: bool) -> int:
-    """Each call's records against the student at its sync, and what TRL received against the records."""
+def _check_rollouts(recorder: Recorder, teacher, student, vocab: int, logprobs_returned: bool, **sampling) -> int:
+    """Each call's records against the student at its sync (``sampling``: the trainer's temperature and filters),
+    and what TRL received against the records and the prompts it asked with, in their order."""
     hf_teacher, hf_student = _hf(teacher), _hf(student)
     checked = 0
     assert recorder.snapshots and recorder.calls
-    for index, returned, out in recorder.calls:
+    for index, returned, out, asked in recorder.calls:
         assert index >= 0, "a generate call came before any sync"
         hf_student.load_state_dict(recorder.snapshots[index])
         for request in out.requests:
-            checked += assert_records_match_rescoring(request, hf_teacher, hf_student, vocab, "kl_symmetry")
+            checked += assert_records_match_rescoring(request, hf_teacher, hf_student, vocab, "kl_symmetry", **sampling)
         prompt_ids, completion_ids, logprobs, token_ids = returned
         samples = [r.samples[0] for r in out.requests]
+        assert [r.theta_prompt_token_ids for r in out.requests] == asked  # rollout i continues TRL's prompt i
+        assert prompt_ids == asked
         assert completion_ids == [s.token_ids for s in samples]
-        assert prompt_ids == [r.theta_prompt_token_ids for r in out.requests]
         if logprobs_returned:
             assert logprobs == [[[q] for q in s.logq] for s in samples]
             assert token_ids == [[[t] for t in s.token_ids] for s in samples]
         else:
             assert logprobs is None and token_ids is None
     # Not vacuous: the second call's rollouts came from weights the first step changed beyond the tolerance.
-    later = [out for index, _, out in recorder.calls if index == 1]
+    later = [out for index, _, out, _ in recorder.calls if index == 1]
     assert later, "no rollouts after the first optimizer step"
     hf_student.load_state_dict(recorder.snapshots[0])
     assert sampler_trainer_mismatch(hf_student, later[0].requests, vocab=vocab).max_abs > 1e-2
@@ -149,12 +151,12 @@ def _mixture_metrics(trainer) -> list[dict]:
     return rows
 
 
-def _train_and_check(trainer, rollouts, pair, logprobs_returned: bool) -> tuple[Recorder, list[dict]]:
+def _train_and_check(trainer, rollouts, pair, logprobs_returned: bool, **sampling) -> tuple[Recorder, list[dict]]:
     """Train, then check every rollout against re-scoring, the losses and the mixture's logged metrics."""
     teacher, student = pair
     recorder = Recorder(trainer.vllm_generation)
     trainer.train()
-    assert _check_rollouts(recorder, teacher, student, rollouts.dual.vocab, logprobs_returned) > 0
+    assert _check_rollouts(recorder, teacher, student, rollouts.dual.vocab, logprobs_returned, **sampling) > 0
     _losses(trainer)
     return recorder, _mixture_metrics(trainer)
 
@@ -193,6 +195,25 @@ def test_grpo_with_importance_correction_trains_on_mixture_rollouts_that_rescore
 
 
 @pytest.mark.engine
+def test_grpo_samples_at_its_temperature_and_filters_and_serves_a_context_the_engines_hold(
+    rollouts, tied_pair, tmp_path
+):
+    sampling = dict(temperature=0.7, top_k=50, top_p=0.9)
+    trainer = _grpo(
+        rollouts,
+        tied_pair[1],
+        tmp_path,
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_max_model_length=ENGINE["max_model_len"],  # GOLD passes its max_length here by default
+        **sampling,
+    )
+    # The records' log q is the tempered, filtered law: the oracle applies the same temperature and filters.
+    _train_and_check(trainer, rollouts, tied_pair, True, **sampling)
+    with pytest.raises(ValueError, match="vllm_max_model_length=129"):
+        _grpo(rollouts, tied_pair[1], tmp_path, vllm_max_model_length=ENGINE["max_model_len"] + 1)
+
+
+@pytest.mark.engine
 def test_distillation_trainer_on_mixture_rollouts_discards_log_q_and_rescores_exactly(rollouts, tied_pair, tmp_path):
     teacher, student = tied_pair
     recorder, _ = _train_and_check(_distillation(rollouts, student, teacher, tmp_path), rollouts, tied_pair, False)
@@ -200,7 +221,7 @@ def test_distillation_trainer_on_mixture_rollouts_discards_log_q_and_rescores_ex
     # teacher on its hinted prompt, the even ones' on the student's.
     tokenizer = rollouts.dual.tokenizer
     hinted = []
-    for r in (r for _, _, out in recorder.calls for r in out.requests):
+    for r in (r for _, _, out, _ in recorder.calls for r in out.requests):
         theta_text = tokenizer.decode(r.theta_prompt_token_ids)
         teacher_text = tokenizer.decode(r.teacher_prompt_token_ids)
         assert teacher_text == (hint_odd_questions(theta_text) or theta_text)
@@ -264,7 +285,7 @@ def test_untied_student_engines_start_with_the_trainer_and_leave_nothing_behind(
         (dict(vllm_tensor_parallel_size=2), "vllm_tensor_parallel_size"),
         (dict(vllm_enable_sleep_mode=True), "vllm_enable_sleep_mode"),
         (dict(vllm_structured_outputs_regex="[0-9]+"), "vllm_structured_outputs_regex"),
-        (dict(vllm_max_model_length=64), "vllm_max_model_length"),
+        (dict(max_completion_length=None), "max_completion_length"),
         (dict(generation_kwargs={"frequency_penalty": 0.5}), "frequency_penalty"),
         (dict(generation_kwargs={"n": 2}), "'n'"),
         (dict(generation_kwargs={"seed": -1}), r"generation_kwargs\['seed'\]"),
@@ -285,6 +306,31 @@ def test_fields_the_mixture_cannot_serve_are_refused_by_name_before_any_engine(t
     # TRL's own class is back under its name in both modules.
     assert vllm_generation.VLLMGeneration is grpo_trainer.VLLMGeneration
     assert isinstance(vllm_generation.VLLMGeneration, type)
+
+
+@pytest.mark.parametrize("hook", ["rollout_func", "environment_factory", "tools"])
+def test_trainer_hooks_that_generate_by_other_means_are_refused_by_name(tied_pair, tmp_path, hook):
+    from trl import GRPOConfig, GRPOTrainer
+
+    teacher, student = tied_pair
+    rollouts = MixtureRollouts(teacher=str(teacher), engine=EngineOptions(**ENGINE))
+    args = GRPOConfig(num_generations=4, **_common(tmp_path))
+    with pytest.raises(ValueError, match=hook):
+        rollouts.trainer(GRPOTrainer, model=str(student), args=args, train_dataset=_dataset(), **{hook: [len]})
+    assert rollouts.dual is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        (dict(top_k=0, min_p=None, top_p=None), dict(top_k=-1, min_p=0.0, top_p=1.0, max_tokens=16)),
+        (dict(temperature=0.7, generation_kwargs={"temperature": 0.5, "top_k": 20}), dict(temperature=0.5, top_k=20)),
+        (dict(max_completion_length=32, generation_kwargs={"min_tokens": 4}), dict(max_tokens=32, min_tokens=4)),
+    ],
+)
+def test_trl_sampling_fields_map_to_sampling_options_as_trl_applies_them(fields, expected):
+    options, _ = MixtureGeneration._sampling_options(fields)
+    assert {name: getattr(options, name) for name in expected} == expected
 
 
 @pytest.mark.parametrize(

@@ -67,9 +67,9 @@ class MixtureRolloutsConfig:
     and its position in the call."""
     teacher_prompt: Callable[[str], str | Sequence[int] | None] | None = None
     """Teacher hints: given the student's prompt as text (decoded from the trainer's token ids, special tokens kept),
-    the teacher's prompt (text or token ids), or None for the same prompt. For datasets that carry a privileged field
-    (a reference solution, feedback), as self-distillation setups do: look the row up and put its hint in the
-    teacher's prompt."""
+    the teacher's prompt (text or token ids), or None for the same prompt. Text is tokenized without adding special
+    tokens (the decoded prompt kept its own). For datasets that carry a privileged field (a reference solution,
+    feedback), as self-distillation setups do: look the row up and put its hint in the teacher's prompt."""
     on_rollouts: Callable[[Any], None] | None = None
     """Called with each ``generate`` call's :class:`~dual_sampling.DualGenerationOutput` (every rollout's α,
     log π_t, log π_θ and log q per token, and its θ version), to keep or inspect the records."""
@@ -122,8 +122,13 @@ class MixtureRollouts:
                 "args.use_vllm must be True: the trainer builds its generation backend only on its vLLM path, "
                 "and that is the one mixture rollouts replace"
             )
-        if kwargs.get("tools"):
-            raise ValueError("tools: multi-turn tool calls are not served by mixture rollouts (untested)")
+        for name, reason in (
+            ("tools", "multi-turn tool calls are not served by mixture rollouts"),
+            ("environment_factory", "an environment's tool calls are not served by mixture rollouts"),
+            ("rollout_func", "a custom rollout function generates by itself, so its rollouts would not come from q"),
+        ):
+            if kwargs.get(name):
+                raise ValueError(f"{name}: {reason}")
         _vllm_generation_parameters()  # read from TRL's class before the name is rebound
         trainer = trainer_class.__new__(trainer_class)
         factory = lambda **fields: MixtureGeneration(self, trainer, **fields)
@@ -213,7 +218,6 @@ _ENGINE_FIELDS = {
     ),
     "structured_outputs_regex": ("vllm_structured_outputs_regex", (None,), "structured outputs are not served on q"),
     "tensor_parallel_size": ("vllm_tensor_parallel_size", (1,), "each engine runs on one device (EngineOptions)"),
-    "max_model_length": ("vllm_max_model_length", (None,), "the engines' context is EngineOptions.max_model_len"),
     "enable_sleep_mode": ("vllm_enable_sleep_mode", (False,), "the pair keeps both engines and their KV caches awake"),
     "model_impl": ("vllm_model_impl", ("auto", "vllm"), "the engines load vLLM's own model implementation"),
     "trust_remote_code": ("trust_remote_code", (False,), "the engines load local folders with vLLM's own models"),
@@ -232,10 +236,12 @@ class MixtureGeneration:
     (see :meth:`MixtureRollouts.trainer`), with VLLMGeneration's keyword arguments.
 
     TRL's sampling fields map to :class:`SamplingOptions` on q: temperature, top_p, top_k (0: off), min_p,
-    max_completion_length (``max_tokens``), and ``generation_kwargs`` whose keys are SamplingOptions fields (``seed``
-    replaces :attr:`MixtureRolloutsConfig.seed`). Refused, naming the field: a repetition penalty other than 1 (not
-    built on q yet), ``logprobs`` > 0 (only the sampled token's log q is returned), any other ``generation_kwargs``
-    key, and engine fields that ask for something the pair does not do (``_ENGINE_FIELDS``).
+    max_completion_length (``max_tokens``), and ``generation_kwargs`` whose keys are SamplingOptions fields (they
+    override the named ones, as in TRL's own backend; ``seed`` replaces :attr:`MixtureRolloutsConfig.seed`).
+    ``vllm_max_model_length`` is served when the engines hold that context. Refused, naming the field: a repetition
+    penalty other than 1 (not built on q yet), ``logprobs`` > 0 (only the sampled token's log q is returned), no
+    token cap, any other ``generation_kwargs`` key, and engine fields that ask for something the pair does not do
+    (``_ENGINE_FIELDS``).
     """
 
     def __init__(self, rollouts: MixtureRollouts, trainer: Any, *, model: Any, accelerator: Any, **fields: Any) -> None:
@@ -246,6 +252,9 @@ class MixtureGeneration:
         for name, (config_field, served, reason) in _ENGINE_FIELDS.items():
             if name in fields and fields[name] not in served:
                 raise ValueError(f"{config_field}={fields[name]!r}: not served by mixture rollouts: {reason}")
+        context = fields.get("max_model_length")
+        if context is not None:
+            need_int("vllm_max_model_length", context, 1)
         if accelerator.num_processes != 1:
             raise ValueError(
                 f"num_processes={accelerator.num_processes}: mixture rollouts serve one training process (the pair's "
@@ -268,6 +277,11 @@ class MixtureGeneration:
         self.last_output: Any = None
         """The latest ``generate`` call's :class:`~dual_sampling.DualGenerationOutput` (its records)."""
         self.dual = rollouts._start(str(model.name_or_path))
+        if context is not None and context > self.dual.max_model_len:
+            raise ValueError(
+                f"vllm_max_model_length={context}: the mixture's engines hold {self.dual.max_model_len} tokens per "
+                "request; raise EngineOptions.max_model_len"
+            )
 
     @staticmethod
     def _sampling_options(fields: dict[str, Any]) -> tuple[SamplingOptions, int | None]:
@@ -290,16 +304,19 @@ class MixtureGeneration:
         seed = extra.pop("seed", None)
         if seed is not None:
             need_int("generation_kwargs['seed']", seed, 0)
-        top_p, top_k, min_p = fields.get("top_p"), fields.get("top_k"), fields.get("min_p")
-        options = SamplingOptions(
-            max_tokens=fields.get("max_completion_length", 16),
-            temperature=fields.get("temperature", 1.0),
+        length = fields.get("max_completion_length", 16)
+        if length is None:
+            raise ValueError("max_completion_length=None: mixture rollouts need a token cap")
+        # generation_kwargs override the named fields, as TRL's own backend applies them.
+        named = {k: fields[k] for k in ("temperature", "top_p", "top_k", "min_p") if k in fields}
+        settings = {**named, **extra}
+        top_p, top_k, min_p = settings.get("top_p"), settings.get("top_k"), settings.get("min_p")
+        settings.update(
             top_p=1.0 if top_p is None else top_p,
             top_k=-1 if top_k in (None, 0) else top_k,
             min_p=0.0 if min_p is None else min_p,
-            **extra,
         )
-        return options, seed
+        return SamplingOptions(max_tokens=length, **settings), seed
 
     # ------------------------------------------------------------------ VLLMGeneration's interface
 
@@ -359,8 +376,14 @@ class MixtureGeneration:
         if hint is None:
             return None
         tokenizer = self.dual.tokenizer
-        chosen = [hint(tokenizer.decode(p, skip_special_tokens=False)) for p in prompts]
-        return [p if c is None else c for p, c in zip(prompts, chosen)]
+        out = []
+        for prompt in prompts:
+            chosen = hint(tokenizer.decode(prompt, skip_special_tokens=False))
+            if isinstance(chosen, str):
+                # The decoded prompt kept its special tokens (a BOS, the chat template's): none is added again.
+                chosen = tokenizer(chosen, add_special_tokens=False).input_ids
+            out.append(prompt if chosen is None else list(chosen))
+        return out
 
     def _check(self, requests: list[Any]) -> Any:
         from dual_sampling.distill.mismatch import SamplerMismatchError, sampler_trainer_mismatch
