@@ -41,7 +41,7 @@ from torch import Tensor
 from alpha import AlphaComputer, geometric_log_weights
 from alpha.base import check_log_prob_pair
 from dual_sampling.decision.fusable import kernel_device, kernel_rows
-from dual_sampling.decision.stages import LOGIT_BIAS_LIMIT, STAGES, DecisionOptions, StageBatch
+from dual_sampling.decision.stages import STAGES, DecisionOptions, StageBatch, clamped_logit_bias
 
 __all__ = [
     "Decision",
@@ -80,13 +80,7 @@ class RowSampling(DecisionOptions):
             if f.type in ("int", "float", "bool"):
                 setattr(self, f.name, {"int": int, "float": float, "bool": bool}[f.type](getattr(self, f.name)))
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
-        # Clamped as vLLM clamps it: a bias of 1e39 becomes inf in float32 and q then holds NaN.
-        bias = {}
-        for token, value in self.logit_bias.items():
-            if math.isnan(value):
-                raise ValueError(f"logit_bias[{token}] is NaN")
-            bias[token] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
-        self.logit_bias = bias
+        self.logit_bias = clamped_logit_bias(self.logit_bias)  # rows also arrive from JSON, not only from options
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)

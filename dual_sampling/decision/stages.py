@@ -33,6 +33,7 @@ __all__ = [
     "DecisionOptions",
     "Stage",
     "StageBatch",
+    "clamped_logit_bias",
     "keep_top_k_top_p",
 ]
 
@@ -107,7 +108,7 @@ class Stage:
 
     def check(self, options: Any) -> None:
         """Refuse, naming the field, a value of :attr:`fields` this stage cannot apply (``options``: the request's
-        ``SamplingOptions``)."""
+        ``SamplingOptions``); a valid value may be put in the form the stage applies (logit_bias: clamped floats)."""
 
     def used(self, row: Any) -> bool:
         """Whether ``row``'s settings turn this stage on (at some step)."""
@@ -199,6 +200,17 @@ class MinTokens(Stage):
                 x[i, [t for t in r.stop_token_ids if t < vocab]] = -math.inf
 
 
+def clamped_logit_bias(bias: dict) -> dict[int, float]:
+    """``bias`` as {token id: float}, each value clamped to ±:data:`LOGIT_BIAS_LIMIT` as vLLM clamps it (a bias of
+    1e39 would be inf in float32, and q would then hold NaN); ValueError for a NaN."""
+    out = {}
+    for token, value in bias.items():
+        if math.isnan(value):
+            raise ValueError(f"logit_bias[{token}] is NaN")
+        out[int(token)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
+    return out
+
+
 class LogitBias(Stage):
     """Add each row's logit_bias to log q at its token ids."""
 
@@ -208,6 +220,7 @@ class LogitBias(Stage):
         for token, bias in options.logit_bias.items():
             _need(is_count(token, 0), f"logit_bias keys must be token ids in [0, {MAX_COUNT}], got {token!r}")
             _need(is_number(bias), f"logit_bias for token {token} must be a finite number, got {bias!r}")
+        options.logit_bias = clamped_logit_bias(options.logit_bias)  # what the rows apply is what the options say
 
     def used(self, row: Any) -> bool:
         return bool(row.logit_bias)
