@@ -20,6 +20,7 @@ from dual_sampling.decision.pipeline import (
     inverse_cdf,
 )
 from dual_sampling.decision.stages import keep_top_k_top_p
+from dual_sampling.options import SamplingOptions
 from tests.oracles import np_alpha_kl, np_mix
 from tests.tolerances import ALPHA_ATOL, ONE_NORMALISATION_ATOL, TWO_NORMALISATIONS_ATOL
 
@@ -178,6 +179,15 @@ def test_a_huge_logit_bias_is_clamped_and_draws_its_token_with_a_finite_logq():
     assert torch.isfinite(d.logq).all() and d.logq.tolist() == pytest.approx([0.0, 0.0], abs=1e-6)
     with pytest.raises(ValueError, match=r"logit_bias\[3\] is NaN"):
         RowSampling(logit_bias={3: float("nan")})
+
+
+def test_the_options_hold_the_logit_bias_the_rows_apply():
+    """Records and a run's identity show the options' logit_bias: the clamped floats the rows apply, whatever the
+    spelling (JSON keys, integers, values past the clamp)."""
+    options = SamplingOptions(logit_bias={"5": 1000, 7: 2, 9: -0.5})
+    assert options.logit_bias == {5: 100.0, 7: 2.0, 9: -0.5}
+    assert all(type(v) is float for v in options.logit_bias.values())
+    assert options.row(seed=1).logit_bias == options.logit_bias
 
 
 @pytest.mark.parametrize("vocab", [300, 49152])
