@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dual_sampling.driver",),
     ("dual_sampling.api", "dual_sampling.run_settings"),
     ("dual_sampling.server", "dual_sampling.datagen", "dual_sampling.distill", "dual_sampling.testing"),
+    ("dual_sampling.integrations",),  # other projects' trainers: uses the distillation loop's sampler–trainer check
     ("dual_sampling.cli",),
 )
 """Components from the bottom up. The package ``dual_sampling`` itself (its ``__init__``) names
