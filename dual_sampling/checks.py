@@ -11,10 +11,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["MAX_COUNT", "is_count", "is_int", "is_number", "need_int", "need_number"]
+__all__ = ["MAX_COUNT", "is_count", "is_int", "is_number", "need_int", "need_number", "require"]
 
 MAX_COUNT = 2**31 - 1
 """Largest token count, top-k or token id a request may give: the engines keep them in int32 and int64 tensors."""
+
+
+def require(ok: bool, message: str) -> None:
+    """ValueError(``message``) unless ``ok``: for checks whose message names the field its own way."""
+    if not ok:
+        raise ValueError(message)
 
 
 def is_int(value: Any) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from alpha import get_alpha_computer
-from dual_sampling.checks import MAX_COUNT, is_count, is_int, is_number
+from dual_sampling.checks import MAX_COUNT, is_count, is_int, is_number, require
 from dual_sampling.decision.pipeline import RowSampling
 from dual_sampling.decision.stages import LOGIT_BIAS_LIMIT, STAGES, DecisionOptions
 from dual_sampling.lockstep import TOP_LOGPROBS_MAX
@@ -55,11 +55,6 @@ MODES = ("lockstep", "speculative")
 RUNTIME_ONLY = {"changes_records": False}
 """Field metadata of a setting that changes how samples are drawn (speed, memory, progress, where), never which:
 a data run leaves it out of its identity, so ``--resume`` may change it."""
-
-
-def _need(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 def _is_text(value: Any) -> bool:
@@ -102,7 +97,7 @@ class SamplingOptions(DecisionOptions):
         for name, kind in (("stop", list), ("stop_token_ids", list), ("logit_bias", dict)):
             value = getattr(self, name) or kind()
             allowed = (list, tuple) if kind is list else dict
-            _need(isinstance(value, allowed), f"{name} must be a {kind.__name__}, got {value!r}")
+            require(isinstance(value, allowed), f"{name} must be a {kind.__name__}, got {value!r}")
             setattr(self, name, kind(value))
         # JSON and YAML give token ids as strings; they are token ids all the same.
         self.logit_bias = {
@@ -111,47 +106,47 @@ class SamplingOptions(DecisionOptions):
         for name in ("temperature", "top_p", "min_p", "teacher_support_top_p"):
             if is_int(getattr(self, name)):
                 setattr(self, name, float(getattr(self, name)))
-        _need(
+        require(
             is_count(self.max_tokens, 1),
             f"max_tokens must be an integer >= 1 (at most {MAX_COUNT}), got {self.max_tokens!r}",
         )
         for stage in STAGES:  # after max_tokens: min_tokens is checked against it
             stage.check(self)
-        _need(
+        require(
             isinstance(self.stop, list) and len(self.stop) <= MAX_STOP_STRINGS,
             f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
         )
-        _need(
+        require(
             all(_is_text(s) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
             f"stop must hold non-empty strings of at most {MAX_STOP_STRING_CHARS} characters (valid Unicode), "
             f"got {[s[:40] if isinstance(s, str) else s for s in self.stop]!r}",
         )
-        _need(
+        require(
             all(is_count(t, 0) for t in self.stop_token_ids),
             f"stop_token_ids must be token ids in [0, {MAX_COUNT}], got {self.stop_token_ids[:5]!r}",
         )
-        _need(is_count(self.n, 1), f"n must be an integer >= 1 (at most {MAX_COUNT}), got {self.n!r}")
-        _need(
+        require(is_count(self.n, 1), f"n must be an integer >= 1 (at most {MAX_COUNT}), got {self.n!r}")
+        require(
             self.best_of is None or (is_count(self.best_of, 1) and self.best_of >= self.n),
             f"best_of must be an integer >= n={self.n}, got {self.best_of!r}",
         )
-        _need(
+        require(
             self.best_of_score in BEST_OF_SCORES,
             f"best_of_score must be one of {BEST_OF_SCORES}, got {self.best_of_score!r}",
         )
-        _need(
+        require(
             isinstance(self.force_first_token, bool),
             f"force_first_token must be true or false, got {self.force_first_token!r}",
         )
-        _need(
+        require(
             is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
             f"seed must be a 64-bit signed integer, got {self.seed!r}",
         )
-        _need(
+        require(
             is_int(self.top_logprobs) and 0 <= self.top_logprobs <= TOP_LOGPROBS_MAX,
             f"top_logprobs must be an integer in [0, {TOP_LOGPROBS_MAX}], got {self.top_logprobs!r}",
         )
-        _need(
+        require(
             is_int(self.dense_logprobs) and self.dense_logprobs >= 0,
             f"dense_logprobs must be a non-negative integer, got {self.dense_logprobs!r}",
         )
@@ -182,12 +177,12 @@ class SamplingOptions(DecisionOptions):
         """
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias))):
             bad = [t for t in ids if t >= vocab]
-            _need(not bad, f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        _need(
+            require(not bad, f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        require(
             self.dense_logprobs <= vocab,
             f"dense_logprobs={self.dense_logprobs} exceeds the vocabulary of {vocab} tokens",
         )
-        _need(
+        require(
             len(set(self.stop_token_ids) | set(eos_token_ids)) < vocab,
             f"stop_token_ids and the EOS ids cover the whole vocabulary of {vocab} tokens: none is left to generate",
         )
@@ -272,54 +267,56 @@ class EngineOptions:
                 setattr(self, name, float(getattr(self, name)))
         # Building the computer validates the method name and its bounds, naming the bad value.
         get_alpha_computer(self.alpha_method, **self.alpha_kwargs)
-        _need(
+        require(
             is_number(self.sync_timeout) and self.sync_timeout > 0,
             f"sync_timeout must be a positive number of seconds, got {self.sync_timeout!r}",
         )
-        _need(
+        require(
             is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
             f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}",
         )
-        _need(
+        require(
             self.max_model_len is None or (is_int(self.max_model_len) and self.max_model_len >= 2),
             f"max_model_len must be an integer >= 2, got {self.max_model_len!r}",
         )
-        _need(
+        require(
             self.max_num_batched_tokens is None
             or (is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1),
             f"max_num_batched_tokens must be a positive integer, got {self.max_num_batched_tokens!r}",
         )
-        _need(
+        require(
             self.kv_cache_memory_bytes is None
             or (is_int(self.kv_cache_memory_bytes) and self.kv_cache_memory_bytes > 0),
             f"kv_cache_memory_bytes must be a positive integer, got {self.kv_cache_memory_bytes!r}",
         )
-        _need(
+        require(
             is_int(self.max_dense_logprobs) and self.max_dense_logprobs >= 0,
             f"max_dense_logprobs must be a non-negative integer, got {self.max_dense_logprobs!r}",
         )
-        _need(self.cpu_binding in ("split", "vllm"), f"cpu_binding must be 'split' or 'vllm', got {self.cpu_binding!r}")
-        _need(
+        require(
+            self.cpu_binding in ("split", "vllm"), f"cpu_binding must be 'split' or 'vllm', got {self.cpu_binding!r}"
+        )
+        require(
             self.row_transport in ROW_TRANSPORTS,
             f"row_transport must be one of {ROW_TRANSPORTS}, got {self.row_transport!r}",
         )
         for name in ("teacher_device", "theta_device"):
             value = getattr(self, name)
-            _need(value is None or (is_int(value) and value >= 0), f"{name} must be a GPU index >= 0, got {value!r}")
+            require(value is None or (is_int(value) and value >= 0), f"{name} must be a GPU index >= 0, got {value!r}")
         for name in ("teacher_gpu_memory", "theta_gpu_memory"):
             value = getattr(self, name)
-            _need(
+            require(
                 value is None or (is_number(value) and 0 < value < 1),
                 f"{name} must be a share of the GPU's memory in (0, 1), got {value!r}",
             )
         for name in ("teacher_engine_kwargs", "theta_engine_kwargs"):
-            _need(isinstance(getattr(self, name), dict), f"{name} must be a dict of vLLM engine arguments")
-        _need(self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}")
-        _need(
+            require(isinstance(getattr(self, name), dict), f"{name} must be a dict of vLLM engine arguments")
+        require(self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}")
+        require(
             is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 32,
             f"num_speculative_tokens must be an integer in [1, 32], got {self.num_speculative_tokens!r}",
         )
-        _need(
+        require(
             self.mode == "lockstep" or not self.theta_engine_kwargs,
             "theta_engine_kwargs: in mode='speculative' theta runs in the teacher's engine (use teacher_engine_kwargs)",
         )

@@ -308,6 +308,18 @@ def test_fields_the_mixture_cannot_serve_are_refused_by_name_before_any_engine(t
     assert isinstance(vllm_generation.VLLMGeneration, type)
 
 
+def test_every_field_trl_hands_its_generation_backend_is_handled():
+    """A field a new TRL adds to VLLMGeneration is refused by name (never ignored) until this mapping handles it."""
+    import inspect
+
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from dual_sampling.integrations.trl import TRL_FIELDS
+
+    handed = set(inspect.signature(VLLMGeneration.__init__).parameters) - {"self", "model", "accelerator"}
+    assert handed == TRL_FIELDS
+
+
 @pytest.mark.parametrize("hook", ["rollout_func", "environment_factory", "tools"])
 def test_trainer_hooks_that_generate_by_other_means_are_refused_by_name(tied_pair, tmp_path, hook):
     from trl import GRPOConfig, GRPOTrainer

@@ -20,6 +20,10 @@ KERNEL_ALPHA_METHODS = {FixedAlpha: 0, KLSymmetryAlpha: 1}
 """Alpha computer classes the kernels implement (exactly these classes, not subclasses), with their kernel code."""
 
 
+_UNFUSED = tuple(stage for stage in STAGES if not stage.fusable)
+"""The stages neither kernel implements: a row that uses one goes to the reference."""
+
+
 def kernel_device(device: torch.device) -> str | None:
     """ "cpu" (numba), "cuda" (Triton, when it is installed) or None (the reference alone) for rows on ``device``."""
     if device.type == "cpu":
@@ -38,8 +42,7 @@ def kernel_rows(rows: Sequence, alpha_computer: AlphaComputer, device: torch.dev
     only min_tokens' masking) and record no top log-probabilities, with a kernel's alpha computer."""
     if kernel_device(device) is None or type(alpha_computer) not in KERNEL_ALPHA_METHODS:
         return [False] * len(rows)
-    unfused = [stage for stage in STAGES if not stage.fusable]
-    return [r.top_logprobs == 0 and not any(stage.used(r) for stage in unfused) for r in rows]
+    return [r.top_logprobs == 0 and not any(stage.used(r) for stage in _UNFUSED) for r in rows]
 
 
 def masked_ids(masked_tokens: Sequence[Sequence[int]] | None, rows: int, vocab: int) -> np.ndarray:

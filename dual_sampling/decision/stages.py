@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from dual_sampling.checks import MAX_COUNT, is_count, is_int, is_number
+from dual_sampling.checks import MAX_COUNT, is_count, is_int, is_number, require
 
 __all__ = [
     "LOGIT_BIAS_LIMIT",
@@ -74,11 +74,6 @@ class DecisionOptions:
     """Also record, per token, the teacher's k most likely tokens and theta's k most likely, each with both log π_t
     and log π_θ (untempered, unfiltered: the models' own distributions at that position); at most the engine's
     ``max_dense_logprobs``. The dense signal of a distillation loss, forward (the teacher's top k) or reverse (θ's)."""
-
-
-def _need(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 @dataclass
@@ -155,12 +150,12 @@ class TeacherSupport(Stage):
     fields = ("teacher_support_top_k", "teacher_support_top_p")
 
     def check(self, options: Any) -> None:
-        _need(
+        require(
             options.teacher_support_top_k == -1 or is_count(options.teacher_support_top_k, 1),
             f"teacher_support_top_k must be -1 (off) or an integer in [1, {MAX_COUNT}], "
             f"got {options.teacher_support_top_k!r}",
         )
-        _need(
+        require(
             is_number(options.teacher_support_top_p) and 0 < options.teacher_support_top_p <= 1,
             f"teacher_support_top_p must lie in (0, 1], got {options.teacher_support_top_p!r}",
         )
@@ -185,7 +180,7 @@ class MinTokens(Stage):
     fusable = True  # both kernels mask each row's stop ids before min_tokens
 
     def check(self, options: Any) -> None:
-        _need(
+        require(
             is_int(options.min_tokens) and 0 <= options.min_tokens <= options.max_tokens,
             f"min_tokens must be an integer in [0, max_tokens={options.max_tokens}], got {options.min_tokens!r}",
         )
@@ -218,8 +213,8 @@ class LogitBias(Stage):
 
     def check(self, options: Any) -> None:
         for token, bias in options.logit_bias.items():
-            _need(is_count(token, 0), f"logit_bias keys must be token ids in [0, {MAX_COUNT}], got {token!r}")
-            _need(is_number(bias), f"logit_bias for token {token} must be a finite number, got {bias!r}")
+            require(is_count(token, 0), f"logit_bias keys must be token ids in [0, {MAX_COUNT}], got {token!r}")
+            require(is_number(bias), f"logit_bias for token {token} must be a finite number, got {bias!r}")
         options.logit_bias = clamped_logit_bias(options.logit_bias)  # what the rows apply is what the options say
 
     def used(self, row: Any) -> bool:
@@ -240,7 +235,7 @@ class Temperature(Stage):
 
     def check(self, options: Any) -> None:
         t = options.temperature
-        _need(
+        require(
             is_number(t) and (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE),
             f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {t!r}",
         )
@@ -259,12 +254,14 @@ class Filters(Stage):
     fields = ("top_k", "top_p", "min_p")
 
     def check(self, options: Any) -> None:
-        _need(is_number(options.top_p) and 0 < options.top_p <= 1, f"top_p must lie in (0, 1], got {options.top_p!r}")
-        _need(
+        require(is_number(options.top_p) and 0 < options.top_p <= 1, f"top_p must lie in (0, 1], got {options.top_p!r}")
+        require(
             options.top_k == -1 or is_count(options.top_k, 1),
             f"top_k must be -1 (off) or an integer in [1, {MAX_COUNT}], got {options.top_k!r}",
         )
-        _need(is_number(options.min_p) and 0 <= options.min_p <= 1, f"min_p must lie in [0, 1], got {options.min_p!r}")
+        require(
+            is_number(options.min_p) and 0 <= options.min_p <= 1, f"min_p must lie in [0, 1], got {options.min_p!r}"
+        )
 
     def used(self, row: Any) -> bool:
         return row.top_k > 0 or row.top_p < 1.0 or row.min_p > 0.0

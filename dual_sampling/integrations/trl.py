@@ -28,12 +28,10 @@ the mixture, where a student-only sampler's log-probabilities would make it wron
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import itertools
 import statistics
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,7 +127,6 @@ class MixtureRollouts:
         ):
             if kwargs.get(name):
                 raise ValueError(f"{name}: {reason}")
-        _vllm_generation_parameters()  # read from TRL's class before the name is rebound
         trainer = trainer_class.__new__(trainer_class)
         factory = lambda **fields: MixtureGeneration(self, trainer, **fields)
         with _generation_bound(trainer_class, vllm_generation, factory):
@@ -200,16 +197,20 @@ def _generation_bound(trainer_class: type, home: Any, factory: Callable[..., Any
             module.VLLMGeneration = original
 
 
-@functools.cache
-def _vllm_generation_parameters() -> Mapping[str, inspect.Parameter]:
-    """TRL's ``VLLMGeneration.__init__`` parameters: the fields a trainer hands its generation backend."""
-    from trl.generation.vllm_generation import VLLMGeneration
-
-    return inspect.signature(VLLMGeneration.__init__).parameters
-
-
-# What the mixture does with each field TRL's trainers hand VLLMGeneration. Sampling fields map to SamplingOptions;
-# engine fields must ask for what the pair does, else they are refused with the reason.
+# What the mixture does with each field TRL's trainers hand VLLMGeneration (tests/test_trl_backend.py checks that
+# these tuples cover its signature exactly, so a field a new TRL adds is refused, never ignored). Sampling fields map
+# to SamplingOptions; engine fields must ask for what the pair does, else they are refused with the reason.
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_completion_length",
+    "logprobs",
+    "generation_kwargs",
+)
+"""Mapped to SamplingOptions (:meth:`MixtureGeneration._sampling_options`)."""
 _ENGINE_FIELDS = {
     "mode": (
         "vllm_mode",
@@ -227,6 +228,10 @@ _CAPACITY_HINTS = ("gpu_memory_utilization", "max_num_seqs")
 """Sizes the trainer picks for its own engine; the pair's are EngineOptions' (``*_gpu_memory``, ``max_num_seqs``)."""
 _SERVER_ONLY = ("server_base_url", "server_host", "server_port", "server_timeout", "group_port")
 """Read only in mode='server', which is refused."""
+_OTHER_FIELDS = ("processing_class", "max_model_length")
+"""The trainer's tokenizer (the pair has its own) and its context, served when the engines hold it."""
+TRL_FIELDS = frozenset((*_SAMPLING_FIELDS, *_ENGINE_FIELDS, *_CAPACITY_HINTS, *_SERVER_ONLY, *_OTHER_FIELDS))
+"""Every keyword (besides model and accelerator) a trainer hands VLLMGeneration, each handled above."""
 _TRAINER_SETS = ("max_tokens", "n", "best_of", "best_of_score")
 """SamplingOptions fields that the trainer's own settings decide (max_completion_length, num_generations)."""
 
@@ -245,10 +250,9 @@ class MixtureGeneration:
     """
 
     def __init__(self, rollouts: MixtureRollouts, trainer: Any, *, model: Any, accelerator: Any, **fields: Any) -> None:
-        signature = _vllm_generation_parameters()
-        unknown = sorted(set(fields) - set(signature) - {"processing_class"})
+        unknown = sorted(set(fields) - TRL_FIELDS)
         if unknown:
-            raise TypeError(f"MixtureGeneration: unexpected VLLMGeneration fields {unknown}")
+            raise TypeError(f"VLLMGeneration fields {unknown}: not known to mixture rollouts, so not served")
         for name, (config_field, served, reason) in _ENGINE_FIELDS.items():
             if name in fields and fields[name] not in served:
                 raise ValueError(f"{config_field}={fields[name]!r}: not served by mixture rollouts: {reason}")
@@ -265,15 +269,13 @@ class MixtureGeneration:
         if is_peft_model(model):
             raise ValueError("model: a PEFT model's adapters are not pushed to the theta engine; merge them first")
         self.sampling, seed = self._sampling_options(fields)
-        self.processing_class = fields.get("processing_class")
         self.model = model
-        self.accelerator = accelerator
         self._rollouts = rollouts
         self._trainer = trainer
         self._seeds = itertools.count(rollouts.config.seed if seed is None else seed)
         self._syncs = 0
         self._check_next = True  # the engine loaded the folder; the trainer's model may already differ
-        self.logprobs = fields.get("logprobs", signature["logprobs"].default)
+        self.logprobs = fields.get("logprobs", 0)  # VLLMGeneration's default
         self.last_output: Any = None
         """The latest ``generate`` call's :class:`~dual_sampling.DualGenerationOutput` (its records)."""
         self.dual = rollouts._start(str(model.name_or_path))
