@@ -362,7 +362,7 @@ class OptimalSamplingDual:
         unsupported = sorted(set(options) - {f for f in SamplingOptions.__dataclass_fields__})
         if unsupported:
             refused = [u for u in unsupported if u in UNSUPPORTED_SAMPLING]
-            why = " (penalties and bad words would act after the token is forced)" if refused else ""
+            why = " (bad words would act after the token is forced)" if refused else ""
             raise ValueError(
                 f"unsupported sampling options: {', '.join(unsupported)}{why}; supported: "
                 f"{', '.join(SamplingOptions.__dataclass_fields__)}"
@@ -373,7 +373,7 @@ class OptimalSamplingDual:
 
     def request(self, pair: PromptPair, opts: SamplingOptions, seed: int) -> DualRequest:
         """The request for one sample of a prepared prompt pair (:meth:`prepare`)."""
-        row = opts.row(seed, masked_before_min_tokens=self.eos_token_ids)
+        row = opts.row(seed, masked_before_min_tokens=self.eos_token_ids, prompt_token_ids=pair.theta_ids)
         return DualRequest(
             list(pair.teacher_ids), list(pair.theta_ids), row, min(opts.max_tokens, pair.room), tuple(opts.stop)
         )

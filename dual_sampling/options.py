@@ -29,7 +29,6 @@ __all__ = [
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_CHARS",
     "MODES",
-    "NEUTRAL_PENALTIES",
     "RUNTIME_ONLY",
     "UNSUPPORTED_SAMPLING",
     "DualEngineConfig",
@@ -46,9 +45,7 @@ MAX_STOP_STRINGS = 16
 """Stop strings per request at most: the leader engine checks each on every step."""
 MAX_STOP_STRING_CHARS = 256
 """Characters per stop string at most."""
-NEUTRAL_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-"""vLLM's penalties and the value at which each does nothing: any other value is refused by name."""
-UNSUPPORTED_SAMPLING = (*NEUTRAL_PENALTIES, "bad_words")
+UNSUPPORTED_SAMPLING = ("bad_words",)
 """vLLM options that would act after the token is forced; refused by name."""
 MODES = ("lockstep", "speculative")
 """How a dual engine draws tokens from q (:attr:`EngineOptions.mode`)."""
@@ -151,17 +148,21 @@ class SamplingOptions(DecisionOptions):
             f"dense_logprobs must be a non-negative integer, got {self.dense_logprobs!r}",
         )
 
-    def row(self, seed: int, masked_before_min_tokens: Sequence[int] = ()) -> RowSampling:
+    def row(
+        self, seed: int, masked_before_min_tokens: Sequence[int] = (), prompt_token_ids: Sequence[int] = ()
+    ) -> RowSampling:
         """The engine-side settings of one sample: the one mapping from these options.
 
         The :class:`DecisionOptions` fields are these options'; ``seed`` is the sample's own (given here) and
         ``stop_token_ids``: the tokens masked while fewer than
         ``min_tokens`` were generated, ``masked_before_min_tokens`` (the EOS ids) and
-        :attr:`stop_token_ids` together.
+        :attr:`stop_token_ids` together. ``prompt_token_ids`` (theta's prompt) travel only where the repetition
+        penalty counts them.
         """
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(DecisionOptions)}
         stops = tuple(sorted(set(masked_before_min_tokens) | set(self.stop_token_ids)))
-        return RowSampling(seed=seed, stop_token_ids=stops, **shared)
+        prompt = tuple(prompt_token_ids) if self.repetition_penalty != 1.0 else ()
+        return RowSampling(seed=seed, stop_token_ids=stops, prompt_token_ids=prompt, **shared)
 
     @property
     def draws(self) -> int:

@@ -76,6 +76,8 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
                 warm,
                 theta_normalized=True,
                 top_logprobs=top_logprobs,
+                outputs=[row.output_token_ids for _, row in part],
+                theta_log_normalisers=torch.from_numpy(self.session.theta_log_normalisers[[row.slot for _, row in part]]),
             )
             if dense_k:
                 d.dense_ids, d.dense_logp, d.dense_other_logp = dense_top(

@@ -86,6 +86,12 @@ class ThetaSyncLogitsProcessor(BaseSyncLogitsProcessor):
         # NaN or +inf anywhere in a row makes its whole log-softmax NaN; so does a row with nothing finite.
         nan_rows = torch.isnan(logp[:, 0]).tolist()
         self.row_channel.publish([row.slot for _, row in rows], logp)
+        # The repetition penalty acts on the mixture's raw logits: the teacher needs theta's log-normaliser too.
+        penalised = [k for k, (_, row) in enumerate(rows) if row.sampling.repetition_penalty != 1.0]
+        if penalised:
+            lse = torch.logsumexp(logits[index[penalised], : self.vocab].double(), dim=-1).tolist()
+            for k, value in zip(penalised, lse):
+                s.theta_log_normalisers[rows[k][1].slot] = value
         for (_, row), has_nan in zip(rows, nan_rows):
             if has_nan:
                 s.fail_slot(row.slot, row.key, ErrorCode.BAD_LOGITS, row.step, self.writer)

@@ -7,13 +7,14 @@ Order of operations (per row; α is the teacher weight):
 2. α from the alpha computer, on those untempered distributions, clamped to
    [alpha_min, alpha_max]; α = 1 at step 0 when ``force_first_token`` is set.
 3. log q = geometric_mix(log π_θ, log π_t, α), kept unnormalised until the draw.
-4–8. The stages of :mod:`dual_sampling.decision.stages`, in this order:
+4–9. The stages of :mod:`dual_sampling.decision.stages`, in this order:
    4. teacher support: tokens outside the teacher's top-k / top-p set are removed;
    5. min_tokens: the stop tokens are removed while fewer than min_tokens were generated;
    6. logit_bias is added (each value clamped to ±100, as vLLM does);
-   7. temperature divides log q (0 means greedy);
-   8. top_k, top_p and min_p filter the tempered distribution.
-9. Renormalise and draw with a counter-based uniform of (seed, step): the same seed gives
+   7. the repetition, frequency and presence penalties act on the mixture's logits, as vLLM's on one model's;
+   8. temperature divides log q (0 means greedy);
+   9. top_k, top_p and min_p filter the tempered distribution.
+10. Renormalise and draw with a counter-based uniform of (seed, step): the same seed gives
    the same token whatever the batch composition or timing. The recorded log q is the
    log-probability of the drawn token under this final distribution (0 for greedy).
 
@@ -73,6 +74,8 @@ class RowSampling(DecisionOptions):
     """The sample's seed: its uniforms are ``counter_uniform(seed, step)``."""
     stop_token_ids: tuple[int, ...] = ()
     """Tokens masked while fewer than min_tokens were generated (EOS ids and the user's stop ids)."""
+    prompt_token_ids: tuple[int, ...] = ()
+    """Theta's prompt where the repetition penalty is on (it counts the prompt's tokens), else empty."""
 
     def __post_init__(self) -> None:
         # Plain Python numbers of the declared kinds: the settings cross to the engines as JSON-like data.
@@ -80,11 +83,13 @@ class RowSampling(DecisionOptions):
             if f.type in ("int", "float", "bool"):
                 setattr(self, f.name, {"int": int, "float": float, "bool": bool}[f.type](getattr(self, f.name)))
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self.prompt_token_ids = tuple(int(t) for t in self.prompt_token_ids)
         self.logit_bias = clamped_logit_bias(self.logit_bias)  # rows also arrive from JSON, not only from options
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["prompt_token_ids"] = list(self.prompt_token_ids)
         d["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
         return d
 
@@ -92,6 +97,7 @@ class RowSampling(DecisionOptions):
     def from_dict(cls, d: dict) -> RowSampling:
         d = dict(d)
         d["stop_token_ids"] = tuple(d.get("stop_token_ids", ()))
+        d["prompt_token_ids"] = tuple(d.get("prompt_token_ids", ()))
         d["logit_bias"] = {int(k): float(v) for k, v in (d.get("logit_bias") or {}).items()}
         return cls(**d)
 
@@ -149,12 +155,15 @@ def draw_tokens(
     rows: Sequence[RowSampling],
     overwrite: bool = False,
     top_logprobs: int = 0,
+    outputs: Sequence[Sequence[int]] | None = None,
+    logit_offset: Tensor | None = None,
 ) -> Draw:
-    """Apply steps 4–8 above (the :data:`~dual_sampling.decision.stages.STAGES`, in their order) to ``logq``
-    ``[b, V]`` and draw one token per row (step 9).
+    """Apply steps 4–9 above (the :data:`~dual_sampling.decision.stages.STAGES`, in their order) to ``logq``
+    ``[b, V]`` and draw one token per row (step 10).
 
     ``logq`` is log q up to a per-row constant (it need not be normalised). With
-    ``overwrite=True`` the stages work in ``logq`` itself, which saves a V-sized copy.
+    ``overwrite=True`` the stages work in ``logq`` itself, which saves a V-sized copy. ``outputs`` (each row's
+    generated tokens) and ``logit_offset`` (``[b]``: log q + it is the mixture's logit) are the penalties' inputs.
     Returns (tokens ``[b]`` int64, normalised log q of each drawn token ``[b]``, ok ``[b]``
     bool). A row whose every token was removed is not ok (its token is 0 and must not be
     used). Stages that are off cost nothing.
@@ -170,7 +179,7 @@ def draw_tokens(
             x, owned = x.clone(), True
         return x
 
-    batch = StageBatch(logp_teacher, steps, rows)
+    batch = StageBatch(logp_teacher, steps, rows, outputs, logit_offset)
     for stage in STAGES:
         if any(stage.used(r) for r in rows):
             stage.apply(writable(), batch)
@@ -288,14 +297,18 @@ def decide(
     theta_normalized: bool = False,
     top_logprobs: int = 0,
     fused: bool = True,
+    outputs: Sequence[Sequence[int]] | None = None,
+    theta_log_normalisers: Tensor | None = None,
 ) -> Decision:
-    """Steps 1–9 of the module docstring for a batch of rows: the whole per-token decision.
+    """Steps 1–10 of the module docstring for a batch of rows: the whole per-token decision.
 
     ``teacher_logits`` and ``theta_logits`` are ``[b, V]`` over the shared vocabulary (padding
     rows already cut off). ``theta_normalized=True`` says theta's rows are log-softmax
     outputs already (the theta engine normalises them on its own cores). ``alpha_init``
     ``[b]`` warm-starts the α solve. ``top_logprobs`` > 0 also returns that many of the final
-    distribution's most likely tokens for every row.
+    distribution's most likely tokens for every row. ``outputs`` are each row's generated tokens (the penalties
+    count them); ``theta_log_normalisers`` ``[b]`` are log Σ exp of theta's raw logits, which the repetition penalty
+    needs where ``theta_normalized`` (the teacher's it computes).
 
     Rows that need no filter are decided by a fused kernel (numba's on the CPU, Triton's on CUDA
     devices), the rest by the torch reference; ``fused=False`` sends every row to the reference.
@@ -308,7 +321,16 @@ def decide(
     b = len(rows)
     if not any(eligible):
         result = _decide_reference(
-            teacher_logits, theta_logits, steps, rows, alpha_computer, alpha_init, theta_normalized, top_logprobs
+            teacher_logits,
+            theta_logits,
+            steps,
+            rows,
+            alpha_computer,
+            alpha_init,
+            theta_normalized,
+            top_logprobs,
+            outputs,
+            theta_log_normalisers,
         )
         result.handed_back, result.unconverged = torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool)
         return result
@@ -363,6 +385,8 @@ def decide(
             alpha_computer,
             None if alpha_init is None else alpha_init[part],
             theta_normalized,
+            outputs=None if outputs is None else [outputs[i] for i in slow],
+            theta_log_normalisers=None if theta_log_normalisers is None else theta_log_normalisers[part],
         )
         for name in ("tokens", "alpha", "logp_teacher", "logp_theta", "logq", "ok"):
             getattr(result, name)[part] = getattr(reference, name).to("cpu", getattr(result, name).dtype)
@@ -378,6 +402,8 @@ def _decide_reference(
     alpha_init: Tensor | None = None,
     theta_normalized: bool = False,
     top_logprobs: int = 0,
+    outputs: Sequence[Sequence[int]] | None = None,
+    theta_log_normalisers: Tensor | None = None,
 ) -> Decision:
     """:func:`decide` in torch operations, for any row and on any device: the reference."""
     logp_teacher = torch.log_softmax(teacher_logits.float(), dim=-1)
@@ -387,7 +413,12 @@ def _decide_reference(
     alpha = torch.where(first, torch.ones_like(alpha), alpha)
     # Unnormalised: the draw normalises with the sums it computes anyway.
     log_weights = geometric_log_weights(logp_theta, logp_teacher, alpha)
-    drawn = draw_tokens(log_weights, logp_teacher, steps, rows, overwrite=True, top_logprobs=top_logprobs)
+    offset = None
+    if any(r.repetition_penalty != 1.0 for r in rows):
+        offset = _logit_offset(teacher_logits, theta_logits, alpha, theta_normalized, theta_log_normalisers)
+    drawn = draw_tokens(
+        log_weights, logp_teacher, steps, rows, True, top_logprobs, outputs=outputs, logit_offset=offset
+    )
     pick = drawn.tokens.unsqueeze(-1)
     return Decision(
         drawn.tokens,
@@ -398,3 +429,23 @@ def _decide_reference(
         drawn.ok,
         *(drawn.top or (None, None)),
     )
+
+
+def _logit_offset(
+    teacher_logits: Tensor,
+    theta_logits: Tensor,
+    alpha: Tensor,
+    theta_normalized: bool,
+    theta_log_normalisers: Tensor | None,
+) -> Tensor:
+    """``[b]`` float64 (1 − α)·L_θ + α·L_t, L being each model's log Σ exp of its raw logits: added to the mixture's
+    log-weights it gives the mixture's logits, whose sign the repetition penalty reads."""
+    lse_t = teacher_logits.double().logsumexp(-1)
+    if not theta_normalized:
+        lse_h = theta_logits.double().logsumexp(-1)
+    elif theta_log_normalisers is None:
+        raise ValueError("the repetition penalty needs theta's log-normalisers (theta_log_normalisers)")
+    else:
+        lse_h = theta_log_normalisers.to(teacher_logits.device, torch.float64)
+    a = alpha.to(teacher_logits.device, torch.float64)
+    return (1 - a) * lse_h + a * lse_t

@@ -1,4 +1,4 @@
-"""The stages between log q and the draw (steps 4–8 of :mod:`dual_sampling.decision.pipeline`), as named objects in
+"""The stages between log q and the draw (steps 4–9 of :mod:`dual_sampling.decision.pipeline`), as named objects in
 the order they run.
 
 Each stage names the per-row settings it reads (:attr:`Stage.fields`, fields of :class:`DecisionOptions`), checks
@@ -6,8 +6,9 @@ their values where a request is made (:meth:`Stage.check`, called by ``SamplingO
 every error naming its field), says whether a row uses it (:meth:`Stage.used`) and whether the fused kernels
 implement it (:attr:`Stage.fusable`; ``fusable.kernel_rows`` derives its rule from these two), and applies itself
 to a batch's log q ``[b, V]`` in place (:meth:`Stage.apply`). The order is vLLM's v1 sampler's for the stages both
-have (min_tokens and logit_bias, then temperature, then min-p, top-k and top-p), after the teacher-support
-constraint, which only a mixture has. A new stage is one class here and one entry in :data:`STAGES`.
+have (min_tokens and logit_bias, then the penalties, then temperature, then min-p, top-k and top-p), after the
+teacher-support constraint, which only a mixture has. A new stage is one class here (its settings in
+:class:`DecisionOptions`) and one entry in :data:`STAGES`.
 
 :class:`DecisionOptions` holds every per-token setting once, with its docstring: ``SamplingOptions`` (a request's
 options) and ``RowSampling`` (what the teacher engine receives per sample) both extend it, so neither copies it.
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -28,6 +30,7 @@ from dual_sampling.checks import MAX_COUNT, is_count, is_int, is_number, require
 __all__ = [
     "LOGIT_BIAS_LIMIT",
     "MAX_TEMPERATURE",
+    "MAX_PENALTY",
     "MIN_TEMPERATURE",
     "STAGES",
     "DecisionOptions",
@@ -35,6 +38,8 @@ __all__ = [
     "StageBatch",
     "clamped_logit_bias",
     "keep_top_k_top_p",
+    "penalised_logits",
+    "penalised_tokens",
 ]
 
 LOGIT_BIAS_LIMIT = 100.0
@@ -43,6 +48,8 @@ MIN_TEMPERATURE = 1e-2
 """The smallest non-zero temperature: below it the tempered log q overflows float32 (0 is greedy)."""
 MAX_TEMPERATURE = 100.0
 """The largest temperature: past it q is uniform over the kept tokens to float32 precision."""
+MAX_PENALTY = 2.0
+"""presence_penalty and frequency_penalty lie in [−this, this], as vLLM (and OpenAI's API) bound them."""
 
 
 @dataclass(kw_only=True)
@@ -62,6 +69,13 @@ class DecisionOptions:
     """Generated tokens before any stop token or stop string may end a sample."""
     logit_bias: dict[int, float] = field(default_factory=dict)
     """Added to log q per token id before temperature; clamped to ±100 as in vLLM."""
+    repetition_penalty: float = 1.0
+    """Applied to the mixture's logit z of every token in the prompt (theta's) or the output so far, as vLLM applies
+    it to one model's: z/p where z > 0, z·p otherwise; > 0, 1 is off."""
+    presence_penalty: float = 0.0
+    """Subtracted from the mixture's logit of every token the output holds already, in [−2, 2]; 0 is off."""
+    frequency_penalty: float = 0.0
+    """Subtracted from the mixture's logit of each token once per time the output holds it, in [−2, 2]; 0 is off."""
     force_first_token: bool = False
     """Sample the first token from the teacher alone (α = 1 at step 0)."""
     teacher_support_top_k: int = -1
@@ -86,6 +100,11 @@ class StageBatch:
     """Tokens each row's sample has generated so far."""
     rows: Sequence[Any]
     """Each row's settings (``RowSampling``)."""
+    outputs: Sequence[Sequence[int]] | None = None
+    """Each row's generated tokens so far (its step is their count); the penalties read them."""
+    logit_offset: Tensor | None = None
+    """``[b]`` float64: log q + this is the mixture's logit z = (1 − α)·ℓ_θ + α·ℓ_t of the raw logits ℓ (the
+    log-normalisers (1 − α)·L_θ + α·L_t); the repetition penalty reads z's sign."""
 
 
 class Stage:
@@ -227,6 +246,73 @@ class LogitBias(Stage):
                 x[i, ids] += torch.tensor(list(r.logit_bias.values()), device=x.device, dtype=x.dtype)
 
 
+class Penalties(Stage):
+    """vLLM's repetition, frequency and presence penalties on the mixture's logits z = log q + offset (vLLM's order:
+    repetition over the prompt's and the output's tokens, then frequency and presence over the output's).
+
+    At α = 0 z is theta's raw logit row and this is vLLM's penalised sampling of theta; at α = 1, the teacher's. The
+    prompt is theta's (``RowSampling.prompt_token_ids``): the sample's own context, not a teacher hint's. Only the
+    tokens seen change: a sparse edit of each row.
+    """
+
+    fields = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+
+    def check(self, options: Any) -> None:
+        p = options.repetition_penalty
+        require(is_number(p) and p > 0, f"repetition_penalty must be a finite number > 0, got {p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(options, name)
+            require(
+                is_number(v) and -MAX_PENALTY <= v <= MAX_PENALTY,
+                f"{name} must lie in [{-MAX_PENALTY}, {MAX_PENALTY}], got {v!r}",
+            )
+
+    def used(self, row: Any) -> bool:
+        return row.repetition_penalty != 1.0 or row.presence_penalty != 0.0 or row.frequency_penalty != 0.0
+
+    def apply(self, x: Tensor, batch: StageBatch) -> None:
+        if batch.outputs is None:
+            raise ValueError("penalties need each row's generated tokens (StageBatch.outputs)")
+        vocab = x.shape[-1]
+        for i, row in enumerate(batch.rows):
+            if not self.used(row):
+                continue
+            ids, counts = penalised_tokens(row.prompt_token_ids, batch.outputs[i], vocab)
+            if ids.size == 0:
+                continue
+            offset = 0.0
+            if row.repetition_penalty != 1.0:
+                if batch.logit_offset is None:
+                    raise ValueError("the repetition penalty needs the rows' log-normalisers (StageBatch.logit_offset)")
+                offset = float(batch.logit_offset[i])
+            index = torch.from_numpy(ids).to(x.device)
+            z = x[i, index].double() + offset
+            z = penalised_logits(z, torch.from_numpy(counts).to(x.device), row)
+            x[i, index] = (z - offset).to(x.dtype)
+
+
+def penalised_tokens(prompt: Sequence[int], output: Sequence[int], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int64, counts float64) of the tokens a penalty touches: the distinct ids of ``prompt`` and ``output``
+    below ``vocab``, ascending, and how often the output holds each (0 for a prompt's token alone)."""
+    out = np.asarray(output, dtype=np.int64)
+    ids, counts = np.unique(out[(out >= 0) & (out < vocab)], return_counts=True)
+    pr = np.asarray(prompt, dtype=np.int64)
+    pr = np.setdiff1d(pr[(pr >= 0) & (pr < vocab)], ids)
+    every = np.concatenate([ids, pr])
+    order = np.argsort(every, kind="stable")
+    counts = np.concatenate([counts.astype(np.float64), np.zeros(pr.size)])
+    return every[order], counts[order]
+
+
+def penalised_logits(z: Tensor, counts: Tensor, row: Any) -> Tensor:
+    """vLLM's penalties on the logits ``z`` of the touched tokens (every one seen in the prompt or output;
+    ``counts``: times in the output), in ``z``'s dtype: repetition, then frequency, then presence."""
+    p = row.repetition_penalty
+    if p != 1.0:
+        z = torch.where(z > 0, z / p, z * p)
+    return z - row.frequency_penalty * counts - row.presence_penalty * (counts > 0).to(z.dtype)
+
+
 class Temperature(Stage):
     """Divide log q by the temperature (greedy rows, temperature 0, are left as they are: the draw takes their
     mode)."""
@@ -274,5 +360,5 @@ class Filters(Stage):
             x.masked_fill_(~keep, -math.inf)
 
 
-STAGES: tuple[Stage, ...] = (TeacherSupport(), MinTokens(), LogitBias(), Temperature(), Filters())
+STAGES: tuple[Stage, ...] = (TeacherSupport(), MinTokens(), LogitBias(), Penalties(), Temperature(), Filters())
 """The stages in the order they run."""

@@ -219,7 +219,7 @@ class Slot(IntEnum):
     STOP_INDEX = 10
     """Teacher scheduler: index of the stop string that ended it, else -1."""
     THETA_STEP = 11
-    """Theta processor: step of the row in ``theta_logprobs`` (written after the row)."""
+    """Theta processor: step of the row in ``theta_logprobs`` (and ``theta_log_normalisers``), written after them."""
     TEACHER_STEP = 12
     """Teacher processor: step of the token in ``TOKEN`` (written after the token and records)."""
     TOKEN = 13
@@ -387,6 +387,9 @@ class SessionLayout:
             ("plans", 8 * PLAN_RING * (2 + self.plan_width)),
             ("control", 8 * CONTROL_WORDS * self.slots),
             ("theta_logprobs", 4 * self.vocab * self.slots),
+            # float64 per slot: log Σ exp of theta's raw logits row, stored with the row where a repetition
+            # penalty needs the mixture's raw logits (written before THETA_STEP announces the row).
+            ("theta_log_normalisers", 8 * self.slots),
             ("tokens", 4 * self.max_steps * self.slots),
             ("records", 4 * len(RECORD_FIELDS) * self.max_steps * self.slots),
             ("top_ids", 4 * TOP_LOGPROBS_MAX * self.max_steps * self.slots),

@@ -128,6 +128,7 @@ class SyncSession:
         )
         self.control = np.frombuffer(buf, np.int64, CONTROL_WORDS * s, off["control"]).reshape(s, CONTROL_WORDS)
         self.theta_logprobs = np.frombuffer(buf, np.float32, v * s, off["theta_logprobs"]).reshape(s, v)
+        self.theta_log_normalisers = np.frombuffer(buf, np.float64, s, off["theta_log_normalisers"])
         self.tokens = np.frombuffer(buf, np.int32, t * s, off["tokens"]).reshape(s, t)
         self.records = np.frombuffer(buf, np.float32, len(RECORD_FIELDS) * t * s, off["records"]).reshape(s, t, -1)
         k = TOP_LOGPROBS_MAX
@@ -231,7 +232,8 @@ class SyncSession:
                 self.shutdown()
             self._final_statistics = self._read_statistics()
             self._closed = True
-            del self.header, self.bells, self.plans, self.control, self.theta_logprobs, self.tokens, self.records
+            del self.header, self.bells, self.plans, self.control, self.theta_logprobs, self.theta_log_normalisers
+            del self.tokens, self.records
             del self.top_ids, self.top_logq, self.dense_ids, self.dense_logp, self.dense_other_logp
             del self._bell_anchor
             with contextlib.suppress(BufferError):  # a view is still alive somewhere; the mapping goes with the process

@@ -9,7 +9,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from dual_sampling.options import NEUTRAL_PENALTIES, SamplingOptions
+from dual_sampling.options import SamplingOptions
 from dual_sampling.prompts import DEFAULT_TEACHER_TEMPLATE, user_template
 from dual_sampling.server.serve_options import ServeOptions
 from dual_sampling.server.wire import BadRequest, invalid_field, parse_body
@@ -113,10 +113,6 @@ class Translator:
             # vLLM's own request checks raise their own errors, and its "before" validators meet the raw body
             # (``"messages": null``): the client's input all the same.
             raise BadRequest(f"the request is not valid: {exc}", getattr(exc, "parameter", None)) from None
-        for name, neutral in NEUTRAL_PENALTIES.items():
-            value = getattr(req, name, None)
-            if value is not None and value != neutral:
-                raise BadRequest(f"{name} is not supported: penalties would act after the token is forced", name)
         if req.model not in (None, self.options.served_model_name):
             raise BadRequest(
                 f"model {req.model!r} is not served here; use {self.options.served_model_name!r}",
@@ -173,6 +169,9 @@ class Translator:
                 n=n,
                 best_of=best_of,
                 logit_bias=_token_bias(req.logit_bias),
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
                 seed=secrets.randbits(62) if req.seed is None else req.seed,
                 top_logprobs=logprobs or 0,
                 dense_logprobs=dense,

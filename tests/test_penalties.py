@@ -1,0 +1,184 @@
+"""Penalties on q (the decision's Penalties stage), against vLLM's own penalty function and a float64 recomputation.
+
+The mixture's logits z = (1 − α)·ℓ_θ + α·ℓ_t (raw logits ℓ) are penalised as vLLM penalises one model's: at α = 0
+that is vLLM's penalised theta, at α = 1 its penalised teacher. The engine-level check against vLLM's sampler is in
+``tests/test_penalties_engine.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from alpha import get_alpha_computer
+from dual_sampling.decision.pipeline import RowSampling, decide
+from dual_sampling.options import SamplingOptions
+from tests.draws import _chi_square_p
+
+VOCAB = 300
+PENALTIES = [
+    dict(repetition_penalty=1.3),
+    dict(repetition_penalty=0.7),
+    dict(presence_penalty=0.8, frequency_penalty=0.4),
+    dict(repetition_penalty=1.2, presence_penalty=-0.5, frequency_penalty=1.5),
+]
+
+
+def raw_logits(seed: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw logits of two models, each row shifted by its own constant (as real logits are): the repetition penalty
+    reads their signs, so a decision that used log-probabilities instead would be caught."""
+    g = torch.Generator().manual_seed(seed)
+    teacher = 2.0 * torch.randn(b, VOCAB, generator=g) + 3.0 * torch.randn(b, 1, generator=g)
+    theta = 2.0 * torch.randn(b, VOCAB, generator=g) - 2.0 * torch.randn(b, 1, generator=g)
+    return teacher, theta
+
+
+def history(seed: int) -> tuple[list[int], list[int]]:
+    """(prompt, output) token ids with repeats, drawn from the first 60 ids (where the test models put mass)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 60, 12).tolist(), rng.integers(0, 60, 9).tolist()
+
+
+def vllm_penalised(z: torch.Tensor, prompt: list[int], output: list[int], p: dict) -> torch.Tensor:
+    """vLLM's own apply_penalties on float32 logits ``z`` ``[V]`` (the function its sampler calls)."""
+    from vllm.model_executor.layers.utils import apply_penalties
+
+    logits = z.float().clone().unsqueeze(0)
+    return apply_penalties(
+        logits,
+        torch.tensor([prompt]),
+        torch.tensor([output]),
+        torch.tensor([p.get("presence_penalty", 0.0)]),
+        torch.tensor([p.get("frequency_penalty", 0.0)]),
+        torch.tensor([p.get("repetition_penalty", 1.0)]),
+    )[0]
+
+
+def numpy_penalised(z: np.ndarray, prompt: list[int], output: list[int], p: dict) -> np.ndarray:
+    """The same penalties in float64 NumPy, written from vLLM's documented semantics."""
+    z = z.astype(np.float64).copy()
+    counts = np.bincount(output, minlength=z.size).astype(np.float64)
+    seen = (counts > 0) | (np.bincount(prompt, minlength=z.size) > 0)
+    r = p.get("repetition_penalty", 1.0)
+    z[seen] = np.where(z[seen] > 0, z[seen] / r, z[seen] * r)
+    return z - p.get("frequency_penalty", 0.0) * counts - p.get("presence_penalty", 0.0) * (counts > 0)
+
+
+def penalised_row(p: dict, prompt: list[int], seed: int = 0, **extra) -> RowSampling:
+    return SamplingOptions(max_tokens=16, seed=seed, **p, **extra).row(seed, prompt_token_ids=prompt)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0, 0.3])
+@pytest.mark.parametrize("penalty", range(len(PENALTIES)))
+def test_penalised_q_is_vllms_penalised_mixture_logits(alpha, penalty):
+    # Greedy rows report the whole final distribution through top_logprobs: it must be the log-softmax of vLLM's
+    # penalties applied to z, and the greedy token its argmax.
+    p = PENALTIES[penalty]
+    teacher, theta = raw_logits(penalty, 3)
+    histories = [history(10 * penalty + i) for i in range(3)]
+    rows = [penalised_row(p, prompt, temperature=0.0) for prompt, _ in histories]
+    d = decide(
+        teacher,
+        theta,
+        [len(out) for _, out in histories],
+        rows,
+        get_alpha_computer("fixed", alpha=alpha),
+        top_logprobs=VOCAB,
+        outputs=[out for _, out in histories],
+    )
+    for i, (prompt, output) in enumerate(histories):
+        z = (1 - alpha) * theta[i].double() + alpha * teacher[i].double()
+        expected = torch.log_softmax(vllm_penalised(z, prompt, output, p).double(), -1)
+        got = torch.empty(VOCAB, dtype=torch.float64)
+        got[d.top_ids[i]] = d.top_logq[i].double()
+        torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
+        np.testing.assert_allclose(
+            got.numpy(),
+            torch.log_softmax(torch.from_numpy(numpy_penalised(z.numpy(), prompt, output, p)), -1),
+            atol=2e-5,
+        )
+        assert int(d.tokens[i]) == int(expected.argmax())
+        # The penalties moved q: a test that passes without them would be no test.
+        assert (got - torch.log_softmax(z, -1)).abs().max() > 0.05
+
+
+def test_theta_normalised_rows_take_thetas_log_normaliser():
+    # The engines hand the decision theta's log-softmax rows; its log-normaliser travels beside them.
+    p = PENALTIES[0]
+    teacher, theta = raw_logits(7, 2)
+    histories = [history(70), history(71)]
+    rows = [penalised_row(p, prompt, temperature=0.0) for prompt, _ in histories]
+    args = ([len(o) for _, o in histories], rows, get_alpha_computer("fixed", alpha=0.4))
+    kw = dict(top_logprobs=8, outputs=[o for _, o in histories])
+    raw = decide(teacher, theta, *args, **kw)
+    normalised = decide(
+        teacher,
+        torch.log_softmax(theta, -1),
+        *args,
+        theta_normalized=True,
+        theta_log_normalisers=theta.double().logsumexp(-1),
+        **kw,
+    )
+    assert torch.equal(raw.top_ids, normalised.top_ids)
+    torch.testing.assert_close(raw.top_logq, normalised.top_logq, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="theta_log_normalisers"):
+        decide(teacher, torch.log_softmax(theta, -1), *args, theta_normalized=True, **kw)
+
+
+def test_penalised_draws_follow_the_penalised_law():
+    # Chi-square of many seeds' tokens against the float64 penalised q; the unpenalised q, judged on the same
+    # tokens, must be rejected (the positive control).
+    p = dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.5)
+    g = torch.Generator().manual_seed(3)
+    teacher = torch.randn(1, 12, generator=g) + 1.0
+    theta = torch.randn(1, 12, generator=g) - 0.5
+    prompt, output = [0, 1, 2], [2, 3, 3, 4]
+    draws = 6000
+    rows = [SamplingOptions(max_tokens=16, **p).row(s, prompt_token_ids=prompt) for s in range(draws)]
+    alpha = 0.6
+    d = decide(
+        teacher.expand(draws, -1).contiguous(),
+        theta.expand(draws, -1).contiguous(),
+        [len(output)] * draws,
+        rows,
+        get_alpha_computer("fixed", alpha=alpha),
+        outputs=[output] * draws,
+    )
+    z = ((1 - alpha) * theta[0] + alpha * teacher[0]).double().numpy()
+    law = np.exp(numpy_penalised(z, prompt, output, p))
+    law /= law.sum()
+    plain = np.exp(z - z.max())
+    plain /= plain.sum()
+    observed = np.bincount(d.tokens.numpy(), minlength=12)
+    assert _chi_square_p(observed, law * draws) > 1e-3
+    assert _chi_square_p(observed, plain * draws) < 1e-6
+    # The record is the law the token was drawn from; log π_t and log π_θ stay raw.
+    np.testing.assert_allclose(d.logq.numpy(), np.log(law)[d.tokens.numpy()], atol=2e-5)
+    np.testing.assert_allclose(
+        d.logp_theta.numpy(), torch.log_softmax(theta[0].double(), -1).numpy()[d.tokens.numpy()], atol=2e-5
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("repetition_penalty", float("inf")),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -2.01),
+        ("frequency_penalty", float("nan")),
+    ],
+)
+def test_bad_penalties_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingOptions(max_tokens=4, **{field: value})
+
+
+def test_the_prompt_travels_only_with_a_repetition_penalty():
+    opts = SamplingOptions(max_tokens=4, presence_penalty=0.5)
+    assert opts.row(1, prompt_token_ids=[5, 6]).prompt_token_ids == ()
+    row = SamplingOptions(max_tokens=4, repetition_penalty=1.1).row(1, prompt_token_ids=[5, 6])
+    assert row.prompt_token_ids == (5, 6)
+    assert RowSampling.from_dict(row.to_dict()) == row
