@@ -67,6 +67,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         def run(lo: int, hi: int) -> Decision:
             part = ready[lo:hi]
             warm = torch.tensor([row.alpha for _, row in part], dtype=torch.float32, device=teacher.device)
+            slots = [row.slot for _, row in part]
             d = decide(
                 teacher[lo:hi],
                 theta[lo:hi],
@@ -77,7 +78,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
                 theta_normalized=True,
                 top_logprobs=top_logprobs,
                 outputs=[row.output_token_ids for _, row in part],
-                theta_log_normalisers=torch.from_numpy(self.session.theta_log_normalisers[[row.slot for _, row in part]]),
+                theta_log_normalisers=torch.from_numpy(self.session.theta_log_normalisers[slots]),
             )
             if dense_k:
                 d.dense_ids, d.dense_logp, d.dense_other_logp = dense_top(

@@ -29,8 +29,8 @@ from dual_sampling.checks import MAX_COUNT, is_count, is_int, is_number, require
 
 __all__ = [
     "LOGIT_BIAS_LIMIT",
-    "MAX_TEMPERATURE",
     "MAX_PENALTY",
+    "MAX_TEMPERATURE",
     "MIN_TEMPERATURE",
     "STAGES",
     "DecisionOptions",
