@@ -11,11 +11,20 @@ factories and :func:`compose_settings` both read.
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelsAndPrompts", "compose_settings", "composed_parts", "flat_keys", "flat_settings", "runtime_only"]
+__all__ = [
+    "ModelsAndPrompts",
+    "changed_settings",
+    "compose_settings",
+    "composed_parts",
+    "flat_keys",
+    "flat_settings",
+    "runtime_only",
+]
 
 RUN = "run"
 """The part name of a config's own fields."""
@@ -99,4 +108,24 @@ def runtime_only(cls: type) -> frozenset[str]:
         for part_cls in (cls, *composed_parts(cls).values())
         for f in dataclasses.fields(part_cls)
         if not f.metadata.get("changes_records", True)
+    )
+
+
+def changed_settings(cls: type, saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The flat keys whose values differ between a run's saved identity and ``now`` (both as JSON would hold them).
+
+    A key the saved identity lacks is a setting added since that run started; at the default of its field in
+    ``cls`` (or a part of it) it draws as the run did, since a new setting's default keeps the old behaviour, so
+    it is no change: a run resumes across an upgrade that added settings.
+    """
+    defaults: dict[str, Any] = {}
+    for part_cls in (cls, *composed_parts(cls).values()):
+        for f in dataclasses.fields(part_cls):
+            if f.default is not dataclasses.MISSING:
+                defaults[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                defaults[f.name] = f.default_factory()
+    defaults = json.loads(json.dumps(defaults, default=str))  # as the identities hold them: tuples are lists
+    return sorted(
+        k for k in set(saved) | set(now) if (saved[k] if k in saved else defaults.get(k, saved)) != now.get(k)
     )

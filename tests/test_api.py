@@ -213,8 +213,10 @@ def test_bad_generate_arguments_are_named(dual_engine):
         dual_engine.generate(["a", "b"], prompt_keys=["k"])
     with pytest.raises(ValueError, match="prompt 0 has"):
         dual_engine.generate(["word " * 400])
-    with pytest.raises(ValueError, match="unsupported sampling options: presence_penalty .*penalties"):
-        dual_engine.generate(["a"], presence_penalty=0.5)
+    with pytest.raises(ValueError, match="unsupported sampling options: bad_words .*bad words"):
+        dual_engine.generate(["a"], bad_words=["x"])
+    with pytest.raises(ValueError, match="presence_penalty must lie in"):
+        dual_engine.generate(["a"], presence_penalty=2.5)
     with pytest.raises(ValueError, match="logit_bias has token ids outside the vocabulary"):
         dual_engine.generate(["a"], logit_bias={10**6: 1.0})
     with pytest.raises(ValueError, match="must be a list of prompts"):

@@ -8,7 +8,7 @@ import pytest
 
 from dual_sampling.datagen.run_config import _NOT_IDENTITY, RunConfig
 from dual_sampling.options import SamplingOptions
-from dual_sampling.run_settings import flat_keys
+from dual_sampling.run_settings import changed_settings, flat_keys
 from tests.test_datagen import tiny_config
 
 
@@ -39,3 +39,16 @@ def test_a_flat_key_two_parts_share_is_refused():
 
     with pytest.raises(TypeError, match="'max_tokens' is a field of both the run and the inner options"):
         flat_keys(Clashing)
+
+
+def test_a_run_resumes_across_an_upgrade_that_added_settings(tiny_same, tmp_path):
+    # A manifest written before the penalties existed lacks their keys: at their defaults they draw as that run
+    # did, so they are no change; a value other than the default is one, and so is any other difference.
+    import json
+
+    now = json.loads(json.dumps(tiny_config(tiny_same, tmp_path).identity()))
+    before = {k: v for k, v in now.items() if not k.endswith("_penalty")}
+    assert changed_settings(RunConfig, before, now) == []
+    assert changed_settings(RunConfig, before, {**now, "presence_penalty": 0.5}) == ["presence_penalty"]
+    assert changed_settings(RunConfig, {**before, "max_tokens": 3}, now) == ["max_tokens"]
+    assert changed_settings(RunConfig, {**before, "gone_setting": 1}, now) == ["gone_setting"]

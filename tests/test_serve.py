@@ -302,7 +302,8 @@ def test_models_health_and_metrics_count_what_was_served(server, client):
 
 BAD = [
     ({"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool"),
-    ({"messages": QUESTION, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"messages": QUESTION, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"messages": QUESTION, "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"messages": QUESTION, "n": 9}, 400, "n"),
     ({"messages": QUESTION, "max_tokens": 10_000}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "word " * 400}]}, 400, "messages"),

@@ -280,13 +280,14 @@ def test_untied_student_engines_start_with_the_trainer_and_leave_nothing_behind(
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
-        (dict(repetition_penalty=1.1), "repetition_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
         (dict(vllm_mode="server"), "vllm_mode"),
         (dict(vllm_tensor_parallel_size=2), "vllm_tensor_parallel_size"),
         (dict(vllm_enable_sleep_mode=True), "vllm_enable_sleep_mode"),
         (dict(vllm_structured_outputs_regex="[0-9]+"), "vllm_structured_outputs_regex"),
         (dict(max_completion_length=None), "max_completion_length"),
-        (dict(generation_kwargs={"frequency_penalty": 0.5}), "frequency_penalty"),
+        (dict(generation_kwargs={"frequency_penalty": 2.5}), "frequency_penalty"),
+        (dict(generation_kwargs={"bad_words": ["x"]}), "bad_words"),
         (dict(generation_kwargs={"n": 2}), "'n'"),
         (dict(generation_kwargs={"seed": -1}), r"generation_kwargs\['seed'\]"),
         (dict(temperature=-1.0), "temperature"),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from dual_sampling.datagen.durable import write_text_durably
 from dual_sampling.datagen.run_config import RunConfig
+from dual_sampling.run_settings import changed_settings
 
 __all__ = ["check_manifest"]
 
@@ -25,9 +26,9 @@ def check_manifest(cfg: RunConfig, paths: dict[str, Path], models: dict, inputs:
         existing = []  # an empty directory holds no run
     if cfg.resume and manifest.exists():
         old = json.loads(manifest.read_text())
-        if old["config_hash"] != digest:
-            now = json.loads(json.dumps(identity))
-            changed = sorted(k for k in set(old["config"]) | set(now) if old["config"].get(k) != now.get(k))
+        now = json.loads(json.dumps(identity))
+        changed = changed_settings(RunConfig, old["config"], now)
+        if changed:
             details = "; ".join(f"{k}: {old['config'].get(k)!r} -> {identity.get(k)!r}" for k in changed)
             raise ValueError(f"refusing to resume {cfg.output}: the configuration differs ({details})")
         _check_input(cfg, old["input_sha256"], inputs)

@@ -38,6 +38,7 @@ from dual_sampling.distill.loss import (
 from dual_sampling.distill.mismatch import Mismatch, SamplerMismatchError, record_gaps
 from dual_sampling.records import RequestRecord, SampleRecord
 from dual_sampling.run_output import fresh_dir, remove_path, single_writer, write_no_follow
+from dual_sampling.run_settings import changed_settings
 
 __all__ = ["Distiller", "check_resume", "draw_round", "plot_run", "run_distillation"]
 
@@ -65,7 +66,7 @@ def check_resume(config: DistillConfig) -> None:
     if not (config.resume and saved.exists()):
         return
     before, now = json.loads(saved.read_text()), _identity(config)
-    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    changed = changed_settings(DistillConfig, before, now)
     if changed:
         raise ValueError(f"--resume with other settings than the run in {config.output}: {changed}")
 

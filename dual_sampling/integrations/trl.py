@@ -241,11 +241,11 @@ class MixtureGeneration:
     (see :meth:`MixtureRollouts.trainer`), with VLLMGeneration's keyword arguments.
 
     TRL's sampling fields map to :class:`SamplingOptions` on q: temperature, top_p, top_k (0: off), min_p,
-    max_completion_length (``max_tokens``), and ``generation_kwargs`` whose keys are SamplingOptions fields (they
-    override the named ones, as in TRL's own backend; ``seed`` replaces :attr:`MixtureRolloutsConfig.seed`).
-    ``vllm_max_model_length`` is served when the engines hold that context. Refused, naming the field: a repetition
-    penalty other than 1 (not built on q yet), ``logprobs`` > 0 (only the sampled token's log q is returned), no
-    token cap, any other ``generation_kwargs`` key, and engine fields that ask for something the pair does not do
+    repetition_penalty (on the mixture's logits), max_completion_length (``max_tokens``), and ``generation_kwargs``
+    whose keys are SamplingOptions fields (they override the named ones, as in TRL's own backend; ``seed`` replaces
+    :attr:`MixtureRolloutsConfig.seed`). ``vllm_max_model_length`` is served when the engines hold that context.
+    Refused, naming the field: ``logprobs`` > 0 (only the sampled token's log q is returned), no token cap, any
+    other ``generation_kwargs`` key, and engine fields that ask for something the pair does not do
     (``_ENGINE_FIELDS``).
     """
 
@@ -287,9 +287,6 @@ class MixtureGeneration:
 
     @staticmethod
     def _sampling_options(fields: dict[str, Any]) -> tuple[SamplingOptions, int | None]:
-        penalty = fields.get("repetition_penalty")
-        if penalty not in (None, 1, 1.0):
-            raise ValueError(f"repetition_penalty={penalty!r}: penalties on q are not served yet (use 1.0)")
         logprobs = fields.get("logprobs")
         if logprobs not in (None, 0):
             raise ValueError(
@@ -310,13 +307,15 @@ class MixtureGeneration:
         if length is None:
             raise ValueError("max_completion_length=None: mixture rollouts need a token cap")
         # generation_kwargs override the named fields, as TRL's own backend applies them.
-        named = {k: fields[k] for k in ("temperature", "top_p", "top_k", "min_p") if k in fields}
+        named = {k: fields[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in fields}
         settings = {**named, **extra}
         top_p, top_k, min_p = settings.get("top_p"), settings.get("top_k"), settings.get("min_p")
+        penalty = settings.get("repetition_penalty")
         settings.update(
             top_p=1.0 if top_p is None else top_p,
             top_k=-1 if top_k in (None, 0) else top_k,
             min_p=0.0 if min_p is None else min_p,
+            repetition_penalty=1.0 if penalty is None else penalty,
         )
         return SamplingOptions(max_tokens=length, **settings), seed
 
