@@ -21,7 +21,7 @@ import torch
 
 from alpha import get_alpha_computer
 from dual_sampling.decision import pipeline
-from dual_sampling.decision.kernel import decide_fused
+from dual_sampling.decision.kernel import decide_fused, row_edits
 from dual_sampling.decision.pipeline import RowSampling, decide
 from tests.oracles import np_alpha_kl, np_log_softmax
 
@@ -78,7 +78,9 @@ def kernel_draw(teacher, theta, computer, masked=()):
             [False] * b,
             computer,
             None,
-            masked_tokens=[list(masked)] * b,
+            edits=row_edits(
+                [RowSampling(min_tokens=1, stop_token_ids=tuple(masked))] * b, [0] * b, None, teacher.size, None
+            ),
         )
         assert (out[:, 5] == 0).all(), "the kernel handed rows back"
         return out[:, 0]

@@ -66,7 +66,7 @@ def numpy_penalised(z: np.ndarray, prompt: list[int], output: list[int], p: dict
 
 
 def penalised_row(p: dict, prompt: list[int], seed: int = 0, **extra) -> RowSampling:
-    return SamplingOptions(max_tokens=16, seed=seed, **p, **extra).row(seed, prompt_token_ids=prompt)
+    return SamplingOptions(max_tokens=64, seed=seed, **p, **extra).row(seed, prompt_token_ids=prompt)
 
 
 @pytest.mark.parametrize("alpha", [0.0, 1.0, 0.3])
@@ -182,3 +182,39 @@ def test_the_prompt_travels_only_with_a_repetition_penalty():
     row = SamplingOptions(max_tokens=4, repetition_penalty=1.1).row(1, prompt_token_ids=[5, 6])
     assert row.prompt_token_ids == (5, 6)
     assert RowSampling.from_dict(row.to_dict()) == row
+
+
+def test_the_cpu_kernel_decides_penalised_rows_as_the_reference_does():
+    # SmolLM2's vocabulary, theta's rows as the engines hand them (log-softmax plus the log-normaliser), and rows
+    # whose penalised tokens hold most of q (the drawn tokens' block sums are recomputed, not subtracted from).
+    vocab, b = 49152, 6
+    g = torch.Generator().manual_seed(11)
+    teacher = 3.0 * torch.randn(b, vocab, generator=g) + 5.0
+    theta_raw = 2.0 * torch.randn(b, vocab, generator=g) - 1.0
+    rng = np.random.default_rng(4)
+    outputs = [rng.integers(0, vocab, 40).tolist() for _ in range(b)]
+    prompt = rng.integers(0, vocab, 30).tolist()
+    for r in range(3):  # a token of the output leads both models by far
+        teacher[r, outputs[r][0]] += 25.0
+        theta_raw[r, outputs[r][0]] += 20.0
+    settings = [*PENALTIES, dict(repetition_penalty=1.1, frequency_penalty=-1.0), dict(presence_penalty=2.0)]
+    rows = [penalised_row(settings[r], prompt, seed=r, min_tokens=50, stop_token_ids=(0, 5)) for r in range(b)]
+    steps = [len(o) for o in outputs]
+    computer = get_alpha_computer("kl_symmetry")
+    args = (teacher, torch.log_softmax(theta_raw, -1), steps, rows, computer)
+    kw = dict(theta_normalized=True, outputs=outputs, theta_log_normalisers=theta_raw.double().logsumexp(-1))
+    fused = decide(*args, **kw)
+    reference = decide(*args, fused=False, **kw)
+    assert not fused.handed_back.any()
+    assert torch.equal(fused.tokens, reference.tokens)
+    # log q against float64 at the kernel's α: the mixture's logits penalised as vLLM does, the stop ids masked.
+    for r in range(b):
+        a = float(fused.alpha[r])
+        z = (1 - a) * theta_raw[r].double().numpy() + a * teacher[r].double().numpy()
+        zp = numpy_penalised(z, prompt, outputs[r], settings[r])
+        zp[[0, 5]] = -np.inf
+        logq = zp - np.logaddexp.reduce(zp)
+        assert abs(float(fused.logq[r]) - logq[int(fused.tokens[r])]) < 1e-4, r
+        if r < 3:
+            q = np.exp(z - np.logaddexp.reduce(z))
+            assert q[outputs[r][0]] > 0.9, "the penalised token must hold most of q"

@@ -20,8 +20,8 @@ KERNEL_ALPHA_METHODS = {FixedAlpha: 0, KLSymmetryAlpha: 1}
 """Alpha computer classes the kernels implement (exactly these classes, not subclasses), with their kernel code."""
 
 
-_UNFUSED = tuple(stage for stage in STAGES if not stage.fusable)
-"""The stages neither kernel implements: a row that uses one goes to the reference."""
+_UNFUSED = {device: tuple(stage for stage in STAGES if device not in stage.fused_on) for device in ("cpu", "cuda")}
+"""Per kernel device, the stages its kernel does not implement: a row that uses one goes to the reference."""
 
 
 def kernel_device(device: torch.device) -> str | None:
@@ -38,11 +38,13 @@ def kernel_device(device: torch.device) -> str | None:
 
 
 def kernel_rows(rows: Sequence, alpha_computer: AlphaComputer, device: torch.device) -> list[bool]:
-    """Which rows a kernel decides: rows that use no stage the kernels lack (``Stage.fusable``: of today's stages,
-    only min_tokens' masking) and record no top log-probabilities, with a kernel's alpha computer."""
-    if kernel_device(device) is None or type(alpha_computer) not in KERNEL_ALPHA_METHODS:
+    """Which rows a kernel decides: rows that use no stage the device's kernel lacks (``Stage.fused_on``: of today's
+    stages, min_tokens' masking on both, the penalties on the CPU's) and record no top log-probabilities, with a
+    kernel's alpha computer."""
+    kind = kernel_device(device)
+    if kind is None or type(alpha_computer) not in KERNEL_ALPHA_METHODS:
         return [False] * len(rows)
-    return [r.top_logprobs == 0 and not any(stage.used(r) for stage in _UNFUSED) for r in rows]
+    return [r.top_logprobs == 0 and not any(stage.used(r) for stage in _UNFUSED[kind]) for r in rows]
 
 
 def masked_ids(masked_tokens: Sequence[Sequence[int]] | None, rows: int, vocab: int) -> np.ndarray:

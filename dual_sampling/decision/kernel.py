@@ -3,7 +3,7 @@
 :func:`dual_sampling.decision.pipeline.decide` is the reference: a sequence of torch operations,
 each a pass over ``[b, V]`` that writes a new ``[b, V]`` tensor. For the common row
 (temperature 1, no top-k/top-p/min-p, no support constraint, no logit bias, no top
-log-probabilities; the stop-token mask before ``min_tokens`` is allowed) and the ``fixed``
+log-probabilities; the stop-token mask before ``min_tokens`` and the penalties are allowed) and the ``fixed``
 and ``kl_symmetry`` alpha computers, this module does the same decision with numba, row by
 row, writing nothing V-sized:
 
@@ -13,10 +13,14 @@ row, writing nothing V-sized:
 2. each α evaluation is one pass: it exponentiates the mixture's log-weights once and
    sums the weights, weight·d and weight·d² (d = log π_t − log π_θ; the first evaluation
    also weight·d³ and weight·d⁴), keeping the weight sum of every 256-token block;
-3. the masked stop tokens' weights are taken out of the sum and their blocks' sums (α is
-   solved before the mask, as in the reference);
-4. the draw reuses the last evaluation's block sums: it finds the block by a cumulative
-   sum over blocks, then recomputes that one block's weights.
+3. the row's edited tokens (a sparse, sorted list: the stop tokens masked before min_tokens, weight 0, and the
+   tokens a penalty touches, whose weight the penalised mixture logit gives) change q after α is solved, as in
+   the reference. A block's sum takes its edited tokens' change where they held at most half of it; a block
+   where they held more is summed again in float64 with the edited weights (a subtraction would cancel there).
+   So the total keeps float32's resolution of the untouched tokens' mass even where the edited tokens held nearly
+   all of q;
+4. the draw reuses the block sums: it finds the block by a cumulative sum over blocks, then
+   recomputes that one block's weights.
 
 Differences from the reference:
 
@@ -49,8 +53,10 @@ checked together (``tests/test_decision_kernel.py``); most of the length is its 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -60,9 +66,10 @@ from numba import types
 from numba.extending import intrinsic
 
 from alpha import AlphaComputer, FixedAlpha, KLSymmetryAlpha
-from dual_sampling.decision.fusable import KERNEL_ALPHA_METHODS, masked_ids
+from dual_sampling.decision.fusable import KERNEL_ALPHA_METHODS
+from dual_sampling.decision.stages import Penalties
 
-__all__ = ["decide_fused", "warm_up"]
+__all__ = ["RowEdits", "decide_fused", "row_edits", "warm_up"]
 
 _BLOCK = 256
 _CHUNK = 2048  # tokens per step of the maxima and log-normaliser pass: both rows' chunks stay in L1
@@ -325,21 +332,25 @@ def _series_step(g, k2, k3, k4):
 
 
 @_jit_inline
-def _is_masked(i, masked):
-    """Whether token ``i`` is among ``masked`` (a few ids, −1 as padding)."""
-    found = False
-    for m in masked:
-        found = found or m == i
-    return found
+def _edited_weight(h, t, h_max, t_max, a32, alpha, theta_shift, count, masked, rep, freq, pres):
+    """The weight (float64) of an edited token: 0 where masked, else its mixture weight with the penalties applied
+    to its logit z = (1 − α)·(h + ``theta_shift``) + α·t (``theta_shift``: theta's log-normaliser where its rows are
+    log-softmax outputs). Every penalised token is in the prompt or the output, so the repetition penalty applies."""
+    if masked:
+        return 0.0
+    log_w = np.float64(_log_weight(h, t, h_max, t_max, a32))
+    z = (1.0 - alpha) * (np.float64(h) + theta_shift) + alpha * np.float64(t)
+    zp = z
+    if rep != 1.0:
+        zp = z / rep if z > 0.0 else z * rep
+    zp -= freq * count + (pres if count > 0.0 else 0.0)
+    return math.exp(log_w + (zp - z))
 
 
 @_jit
-def _draw(theta, teacher, alpha, h_max, t_max, blocks, total, u, masked):
-    """Inverse-CDF draw from the weights of the last :func:`_tilted_pass` (block sums ``blocks``, sum ``total``).
-
-    ``masked`` holds token ids whose weight is already taken out of ``blocks`` and ``total``;
-    they are skipped.
-    """
+def _draw(theta, teacher, alpha, h_max, t_max, blocks, total, u, ids, weights, n_ids):
+    """Inverse-CDF draw from the block sums ``blocks`` (their sum ``total``), with the edited tokens ``ids[:n_ids]``
+    (ascending) at ``weights`` and every other token at its mixture weight."""
     n = theta.size
     a = np.float32(alpha)
     hm = np.float32(h_max)
@@ -360,20 +371,30 @@ def _draw(theta, teacher, alpha, h_max, t_max, blocks, total, u, masked):
         before = total - blocks[k]
     start = k * _BLOCK
     stop = min(start + _BLOCK, n)
+    first = 0
+    while first < n_ids and ids[first] < start:
+        first += 1
     # blocks[k] is a vectorised float32 sum; re-summed in this loop's order it can differ in the
     # last bits, and a target past the re-sum would fall through to the block's last token. So
     # the target keeps its fraction of the block and is placed on the re-sum.
     inside = 0.0
+    j = first
     for i in range(start, stop):
-        if not _is_masked(i, masked):
+        if j < n_ids and ids[j] == i:
+            inside += weights[j]
+            j += 1
+        else:
             inside += _exp32(_log_weight(theta[i], teacher[i], hm, tm, a))
     goal = min(max((target - before) / blocks[k], 0.0), 1.0) * inside
     cum = 0.0
     token = -1
+    j = first
     for i in range(start, stop):
-        if _is_masked(i, masked):
-            continue
-        w = _exp32(_log_weight(theta[i], teacher[i], hm, tm, a))
+        if j < n_ids and ids[j] == i:
+            w = weights[j]
+            j += 1
+        else:
+            w = np.float64(_exp32(_log_weight(theta[i], teacher[i], hm, tm, a)))
         if w > 0.0:
             token = i
             cum += w
@@ -397,17 +418,23 @@ def _solve_and_draw(
     alpha0,
     force_one,
     u,
-    masked,
+    edit_ids,
+    edit_count,
+    edit_masked,
+    n_edits,
+    penalty,
+    edit_weights,
     blocks,
     out,
 ):
     """Decide one row; ``out`` (zeros) receives (token, α, log π_t, log π_θ, log q, status, passes, unconverged).
     Returns the passes made.
 
-    ``masked`` (distinct token ids, −1 as padding) are removed from q after α is solved, as the
-    reference removes the stop tokens before ``min_tokens``. An α solve still open after
-    ``max_passes`` evaluations (the last one tested too, as the reference's solver does) hands
-    the row back, flagged unconverged.
+    The edited tokens ``edit_ids[:n_edits]`` (ascending; :class:`RowEdits`) change q after α is solved, as the
+    reference's stages do: masked ones leave it, the others take the penalties ``penalty`` (repetition,
+    frequency, presence, theta's log-normaliser shift) with their output counts ``edit_count``. ``edit_weights``
+    is scratch for their weights. An α solve still open after ``max_passes`` evaluations (the last one tested too,
+    as the reference's solver does) hands the row back, flagged unconverged.
     """
     t_max, h_max, lse_t, lse_h, finite = _maxima_and_log_normalisers(teacher, theta, theta_normalized)
     if not finite:
@@ -475,22 +502,54 @@ def _solve_and_draw(
         return passes
     a32 = np.float32(alpha)
     total = s0
-    for m in masked:
-        if m >= 0:
-            w = np.float64(_exp32(_log_weight(theta[m], teacher[m], h_max, t_max, a32)))
-            total -= w
-            blocks[m // _BLOCK] = max(blocks[m // _BLOCK] - w, 0.0)
-    # Removing more than half of the mass would cost the normaliser more than a bit of float32 precision.
-    if not total >= 0.5 * s0:
-        out[5] = _ROW_FALLBACK
-        return passes
-    token = _draw(theta, teacher, alpha, h_max, t_max, blocks, total, u, masked)
+    if n_edits > 0:
+        rep, freq, pres, shift = penalty[0], penalty[1], penalty[2], penalty[3]
+        for j in range(n_edits):
+            m = edit_ids[j]
+            edit_weights[j] = _edited_weight(
+                theta[m], teacher[m], h_max, t_max, a32, alpha, shift, edit_count[j], edit_masked[j], rep, freq, pres
+            )
+        # Per block holding edited tokens: their change, where they held at most half of the block's sum (the
+        # subtraction then keeps the block's float32 precision); else the block summed again in float64.
+        n = theta.size
+        j = 0
+        while j < n_edits:
+            k = edit_ids[j] // _BLOCK
+            first = j
+            old = new = 0.0
+            while j < n_edits and edit_ids[j] // _BLOCK == k:
+                m = edit_ids[j]
+                old += np.float64(_exp32(_log_weight(theta[m], teacher[m], h_max, t_max, a32)))
+                new += edit_weights[j]
+                j += 1
+            if old <= 0.5 * blocks[k]:
+                blocks[k] += new - old
+                continue
+            acc = 0.0
+            e = first
+            for i in range(k * _BLOCK, min((k + 1) * _BLOCK, n)):
+                if e < j and edit_ids[e] == i:
+                    acc += edit_weights[e]
+                    e += 1
+                else:
+                    acc += np.float64(_exp32(_log_weight(theta[i], teacher[i], h_max, t_max, a32)))
+            blocks[k] = acc
+        total = 0.0
+        for k in range(blocks.size):
+            total += blocks[k]
+        if not (total >= _TINY and math.isfinite(total)):  # every token removed, or a penalty overflowed
+            out[5] = _ROW_FALLBACK
+            return passes
+    token = _draw(theta, teacher, alpha, h_max, t_max, blocks, total, u, edit_ids, edit_weights, n_edits)
     if token < 0:
         out[5] = _ROW_FALLBACK
         return passes
     h = theta[token]
     t = teacher[token]
-    log_weight = _log_weight(h, t, h_max, t_max, a32)
+    log_weight = np.float64(_log_weight(h, t, h_max, t_max, a32))
+    for j in range(n_edits):
+        if edit_ids[j] == token:
+            log_weight = math.log(edit_weights[j])
     out[0] = token
     out[1] = alpha
     out[2] = t - lse_t
@@ -515,10 +574,15 @@ def _decide_batch(
     alpha0,
     force_one,
     u,
-    masked,
+    edit_ids,
+    edit_count,
+    edit_masked,
+    n_edits,
+    penalty,
     out,
 ):
     blocks = np.empty((theta.shape[1] + _BLOCK - 1) // _BLOCK, dtype=np.float64)
+    edit_weights = np.empty(edit_ids.shape[1], dtype=np.float64)
     passes = 0
     for r in range(theta.shape[0]):
         passes += _solve_and_draw(
@@ -535,11 +599,139 @@ def _decide_batch(
             alpha0[r],
             force_one[r],
             u[r],
-            masked[r],
+            edit_ids[r],
+            edit_count[r],
+            edit_masked[r],
+            n_edits[r],
+            penalty[r],
+            edit_weights,
             blocks,
             out[r],
         )
     return passes
+
+
+@dataclass
+class RowEdits:
+    """The kernel's form of each row's edited tokens (the sparse changes to q after α is solved): ``[b, m]`` arrays
+    of distinct in-vocabulary ids per row, ascending, the first ``n[r]`` of row r used (m ≥ 1)."""
+
+    ids: np.ndarray
+    """int64 token ids."""
+    count: np.ndarray
+    """float64: times the output holds each (the frequency and presence penalties read it)."""
+    masked: np.ndarray
+    """bool: removed from q (a stop token before min_tokens), whatever its penalty."""
+    n: np.ndarray
+    """``[b]`` int64: edited tokens per row."""
+    penalty: np.ndarray
+    """``[b, 4]`` float64: repetition, frequency and presence penalties, and the shift that makes theta's row its raw
+    logits (its log-normaliser where the rows are log-softmax outputs and the repetition penalty is on, else 0)."""
+
+    @classmethod
+    def none(cls, rows: int) -> RowEdits:
+        """No row edits a token."""
+        return cls(
+            np.zeros((rows, 1), np.int64),
+            np.zeros((rows, 1)),
+            np.zeros((rows, 1), np.bool_),
+            np.zeros(rows, np.int64),
+            np.tile([1.0, 0.0, 0.0, 0.0], (rows, 1)),
+        )
+
+
+@_jit
+def _collect_edits(vocab, prompt, prompt_at, output, output_at, stops, stops_at, penalised, ids, count, masked, n):
+    """Fill ``ids``, ``count``, ``masked`` and ``n`` (a :class:`RowEdits`) from each row's flat token lists
+    (row r's prompt is ``prompt[prompt_at[r]:prompt_at[r + 1]]``, likewise its output and its masked stop ids).
+    A row's prompt and output count only where ``penalised[r]``; ids outside [0, vocab) are skipped."""
+    seen = np.zeros(vocab, np.int8)  # 1: penalised, 2: masked (bits)
+    times = np.zeros(vocab, np.float64)
+    for r in range(n.size):
+        k = 0
+        if penalised[r]:
+            for source, lo, hi in ((prompt, prompt_at[r], prompt_at[r + 1]), (output, output_at[r], output_at[r + 1])):
+                for j in range(lo, hi):
+                    t = source[j]
+                    if 0 <= t < vocab:
+                        if seen[t] == 0:
+                            ids[r, k] = t
+                            k += 1
+                        seen[t] |= 1
+            for j in range(output_at[r], output_at[r + 1]):
+                t = output[j]
+                if 0 <= t < vocab:
+                    times[t] += 1.0
+        for j in range(stops_at[r], stops_at[r + 1]):
+            t = stops[j]
+            if 0 <= t < vocab:
+                if seen[t] == 0:
+                    ids[r, k] = t
+                    k += 1
+                seen[t] |= 2
+        ids[r, :k] = np.sort(ids[r, :k])
+        for j in range(k):
+            t = ids[r, j]
+            count[r, j] = times[t]
+            masked[r, j] = (seen[t] & 2) != 0
+            seen[t] = 0
+            times[t] = 0.0
+        n[r] = k
+
+
+def _flat(lists: list[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(the lists' tokens end to end as int64, the offsets where each starts, and the end)."""
+    at = np.zeros(len(lists) + 1, np.int64)
+    at[1:] = np.cumsum([len(x) for x in lists])
+    flat = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(at[-1])) if at[-1] else np.zeros(0, np.int64)
+    return flat, at
+
+
+def row_edits(
+    rows: Sequence,
+    steps: Sequence[int],
+    outputs: Sequence[Sequence[int]] | None,
+    vocab: int,
+    theta_shift: Sequence[float] | None,
+) -> RowEdits | None:
+    """The rows' edited tokens, or None where no row edits any: the stop tokens masked while a row's step is below
+    min_tokens, and the tokens its penalties touch (its prompt's and output's; ``outputs``: each row's generated
+    tokens; ``theta_shift``: :attr:`RowEdits.penalty`'s shift per row, read only where a repetition penalty is on)."""
+    penalties = Penalties()
+    penalised = [penalties.used(row) for row in rows]
+    stops = [row.stop_token_ids if step < row.min_tokens else () for row, step in zip(rows, steps)]
+    if not any(penalised) and not any(stops):
+        return None
+    if any(penalised) and outputs is None:
+        raise ValueError("penalties need each row's generated tokens (outputs)")
+    b = len(rows)
+    prompts = [row.prompt_token_ids if p else () for row, p in zip(rows, penalised)]
+    generated = [outputs[r] if p else () for r, p in enumerate(penalised)]
+    width = max(1, max(len(p) + len(o) + len(s) for p, o, s in zip(prompts, generated, stops)))
+    edits = RowEdits.none(b)
+    edits.ids, edits.count = np.zeros((b, width), np.int64), np.zeros((b, width))
+    edits.masked = np.zeros((b, width), np.bool_)
+    _collect_edits(
+        vocab,
+        *_flat(prompts),
+        *_flat(generated),
+        *_flat(stops),
+        np.asarray(penalised),
+        edits.ids,
+        edits.count,
+        edits.masked,
+        edits.n,
+    )
+    for r, row in enumerate(rows):
+        if not penalised[r]:
+            continue
+        shift = 0.0
+        if row.repetition_penalty != 1.0:
+            if theta_shift is None:
+                raise ValueError("the repetition penalty needs theta's log-normalisers (theta_log_normalisers)")
+            shift = float(theta_shift[r])
+        edits.penalty[r] = (row.repetition_penalty, row.frequency_penalty, row.presence_penalty, shift)
+    return edits
 
 
 def decide_fused(
@@ -550,17 +742,15 @@ def decide_fused(
     alpha_computer: AlphaComputer,
     alpha_init: torch.Tensor | None,
     theta_normalized: bool = False,
-    masked_tokens: Sequence[Sequence[int]] | None = None,
+    edits: RowEdits | None = None,
 ) -> tuple[np.ndarray, int]:
     """Decide ``[b, V]`` rows with the kernel; returns (``[b, 8]`` float64, passes in all rows).
 
     Columns, as :func:`dual_sampling.decision.gpu_kernel.decide_gpu`'s: token, α, log π_t, log π_θ,
     log q, status (0 decided; 1 to be decided by the reference), passes, unconverged (1 where the α
     solve did not converge in ``_MAX_PASSES`` passes; such a row has status 1 too).
-    ``theta_normalized=True`` says theta's rows are log-softmax outputs already.
-    ``masked_tokens[r]`` are token ids q must not draw in row r (the stop tokens before
-    ``min_tokens``); ids outside the vocabulary are ignored. A row whose masked tokens carry
-    more than half of q's mass is handed back to the reference.
+    ``theta_normalized=True`` says theta's rows are log-softmax outputs already. ``edits`` are the rows' masked
+    and penalised tokens (:func:`~dual_sampling.decision.fusable.row_edits`; None: no row has any).
     """
     if teacher_logits.shape != theta_logits.shape or teacher_logits.dim() != 2:
         # The kernel reads both rows with the same index and checks no bounds.
@@ -579,7 +769,7 @@ def decide_fused(
     else:
         alpha0 = np.nan_to_num(alpha_init.detach().double().numpy().reshape(-1), nan=0.5)
     out = np.zeros((b, 8), dtype=np.float64)
-    masked = masked_ids(masked_tokens, b, teacher.shape[1])
+    edits = edits or RowEdits.none(b)
     passes = _decide_batch(
         theta,
         teacher,
@@ -594,7 +784,11 @@ def decide_fused(
         np.ascontiguousarray(alpha0, dtype=np.float64),
         np.asarray(force_teacher, dtype=np.bool_),
         np.asarray(uniforms, dtype=np.float64),
-        masked,
+        edits.ids,
+        edits.count,
+        edits.masked,
+        edits.n,
+        edits.penalty,
         out,
     )
     return out, int(passes)

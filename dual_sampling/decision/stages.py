@@ -4,7 +4,7 @@ the order they run.
 Each stage names the per-row settings it reads (:attr:`Stage.fields`, fields of :class:`DecisionOptions`), checks
 their values where a request is made (:meth:`Stage.check`, called by ``SamplingOptions``: one home for each rule,
 every error naming its field), says whether a row uses it (:meth:`Stage.used`) and whether the fused kernels
-implement it (:attr:`Stage.fusable`; ``fusable.kernel_rows`` derives its rule from these two), and applies itself
+implement it (:attr:`Stage.fused_on`; ``fusable.kernel_rows`` derives its rule from these two), and applies itself
 to a batch's log q ``[b, V]`` in place (:meth:`Stage.apply`). The order is vLLM's v1 sampler's for the stages both
 have (min_tokens and logit_bias, then the penalties, then temperature, then min-p, top-k and top-p), after the
 teacher-support constraint, which only a mixture has. A new stage is one class here (its settings in
@@ -108,13 +108,14 @@ class StageBatch:
 
 
 class Stage:
-    """One step between log q and the draw. Subclasses set :attr:`fields` and :attr:`fusable` and implement the rest;
+    """One step between log q and the draw. Subclasses set :attr:`fields` and :attr:`fused_on` and implement the rest;
     a stage is applied only to batches where some row uses it."""
 
     fields: ClassVar[tuple[str, ...]] = ()
     """The :class:`DecisionOptions` fields this stage reads."""
-    fusable: ClassVar[bool] = False
-    """Whether the fused kernels implement this stage (a row that uses a stage they do not goes to the reference)."""
+    fused_on: ClassVar[frozenset[str]] = frozenset()
+    """The kernel devices ("cpu", "cuda") whose fused kernel implements this stage; a row that uses a stage its
+    device's kernel does not goes to the reference."""
 
     @property
     def name(self) -> str:
@@ -196,7 +197,7 @@ class MinTokens(Stage):
     """Remove the row's stop tokens (its EOS ids and stop_token_ids) while fewer than min_tokens were generated."""
 
     fields = ("min_tokens",)
-    fusable = True  # both kernels mask each row's stop ids before min_tokens
+    fused_on = frozenset({"cpu", "cuda"})  # both kernels mask each row's stop ids before min_tokens
 
     def check(self, options: Any) -> None:
         require(
@@ -256,6 +257,7 @@ class Penalties(Stage):
     """
 
     fields = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+    fused_on = frozenset({"cpu"})  # a sparse edit after α; the GPU kernel does not take it yet
 
     def check(self, options: Any) -> None:
         p = options.repetition_penalty
