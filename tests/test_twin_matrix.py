@@ -321,3 +321,38 @@ def test_speculative_refuses_by_name_before_an_engine_starts(name, named):
     teacher, theta = twin_pair(name)
     with pytest.raises(ValueError, match=rf"mode='speculative'.*{named}.*mode='lockstep'"):
         OptimalSamplingDual(teacher, theta, mode="speculative", use_tqdm=False)
+
+
+def test_lockstep_penalised_records_match_rescoring(lockstep):
+    """Penalties on q on every twin (padded vocabularies, a bfloat16 teacher): log q is the penalised law of the
+    mixture's raw logits at the recorded α, recomputed in float64 from transformers' logits over the shared
+    vocabulary (theta's prompt and the output so far counted, as vLLM counts them); log π_t and log π_θ stay the
+    models' own. (α is solved before the penalties, as the other cells check.)"""
+    from tests.test_penalties import numpy_penalised
+
+    penalties = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3)
+    engine = lockstep.engine
+    out = engine.generate(PROMPTS[:2], max_tokens=12, seed=5, **penalties)
+    vocab = engine.vocab
+    worst = 0.0
+    for request in out.requests:
+        (sample,) = request.samples
+        raw = {}
+        for role, model, prompt in zip(
+            ("teacher", "theta"), lockstep.hf, (request.teacher_prompt_token_ids, request.theta_prompt_token_ids)
+        ):
+            ids = torch.tensor([list(prompt) + sample.token_ids])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(sample.token_ids), :vocab]
+            raw[role] = logits.double().numpy()
+        for t, token in enumerate(sample.token_ids):
+            a = sample.alpha[t]
+            z = (1 - a) * raw["theta"][t] + a * raw["teacher"][t]
+            zp = numpy_penalised(z, list(request.theta_prompt_token_ids), sample.token_ids[:t], penalties)
+            logq = zp[token] - np.logaddexp.reduce(zp)
+            worst = max(worst, abs(sample.logq[t] - logq))
+            for role, recorded in (("teacher", sample.logp_teacher[t]), ("theta", sample.logp_theta[t])):
+                row = raw[role][t]
+                assert abs(recorded - (row[token] - np.logaddexp.reduce(row))) < lockstep.atol, (role, t)
+    CELLS.setdefault(f"{lockstep.name}/lockstep/penalised", {})["logq"] = worst
+    assert worst < 2 * lockstep.atol, worst
