@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import signal
 import threading
@@ -30,7 +31,7 @@ from dual_sampling.driver.versions import check_update
 from dual_sampling.driver.weights import WeightsCheck, prepared_weights, reload_from
 from dual_sampling.lockstep import Role, SyncError
 from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, SamplingOptions, model_config
-from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleDelta, SampleRecord, best_of
+from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleDelta, SampleRecord, best_of, scored
 from dual_sampling.vocab import check_embedding_rows, check_tokenizers_match, embedding_rows, eos_token_ids
 
 __all__ = ["OptimalSamplingDual", "context_length", "derive_seed"]
@@ -159,8 +160,10 @@ class OptimalSamplingDual:
         out, it = [], iter(samples)
         for i, pair in enumerate(pairs):
             mine = [next(it) for _ in range(opts.draws)]
+            if opts.score is not None:
+                mine = [scored(sample, prompts[i], opts.score) for sample in mine]
             if opts.best_of:
-                mine = [mine[k] for k in best_of(mine, opts.n, opts.best_of_score)]
+                mine = [mine[k] for k in best_of(mine, opts.n, opts.ranked_by)]
             out.append(RequestRecord(i, list(pair.teacher_ids), list(pair.theta_ids), mine))
         return DualGenerationOutput(out)
 
@@ -332,7 +335,8 @@ class OptimalSamplingDual:
 
         The sample is drawn with the seed derived from (seed, sample_key, sample_index), as
         sample ``sample_index`` of prompt ``sample_key`` in :meth:`generate`. The last delta
-        carries the verified :class:`SampleRecord`. :meth:`abort` with ``request_id``, or
+        carries the verified :class:`SampleRecord` (with its user score, where ``score`` is set). :meth:`abort` with
+        ``request_id``, or
         cancelling the task, ends the request on both engines.
         """
         self._check_open()
@@ -341,6 +345,8 @@ class OptimalSamplingDual:
         request = self.request(self.prepare(prompt, teacher_prompt), opts, seed)
         request.request_id = request_id
         async for delta in self.driver.thread.bridge(self.driver.stream(request)):
+            if delta.sample is not None and opts.score is not None:  # the user score runs here, in the caller's loop
+                delta = dataclasses.replace(delta, sample=scored(delta.sample, prompt, opts.score))
             yield delta
 
     def abort(self, request_id: str) -> bool:

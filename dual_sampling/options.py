@@ -20,7 +20,7 @@ from dual_sampling.decision.pipeline import RowSampling
 from dual_sampling.decision.stages import LOGIT_BIAS_LIMIT, STAGES, DecisionOptions
 from dual_sampling.lockstep import TOP_LOGPROBS_MAX
 from dual_sampling.lockstep.row_channel import ROW_TRANSPORTS
-from dual_sampling.records import BEST_OF_SCORES
+from dual_sampling.records import BEST_OF_SCORES, USER_SCORE, ScoreFunction, score_function
 
 __all__ = [
     "BEST_OF_SCORES",
@@ -84,7 +84,11 @@ class SamplingOptions(DecisionOptions):
     """Draw this many samples per prompt (>= n) and keep the n with the highest best_of_score."""
     best_of_score: str = "logq"
     """Score for best_of: logq, logp_theta or logp_teacher summed over the sample's tokens, or with _mean (logq_mean,
-    ...) averaged per token, which does not favour short samples."""
+    ...) averaged per token, which does not favour short samples. A user ``score`` replaces it."""
+    score: str | ScoreFunction | None = None
+    """A user score of each complete sample, recorded with its name (SampleRecord.score): a callable f(prompt,
+    sample) -> float (prompt: as passed to generate), or "module:function" naming one; best_of keeps the n highest.
+    A function that raises, or returns no finite number, fails that sample as score_error."""
     seed: int = 0
     """Seed of the call; sample j of prompt i is drawn with a seed derived from (seed, prompt key, j)."""
 
@@ -131,6 +135,8 @@ class SamplingOptions(DecisionOptions):
             self.best_of_score in BEST_OF_SCORES,
             f"best_of_score must be one of {BEST_OF_SCORES}, got {self.best_of_score!r}",
         )
+        if self.score is not None:
+            score_function(self.score)  # importable and callable, or a ValueError naming score
         require(
             isinstance(self.force_first_token, bool),
             f"force_first_token must be true or false, got {self.force_first_token!r}",
@@ -163,6 +169,11 @@ class SamplingOptions(DecisionOptions):
         stops = tuple(sorted(set(masked_before_min_tokens) | set(self.stop_token_ids)))
         prompt = tuple(prompt_token_ids) if self.repetition_penalty != 1.0 else ()
         return RowSampling(seed=seed, stop_token_ids=stops, prompt_token_ids=prompt, **shared)
+
+    @property
+    def ranked_by(self) -> str:
+        """What best_of ranks by: the user score (``USER_SCORE``) where one is given, else best_of_score."""
+        return USER_SCORE if self.score is not None else self.best_of_score
 
     @property
     def draws(self) -> int:

@@ -3,15 +3,18 @@ original API's fields."""
 
 from __future__ import annotations
 
+import importlib
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import numpy as np
 
 __all__ = [
     "BEST_OF_SCORES",
+    "USER_SCORE",
     "DualGenerationOutput",
     "RequestRecord",
     "SampleDelta",
@@ -19,6 +22,8 @@ __all__ = [
     "best_of",
     "best_of_score",
     "effective_sample_size",
+    "score_function",
+    "scored",
 ]
 
 
@@ -83,6 +88,10 @@ class SampleRecord:
     dense_other_logp: np.ndarray | None = None
     """``[n, 2, k]`` float32: the other model's at the same ids: log π_θ of the teacher's top tokens (``[:, 0]``) and
     log π_t of theta's (``[:, 1]``). With :attr:`dense_logp`, both models' log-probabilities at every recorded id."""
+    score: float | None = None
+    """The user score of the sample (``SamplingOptions.score``), None without one or for a sample not complete."""
+    score_name: str | None = None
+    """Which function gave :attr:`score` ("module:qualified name")."""
 
     def first(self, n: int) -> SampleRecord:
         """The sample's first ``n`` tokens with their records (every per-token field cut alike), ended by ``length``;
@@ -136,15 +145,21 @@ BEST_OF_SCORES = (*_SCORED_RECORDS, *(f"{name}_mean" for name in _SCORED_RECORDS
 """The scores best_of ranks by: a per-token record summed over the sample, or with ``_mean`` averaged per token."""
 
 
+USER_SCORE = "score"
+"""The best_of score that ranks by :attr:`SampleRecord.score`, the user's function (set where one is given)."""
+
+
 def best_of_score(sample: SampleRecord, name: str) -> float:
-    """A sample's best_of score ``name`` (one of :data:`BEST_OF_SCORES`): logq, logp_theta or logp_teacher summed
-    over its tokens, or with ``_mean`` their mean per token (length-normalised: a sum favours short samples, since
-    every token adds a negative log-probability).
+    """A sample's best_of score ``name`` (one of :data:`BEST_OF_SCORES`, or :data:`USER_SCORE`): logq, logp_theta or
+    logp_teacher summed over its tokens, or with ``_mean`` their mean per token (length-normalised: a sum favours
+    short samples, since every token adds a negative log-probability); or the user score.
 
     -inf for a sample that failed or was aborted, so it ranks below every complete one.
     """
     if sample.error is not None or sample.finish_reason == "abort":
         return -math.inf
+    if name == USER_SCORE:
+        return -math.inf if sample.score is None else sample.score
     values = getattr(sample, name.removesuffix("_mean"))
     total = math.fsum(values)
     return total / max(len(values), 1) if name.endswith("_mean") else total
@@ -170,6 +185,48 @@ def best_of(samples: Sequence[SampleRecord], n: int, score: str) -> list[int]:
             f"by one version to rank n={n}; draw again"
         )
     return sorted(groups[chosen], key=lambda i: -best_of_score(samples[i], score))[:n]
+
+
+ScoreFunction = Callable[[Any, SampleRecord], float]
+"""A user score: f(prompt, sample) -> a finite number, higher is better (``prompt``: the caller's, text or ids)."""
+
+
+def score_function(spec: str | ScoreFunction) -> tuple[str, ScoreFunction]:
+    """(name, function) of a user score given as a callable or as "module:function" (a dotted path after the colon
+    reaches a class's method). ValueError naming ``score`` if it is neither, or cannot be imported."""
+    if callable(spec):
+        module, name = getattr(spec, "__module__", None) or "?", getattr(spec, "__qualname__", type(spec).__name__)
+        return f"{module}:{name}", spec
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise ValueError(f"score must be a callable or 'module:function', got {spec!r}")
+    module_name, path = spec.split(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in path.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"score {spec!r} cannot be imported: {exc}") from None
+    if not callable(target):
+        raise ValueError(f"score {spec!r} is not callable")
+    return spec, target
+
+
+def scored(sample: SampleRecord, prompt: Any, spec: str | ScoreFunction) -> SampleRecord:
+    """``sample`` with its user score and the score's name; a sample that is not complete is left unscored. A
+    function that raises, or returns anything but a finite number, fails the sample by name (``score_error``): its
+    value is never used as a score."""
+    if not sample.ok:
+        return sample
+    name, function = score_function(spec)
+    try:
+        value = function(prompt, sample)
+    except Exception as exc:
+        return replace(sample, error=f"score_error: {name} raised {type(exc).__name__}: {exc}", finish_reason="error")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return replace(
+            sample, error=f"score_error: {name} returned {value!r}, not a finite number", finish_reason="error"
+        )
+    return replace(sample, score=float(value), score_name=name)
 
 
 @dataclass

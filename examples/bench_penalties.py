@@ -58,7 +58,7 @@ def main() -> int:
     with OptimalSamplingDual(
         teacher, theta, alpha_method="kl_symmetry", max_num_seqs=args.batch, max_model_len=512, use_tqdm=False
     ) as dual:
-        for arm, settings in ARMS.items():  # warm-up: each arm's path compiled and cached before any timing
+        for settings in ARMS.values():  # warm-up: each arm's path compiled and cached before any timing
             dual.generate(questions[:1], max_tokens=4, **settings)
         for repeat in range(args.repeats):
             for arm, settings in ARMS.items():

@@ -611,6 +611,8 @@ def test_cli_shard_run_end_to_end(dual_engine, tiny_same, tmp_path):
             "0/2",
             "--output",
             str(tmp_path / "s0.jsonl"),
+            "--score",
+            "tests.scores:response_length",
         ],
         capture_output=True,
         text=True,
@@ -618,6 +620,12 @@ def test_cli_shard_run_end_to_end(dual_engine, tiny_same, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "s0.jsonl.summary.json").read_text())["failed_samples"] == 0
+    # The user score (--score) reaches every record, with its name.
+    scored_records = read_journal(tmp_path / "s0.jsonl")
+    assert scored_records and all(
+        r["score"] == float(len(r["response"])) and r["score_name"] == "tests.scores:response_length"
+        for r in scored_records
+    )
     cfg = tiny_config(
         tiny_same,
         tmp_path,

@@ -111,6 +111,8 @@ def _record(cfg: RunConfig, item: WorkItem, j: int, sample, models: dict) -> dic
         log_w_teacher=sample.log_w_teacher,
         teacher_version=sample.teacher_version,
         theta_version=sample.theta_version,
+        score=sample.score,
+        score_name=sample.score_name,
         models=models,
         sampling={
             **dataclasses.asdict(cfg.sampling),

@@ -63,6 +63,10 @@ class Record:
     """The teacher's weight version that drew the sample ("0": the weights its engine started with)."""
     theta_version: str
     """Theta's weight version that drew the sample: the policy whose π_θ ``log_w_theta`` refers to."""
+    score: float | None
+    """The user score of the sample (``--score``), None without one."""
+    score_name: str | None
+    """The function that gave ``score`` ("module:function")."""
     models: dict[str, Any]
     """Path and content hash of the teacher and theta model folders."""
     sampling: dict[str, Any]
