@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import secrets
 import signal
 import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -152,8 +153,10 @@ class OptimalSamplingDual:
             raise ValueError(f"prompt_keys has {len(prompt_keys)} entries but prompts has {len(prompts)}")
         keys = list(prompt_keys) if prompt_keys is not None else list(range(len(prompts)))
         requests = [
-            [self.request(pair, opts, derive_seed(opts.seed, keys[i], j)) for j in range(opts.draws)]
+            [self.request(pair, opts, derive_seed(opts.seed, keys[i], j), group, j) for j in range(opts.draws)]
             for i, pair in enumerate(pairs)
+            # A diverse group's id pairs its samples in the teacher's processor only: any unique number will do.
+            for group in [secrets.randbits(62) + 1 if opts.diversity_penalty > 0 else 0]
         ]
         show = self.config.use_tqdm if use_tqdm is None else use_tqdm
         samples = self.driver.call(self._sample_all([r for per in requests for r in per], show))
@@ -377,9 +380,12 @@ class OptimalSamplingDual:
         opts.check_vocab(self.vocab, self.eos_token_ids)
         return opts
 
-    def request(self, pair: PromptPair, opts: SamplingOptions, seed: int) -> DualRequest:
-        """The request for one sample of a prepared prompt pair (:meth:`prepare`)."""
-        row = opts.row(seed, masked_before_min_tokens=self.eos_token_ids, prompt_token_ids=pair.theta_ids)
+    def request(
+        self, pair: PromptPair, opts: SamplingOptions, seed: int, group: int = 0, member: int = 0
+    ) -> DualRequest:
+        """The request for one sample of a prepared prompt pair (:meth:`prepare`); ``group`` and ``member`` place it in
+        its diverse group."""
+        row = opts.row(seed, self.eos_token_ids, pair.theta_ids, group, member, opts.draws if group else 1)
         return DualRequest(
             list(pair.teacher_ids), list(pair.theta_ids), row, min(opts.max_tokens, pair.room), tuple(opts.stop)
         )

@@ -155,7 +155,13 @@ class SamplingOptions(DecisionOptions):
         )
 
     def row(
-        self, seed: int, masked_before_min_tokens: Sequence[int] = (), prompt_token_ids: Sequence[int] = ()
+        self,
+        seed: int,
+        masked_before_min_tokens: Sequence[int] = (),
+        prompt_token_ids: Sequence[int] = (),
+        group: int = 0,
+        member: int = 0,
+        group_size: int = 1,
     ) -> RowSampling:
         """The engine-side settings of one sample: the one mapping from these options.
 
@@ -163,12 +169,21 @@ class SamplingOptions(DecisionOptions):
         ``stop_token_ids``: the tokens masked while fewer than
         ``min_tokens`` were generated, ``masked_before_min_tokens`` (the EOS ids) and
         :attr:`stop_token_ids` together. ``prompt_token_ids`` (theta's prompt) travel only where the repetition
-        penalty counts them.
+        penalty counts them; ``group``, ``member`` and ``group_size`` place a sample in its diverse group
+        (diversity_penalty).
         """
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(DecisionOptions)}
         stops = tuple(sorted(set(masked_before_min_tokens) | set(self.stop_token_ids)))
         prompt = tuple(prompt_token_ids) if self.repetition_penalty != 1.0 else ()
-        return RowSampling(seed=seed, stop_token_ids=stops, prompt_token_ids=prompt, **shared)
+        return RowSampling(
+            seed=seed,
+            stop_token_ids=stops,
+            prompt_token_ids=prompt,
+            group=group,
+            member=member,
+            group_size=group_size,
+            **shared,
+        )
 
     @property
     def ranked_by(self) -> str:

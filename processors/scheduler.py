@@ -7,11 +7,16 @@ through the session's shared memory (``dual_sampling.lockstep``):
 
 - **Arrival.** Each scheduler marks a request arrived (its key in the slot) once it sits
   in its queue. The leader admits only requests that have arrived on both sides, so the
-  follower always holds what a plan names. Nothing is timed.
+  follower always holds what a plan names. Nothing is timed but the wait for a diverse group (below).
 - **Admission.** Before each step the leader picks the requests to admit, first come first
   served, within the seats left and the token budget of *both* engines (each prompt counted
   in full, as if nothing were cached). It shows vLLM's scheduler only those, then publishes
   the step's *plan*: the keys of every request in the batch.
+- **Groups.** The members of a diverse group (``RowSampling.diverse``: n samples of one prompt with a
+  diversity penalty, decided in order at each step) are admitted in one step when all of them have arrived and fit;
+  the leader holds a group's first member for that at most :data:`GROUP_WAIT_S` after it arrived, then admits the
+  members as they come (a member aborted before admission never arrives). The only timed rule: it changes which
+  members share a step, never a record (each member's log q is the law it drew from).
 - **Following.** The follower waits for each plan (it never runs a step without one), ends
   what the leader ended, admits exactly the plan's new requests, and checks that its batch
   equals the plan. A plan entry it cannot run fails that request alone (``diverged``).
@@ -88,6 +93,11 @@ logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.02
 """Longest wait inside ``schedule()`` when no request runs: the EngineCore reads new requests between calls."""
+GROUP_WAIT_S = 0.25
+"""Longest hold of a diverse group's first member for the rest of its group (seconds after it arrived)."""
+MAX_TRACKED_GROUPS = 4096
+"""Diverse groups whose admitted members the leader counts at once (the oldest go first: a group whose members were
+aborted never completes)."""
 PARENT_POLL_S = 1.0
 """How often an engine checks that the driver process is still alive."""
 
@@ -127,6 +137,12 @@ class _Ticket:
     """It reached the model runner, so the processor (not the scheduler) releases it."""
     watch: StopStringWatch | None = None
     """The leader's stop-string state of this request: it goes with the ticket when the request ends."""
+    group: int = 0
+    """Its diverse group (``RowSampling.group`` where the sample is diverse), else 0."""
+    group_size: int = 1
+    """The members of its group."""
+    arrived_at: float = 0.0
+    """``time.monotonic()`` when it reached this scheduler's queue."""
 
     @property
     def entry(self) -> int:
@@ -156,11 +172,16 @@ class LockstepScheduler(Scheduler):
 
     def add_request(self, request: Request) -> None:
         pairing = request_pairing(request.sampling_params, self.role)
+        sampling = pairing.get("sampling", {})
+        diverse = sampling.get("diversity_penalty", 0) > 0 and sampling.get("group", 0) != 0
         ticket = _Ticket(
             int(pairing["slot"]),
             int(pairing["key"]),
             tuple(pairing.get("stop") or ()),
-            int(pairing.get("sampling", {}).get("min_tokens", 0)),
+            int(sampling.get("min_tokens", 0)),
+            group=int(sampling["group"]) if diverse else 0,
+            group_size=int(sampling.get("group_size", 1)) if diverse else 1,
+            arrived_at=time.monotonic(),
         )
         super().add_request(request)
         self.tickets[request.request_id] = ticket
@@ -304,6 +325,8 @@ class TeacherLockstepScheduler(LockstepScheduler):
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         self.plans_published = 0
+        self._group_admitted: dict[int, int] = {}
+        """Per diverse group, how many of its members were admitted so far."""
         # Loaded now, not inside the first step that meets a stop string (seconds, with every request waiting).
         self.tokenizer = AutoTokenizer.from_pretrained(vllm_config.model_config.tokenizer)
 
@@ -355,19 +378,50 @@ class TeacherLockstepScheduler(LockstepScheduler):
         budget_teacher = budget_theta = self._budget - len(self.running)  # each running request decodes one token
         control = self.session.control
         admit: list[Request] = []
-        for request in self.waiting:
+        waiting = list(self.waiting)
+        held: set[int] = set()  # groups checked, whole or waited for long enough
+        for index, request in enumerate(waiting):
             ticket = self.tickets.get(request.request_id)
             if ticket is None:
                 continue
             c = control[ticket.slot]
             if int(c[Slot.THETA_ARRIVED]) != ticket.key:
                 break  # strictly in arrival order: it reaches theta shortly
+            if ticket.group and ticket.group not in held:
+                if not self._group_ready(waiting[index:], ticket, seats, budget_teacher, budget_theta):
+                    break
+                held.add(ticket.group)
             cost_teacher, cost_theta = request.num_prompt_tokens, int(c[Slot.THETA_PROMPT_LEN])
             if seats <= 0 or cost_teacher > budget_teacher or cost_theta > budget_theta:
                 break
             admit.append(request)
             seats, budget_teacher, budget_theta = seats - 1, budget_teacher - cost_teacher, budget_theta - cost_theta
+            if ticket.group:
+                self._group_admitted[ticket.group] = self._group_admitted.get(ticket.group, 0) + 1
+                while len(self._group_admitted) > MAX_TRACKED_GROUPS:
+                    del self._group_admitted[next(iter(self._group_admitted))]
         return admit
+
+    def _group_ready(
+        self, waiting: list[Request], first: _Ticket, seats: int, budget_teacher: int, budget_theta: int
+    ) -> bool:
+        """Whether to admit the diverse group of ``first`` (the head of ``waiting``) now: all its members not yet
+        admitted have arrived on both sides and fit together, or its first member waited :data:`GROUP_WAIT_S`."""
+        if time.monotonic() - first.arrived_at >= GROUP_WAIT_S:
+            return True
+        control = self.session.control
+        members = [
+            (r, t)
+            for r in waiting
+            if (t := self.tickets.get(r.request_id)) is not None
+            and t.group == first.group
+            and int(control[t.slot, Slot.THETA_ARRIVED]) == t.key
+        ]
+        missing = first.group_size - self._group_admitted.get(first.group, 0)
+        cost_teacher = sum(r.num_prompt_tokens for r, _ in members)
+        cost_theta = sum(int(control[t.slot, Slot.THETA_PROMPT_LEN]) for _, t in members)
+        fits = len(members) <= seats and cost_teacher <= budget_teacher and cost_theta <= budget_theta
+        return len(members) >= missing and fits
 
     def _await_admissible(self) -> list[Request]:
         """Nothing runs: wait (briefly) for a partner's arrival or an abort instead of stepping an empty batch."""

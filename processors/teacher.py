@@ -29,6 +29,25 @@ _MIN_ROWS_TO_SPLIT = 4
 """Fewer ready rows than this are decided in one piece: splitting would cost more than it saves."""
 
 
+def diversity_ranks(ready: list[tuple[int, TrackedRow]]) -> list[int]:
+    """Each row's rank in its diverse group among ``ready`` (0 for the group's first by member order, and for every
+    row without a diversity penalty)."""
+    members: dict[int, list[int]] = {}
+    for _, row in ready:
+        if row.sampling.diverse:
+            members.setdefault(row.sampling.group, []).append(row.sampling.member)
+    return [
+        sorted(members[row.sampling.group]).index(row.sampling.member) if row.sampling.diverse else 0
+        for _, row in ready
+    ]
+
+
+def diversity_order(ready: list[tuple[int, TrackedRow]]) -> list[tuple[int, TrackedRow]]:
+    """``ready`` by rank in its diverse group (stable): rank 0 of every group, with every other row, first."""
+    ranks = diversity_ranks(ready)
+    return [item for _, item in sorted(zip(ranks, ready), key=lambda pair: pair[0])]
+
+
 class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
     """Teacher side: reads theta's row, decides the token from q, publishes it and the records."""
 
@@ -40,6 +59,8 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         super().__init__(vllm_config, device, is_pin_memory)
         self._teacher_rows = RowGatherer(self.vocab)
         self.alpha_computer = get_alpha_computer(self.config.alpha_method, **self.config.alpha_config)
+        self._taken: dict[int, dict[int, int]] = {}
+        """Per diverse group, the tokens its members took at this step so far, with their counts."""
         if device.type == "cpu":
             # Compiled (or loaded from numba's cache) now, not in the first decoding step. Imported only
             # now: the worker's start-up scan of loaded modules for Triton kernels fails on numba's objects.
@@ -58,13 +79,15 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
             )
 
     def _decide_rows(self, teacher: torch.Tensor, theta: torch.Tensor, ready: list[tuple[int, TrackedRow]]) -> Decision:
-        """decide() for these rows; with a helper thread, its first half runs there, at the same time."""
+        """decide() for these rows; with a helper thread, its first half runs there, at the same time. Rows of
+        diverse groups (``ready`` in :func:`diversity_order`) are decided rank by rank, each rank seeing the tokens
+        its group's members took before it at this step."""
 
         # Every part uses the same k, so the parts' top-k tensors join.
         top_logprobs = max(row.sampling.top_logprobs for _, row in ready)
         dense_k = max(row.sampling.dense_logprobs for _, row in ready)
 
-        def run(lo: int, hi: int) -> Decision:
+        def run(lo: int, hi: int, diversity: list[dict[int, int]] | None = None) -> Decision:
             part = ready[lo:hi]
             warm = torch.tensor([row.alpha for _, row in part], dtype=torch.float32, device=teacher.device)
             slots = [row.slot for _, row in part]
@@ -79,6 +102,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
                 top_logprobs=top_logprobs,
                 outputs=[row.output_token_ids for _, row in part],
                 theta_log_normalisers=torch.from_numpy(self.session.theta_log_normalisers[slots]),
+                diversity=diversity,
             )
             if dense_k:
                 d.dense_ids, d.dense_logp, d.dense_other_logp = dense_top(
@@ -87,6 +111,24 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
             return d
 
         n = len(ready)
+        if any(row.sampling.diverse for _, row in ready):
+            ranks = diversity_ranks(ready)
+            parts, lo = [], 0
+            while lo < n:
+                hi = lo + ranks[lo:].count(ranks[lo])  # one rank: consecutive in diversity order
+                chunk = ready[lo:hi]
+                d = run(
+                    lo,
+                    hi,
+                    [dict(self._taken.get(row.sampling.group, {}) if row.sampling.diverse else {}) for _, row in chunk],
+                )
+                for (_, row), token, ok in zip(chunk, d.tokens.tolist(), d.ok.tolist()):
+                    if ok and row.sampling.diverse:
+                        taken = self._taken.setdefault(row.sampling.group, {})
+                        taken[token] = taken.get(token, 0) + 1
+                parts.append(d)
+                lo = hi
+            return Decision.concatenate(parts)
         if self._helper is None or n < _MIN_ROWS_TO_SPLIT:
             return run(0, n)
         first = self._helper.submit(run, 0, n // 2)
@@ -102,6 +144,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         control = s.control
         decided: dict[int, int] = {}
         pending = dict(batch)
+        self._taken.clear()  # a new step: no member of any group has taken a token yet
         s.add_stat(Stat.TEACHER_STEPS, 1)
         start = time.monotonic()
         deadline = start + self.sync_timeout
@@ -150,6 +193,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
 
     def _decide(self, logits: torch.Tensor, ready: list[tuple[int, TrackedRow]]) -> dict[int, int]:
         s = self.session
+        ready = diversity_order(ready)
         # Theta's rows are read in place from shared memory when their slots are consecutive: theta
         # rewrites a slot's row only after this step's token for it is published, below.
         teacher = self._teacher_rows(logits, [i for i, _ in ready])

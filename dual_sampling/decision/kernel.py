@@ -332,19 +332,21 @@ def _series_step(g, k2, k3, k4):
 
 
 @_jit_inline
-def _edited_weight(h, t, h_max, t_max, a32, alpha, theta_shift, count, masked, rep, freq, pres):
+def _edited_weight(h, t, h_max, t_max, a32, alpha, theta_shift, count, seen, masked, bonus, rep, freq, pres):
     """The weight (float64) of an edited token: 0 where masked, else its mixture weight with the penalties applied
     to its logit z = (1 − α)·(h + ``theta_shift``) + α·t (``theta_shift``: theta's log-normaliser where its rows are
-    log-softmax outputs). Every penalised token is in the prompt or the output, so the repetition penalty applies."""
+    log-softmax outputs) where it was ``seen`` in the prompt or the output, times exp(``bonus``) (the diversity's
+    −λ·c)."""
     if masked:
         return 0.0
     log_w = np.float64(_log_weight(h, t, h_max, t_max, a32))
     z = (1.0 - alpha) * (np.float64(h) + theta_shift) + alpha * np.float64(t)
     zp = z
-    if rep != 1.0:
-        zp = z / rep if z > 0.0 else z * rep
-    zp -= freq * count + (pres if count > 0.0 else 0.0)
-    return math.exp(log_w + (zp - z))
+    if seen:
+        if rep != 1.0:
+            zp = z / rep if z > 0.0 else z * rep
+        zp -= freq * count + (pres if count > 0.0 else 0.0)
+    return math.exp(log_w + (zp - z) + bonus)
 
 
 @_jit
@@ -420,7 +422,9 @@ def _solve_and_draw(
     u,
     edit_ids,
     edit_count,
+    edit_seen,
     edit_masked,
+    edit_bonus,
     n_edits,
     penalty,
     edit_weights,
@@ -431,8 +435,9 @@ def _solve_and_draw(
     Returns the passes made.
 
     The edited tokens ``edit_ids[:n_edits]`` (ascending; :class:`RowEdits`) change q after α is solved, as the
-    reference's stages do: masked ones leave it, the others take the penalties ``penalty`` (repetition,
-    frequency, presence, theta's log-normaliser shift) with their output counts ``edit_count``. ``edit_weights``
+    reference's stages do: masked ones leave it, the ones ``edit_seen`` take the penalties ``penalty`` (repetition,
+    frequency, presence, theta's log-normaliser shift) with their output counts ``edit_count``, and each is
+    multiplied by exp(``edit_bonus``). ``edit_weights``
     is scratch for their weights. An α solve still open after ``max_passes`` evaluations (the last one tested too,
     as the reference's solver does) hands the row back, flagged unconverged.
     """
@@ -507,7 +512,20 @@ def _solve_and_draw(
         for j in range(n_edits):
             m = edit_ids[j]
             edit_weights[j] = _edited_weight(
-                theta[m], teacher[m], h_max, t_max, a32, alpha, shift, edit_count[j], edit_masked[j], rep, freq, pres
+                theta[m],
+                teacher[m],
+                h_max,
+                t_max,
+                a32,
+                alpha,
+                shift,
+                edit_count[j],
+                edit_seen[j],
+                edit_masked[j],
+                edit_bonus[j],
+                rep,
+                freq,
+                pres,
             )
         # Per block holding edited tokens: their change, where they held at most half of the block's sum (the
         # subtraction then keeps the block's float32 precision); else the block summed again in float64.
@@ -576,7 +594,9 @@ def _decide_batch(
     u,
     edit_ids,
     edit_count,
+    edit_seen,
     edit_masked,
+    edit_bonus,
     n_edits,
     penalty,
     out,
@@ -601,7 +621,9 @@ def _decide_batch(
             u[r],
             edit_ids[r],
             edit_count[r],
+            edit_seen[r],
             edit_masked[r],
+            edit_bonus[r],
             n_edits[r],
             penalty[r],
             edit_weights,
@@ -620,8 +642,12 @@ class RowEdits:
     """int64 token ids."""
     count: np.ndarray
     """float64: times the output holds each (the frequency and presence penalties read it)."""
+    seen: np.ndarray
+    """bool: in the prompt or the output, where the row's penalties are on (they apply to it)."""
     masked: np.ndarray
     """bool: removed from q (a stop token before min_tokens), whatever its penalty."""
+    bonus: np.ndarray
+    """float64: added to its log-weight after the penalties (the diversity's −λ·c; 0 elsewhere)."""
     n: np.ndarray
     """``[b]`` int64: edited tokens per row."""
     penalty: np.ndarray
@@ -631,55 +657,82 @@ class RowEdits:
     @classmethod
     def none(cls, rows: int) -> RowEdits:
         """No row edits a token."""
+        return cls.empty(rows, 1)
+
+    @classmethod
+    def empty(cls, rows: int, width: int) -> RowEdits:
+        """Room for ``width`` edited tokens per row, none used."""
         return cls(
-            np.zeros((rows, 1), np.int64),
-            np.zeros((rows, 1)),
-            np.zeros((rows, 1), np.bool_),
+            np.zeros((rows, width), np.int64),
+            np.zeros((rows, width)),
+            np.zeros((rows, width), np.bool_),
+            np.zeros((rows, width), np.bool_),
+            np.zeros((rows, width)),
             np.zeros(rows, np.int64),
             np.tile([1.0, 0.0, 0.0, 0.0], (rows, 1)),
         )
 
 
 @_jit
-def _collect_edits(vocab, prompt, prompt_at, output, output_at, stops, stops_at, penalised, ids, count, masked, n):
-    """Fill ``ids``, ``count``, ``masked`` and ``n`` (a :class:`RowEdits`) from each row's flat token lists
-    (row r's prompt is ``prompt[prompt_at[r]:prompt_at[r + 1]]``, likewise its output and its masked stop ids).
-    A row's prompt and output count only where ``penalised[r]``; ids outside [0, vocab) are skipped."""
-    seen = np.zeros(vocab, np.int8)  # 1: penalised, 2: masked (bits)
+def _collect_edits(
+    vocab, prompt, prompt_at, output, output_at, stops, stops_at, taken, taken_at, penalised, lam, edits_out
+):
+    """Fill ``edits_out`` (ids, count, seen, masked, bonus, n of a :class:`RowEdits`) from each row's flat token
+    lists: row r's prompt is ``prompt[prompt_at[r]:prompt_at[r + 1]]``, likewise its output, its masked stop ids and
+    the tokens its group's earlier members took at this step (``taken``, one entry per member). A row's prompt and
+    output count only where ``penalised[r]``; ``lam[r]`` is its diversity penalty λ. Ids outside [0, vocab) are
+    skipped."""
+    ids, count, seen_out, masked_out, bonus, n = edits_out
+    state = np.zeros(vocab, np.int8)  # bits: 1 seen (penalised), 2 masked, 4 taken by a member
     times = np.zeros(vocab, np.float64)
+    members = np.zeros(vocab, np.float64)
     for r in range(n.size):
         k = 0
         if penalised[r]:
-            for source, lo, hi in ((prompt, prompt_at[r], prompt_at[r + 1]), (output, output_at[r], output_at[r + 1])):
-                for j in range(lo, hi):
-                    t = source[j]
-                    if 0 <= t < vocab:
-                        if seen[t] == 0:
-                            ids[r, k] = t
-                            k += 1
-                        seen[t] |= 1
+            for j in range(prompt_at[r], prompt_at[r + 1]):
+                t = prompt[j]
+                if 0 <= t < vocab:
+                    if state[t] == 0:
+                        ids[r, k] = t
+                        k += 1
+                    state[t] |= 1
             for j in range(output_at[r], output_at[r + 1]):
                 t = output[j]
                 if 0 <= t < vocab:
+                    if state[t] == 0:
+                        ids[r, k] = t
+                        k += 1
+                    state[t] |= 1
                     times[t] += 1.0
         for j in range(stops_at[r], stops_at[r + 1]):
             t = stops[j]
             if 0 <= t < vocab:
-                if seen[t] == 0:
+                if state[t] == 0:
                     ids[r, k] = t
                     k += 1
-                seen[t] |= 2
+                state[t] |= 2
+        for j in range(taken_at[r], taken_at[r + 1]):
+            t = taken[j]
+            if 0 <= t < vocab:
+                if state[t] == 0:
+                    ids[r, k] = t
+                    k += 1
+                state[t] |= 4
+                members[t] += 1.0
         ids[r, :k] = np.sort(ids[r, :k])
         for j in range(k):
             t = ids[r, j]
             count[r, j] = times[t]
-            masked[r, j] = (seen[t] & 2) != 0
-            seen[t] = 0
+            seen_out[r, j] = (state[t] & 1) != 0
+            masked_out[r, j] = (state[t] & 2) != 0
+            bonus[r, j] = -lam[r] * members[t]
+            state[t] = 0
             times[t] = 0.0
+            members[t] = 0.0
         n[r] = k
 
 
-def _flat(lists: list[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+def _flat(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     """(the lists' tokens end to end as int64, the offsets where each starts, and the end)."""
     at = np.zeros(len(lists) + 1, np.int64)
     at[1:] = np.cumsum([len(x) for x in lists])
@@ -693,34 +746,32 @@ def row_edits(
     outputs: Sequence[Sequence[int]] | None,
     vocab: int,
     theta_shift: Sequence[float] | None,
+    diversity: Sequence[dict[int, int]] | None = None,
 ) -> RowEdits | None:
     """The rows' edited tokens, or None where no row edits any: the stop tokens masked while a row's step is below
-    min_tokens, and the tokens its penalties touch (its prompt's and output's; ``outputs``: each row's generated
-    tokens; ``theta_shift``: :attr:`RowEdits.penalty`'s shift per row, read only where a repetition penalty is on)."""
+    min_tokens, the tokens its penalties touch (its prompt's and output's; ``outputs``: each row's generated tokens;
+    ``theta_shift``: :attr:`RowEdits.penalty`'s shift per row, read only where a repetition penalty is on), and the
+    tokens its group's earlier members took at this step (``diversity``, with their counts)."""
     penalties = Penalties()
     penalised = [penalties.used(row) for row in rows]
     stops = [row.stop_token_ids if step < row.min_tokens else () for row, step in zip(rows, steps)]
-    if not any(penalised) and not any(stops):
+    taken = [
+        [t for t, c in (diversity[r] if diversity is not None and row.diversity_penalty > 0 else {}).items()
+         for _ in range(c)]
+        for r, row in enumerate(rows)
+    ]  # fmt: skip
+    if not any(penalised) and not any(stops) and not any(taken):
         return None
     if any(penalised) and outputs is None:
         raise ValueError("penalties need each row's generated tokens (outputs)")
-    b = len(rows)
     prompts = [row.prompt_token_ids if p else () for row, p in zip(rows, penalised)]
     generated = [outputs[r] if p else () for r, p in enumerate(penalised)]
-    width = max(1, max(len(p) + len(o) + len(s) for p, o, s in zip(prompts, generated, stops)))
-    edits = RowEdits.none(b)
-    edits.ids, edits.count = np.zeros((b, width), np.int64), np.zeros((b, width))
-    edits.masked = np.zeros((b, width), np.bool_)
+    width = max(1, *(len(p) + len(o) + len(s) + len(t) for p, o, s, t in zip(prompts, generated, stops, taken)))
+    edits = RowEdits.empty(len(rows), width)
+    lam = np.array([row.diversity_penalty for row in rows], dtype=np.float64)
+    parts = (edits.ids, edits.count, edits.seen, edits.masked, edits.bonus, edits.n)
     _collect_edits(
-        vocab,
-        *_flat(prompts),
-        *_flat(generated),
-        *_flat(stops),
-        np.asarray(penalised),
-        edits.ids,
-        edits.count,
-        edits.masked,
-        edits.n,
+        vocab, *_flat(prompts), *_flat(generated), *_flat(stops), *_flat(taken), np.asarray(penalised), lam, parts
     )
     for r, row in enumerate(rows):
         if not penalised[r]:
@@ -786,7 +837,9 @@ def decide_fused(
         np.asarray(uniforms, dtype=np.float64),
         edits.ids,
         edits.count,
+        edits.seen,
         edits.masked,
+        edits.bonus,
         edits.n,
         edits.penalty,
         out,

@@ -7,14 +7,15 @@ Order of operations (per row; α is the teacher weight):
 2. α from the alpha computer, on those untempered distributions, clamped to
    [alpha_min, alpha_max]; α = 1 at step 0 when ``force_first_token`` is set.
 3. log q = geometric_mix(log π_θ, log π_t, α), kept unnormalised until the draw.
-4–9. The stages of :mod:`dual_sampling.decision.stages`, in this order:
+4–10. The stages of :mod:`dual_sampling.decision.stages`, in this order:
    4. teacher support: tokens outside the teacher's top-k / top-p set are removed;
    5. min_tokens: the stop tokens are removed while fewer than min_tokens were generated;
    6. logit_bias is added (each value clamped to ±100, as vLLM does);
    7. the repetition, frequency and presence penalties act on the mixture's logits, as vLLM's on one model's;
    8. temperature divides log q (0 means greedy);
-   9. top_k, top_p and min_p filter the tempered distribution.
-10. Renormalise and draw with a counter-based uniform of (seed, step): the same seed gives
+   9. top_k, top_p and min_p filter the tempered distribution;
+   10. diversity: the tokens the earlier members of the row's group took at this step lose λ each time taken.
+11. Renormalise and draw with a counter-based uniform of (seed, step): the same seed gives
    the same token whatever the batch composition or timing. The recorded log q is the
    log-probability of the drawn token under this final distribution (0 for greedy).
 
@@ -76,6 +77,12 @@ class RowSampling(DecisionOptions):
     """Tokens masked while fewer than min_tokens were generated (EOS ids and the user's stop ids)."""
     prompt_token_ids: tuple[int, ...] = ()
     """Theta's prompt where the repetition penalty is on (it counts the prompt's tokens), else empty."""
+    group: int = 0
+    """Where diversity_penalty is on: the id of the sample's group (the samples of one prompt in one call), else 0."""
+    member: int = 0
+    """The sample's place in its group: members ready at one step are decided in this order."""
+    group_size: int = 1
+    """Its group's members (the engine admits them together when they fit)."""
 
     def __post_init__(self) -> None:
         # Plain Python numbers of the declared kinds: the settings cross to the engines as JSON-like data.
@@ -85,6 +92,11 @@ class RowSampling(DecisionOptions):
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         self.prompt_token_ids = tuple(int(t) for t in self.prompt_token_ids)
         self.logit_bias = clamped_logit_bias(self.logit_bias)  # rows also arrive from JSON, not only from options
+
+    @property
+    def diverse(self) -> bool:
+        """Whether the sample is a member of a diverse group (a diversity penalty, and a group to apply it in)."""
+        return self.diversity_penalty > 0 and self.group != 0
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -157,13 +169,15 @@ def draw_tokens(
     top_logprobs: int = 0,
     outputs: Sequence[Sequence[int]] | None = None,
     logit_offset: Tensor | None = None,
+    diversity: Sequence[dict[int, int]] | None = None,
 ) -> Draw:
-    """Apply steps 4–9 above (the :data:`~dual_sampling.decision.stages.STAGES`, in their order) to ``logq``
-    ``[b, V]`` and draw one token per row (step 10).
+    """Apply steps 4–10 above (the :data:`~dual_sampling.decision.stages.STAGES`, in their order) to ``logq``
+    ``[b, V]`` and draw one token per row (step 11).
 
     ``logq`` is log q up to a per-row constant (it need not be normalised). With
     ``overwrite=True`` the stages work in ``logq`` itself, which saves a V-sized copy. ``outputs`` (each row's
-    generated tokens) and ``logit_offset`` (``[b]``: log q + it is the mixture's logit) are the penalties' inputs.
+    generated tokens) and ``logit_offset`` (``[b]``: log q + it is the mixture's logit) are the penalties' inputs,
+    ``diversity`` (per row, the tokens its group's earlier members took at this step) the diversity's.
     Returns (tokens ``[b]`` int64, normalised log q of each drawn token ``[b]``, ok ``[b]``
     bool). A row whose every token was removed is not ok (its token is 0 and must not be
     used). Stages that are off cost nothing.
@@ -179,7 +193,7 @@ def draw_tokens(
             x, owned = x.clone(), True
         return x
 
-    batch = StageBatch(logp_teacher, steps, rows, outputs, logit_offset)
+    batch = StageBatch(logp_teacher, steps, rows, outputs, diversity, logit_offset)
     for stage in STAGES:
         if any(stage.used(r) for r in rows):
             stage.apply(writable(), batch)
@@ -299,8 +313,9 @@ def decide(
     fused: bool = True,
     outputs: Sequence[Sequence[int]] | None = None,
     theta_log_normalisers: Tensor | None = None,
+    diversity: Sequence[dict[int, int]] | None = None,
 ) -> Decision:
-    """Steps 1–10 of the module docstring for a batch of rows: the whole per-token decision.
+    """Steps 1–11 of the module docstring for a batch of rows: the whole per-token decision.
 
     ``teacher_logits`` and ``theta_logits`` are ``[b, V]`` over the shared vocabulary (padding
     rows already cut off). ``theta_normalized=True`` says theta's rows are log-softmax
@@ -308,7 +323,8 @@ def decide(
     ``[b]`` warm-starts the α solve. ``top_logprobs`` > 0 also returns that many of the final
     distribution's most likely tokens for every row. ``outputs`` are each row's generated tokens (the penalties
     count them); ``theta_log_normalisers`` ``[b]`` are log Σ exp of theta's raw logits, which the repetition penalty
-    needs where ``theta_normalized`` (the teacher's it computes).
+    needs where ``theta_normalized`` (the teacher's it computes). ``diversity``: per row, the tokens the earlier
+    members of its group took at this step, with their counts (the caller decides a group's members in order).
 
     Rows that need no filter are decided by a fused kernel (numba's on the CPU, Triton's on CUDA
     devices), the rest by the torch reference; ``fused=False`` sends every row to the reference.
@@ -331,6 +347,7 @@ def decide(
             top_logprobs,
             outputs,
             theta_log_normalisers,
+            diversity,
         )
         result.handed_back, result.unconverged = torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool)
         return result
@@ -354,6 +371,7 @@ def decide(
             None if outputs is None else [outputs[i] for i in fast],
             teacher_logits.shape[-1],
             _theta_shift(theta_normalized, theta_log_normalisers, fast),
+            None if diversity is None else [diversity[i] for i in fast],
         )
         out, _ = decide_fused(teacher_part, theta_part, uniforms, forced, alpha_computer, warm, theta_normalized, edits)
         decided = torch.from_numpy(out)
@@ -392,6 +410,7 @@ def decide(
             theta_normalized,
             outputs=None if outputs is None else [outputs[i] for i in slow],
             theta_log_normalisers=None if theta_log_normalisers is None else theta_log_normalisers[part],
+            diversity=None if diversity is None else [diversity[i] for i in slow],
         )
         for name in ("tokens", "alpha", "logp_teacher", "logp_theta", "logq", "ok"):
             getattr(result, name)[part] = getattr(reference, name).to("cpu", getattr(result, name).dtype)
@@ -409,6 +428,7 @@ def _decide_reference(
     top_logprobs: int = 0,
     outputs: Sequence[Sequence[int]] | None = None,
     theta_log_normalisers: Tensor | None = None,
+    diversity: Sequence[dict[int, int]] | None = None,
 ) -> Decision:
     """:func:`decide` in torch operations, for any row and on any device: the reference."""
     logp_teacher = torch.log_softmax(teacher_logits.float(), dim=-1)
@@ -422,7 +442,15 @@ def _decide_reference(
     if any(r.repetition_penalty != 1.0 for r in rows):
         offset = _logit_offset(teacher_logits, theta_logits, alpha, theta_normalized, theta_log_normalisers)
     drawn = draw_tokens(
-        log_weights, logp_teacher, steps, rows, True, top_logprobs, outputs=outputs, logit_offset=offset
+        log_weights,
+        logp_teacher,
+        steps,
+        rows,
+        True,
+        top_logprobs,
+        outputs=outputs,
+        logit_offset=offset,
+        diversity=diversity,
     )
     pick = drawn.tokens.unsqueeze(-1)
     return Decision(

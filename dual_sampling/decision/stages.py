@@ -1,4 +1,4 @@
-"""The stages between log q and the draw (steps 4–9 of :mod:`dual_sampling.decision.pipeline`), as named objects in
+"""The stages between log q and the draw (steps 4–10 of :mod:`dual_sampling.decision.pipeline`), as named objects in
 the order they run.
 
 Each stage names the per-row settings it reads (:attr:`Stage.fields`, fields of :class:`DecisionOptions`), checks
@@ -7,7 +7,8 @@ every error naming its field), says whether a row uses it (:meth:`Stage.used`) a
 implement it (:attr:`Stage.fused_on`; ``fusable.kernel_rows`` derives its rule from these two), and applies itself
 to a batch's log q ``[b, V]`` in place (:meth:`Stage.apply`). The order is vLLM's v1 sampler's for the stages both
 have (min_tokens and logit_bias, then the penalties, then temperature, then min-p, top-k and top-p), after the
-teacher-support constraint, which only a mixture has. A new stage is one class here (its settings in
+teacher-support constraint, which only a mixture has, and before the diversity of a group's samples, which acts on
+the law each would draw from. A new stage is one class here (its settings in
 :class:`DecisionOptions`) and one entry in :data:`STAGES`.
 
 :class:`DecisionOptions` holds every per-token setting once, with its docstring: ``SamplingOptions`` (a request's
@@ -76,6 +77,10 @@ class DecisionOptions:
     """Subtracted from the mixture's logit of every token the output holds already, in [−2, 2]; 0 is off."""
     frequency_penalty: float = 0.0
     """Subtracted from the mixture's logit of each token once per time the output holds it, in [−2, 2]; 0 is off."""
+    diversity_penalty: float = 0.0
+    """With n > 1: the samples of one prompt are decided in order at each step, and each draws from
+    q(y)·exp(−λ·c(y)), c(y) counting the earlier samples that took y at that step (λ ≥ 0; 0 is off); named as
+    transformers names it for group beam search."""
     force_first_token: bool = False
     """Sample the first token from the teacher alone (α = 1 at step 0)."""
     teacher_support_top_k: int = -1
@@ -102,6 +107,8 @@ class StageBatch:
     """Each row's settings (``RowSampling``)."""
     outputs: Sequence[Sequence[int]] | None = None
     """Each row's generated tokens so far (its step is their count); the penalties read them."""
+    diversity: Sequence[dict[int, int]] | None = None
+    """Per row, the tokens the earlier members of its diverse group took at this step, with their counts."""
     logit_offset: Tensor | None = None
     """``[b]`` float64: log q + this is the mixture's logit z = (1 − α)·ℓ_θ + α·ℓ_t of the raw logits ℓ (the
     log-normalisers (1 − α)·L_θ + α·L_t); the repetition penalty reads z's sign."""
@@ -362,5 +369,39 @@ class Filters(Stage):
             x.masked_fill_(~keep, -math.inf)
 
 
-STAGES: tuple[Stage, ...] = (TeacherSupport(), MinTokens(), LogitBias(), Penalties(), Temperature(), Filters())
+class Diversity(Stage):
+    """Divide q by exp(λ·c(y)) for the tokens the earlier members of the row's group took at this step (last: it acts
+    on the distribution the member would otherwise draw from, tempered and filtered)."""
+
+    fields = ("diversity_penalty",)
+    fused_on = frozenset({"cpu"})  # a sparse edit after α, as the penalties
+
+    def check(self, options: Any) -> None:
+        v = options.diversity_penalty
+        require(is_number(v) and v >= 0, f"diversity_penalty must be a finite number >= 0, got {v!r}")
+
+    def used(self, row: Any) -> bool:
+        return row.diversity_penalty > 0.0
+
+    def apply(self, x: Tensor, batch: StageBatch) -> None:
+        if batch.diversity is None:
+            return  # no earlier member took a token at this step
+        vocab = x.shape[-1]
+        for i, row in enumerate(batch.rows):
+            taken = {t: c for t, c in batch.diversity[i].items() if 0 <= t < vocab}
+            if self.used(row) and taken:
+                index = torch.tensor(list(taken), device=x.device)
+                counts = torch.tensor(list(taken.values()), device=x.device, dtype=x.dtype)
+                x[i, index] -= row.diversity_penalty * counts
+
+
+STAGES: tuple[Stage, ...] = (
+    TeacherSupport(),
+    MinTokens(),
+    LogitBias(),
+    Penalties(),
+    Temperature(),
+    Filters(),
+    Diversity(),
+)
 """The stages in the order they run."""
