@@ -195,6 +195,14 @@ def test_the_speculative_driver_refuses_every_sampling_field_it_cannot_serve_by_
         "teacher_support_top_p": 0.9,
         "top_logprobs": 2,
         "dense_logprobs": 4,
+        "repetition_penalty": 1.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+        "diversity_penalty": 1.0,
+        "prompt_token_ids": (1, 2),
+        "group": 5,
+        "member": 1,
+        "group_size": 2,
     }
     assert set(changed) == {f.name for f in dataclasses.fields(RowSampling)} - set(SERVED)
     prompt = [5, 6, 7]
