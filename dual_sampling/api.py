@@ -24,15 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from alpha import get_alpha_computer
+from dual_sampling.beams import BeamSearchOptions, BeamSequence, Candidates, decision_candidates, run_beam_search
+from dual_sampling.checks import require
 from dual_sampling.driver.lockstep_driver import LockstepDriver
 from dual_sampling.driver.loop_thread import as_coroutine
-from dual_sampling.driver.requests import DualRequest, PromptPair, generation_room
+from dual_sampling.driver.requests import DualRequest, PromptPair, prompt_pairs
 from dual_sampling.driver.speculative_engine import check_draft_model
 from dual_sampling.driver.versions import check_update
 from dual_sampling.driver.weights import WeightsCheck, prepared_weights, reload_from
 from dual_sampling.lockstep import Role, SyncError
 from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, SamplingOptions, model_config
 from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleDelta, SampleRecord, best_of, scored
+from dual_sampling.text import decode
 from dual_sampling.vocab import check_embedding_rows, check_tokenizers_match, embedding_rows, eos_token_ids
 
 __all__ = ["OptimalSamplingDual", "context_length", "derive_seed"]
@@ -148,7 +151,7 @@ class OptimalSamplingDual:
         if sampling is not None and options:
             raise ValueError(f"pass sampling options either as sampling= or as keywords, not both ({sorted(options)})")
         opts = sampling or self._options(**options)
-        pairs = self._prompt_pairs(prompts, teacher_prompts)
+        pairs = prompt_pairs(self.tokenizer, self.vocab, self.max_model_len, prompts, teacher_prompts)
         if prompt_keys is not None and len(prompt_keys) != len(prompts):
             raise ValueError(f"prompt_keys has {len(prompt_keys)} entries but prompts has {len(prompts)}")
         keys = list(prompt_keys) if prompt_keys is not None else list(range(len(prompts)))
@@ -169,6 +172,37 @@ class OptimalSamplingDual:
                 mine = [mine[k] for k in best_of(mine, opts.n, opts.ranked_by)]
             out.append(RequestRecord(i, list(pair.teacher_ids), list(pair.theta_ids), mine))
         return DualGenerationOutput(out)
+
+    def beam_search(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        teacher_prompts: Sequence[str | Sequence[int]] | None = None,
+        *,
+        beam_width: int,
+        max_tokens: int,
+        length_penalty: float = 1.0,
+        ignore_eos: bool = False,
+    ) -> list[list[BeamSequence]]:
+        """Beam search over q, in the shape of vLLM's ``LLM.beam_search`` (``dual_sampling.beams``): per prompt, its
+        ``beam_width`` best beams by cum log q / length^length_penalty, best first, each token with its α, log π_t,
+        log π_θ and log q. Each step is one one-token request per live beam (prefix caching keeps them cheap)."""
+        self._check_open()
+        options = BeamSearchOptions(
+            beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty, ignore_eos=ignore_eos
+        )
+        pairs = prompt_pairs(self.tokenizer, self.vocab, self.max_model_len, prompts, teacher_prompts)
+        for i, pair in enumerate(pairs):
+            require(max_tokens <= pair.room, f"max_tokens={max_tokens} does not fit: prompt {i} leaves {pair.room}")
+        row = SamplingOptions(max_tokens=1, temperature=0.0, top_logprobs=2 * beam_width).row(0, self.eos_token_ids)
+
+        def step(prefixes: list[tuple[list[int], list[int]]]) -> list[Candidates]:
+            requests = [DualRequest(teacher, theta, row, 1) for teacher, theta in prefixes]
+            return self.driver.call(decision_candidates(self.driver.stream, requests))
+
+        out = run_beam_search([(p.teacher_ids, p.theta_ids) for p in pairs], options, self.eos_token_ids, step)
+        for beam in (beam for beams in out for beam in beams):
+            beam.text = decode(self.tokenizer, beam.tokens)
+        return out
 
     async def _sample_all(self, requests: list[DualRequest], show: bool) -> list[SampleRecord]:
         from tqdm.auto import tqdm
@@ -399,41 +433,9 @@ class OptimalSamplingDual:
         """One prompt tokenized for each engine (theta's ``prompt``; the teacher's ``teacher_prompt``, or the same),
         with the room it leaves for generated tokens. ValueError, naming the prompt, for an empty prompt, token ids
         outside the vocabulary, or a prompt that leaves no room in max_model_len."""
-        (pair,) = self._prompt_pairs([prompt], None if teacher_prompt is None else [teacher_prompt])
+        teacher = None if teacher_prompt is None else [teacher_prompt]
+        (pair,) = prompt_pairs(self.tokenizer, self.vocab, self.max_model_len, [prompt], teacher)
         return pair
-
-    def _prompt_pairs(self, prompts: Sequence[Any], teacher_prompts: Sequence[Any] | None) -> list[PromptPair]:
-        if isinstance(prompts, str):
-            raise ValueError("prompts must be a list of prompts, not one string")
-        theta_ids = [self._tokenize(p, i, "prompts") for i, p in enumerate(prompts)]
-        if teacher_prompts is None:
-            teacher_ids = theta_ids
-        else:
-            if len(teacher_prompts) != len(prompts):
-                raise ValueError(f"teacher_prompts has {len(teacher_prompts)} entries but prompts has {len(prompts)}")
-            teacher_ids = [self._tokenize(p, i, "teacher_prompts") for i, p in enumerate(teacher_prompts)]
-        pairs = []
-        for i, (t, th) in enumerate(zip(teacher_ids, theta_ids)):
-            room = generation_room(self.max_model_len, t, th)
-            if room < 1:
-                raise ValueError(
-                    f"prompt {i} has {self.max_model_len - room} tokens, no room left in "
-                    f"max_model_len={self.max_model_len}"
-                )
-            pairs.append(PromptPair(t, th, room))
-        return pairs
-
-    def _tokenize(self, prompt: str | Sequence[int], index: int, name: str) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
-        else:
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.vocab]
-            if bad:
-                raise ValueError(f"{name}[{index}] has token ids outside the vocabulary [0, {self.vocab}): {bad[:5]}")
-        if not ids:
-            raise ValueError(f"{name}[{index}] is empty")
-        return ids
 
     # ------------------------------------------------------------------ state
 

@@ -133,8 +133,9 @@ class SampleDelta:
     the row failed: a forced token has no record). Provisional until ``sample``."""
     sample: SampleRecord | None = None
     """Set on the last delta only: the whole sample, checked against both engines."""
-    top: tuple[np.ndarray, np.ndarray] | None = None
-    """For requests with top_logprobs k: (token ids, log q) ``[len(token_ids), k]`` of q's k most likely tokens."""
+    top: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+    """For requests with top_logprobs k: (token ids, log q, log π_t, log π_θ) ``[r, k]`` of q's k most likely tokens
+    at each of the r recorded tokens (the candidates a beam search extends by)."""
     dense: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     """For requests with dense_logprobs k: (token ids, own log-probabilities, the other model's) ``[r, 2, k]``, the
     teacher's top k at ``[:, 0]`` and theta's at ``[:, 1]`` (see :attr:`SampleRecord.dense_ids`)."""

@@ -245,7 +245,11 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
             ready, *(t.cpu().tolist() for t in (d.tokens, d.alpha, d.logp_teacher, d.logp_theta, d.logq, d.ok))
         )
         control = s.control
-        top = None if d.top_ids is None else (d.top_ids.cpu().numpy(), d.top_logq.cpu().numpy())
+        top = (
+            None
+            if d.top_ids is None
+            else tuple(t.cpu().numpy() for t in (d.top_ids, d.top_logq, d.top_logp_teacher, d.top_logp_theta))
+        )
         dense = (
             None
             if d.dense_ids is None
@@ -269,6 +273,8 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
                     n = row.sampling.top_logprobs
                     s.top_ids[row.slot, row.step, :n] = top[0][k, :n]
                     s.top_logq[row.slot, row.step, :n] = top[1][k, :n]
+                    s.top_logp_teacher[row.slot, row.step, :n] = top[2][k, :n]
+                    s.top_logp_theta[row.slot, row.step, :n] = top[3][k, :n]
                 if dense is not None and row.sampling.dense_logprobs:
                     n = row.sampling.dense_logprobs
                     s.dense_ids[row.slot, row.step, :, :n] = dense[0][k, :, :n]

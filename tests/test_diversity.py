@@ -41,7 +41,8 @@ def test_a_members_law_is_q_divided_by_exp_lambda_per_earlier_member():
 
 def test_member_two_follows_q_without_member_ones_token(dual_engine, hf_models):
     # Two prompts per call (four samples, the engine's four slots): both members of each group decide their first
-    # token at the same engine step. Temperature 0.2 puts most of q on a few tokens, and λ = 10 all but removes member 1's token for member 2.
+    # token at the same engine step. Temperature 0.2 puts most of q on a few tokens, and λ = 10 all but removes
+    # member 1's token for member 2.
     prompt, lam, temperature, calls = "Once upon a time", 10.0, 0.2, 150
     pairs, alphas = [], []
     for call in range(calls):

@@ -238,6 +238,10 @@ class Decision:
     """``[b, k]``: the k most likely tokens of the final distribution (when asked for)."""
     top_logq: Tensor | None = None
     """``[b, k]``: their log-probabilities."""
+    top_logp_teacher: Tensor | None = None
+    """``[b, k]``: log π_t at the same ids (untempered)."""
+    top_logp_theta: Tensor | None = None
+    """``[b, k]``: log π_θ at the same ids (untempered)."""
     dense_ids: Tensor | None = None
     """``[b, 2, k]``: the k most likely tokens of π_t (``[:, 0]``) and of π_θ (``[:, 1]``), when asked for."""
     dense_logp: Tensor | None = None
@@ -453,6 +457,10 @@ def _decide_reference(
         diversity=diversity,
     )
     pick = drawn.tokens.unsqueeze(-1)
+    top = (None,) * 4
+    if drawn.top is not None:
+        ids = drawn.top[0]
+        top = (ids, drawn.top[1], logp_teacher.gather(-1, ids), logp_theta.gather(-1, ids))
     return Decision(
         drawn.tokens,
         alpha,
@@ -460,7 +468,7 @@ def _decide_reference(
         logp_theta.gather(-1, pick).squeeze(-1),
         drawn.logq,
         drawn.ok,
-        *(drawn.top or (None, None)),
+        *top,
     )
 
 

@@ -39,7 +39,14 @@ def delta_of(session: SyncSession, flight: Flight, start: int, sample: SampleRec
     # slot's rows past it still hold an earlier request's values.
     end = min(len(flight.tokens), max(start, int(session.control[slot, Slot.NUM_RECORDS])))
     k = sampling.top_logprobs
-    top = (session.top_ids[slot, start:end, :k].copy(), session.top_logq[slot, start:end, :k].copy()) if k else None
+    top = (
+        tuple(
+            a[slot, start:end, :k].copy()
+            for a in (session.top_ids, session.top_logq, session.top_logp_teacher, session.top_logp_theta)
+        )
+        if k
+        else None
+    )
     return SampleDelta(
         flight.tokens[start:],
         session.records[slot, start:end].copy(),

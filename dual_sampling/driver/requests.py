@@ -15,7 +15,15 @@ from typing import Any
 from dual_sampling.decision.pipeline import RowSampling
 from dual_sampling.lockstep import Role
 
-__all__ = ["DualRequest", "Flight", "PromptPair", "check_request", "engine_sampling_params", "generation_room"]
+__all__ = [
+    "DualRequest",
+    "Flight",
+    "PromptPair",
+    "check_request",
+    "engine_sampling_params",
+    "generation_room",
+    "prompt_pairs",
+]
 
 
 def generation_room(max_model_len: int, teacher_ids: Sequence[int], theta_ids: Sequence[int]) -> int:
@@ -104,3 +112,42 @@ def engine_sampling_params(flight: Flight) -> tuple[Any, Any]:
     theta = teacher.clone()
     theta.output_kind = RequestOutputKind.FINAL_ONLY
     return teacher, theta
+
+
+def prompt_pairs(
+    tokenizer: Any, vocab: int, max_model_len: int, prompts: Sequence[Any], teacher_prompts: Sequence[Any] | None
+) -> list[PromptPair]:
+    """Each prompt tokenized for each engine (text with the tokenizer's special tokens, or token ids; theta's
+    ``prompts``, the teacher's ``teacher_prompts`` or the same), with its room in ``max_model_len``. ValueError,
+    naming the prompt, for an empty one, ids outside [0, vocab), or one that leaves no room."""
+    if isinstance(prompts, str):
+        raise ValueError("prompts must be a list of prompts, not one string")
+
+    def tokenize(prompt: str | Sequence[int], index: int, name: str) -> list[int]:
+        if isinstance(prompt, str):
+            ids = tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name}[{index}] has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if not ids:
+            raise ValueError(f"{name}[{index}] is empty")
+        return ids
+
+    theta_ids = [tokenize(p, i, "prompts") for i, p in enumerate(prompts)]
+    if teacher_prompts is None:
+        teacher_ids = theta_ids
+    else:
+        if len(teacher_prompts) != len(prompts):
+            raise ValueError(f"teacher_prompts has {len(teacher_prompts)} entries but prompts has {len(prompts)}")
+        teacher_ids = [tokenize(p, i, "teacher_prompts") for i, p in enumerate(teacher_prompts)]
+    pairs = []
+    for i, (t, th) in enumerate(zip(teacher_ids, theta_ids)):
+        room = generation_room(max_model_len, t, th)
+        if room < 1:
+            raise ValueError(
+                f"prompt {i} has {max_model_len - room} tokens, no room left in max_model_len={max_model_len}"
+            )
+        pairs.append(PromptPair(t, th, room))
+    return pairs

@@ -394,6 +394,9 @@ class SessionLayout:
             ("records", 4 * len(RECORD_FIELDS) * self.max_steps * self.slots),
             ("top_ids", 4 * TOP_LOGPROBS_MAX * self.max_steps * self.slots),
             ("top_logq", 4 * TOP_LOGPROBS_MAX * self.max_steps * self.slots),
+            # log π_t and log π_θ at the same ids (the candidates a beam search extends by).
+            ("top_logp_teacher", 4 * TOP_LOGPROBS_MAX * self.max_steps * self.slots),
+            ("top_logp_theta", 4 * TOP_LOGPROBS_MAX * self.max_steps * self.slots),
             # [slot, step, role (0 teacher, 1 theta), k]
             ("dense_ids", 4 * 2 * self.dense_k * self.max_steps * self.slots),
             ("dense_logp", 4 * 2 * self.dense_k * self.max_steps * self.slots),

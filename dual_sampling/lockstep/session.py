@@ -133,7 +133,10 @@ class SyncSession:
         self.records = np.frombuffer(buf, np.float32, len(RECORD_FIELDS) * t * s, off["records"]).reshape(s, t, -1)
         k = TOP_LOGPROBS_MAX
         self.top_ids = np.frombuffer(buf, np.int32, k * t * s, off["top_ids"]).reshape(s, t, k)
-        self.top_logq = np.frombuffer(buf, np.float32, k * t * s, off["top_logq"]).reshape(s, t, k)
+        self.top_logq, self.top_logp_teacher, self.top_logp_theta = (
+            np.frombuffer(buf, np.float32, k * t * s, off[name]).reshape(s, t, k)
+            for name in ("top_logq", "top_logp_teacher", "top_logp_theta")
+        )
         d = 2 * layout.dense_k
         self.dense_ids = np.frombuffer(buf, np.int32, d * t * s, off["dense_ids"]).reshape(s, t, 2, layout.dense_k)
         self.dense_logp, self.dense_other_logp = (
@@ -234,7 +237,15 @@ class SyncSession:
             self._closed = True
             del self.header, self.bells, self.plans, self.control, self.theta_logprobs, self.theta_log_normalisers
             del self.tokens, self.records
-            del self.top_ids, self.top_logq, self.dense_ids, self.dense_logp, self.dense_other_logp
+            del (
+                self.top_ids,
+                self.top_logq,
+                self.top_logp_teacher,
+                self.top_logp_theta,
+                self.dense_ids,
+                self.dense_logp,
+                self.dense_other_logp,
+            )
             del self._bell_anchor
             with contextlib.suppress(BufferError):  # a view is still alive somewhere; the mapping goes with the process
                 self._mm.close()

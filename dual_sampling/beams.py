@@ -1,0 +1,170 @@
+"""Beam search over q: the beams, and one step of extending them (``OptimalSamplingDual.beam_search`` drives it).
+
+The shape is vLLM's ``LLM.beam_search`` (itself transformers'): at each step every live beam asks the decision for
+q's 2·beam_width most likely next tokens; each candidate extends its beam by one token, adding its log q to the
+beam's cumulative log q; a candidate that is an EOS id ends its beam (unless ``ignore_eos``); the beam_width best
+of the rest live on. At the end the finished and the live beams are ranked by cum log q / length^length_penalty,
+the length counting generated tokens without a final EOS. Every token of a beam keeps its α, log π_t, log π_θ and
+log q: q here is the mixture at temperature 1 with no filter, the law the beam's score sums.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dual_sampling.checks import is_count, is_number, require
+
+__all__ = [
+    "MAX_BEAM_WIDTH",
+    "BeamSearchOptions",
+    "BeamSequence",
+    "Candidates",
+    "beam_score",
+    "decision_candidates",
+    "extend_beams",
+    "run_beam_search",
+]
+
+MAX_BEAM_WIDTH = 10
+"""2 × this candidates per beam and step: the decision records at most 20 of q's most likely tokens."""
+
+
+@dataclass(kw_only=True)
+class BeamSearchOptions:
+    """The settings of a beam search over q, as vLLM's ``BeamSearchParams`` names them."""
+
+    beam_width: int
+    """Beams kept at each step, in [1, 10]."""
+    max_tokens: int
+    """Generated tokens per beam at most."""
+    length_penalty: float = 1.0
+    """Final ranking by cum log q / length^this (1: per-token mean; 0: the plain sum)."""
+    ignore_eos: bool = False
+    """Keep extending past EOS ids (no beam ends before max_tokens)."""
+
+    def __post_init__(self) -> None:
+        require(
+            is_count(self.beam_width, 1) and self.beam_width <= MAX_BEAM_WIDTH,
+            f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}",
+        )
+        require(is_count(self.max_tokens, 1), f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        require(is_number(self.length_penalty), f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        require(isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+
+
+@dataclass
+class BeamSequence:
+    """One beam: its generated tokens and each token's records."""
+
+    tokens: list[int] = field(default_factory=list)
+    alpha: list[float] = field(default_factory=list)
+    """Teacher weight α at each token."""
+    logp_teacher: list[float] = field(default_factory=list)
+    logp_theta: list[float] = field(default_factory=list)
+    logq: list[float] = field(default_factory=list)
+    """log q of each token: what the beam's score sums."""
+    finish_reason: str | None = None
+    """"stop" (it ended with an EOS id), "length" (max_tokens), or None while it lives."""
+    text: str = ""
+
+    @property
+    def cum_logq(self) -> float:
+        return math.fsum(self.logq)
+
+
+@dataclass
+class Candidates:
+    """q's most likely next tokens after one beam, from one decision: ids, log q, log π_t and log π_θ (each ``[k]``),
+    and the step's α."""
+
+    ids: Sequence[int]
+    logq: Sequence[float]
+    logp_teacher: Sequence[float]
+    logp_theta: Sequence[float]
+    alpha: float
+
+
+def beam_score(beam: BeamSequence, eos_ids: Sequence[int], length_penalty: float) -> float:
+    """cum log q / length^length_penalty, the length without a final EOS (at least 1)."""
+    length = len(beam.tokens) - (1 if beam.tokens and beam.tokens[-1] in eos_ids else 0)
+    return beam.cum_logq / (max(length, 1) ** length_penalty)
+
+
+def extend_beams(
+    beams: Sequence[BeamSequence], candidates: Sequence[Candidates], options: BeamSearchOptions, eos_ids: Sequence[int]
+) -> tuple[list[BeamSequence], list[BeamSequence]]:
+    """One step: (the beams that live on, best first; the beams that ended at this step with an EOS id).
+
+    ``candidates[i]`` are beam i's, most likely first (the first 2·beam_width count); a candidate with log q = −inf
+    (q gives it nothing) is no extension."""
+    live, ended = [], []
+    k = 2 * options.beam_width  # the candidates are q's most likely first
+    for beam, cand in zip(beams, candidates):
+        for token, lq, lt, lth in zip(cand.ids[:k], cand.logq[:k], cand.logp_teacher[:k], cand.logp_theta[:k]):
+            if not math.isfinite(lq):
+                continue
+            new = BeamSequence(
+                [*beam.tokens, int(token)],
+                [*beam.alpha, float(cand.alpha)],
+                [*beam.logp_teacher, float(lt)],
+                [*beam.logp_theta, float(lth)],
+                [*beam.logq, float(lq)],
+            )
+            if int(token) in eos_ids and not options.ignore_eos:
+                new.finish_reason = "stop"
+                ended.append(new)
+            else:
+                live.append(new)
+    # vLLM ranks the live beams by the same length-penalised score it ranks the finished ones by.
+    live.sort(key=lambda b: beam_score(b, eos_ids, options.length_penalty), reverse=True)
+    return live[: options.beam_width], ended
+
+
+def run_beam_search(
+    prompts: Sequence[tuple[list[int], list[int]]],
+    options: BeamSearchOptions,
+    eos_ids: Sequence[int],
+    step: Callable[[list[tuple[list[int], list[int]]]], list[Candidates]],
+) -> list[list[BeamSequence]]:
+    """Per prompt (teacher's ids, theta's ids), its beam_width best beams, best first. ``step`` takes every live
+    beam's prompts (each prompt with the beam's tokens appended) and returns each one's :class:`Candidates`."""
+    live: list[list[BeamSequence]] = [[BeamSequence()] for _ in prompts]
+    ended: list[list[BeamSequence]] = [[] for _ in prompts]
+    for _ in range(options.max_tokens):
+        work = [(i, beam) for i, beams in enumerate(live) for beam in beams]
+        if not work:
+            break
+        candidates = step([(prompts[i][0] + beam.tokens, prompts[i][1] + beam.tokens) for i, beam in work])
+        for i in range(len(prompts)):
+            mine = [k for k, (j, _) in enumerate(work) if j == i]
+            live[i], done = extend_beams([work[k][1] for k in mine], [candidates[k] for k in mine], options, eos_ids)
+            ended[i] += done
+    out = []
+    for i in range(len(prompts)):
+        for beam in live[i]:
+            beam.finish_reason = "length"
+        ranked = sorted(ended[i] + live[i], key=lambda b: beam_score(b, eos_ids, options.length_penalty), reverse=True)
+        out.append(ranked[: options.beam_width])
+    return out
+
+
+async def decision_candidates(stream: Callable[[Any], AsyncIterator[Any]], requests: Sequence[Any]) -> list[Candidates]:
+    """Each one-token request's decision (``stream``: the driver's, yielding ``SampleDelta``): q's recorded top tokens
+    with their log π_t and log π_θ, and α. RuntimeError, with the sample's error, for a request that failed."""
+
+    async def one(request: Any) -> Candidates:
+        top, alpha, sample = None, None, None
+        async for delta in stream(request):
+            if delta.top is not None and len(delta.top[0]):
+                top, alpha = delta.top, float(delta.records[0, 0])
+            sample = delta.sample or sample
+        if sample is None or sample.error is not None or top is None:
+            raise RuntimeError(f"beam search: a step's request failed ({sample.error if sample else 'no sample'})")
+        ids, logq, logp_teacher, logp_theta = (part[0].tolist() for part in top)
+        return Candidates(ids, logq, logp_teacher, logp_theta, alpha)
+
+    return list(await asyncio.gather(*(one(r) for r in requests)))
