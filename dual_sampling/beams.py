@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +24,11 @@ __all__ = [
     "BeamSequence",
     "Candidates",
     "beam_score",
+    "beam_steps",
     "decision_candidates",
     "extend_beams",
     "run_beam_search",
+    "run_beam_search_async",
 ]
 
 MAX_BEAM_WIDTH = 10
@@ -124,21 +126,19 @@ def extend_beams(
     return live[: options.beam_width], ended
 
 
-def run_beam_search(
-    prompts: Sequence[tuple[list[int], list[int]]],
-    options: BeamSearchOptions,
-    eos_ids: Sequence[int],
-    step: Callable[[list[tuple[list[int], list[int]]]], list[Candidates]],
-) -> list[list[BeamSequence]]:
-    """Per prompt (teacher's ids, theta's ids), its beam_width best beams, best first. ``step`` takes every live
-    beam's prompts (each prompt with the beam's tokens appended) and returns each one's :class:`Candidates`."""
+def beam_steps(
+    prompts: Sequence[tuple[list[int], list[int]]], options: BeamSearchOptions, eos_ids: Sequence[int]
+) -> Generator[list[tuple[list[int], list[int]]], list[Candidates], list[list[BeamSequence]]]:
+    """The search as a generator: it yields every live beam's prompts (each prompt, (teacher's ids, theta's ids),
+    with the beam's tokens appended), is sent each one's :class:`Candidates`, and returns, per prompt, its
+    beam_width best beams, best first. :func:`run_beam_search` and :func:`run_beam_search_async` drive it."""
     live: list[list[BeamSequence]] = [[BeamSequence()] for _ in prompts]
     ended: list[list[BeamSequence]] = [[] for _ in prompts]
     for _ in range(options.max_tokens):
         work = [(i, beam) for i, beams in enumerate(live) for beam in beams]
         if not work:
             break
-        candidates = step([(prompts[i][0] + beam.tokens, prompts[i][1] + beam.tokens) for i, beam in work])
+        candidates = yield [(prompts[i][0] + beam.tokens, prompts[i][1] + beam.tokens) for i, beam in work]
         for i in range(len(prompts)):
             mine = [k for k, (j, _) in enumerate(work) if j == i]
             live[i], done = extend_beams([work[k][1] for k in mine], [candidates[k] for k in mine], options, eos_ids)
@@ -150,6 +150,38 @@ def run_beam_search(
         ranked = sorted(ended[i] + live[i], key=lambda b: beam_score(b, eos_ids, options.length_penalty), reverse=True)
         out.append(ranked[: options.beam_width])
     return out
+
+
+def run_beam_search(
+    prompts: Sequence[tuple[list[int], list[int]]],
+    options: BeamSearchOptions,
+    eos_ids: Sequence[int],
+    step: Callable[[list[tuple[list[int], list[int]]]], list[Candidates]],
+) -> list[list[BeamSequence]]:
+    """:func:`beam_steps` with ``step`` giving each step's candidates."""
+    search = beam_steps(prompts, options, eos_ids)
+    try:
+        prefixes = next(search)
+        while True:
+            prefixes = search.send(step(prefixes))
+    except StopIteration as end:
+        return end.value
+
+
+async def run_beam_search_async(
+    prompts: Sequence[tuple[list[int], list[int]]],
+    options: BeamSearchOptions,
+    eos_ids: Sequence[int],
+    step: Callable[[list[tuple[list[int], list[int]]]], Awaitable[list[Candidates]]],
+) -> list[list[BeamSequence]]:
+    """:func:`beam_steps` with the coroutine ``step`` giving each step's candidates (from a server's loop)."""
+    search = beam_steps(prompts, options, eos_ids)
+    try:
+        prefixes = next(search)
+        while True:
+            prefixes = search.send(await step(prefixes))
+    except StopIteration as end:
+        return end.value
 
 
 async def decision_candidates(stream: Callable[[Any], AsyncIterator[Any]], requests: Sequence[Any]) -> list[Candidates]:

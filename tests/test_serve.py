@@ -194,6 +194,25 @@ def test_completions_with_teacher_prompt_match_offline(client, dual_engine, stre
         assert tokens[i] == sample.token_ids and texts[i] == sample.text
 
 
+def test_beam_search_over_http_is_the_offline_beam_search(client, dual_engine):
+    # vLLM's request fields: use_beam_search with n beams and length_penalty; each choice is a beam, with records.
+    r = client.completions.create(
+        model="dual",
+        prompt="The sea is",
+        max_tokens=5,
+        n=2,
+        extra_body={"use_beam_search": True, "length_penalty": 0.5},
+    )
+    (offline,) = dual_engine.beam_search(["The sea is"], beam_width=2, max_tokens=5, length_penalty=0.5)
+    choices = sorted(r.choices, key=lambda c: c.index)
+    assert [c.model_extra["dual_sampling"]["token_ids"] for c in choices] == [b.tokens for b in offline]
+    for choice, beam in zip(choices, offline):
+        assert choice.text == beam.text and choice.finish_reason == beam.finish_reason
+        records = choice.model_extra["dual_sampling"]
+        assert records["logq"] == pytest.approx(beam.logq, abs=LOGQ_ATOL_FACTOR * SAME_WEIGHTS_TWO_RUNS)
+        assert records["logp_theta"] == pytest.approx(beam.logp_theta, abs=SAME_WEIGHTS_TWO_RUNS)
+
+
 def test_logprobs_report_log_q_and_its_alternatives(client):
     r = client.chat.completions.create(
         model="dual", messages=QUESTION, max_tokens=6, seed=3, logprobs=True, top_logprobs=3
@@ -315,6 +334,10 @@ BAD = [
     ({"messages": QUESTION, "model": "gpt-4"}, 404, "model"),
     ({"messages": QUESTION, "teacher_messages": "not a list"}, 400, "teacher_messages"),
     ({"messages": "hello"}, 400, "messages"),
+    ({"messages": QUESTION, "use_beam_search": True, "stream": True}, 400, "stream"),
+    ({"messages": QUESTION, "use_beam_search": True, "temperature": 0.5}, 400, "temperature"),
+    ({"messages": QUESTION, "use_beam_search": True, "top_logprobs": 2, "logprobs": True}, 400, "top_logprobs"),
+    ({"messages": QUESTION, "length_penalty": 2.0}, 400, "length_penalty"),
 ]
 
 
