@@ -673,6 +673,21 @@ class RowEdits:
         )
 
 
+@_jit_inline
+def _mark(tokens, lo, hi, bit, vocab, state, row_ids, k, tally, step):
+    """Mark ``tokens[lo:hi]`` (ids outside [0, vocab) skipped) with ``bit`` in ``state``, append each id not yet
+    marked to ``row_ids`` from position ``k``, and add ``step`` to its ``tally``; return the new ``k``."""
+    for j in range(lo, hi):
+        t = tokens[j]
+        if 0 <= t < vocab:
+            if state[t] == 0:
+                row_ids[k] = t
+                k += 1
+            state[t] |= bit
+            tally[t] += step
+    return k
+
+
 @_jit
 def _collect_edits(
     vocab, prompt, prompt_at, output, output_at, stops, stops_at, taken, taken_at, penalised, lam, edits_out
@@ -689,36 +704,10 @@ def _collect_edits(
     for r in range(n.size):
         k = 0
         if penalised[r]:
-            for j in range(prompt_at[r], prompt_at[r + 1]):
-                t = prompt[j]
-                if 0 <= t < vocab:
-                    if state[t] == 0:
-                        ids[r, k] = t
-                        k += 1
-                    state[t] |= 1
-            for j in range(output_at[r], output_at[r + 1]):
-                t = output[j]
-                if 0 <= t < vocab:
-                    if state[t] == 0:
-                        ids[r, k] = t
-                        k += 1
-                    state[t] |= 1
-                    times[t] += 1.0
-        for j in range(stops_at[r], stops_at[r + 1]):
-            t = stops[j]
-            if 0 <= t < vocab:
-                if state[t] == 0:
-                    ids[r, k] = t
-                    k += 1
-                state[t] |= 2
-        for j in range(taken_at[r], taken_at[r + 1]):
-            t = taken[j]
-            if 0 <= t < vocab:
-                if state[t] == 0:
-                    ids[r, k] = t
-                    k += 1
-                state[t] |= 4
-                members[t] += 1.0
+            k = _mark(prompt, prompt_at[r], prompt_at[r + 1], 1, vocab, state, ids[r], k, times, 0.0)
+            k = _mark(output, output_at[r], output_at[r + 1], 1, vocab, state, ids[r], k, times, 1.0)
+        k = _mark(stops, stops_at[r], stops_at[r + 1], 2, vocab, state, ids[r], k, times, 0.0)
+        k = _mark(taken, taken_at[r], taken_at[r + 1], 4, vocab, state, ids[r], k, members, 1.0)
         ids[r, :k] = np.sort(ids[r, :k])
         for j in range(k):
             t = ids[r, j]
