@@ -183,16 +183,16 @@ class OptimalSamplingDual:
         length_penalty: float = 1.0,
         ignore_eos: bool = False,
     ) -> list[list[BeamSequence]]:
-        """Beam search over q, in the shape of vLLM's ``LLM.beam_search`` (``dual_sampling.beams``): per prompt, its
-        ``beam_width`` best beams by cum log q / length^length_penalty, best first, each token with its α, log π_t,
-        log π_θ and log q. Each step is one one-token request per live beam (prefix caching keeps them cheap)."""
+        """Beam search over q as vLLM's ``LLM.beam_search`` runs it (``dual_sampling.beams``): per prompt, its best
+        ``beam_width`` beams by cum log q / length^length_penalty, each token with its α, log π_t, log π_θ and log q."""
         self._check_open()
+        require(self.config.mode == "lockstep", "beam_search is served in mode='lockstep' only")
         options = BeamSearchOptions(
             beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty, ignore_eos=ignore_eos
         )
         pairs = prompt_pairs(self.tokenizer, self.vocab, self.max_model_len, prompts, teacher_prompts)
-        for i, pair in enumerate(pairs):
-            require(max_tokens <= pair.room, f"max_tokens={max_tokens} does not fit: prompt {i} leaves {pair.room}")
+        room = min(p.room for p in pairs)
+        require(max_tokens <= room, f"max_tokens={max_tokens} does not fit: a prompt leaves {room} tokens")
         row = SamplingOptions(max_tokens=1, temperature=0.0, top_logprobs=2 * beam_width).row(0, self.eos_token_ids)
 
         def step(prefixes: list[tuple[list[int], list[int]]]) -> list[Candidates]:

@@ -223,11 +223,15 @@ def scored(sample: SampleRecord, prompt: Any, spec: str | ScoreFunction) -> Samp
         value = function(prompt, sample)
     except Exception as exc:
         return replace(sample, error=f"score_error: {name} raised {type(exc).__name__}: {exc}", finish_reason="error")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    try:  # a number of any kind (numpy's and torch's scalars too), but no bool, string or container
+        number = None if isinstance(value, (bool, str, bytes)) else float(value)
+    except (TypeError, ValueError, OverflowError):
+        number = None
+    if number is None or not math.isfinite(number):
         return replace(
             sample, error=f"score_error: {name} returned {value!r}, not a finite number", finish_reason="error"
         )
-    return replace(sample, score=float(value), score_name=name)
+    return replace(sample, score=number, score_name=name)
 
 
 @dataclass

@@ -407,8 +407,9 @@ class TeacherLockstepScheduler(LockstepScheduler):
     ) -> bool:
         """Whether to admit the diverse group of ``first`` (the head of ``waiting``) now: all its members not yet
         admitted have arrived on both sides and fit together, or its first member waited :data:`GROUP_WAIT_S`."""
-        if time.monotonic() - first.arrived_at >= GROUP_WAIT_S:
-            return True
+        missing = first.group_size - self._group_admitted.get(first.group, 0)
+        if time.monotonic() - first.arrived_at >= GROUP_WAIT_S or missing > self.max_num_running_reqs:
+            return True  # waited long enough, or the group can never run at once
         control = self.session.control
         members = [
             (r, t)
@@ -417,7 +418,6 @@ class TeacherLockstepScheduler(LockstepScheduler):
             and t.group == first.group
             and int(control[t.slot, Slot.THETA_ARRIVED]) == t.key
         ]
-        missing = first.group_size - self._group_admitted.get(first.group, 0)
         cost_teacher = sum(r.num_prompt_tokens for r, _ in members)
         cost_theta = sum(int(control[t.slot, Slot.THETA_PROMPT_LEN]) for _, t in members)
         fits = len(members) <= seats and cost_teacher <= budget_teacher and cost_theta <= budget_theta

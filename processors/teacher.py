@@ -217,9 +217,11 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         if len(good) < len(ready):
             ready = [ready[k] for k in good]
             teacher, theta = teacher[good], theta[good]
+        taken = {group: dict(tokens) for group, tokens in self._taken.items()}
         try:
             parts = [(ready, self._decide_rows(teacher, theta, ready))]
         except Exception:
+            self._taken = taken  # the rows are decided again one by one: no member's token may count twice
             # One row's settings (a top_k beyond int64, say) make the whole batch raise: decide each row
             # alone and fail only the rows that still raise, so the engine and the other requests go on.
             parts = []

@@ -41,7 +41,12 @@ def test_a_score_is_recorded_with_its_name_and_a_failing_one_fails_the_sample():
     assert failed.error.startswith(
         "score_error: tests.scores:odd_first_token_raises raised RuntimeError: an odd sample"
     )
-    for bad in (math.nan, math.inf, "3", True, None):
+    import numpy as np
+    import torch
+
+    for number in (np.float32(2.5), np.int64(3), torch.tensor(1.5)):
+        assert scored(sample("x", [1]), "p", lambda prompt, s, value=number: value).score == float(number)
+    for bad in (math.nan, math.inf, "3", True, None, 10**400, [1.0]):
         out = scored(sample("x", [1]), "p", lambda prompt, s, value=bad: value)
         assert not out.ok and out.score is None and "not a finite number" in out.error, bad
     # A sample that is not complete is left alone, never scored.

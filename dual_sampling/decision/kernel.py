@@ -57,6 +57,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numba
 import numpy as np
@@ -790,7 +791,7 @@ def decide_fused(
     log q, status (0 decided; 1 to be decided by the reference), passes, unconverged (1 where the α
     solve did not converge in ``_MAX_PASSES`` passes; such a row has status 1 too).
     ``theta_normalized=True`` says theta's rows are log-softmax outputs already. ``edits`` are the rows' masked
-    and penalised tokens (:func:`~dual_sampling.decision.fusable.row_edits`; None: no row has any).
+    and penalised tokens (:func:`row_edits`; None: no row has any).
     """
     if teacher_logits.shape != theta_logits.shape or teacher_logits.dim() != 2:
         # The kernel reads both rows with the same index and checks no bounds.
@@ -840,5 +841,18 @@ def warm_up() -> None:
     """Compile (or load from numba's cache) the kernel now, so no decoding step pays for it."""
     g = torch.Generator().manual_seed(0)
     teacher, theta = torch.randn(2, 3 * _BLOCK + 5, generator=g), torch.randn(2, 3 * _BLOCK + 5, generator=g)
+    # The edited tokens' pass too (every min_tokens row takes it): a masked row, and a penalised diverse one.
+    plain = dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, diversity_penalty=0.0)
+    rows = [
+        SimpleNamespace(**{**plain, "min_tokens": 2, "stop_token_ids": (1,), "prompt_token_ids": ()}),
+        SimpleNamespace(
+            **{**plain, "repetition_penalty": 1.1, "diversity_penalty": 1.0, "group": 1},
+            min_tokens=0,
+            stop_token_ids=(),
+            prompt_token_ids=(2, 3),
+        ),
+    ]
+    edits = row_edits(rows, [0, 1], [[], [4]], teacher.shape[1], [0.0, 0.0], [{}, {5: 1}])
     for computer in (FixedAlpha(), KLSymmetryAlpha()):
         decide_fused(teacher, theta, [0.5, 0.25], [False, True], computer, None)
+        decide_fused(teacher, theta, [0.5, 0.25], [False, False], computer, None, edits=edits)

@@ -381,7 +381,8 @@ class Diversity(Stage):
         require(is_number(v) and v >= 0, f"diversity_penalty must be a finite number >= 0, got {v!r}")
 
     def used(self, row: Any) -> bool:
-        return row.diversity_penalty > 0.0
+        # Only in a group (RowSampling.diverse): a sample alone draws from q itself.
+        return row.diversity_penalty > 0.0 and getattr(row, "group", 0) != 0
 
     def apply(self, x: Tensor, batch: StageBatch) -> None:
         if batch.diversity is None:

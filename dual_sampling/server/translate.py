@@ -190,6 +190,8 @@ class Translator:
         except ValueError as exc:
             raise BadRequest(str(exc), _request_field(str(exc), kind, max_tokens_field)) from None
         beam = self._beam(req, sampling, kind)
+        if beam is not None and self.dual.config.mode != "lockstep":
+            raise BadRequest("use_beam_search is served in mode='lockstep' only", "use_beam_search")
         stream_options = getattr(req, "stream_options", None)
         return Job(
             kind,
