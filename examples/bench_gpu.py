@@ -92,8 +92,8 @@ def check_kernel(device: torch.device, vocab: int) -> dict:
     barrier) draws another token than the CPU kernel does."""
     from alpha import get_alpha_computer
     from dual_sampling.decision.gpu_kernel import decide_gpu
-    from dual_sampling.decision.kernel import decide_fused
-    from dual_sampling.decision.pipeline import counter_uniform
+    from dual_sampling.decision.kernel import decide_fused, row_edits
+    from dual_sampling.decision.pipeline import RowSampling, counter_uniform
 
     b = 64 if device.type == "cuda" else 4
     teacher, theta = rows(b, vocab, device, seed=1)
@@ -113,7 +113,10 @@ def check_kernel(device: torch.device, vocab: int) -> dict:
             theta_normalized=True,
             masked_tokens=masked,
         ).cpu()
-        cpu, _ = decide_fused(teacher.cpu(), theta.cpu(), uniforms, forced, computer, None, True, masked)
+        edits = row_edits(
+            [RowSampling(min_tokens=1, stop_token_ids=tuple(m)) for m in masked], [0] * b, None, vocab, None
+        )
+        cpu, _ = decide_fused(teacher.cpu(), theta.cpu(), uniforms, forced, computer, None, True, edits)
         cpu = torch.from_numpy(cpu)
         same = float((out[:, 0] == cpu[:, 0]).double().mean())
         worst = float((out[:, 1:5] - cpu[:, 1:5]).abs().max())
