@@ -180,8 +180,8 @@ class SamplingOptions(DecisionOptions):
             stop_token_ids=stops,
             prompt_token_ids=prompt,
             group=group,
-            member=member,
-            group_size=group_size,
+            member=member if group else 0,  # a place in a group only where there is one
+            group_size=group_size if group else 1,
             **shared,
         )
 

@@ -79,3 +79,16 @@ def test_member_two_follows_q_without_member_ones_token(dual_engine, hf_models):
     assert sum(y0 == y1 for y0, y1, _, _ in pairs) < 0.5 * sum(q[y0] for y0, *_ in pairs)
     assert p_value(diverse_pits) > 1e-3
     assert p_value(plain_pits) < 1e-4, "the control (member 2 judged under q itself) must be rejected"
+
+
+def test_a_sample_outside_a_group_has_no_place_in_one():
+    # generate() numbers every draw; only a diverse group keeps the number (the speculative mode refuses any other
+    # RowSampling field away from its default, and drew n = 2 through generate()).
+    from dual_sampling.driver.requests import DualRequest
+    from dual_sampling.driver.speculative_driver import check_speculative
+
+    row = SamplingOptions(max_tokens=4).row(7, (2,), (5, 6), group=0, member=1, group_size=2)
+    assert (row.group, row.member, row.group_size) == (0, 0, 1) and not row.diverse
+    check_speculative(DualRequest([5, 6, 7], [5, 6, 7], row, 4))
+    grouped = SamplingOptions(max_tokens=4, diversity_penalty=1.0).row(7, (2,), (), group=9, member=1, group_size=2)
+    assert (grouped.group, grouped.member, grouped.group_size) == (9, 1, 2) and grouped.diverse
