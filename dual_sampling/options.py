@@ -17,7 +17,7 @@ from typing import Any
 from alpha import get_alpha_computer
 from dual_sampling.checks import MAX_COUNT, is_count, is_int, is_number, require
 from dual_sampling.decision.pipeline import RowSampling
-from dual_sampling.decision.stages import LOGIT_BIAS_LIMIT, STAGES, DecisionOptions
+from dual_sampling.decision.stages import LOGIT_BIAS_LIMIT, STAGES, DecisionOptions, needs_prompt
 from dual_sampling.lockstep import TOP_LOGPROBS_MAX
 from dual_sampling.lockstep.row_channel import ROW_TRANSPORTS
 from dual_sampling.records import BEST_OF_SCORES, USER_SCORE, ScoreFunction, score_function
@@ -104,9 +104,9 @@ class SamplingOptions(DecisionOptions):
         self.logit_bias = {
             int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k: v for k, v in self.logit_bias.items()
         }
-        for name in ("temperature", "top_p", "min_p", "teacher_support_top_p"):
-            if is_int(getattr(self, name)):
-                setattr(self, name, float(getattr(self, name)))
+        for f in dataclasses.fields(DecisionOptions):  # a float setting given as an integer (1 for 1.0)
+            if f.type == "float" and is_int(getattr(self, f.name)):
+                setattr(self, f.name, float(getattr(self, f.name)))
         require(
             is_count(self.max_tokens, 1),
             f"max_tokens must be an integer >= 1 (at most {MAX_COUNT}), got {self.max_tokens!r}",
@@ -168,13 +168,13 @@ class SamplingOptions(DecisionOptions):
         The :class:`DecisionOptions` fields are these options'; ``seed`` is the sample's own (given here) and
         ``stop_token_ids``: the tokens masked while fewer than
         ``min_tokens`` were generated, ``masked_before_min_tokens`` (the EOS ids) and
-        :attr:`stop_token_ids` together. ``prompt_token_ids`` (theta's prompt) travel only where the repetition
-        penalty counts them; ``group``, ``member`` and ``group_size`` place a sample in its diverse group
+        :attr:`stop_token_ids` together. ``prompt_token_ids`` (theta's prompt) travel only where a stage reads
+        them (the repetition penalty); ``group``, ``member`` and ``group_size`` place a sample in its diverse group
         (diversity_penalty).
         """
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(DecisionOptions)}
         stops = tuple(sorted(set(masked_before_min_tokens) | set(self.stop_token_ids)))
-        prompt = tuple(prompt_token_ids) if self.repetition_penalty != 1.0 else ()
+        prompt = tuple(prompt_token_ids) if needs_prompt(self) else ()
         return RowSampling(
             seed=seed,
             stop_token_ids=stops,

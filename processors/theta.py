@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from dual_sampling.decision.stages import needs_logit_offset
 from dual_sampling.lockstep import Bell, ErrorCode, Header, Slot, Stat, Writer
 from processors.base import BaseSyncLogitsProcessor, TrackedRow
 
@@ -86,8 +87,8 @@ class ThetaSyncLogitsProcessor(BaseSyncLogitsProcessor):
         # NaN or +inf anywhere in a row makes its whole log-softmax NaN; so does a row with nothing finite.
         nan_rows = torch.isnan(logp[:, 0]).tolist()
         self.row_channel.publish([row.slot for _, row in rows], logp)
-        # The repetition penalty acts on the mixture's raw logits: the teacher needs theta's log-normaliser too.
-        penalised = [k for k, (_, row) in enumerate(rows) if row.sampling.repetition_penalty != 1.0]
+        # A stage on the mixture's raw logits (the repetition penalty): the teacher needs theta's log-normaliser too.
+        penalised = [k for k, (_, row) in enumerate(rows) if needs_logit_offset(row.sampling)]
         if penalised:
             lse = torch.logsumexp(logits[index[penalised], : self.vocab].double(), dim=-1).tolist()
             for k, value in zip(penalised, lse):

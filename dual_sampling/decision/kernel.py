@@ -68,7 +68,7 @@ from numba.extending import intrinsic
 
 from alpha import AlphaComputer, FixedAlpha, KLSymmetryAlpha
 from dual_sampling.decision.fusable import KERNEL_ALPHA_METHODS
-from dual_sampling.decision.stages import Penalties
+from dual_sampling.decision.stages.penalties import Penalties
 
 __all__ = ["RowEdits", "decide_fused", "row_edits", "warm_up"]
 

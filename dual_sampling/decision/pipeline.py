@@ -43,7 +43,7 @@ from torch import Tensor
 from alpha import AlphaComputer, geometric_log_weights
 from alpha.base import check_log_prob_pair
 from dual_sampling.decision.fusable import kernel_device, kernel_rows
-from dual_sampling.decision.stages import STAGES, DecisionOptions, StageBatch, clamped_logit_bias
+from dual_sampling.decision.stages import STAGES, DecisionOptions, StageBatch, clamped_logit_bias, needs_logit_offset
 
 __all__ = [
     "Decision",
@@ -76,7 +76,7 @@ class RowSampling(DecisionOptions):
     stop_token_ids: tuple[int, ...] = ()
     """Tokens masked while fewer than min_tokens were generated (EOS ids and the user's stop ids)."""
     prompt_token_ids: tuple[int, ...] = ()
-    """Theta's prompt where the repetition penalty is on (it counts the prompt's tokens), else empty."""
+    """Theta's prompt where a stage reads it (the repetition penalty counts the prompt's tokens), else empty."""
     group: int = 0
     """Where diversity_penalty is on: the id of the sample's group (the samples of one prompt in one call), else 0."""
     member: int = 0
@@ -443,7 +443,7 @@ def _decide_reference(
     # Unnormalised: the draw normalises with the sums it computes anyway.
     log_weights = geometric_log_weights(logp_theta, logp_teacher, alpha)
     offset = None
-    if any(r.repetition_penalty != 1.0 for r in rows):
+    if any(needs_logit_offset(r) for r in rows):
         offset = _logit_offset(teacher_logits, theta_logits, alpha, theta_normalized, theta_log_normalisers)
     drawn = draw_tokens(
         log_weights,
