@@ -5,8 +5,9 @@
 Checks first; the script exits with status 1 if one fails:
 
 - the Triton kernel (``dual_sampling.decision.gpu_kernel``) against the CPU kernel on the same rows and uniforms,
-  every other row with its teacher's three most likely tokens masked (as the stop tokens before min_tokens) and every
-  fourth forced to α = 1 (the first token): the same tokens (a draw at a CDF boundary may round either way: at most
+  every other row with its teacher's three most likely tokens masked (as the stop tokens before min_tokens), every
+  fourth penalised and diverse (frequency and presence penalties, a group's earlier member), and every fourth forced
+  to α = 1 (the first token): the same tokens (a draw at a CDF boundary may round either way: at most
   one row in 64 differs), α and records within 1e-4;
 - the pinned and the device row transports read back what was written, the device one from a second process
   (CUDA IPC), as the engines use it.
@@ -86,13 +87,14 @@ def host_syncs(fn, device: torch.device) -> int:
 
 
 def check_kernel(device: torch.device, vocab: int) -> dict:
-    """The Triton kernel against the CPU kernel: tokens, α and records, on plain, masked and forced rows.
+    """The Triton kernel against the CPU kernel: tokens, α and records, on plain, masked, penalised and forced rows.
 
     A masked row's draw reads block sums its masked tokens were taken out of: a sum read before that store (a missing
     barrier) draws another token than the CPU kernel does."""
     from alpha import get_alpha_computer
+    from dual_sampling.decision.edits import row_edits
     from dual_sampling.decision.gpu_kernel import decide_gpu
-    from dual_sampling.decision.kernel import decide_fused, row_edits
+    from dual_sampling.decision.kernel import decide_fused
     from dual_sampling.decision.pipeline import RowSampling, counter_uniform
 
     b = 64 if device.type == "cuda" else 4
@@ -101,21 +103,19 @@ def check_kernel(device: torch.device, vocab: int) -> dict:
     top = teacher.topk(3, dim=-1).indices.tolist()
     masked = [top[r] if r % 2 else [] for r in range(b)]
     forced = [r % 4 == 3 for r in range(b)]
+    # Every fourth row penalised (frequency and presence, on its teacher's top tokens as its output so far) and in a
+    # diverse group whose earlier member took its top token: the edits both kernels apply after α.
+    penalised = [r % 4 == 2 for r in range(b)]
+    edited = dict(frequency_penalty=1.2, presence_penalty=0.5, diversity_penalty=2.0, group=1)
+    rows_settings = [
+        RowSampling(min_tokens=1, stop_token_ids=tuple(masked[r]), **(edited if penalised[r] else {})) for r in range(b)
+    ]
+    outputs = [top[r] + top[r][:1] if penalised[r] else [] for r in range(b)]
+    taken = [{top[r][0]: 1} if penalised[r] else {} for r in range(b)]
+    edits = row_edits(rows_settings, [0] * b, outputs, vocab, [0.0] * b, taken)
     report = {}
     for name, computer in (("kl_symmetry", get_alpha_computer("kl_symmetry")), ("fixed", get_alpha_computer("fixed"))):
-        out = decide_gpu(
-            teacher,
-            theta,
-            uniforms,
-            forced,
-            computer,
-            None,
-            theta_normalized=True,
-            masked_tokens=masked,
-        ).cpu()
-        edits = row_edits(
-            [RowSampling(min_tokens=1, stop_token_ids=tuple(m)) for m in masked], [0] * b, None, vocab, None
-        )
+        out = decide_gpu(teacher, theta, uniforms, forced, computer, None, theta_normalized=True, edits=edits).cpu()
         cpu, _ = decide_fused(teacher.cpu(), theta.cpu(), uniforms, forced, computer, None, True, edits)
         cpu = torch.from_numpy(cpu)
         same = float((out[:, 0] == cpu[:, 0]).double().mean())
@@ -123,6 +123,7 @@ def check_kernel(device: torch.device, vocab: int) -> dict:
         report[name] = {
             "rows": b,
             "masked_rows": sum(map(bool, masked)),
+            "penalised_diverse_rows": sum(penalised),
             "forced_rows": sum(forced),
             "same_tokens": same,
             "max_record_diff": worst,

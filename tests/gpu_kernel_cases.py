@@ -20,7 +20,7 @@ from dual_sampling.decision.kernel import decide_fused
 from dual_sampling.decision.pipeline import RowSampling, counter_uniform, decide
 from tests.oracles import np_alpha_kl, np_log_softmax, rows_sent_to_the_reference
 from tests.test_draw_boundaries import boundary_cases, pair, reference_cdf
-from tests.test_gpu_kernel import LEVEL, masked_draw_p_values
+from tests.test_gpu_kernel import LEVEL, masked_draw_p_values, masked_edits
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run by tests/test_gpu_kernel.py, under TRITON_INTERPRET=1", allow_module_level=True)
@@ -39,7 +39,8 @@ def interpreted():
 
 def run(gk, teacher, theta, computer, uniforms, forced=None, masked=None, warm=None, normalized=False, block=64):
     forced = [False] * teacher.shape[0] if forced is None else forced
-    out = gk.decide_gpu(teacher, theta, uniforms, forced, computer, warm, normalized, masked, block)
+    edits = None if masked is None else masked_edits(masked, teacher.shape[-1])
+    out = gk.decide_gpu(teacher, theta, uniforms, forced, computer, warm, normalized, edits, block)
     return out.numpy()
 
 
@@ -146,6 +147,56 @@ def test_decide_on_a_kernel_device_mixes_kernel_and_reference_rows(interpreted, 
     assert mixed.tokens.tolist() == reference.tokens.tolist()
     for name in ("alpha", "logp_teacher", "logp_theta", "logq"):
         torch.testing.assert_close(getattr(mixed, name), getattr(reference, name).float(), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("normalized", [False, True], ids=["raw-theta", "log-softmax-theta"])
+def test_penalised_and_diverse_rows_are_the_references(interpreted, monkeypatch, normalized):
+    """decide() as a CUDA device runs it, on rows with each penalty and with a group's diversity: the kernel decides
+    them all (none handed back) and draws the reference's tokens from the same uniforms, with its records. With theta
+    as log-softmax rows, the repetition penalty reads theta's log-normalisers, as the engines pass them."""
+    monkeypatch.setattr(pipeline, "kernel_device", lambda device: "cuda")
+    b, vocab = 24, 300
+    teacher, theta = random_rows(b, vocab, seed=6)
+    teacher += 4.0  # raw logits with an offset: the repetition penalty reads z's sign
+    lse = torch.logsumexp(theta.double(), -1)
+    if normalized:
+        theta = torch.log_softmax(theta, -1)
+    g = torch.Generator().manual_seed(7)
+    kinds = [
+        dict(repetition_penalty=1.4),
+        dict(repetition_penalty=0.6, presence_penalty=0.5),
+        dict(frequency_penalty=1.5, presence_penalty=-0.8),
+        dict(diversity_penalty=3.0, group=1),
+    ]
+    rows, outputs, diversity = [], [], []
+    for r in range(b):
+        history = torch.randint(0, 40, (14,), generator=g).tolist()
+        # The tokens most likely under q are the ones a penalty must move: put them in the history.
+        history[:3] = torch.topk(teacher[r], 3).indices.tolist()
+        rows.append(RowSampling(seed=r, prompt_token_ids=tuple(history[:6]), **kinds[r % 4]))
+        outputs.append(history[6:])
+        diversity.append({int(t): 1 + k for k, t in enumerate(history[:2])} if r % 4 == 3 else {})
+    taken = []
+    kernel = interpreted.decide_gpu
+    monkeypatch.setattr(interpreted, "decide_gpu", lambda t, *a, **k: taken.append(len(t)) or kernel(t, *a, **k))
+    computer = get_alpha_computer("kl_symmetry")
+    shared = dict(theta_normalized=normalized, outputs=outputs, diversity=diversity)
+    shared["theta_log_normalisers"] = lse if normalized else None
+    fused = decide(teacher, theta, [len(o) for o in outputs], rows, computer, **shared)
+    reference = decide(teacher, theta, [len(o) for o in outputs], rows, computer, fused=False, **shared)
+    assert taken == [b] and not fused.handed_back.any()  # the kernel decided every row
+    assert fused.tokens.tolist() == reference.tokens.tolist()
+    for name in ("alpha", "logp_teacher", "logp_theta", "logq"):
+        torch.testing.assert_close(getattr(fused, name), getattr(reference, name).float(), atol=2e-5, rtol=0)
+    # A weight that overflows (frequency_penalty −2 on a token held 400 times: +800 on its logit) comes back.
+    big = [RowSampling(seed=1, frequency_penalty=-2.0)]
+    over = decide(teacher[:1], theta[:1], [400], big, computer, theta_normalized=normalized, outputs=[[5] * 400],
+                  theta_log_normalisers=lse[:1] if normalized else None)  # fmt: skip
+    assert over.handed_back.tolist() == [True] and over.tokens.tolist() == [5] and float(over.logq[0]) == 0.0
+    # The edits moved the law: without them, other tokens come out of the same uniforms.
+    plain = [RowSampling(seed=r) for r in range(b)]
+    unedited = decide(teacher, theta, [len(o) for o in outputs], plain, computer, theta_normalized=normalized)
+    assert fused.tokens.tolist() != unedited.tokens.tolist()
 
 
 @pytest.mark.parametrize("forced", [False, True], ids=["masked", "forced-and-masked"])

@@ -10,8 +10,9 @@ import torch
 
 from alpha import get_alpha_computer
 from dual_sampling.decision import kernel
+from dual_sampling.decision.edits import row_edits
 from dual_sampling.decision.fusable import kernel_rows
-from dual_sampling.decision.kernel import decide_fused, row_edits
+from dual_sampling.decision.kernel import decide_fused
 from dual_sampling.decision.pipeline import Decision, RowSampling, counter_uniform, decide
 from tests.oracles import rows_sent_to_the_reference
 from tests.tolerances import ALPHA_ATOL, ONE_NORMALISATION_ATOL, TWO_NORMALISATIONS_ATOL

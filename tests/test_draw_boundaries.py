@@ -21,7 +21,8 @@ import torch
 
 from alpha import get_alpha_computer
 from dual_sampling.decision import pipeline
-from dual_sampling.decision.kernel import decide_fused, row_edits
+from dual_sampling.decision.edits import row_edits
+from dual_sampling.decision.kernel import decide_fused
 from dual_sampling.decision.pipeline import RowSampling, decide
 from tests.oracles import np_alpha_kl, np_log_softmax
 

@@ -27,13 +27,14 @@ import pytest
 import torch
 
 from alpha import get_alpha_computer
+from dual_sampling.decision.edits import RowEdits, row_edits
 from dual_sampling.decision.kernel import decide_fused
-from dual_sampling.decision.pipeline import counter_uniform
+from dual_sampling.decision.pipeline import RowSampling, counter_uniform
 from tests.oracles import np_alpha_kl, np_log_softmax, np_mix
 
 pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parent.parent
-CASES = 10
+CASES = 12
 """Test cases in tests/gpu_kernel_cases.py (parametrised ones counted once per parameter)."""
 LEVEL = 1e-3
 """A chi-square p-value under this rejects the law (the draws are fixed by their seeds, so the test is too)."""
@@ -78,6 +79,12 @@ def chi_square_p(tokens: np.ndarray, q: np.ndarray) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
 
 
+def masked_edits(masked: list, vocab: int) -> RowEdits | None:
+    """The kernels' edits that mask each row's ``masked`` ids (as stop tokens before min_tokens, at step 0)."""
+    rows = [RowSampling(min_tokens=1, stop_token_ids=tuple(m)) for m in masked]
+    return row_edits(rows, [0] * len(rows), None, vocab, None)
+
+
 def masked_draw_p_values(
     decide_gpu, device: str, vocab: int, draws: int, forced: bool, **blocks
 ) -> tuple[np.ndarray, float, float]:
@@ -99,7 +106,7 @@ def masked_draw_p_values(
         [forced] * draws,
         get_alpha_computer("kl_symmetry"),
         None,
-        masked_tokens=[masked] * draws,
+        edits=masked_edits([masked] * draws, vocab),
         **blocks,
     )
     out = out.cpu().numpy()
@@ -133,7 +140,8 @@ def test_the_kernel_compiles_for_an_h100():
         from dual_sampling.decision import gpu_kernel
         kinds = {"teacher_ptr": "*fp32", "theta_ptr": "*fp32", "row_stride_t": "i64", "row_stride_h": "i64",
                  "V": "i32", "params_ptr": "*fp64", "alpha0_ptr": "*fp64", "force_ptr": "*fp64", "u_ptr": "*fp64",
-                 "masked_ptr": "*fp64", "n_masked": "i32", "blocks_ptr": "*fp32", "n_blocks": "i32",
+                 "penalty_ptr": "*fp64", "edits_ptr": "*fp64", "n_edits": "i32", "blocks_ptr": "*fp32",
+                 "n_blocks": "i32",
                  "out_ptr": "*fp64"}
         barriers = []
         for method, normalized in ((0, True), (1, False)):  # each branch of both compile-time switches
@@ -144,9 +152,10 @@ def test_the_kernel_compiles_for_an_h100():
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                       options={"num_warps": gpu_kernel.NUM_WARPS})
             assert len(compiled.asm["cubin"]) > 10000
-            # tl.debug_barrier() before the draw: the only barrier in Triton's IR (reductions add theirs later).
+            # tl.debug_barrier() after each edit's store and before the draw: the only barriers in Triton's IR
+            # (reductions add theirs later).
             barriers.append(sum("barrier" in line for line in compiled.asm["ttir"].splitlines()))
-        assert barriers == [1, 1], barriers
+        assert barriers == [2, 2], barriers
         print("COMPILED")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

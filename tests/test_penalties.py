@@ -218,3 +218,18 @@ def test_the_cpu_kernel_decides_penalised_rows_as_the_reference_does():
         if r < 3:
             q = np.exp(z - np.logaddexp.reduce(z))
             assert q[outputs[r][0]] > 0.9, "the penalised token must hold most of q"
+
+
+def test_a_penalty_whose_weight_overflows_goes_to_the_reference():
+    # frequency_penalty −2 on a token the output holds 400 times raises its logit by 800: its weight overflows
+    # float64 in the kernel. The kernel must hand the row back (it once drew another token, with log q = −inf).
+    g = torch.Generator().manual_seed(0)
+    teacher, theta = torch.randn(2, 500, generator=g), torch.randn(2, 500, generator=g)
+    rows = [RowSampling(seed=1, frequency_penalty=-2.0), RowSampling(seed=2, presence_penalty=-2.0)]
+    outputs = [[5] * 400, [7] * 3]
+    args = (teacher, theta, [400, 3], rows, get_alpha_computer("kl_symmetry"))
+    fused = decide(*args, outputs=outputs)
+    reference = decide(*args, outputs=outputs, fused=False)
+    assert fused.handed_back.tolist() == [True, False]
+    assert fused.tokens.tolist() == reference.tokens.tolist() and int(fused.tokens[0]) == 5
+    assert torch.isfinite(fused.logq).all() and float(fused.logq[0]) == 0.0

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from alpha import AlphaComputer, FixedAlpha, KLSymmetryAlpha
 from dual_sampling.decision.stages import STAGES
 
-__all__ = ["KERNEL_ALPHA_METHODS", "kernel_device", "kernel_rows", "masked_ids"]
+__all__ = ["KERNEL_ALPHA_METHODS", "kernel_device", "kernel_rows"]
 
 KERNEL_ALPHA_METHODS = {FixedAlpha: 0, KLSymmetryAlpha: 1}
 """Alpha computer classes the kernels implement (exactly these classes, not subclasses), with their kernel code."""
@@ -39,21 +38,9 @@ def kernel_device(device: torch.device) -> str | None:
 
 def kernel_rows(rows: Sequence, alpha_computer: AlphaComputer, device: torch.device) -> list[bool]:
     """Which rows a kernel decides: rows that use no stage the device's kernel lacks (``Stage.fused_on``: of today's
-    stages, min_tokens' masking on both, the penalties on the CPU's) and record no top log-probabilities, with a
-    kernel's alpha computer."""
+    stages, min_tokens' masking, the penalties and a group's diversity, on both) and record no top log-probabilities,
+    with a kernel's alpha computer."""
     kind = kernel_device(device)
     if kind is None or type(alpha_computer) not in KERNEL_ALPHA_METHODS:
         return [False] * len(rows)
     return [r.top_logprobs == 0 and not any(stage.used(r) for stage in _UNFUSED[kind]) for r in rows]
-
-
-def masked_ids(masked_tokens: Sequence[Sequence[int]] | None, rows: int, vocab: int) -> np.ndarray:
-    """Both kernels' form of each row's stop tokens masked before min_tokens: ``[rows, m]`` int64 of distinct
-    in-vocabulary ids per row, padded with −1 (m ≥ 1, so every row has a view)."""
-    if not masked_tokens or not any(masked_tokens):  # the common case, without a loop over the rows
-        return np.full((rows, 1), -1, dtype=np.int64)
-    per_row = [sorted({int(t) for t in ids if 0 <= int(t) < vocab}) for ids in masked_tokens]
-    out = np.full((rows, max([1, *(len(ids) for ids in per_row)])), -1, dtype=np.int64)
-    for r, ids in enumerate(per_row):
-        out[r, : len(ids)] = ids
-    return out

@@ -2,7 +2,8 @@
 
 The GPU twin of :mod:`dual_sampling.decision.kernel` (the CPU's numba kernel): the same rows
 (temperature 1, no top-k/top-p/min-p, no support constraint, no logit bias, no top
-log-probabilities; the stop tokens masked before ``min_tokens`` are allowed), the same alpha
+log-probabilities; the stop tokens masked before ``min_tokens``, the penalties and a group's diversity, the rows'
+edits of :mod:`dual_sampling.decision.edits`, are allowed), the same alpha
 computers (``fixed`` and ``kl_symmetry``) and the same algorithm. One program decides one row,
 reading the vocabulary in ``BLOCK``-token blocks:
 
@@ -14,7 +15,9 @@ reading the vocabulary in ``BLOCK``-token blocks:
 3. α is solved as on the CPU: the first step from the warm start by E_q[d]'s four-cumulant
    series, then Newton's steps on E_q[d] (whose slope in α is Var_q(d)) inside a bisection
    bracket, stopping on |E_q[d]| ≤ tol·Var_q(d) or a bracket under ``xtol``;
-4. the masked tokens' weights leave the total and their blocks' sums;
+4. each edited token moves the total and its block's sum from its mixture weight to its edited one (0 where
+   masked; where seen, the penalties on its mixture logit z = (1 − α)·ℓ_θ + α·ℓ_t; the diversity's factor), and
+   the draw's block takes the edited weights too;
 5. the draw is an inverse CDF in two levels: a cumulative sum over the block sums of the last
    evaluation finds the block holding u·Σw, then that block's weights are recomputed and
    summed up to the target's place in it. u comes from the same counter of (seed, step) as
@@ -24,9 +27,9 @@ reading the vocabulary in ``BLOCK``-token blocks:
 
 Nothing in it waits on the host: per-row settings arrive as device tensors, and the result
 ``[b, 8]`` stays on the device until the caller copies it (with the tokens) once per step.
-Rows it cannot decide (a non-finite entry, all weights underflowed, masked tokens holding
-more than half of q's mass, an α solve that did not converge in ``_MAX_PASSES`` passes, where
-the reference's solver raises) come back with status 1, for the torch reference.
+Rows it cannot decide (a non-finite entry, all weights underflowed, edits that took more than half of q's mass
+away, where the CPU kernel re-sums the blocks in float64, or an α solve that did not converge in ``_MAX_PASSES``
+passes, where the reference's solver raises) come back with status 1, for the torch reference.
 
 Arithmetic: blocks are summed in float32 (a tree reduction) and blocks together in float64,
 as the CPU kernel does with its 256-token blocks.
@@ -39,12 +42,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from alpha import AlphaComputer
-from dual_sampling.decision.fusable import KERNEL_ALPHA_METHODS, masked_ids
+from dual_sampling.decision.edits import RowEdits
+from dual_sampling.decision.fusable import KERNEL_ALPHA_METHODS
 
 __all__ = ["BLOCK", "decide_gpu"]
 
@@ -141,6 +146,28 @@ def _log_weight(h, t, h_max, t_max, a):
 
 
 @triton.jit
+def _edit(edits_row, j, t_row, h_row, h_max, t_max, a32, alpha, rep, freq, pres, shift):
+    """Edit ``j`` of a row: (token id, or −1 where unused; its plain log-weight, float32; its edited log-weight,
+    float64, −inf where masked). The penalties act on its mixture logit z = (1 − α)·(h + ``shift``) + α·t where it
+    was seen (``shift``: theta's log-normaliser where its rows are log-softmax outputs), then the diversity's bonus
+    is added; :func:`dual_sampling.decision.kernel._edited_weight` is the CPU's twin."""
+    at = edits_row + 5 * j
+    m = tl.load(at).to(tl.int64)
+    safe = tl.where(m >= 0, m, 0)
+    h = tl.load(h_row + safe).to(tl.float32)
+    t = tl.load(t_row + safe).to(tl.float32)
+    plain = _log_weight(h, t, h_max, t_max, a32)
+    count = tl.load(at + 1)
+    z = (1.0 - alpha) * (h.to(tl.float64) + shift) + alpha * t.to(tl.float64)
+    zp = tl.where(rep != 1.0, tl.where(z > 0.0, z / rep, z * rep), z)
+    zp = zp - freq * count - tl.where(count > 0.0, pres, 0.0)
+    zp = tl.where(tl.load(at + 2) != 0.0, zp, z)
+    edited = plain.to(tl.float64) + (zp - z) + tl.load(at + 4)
+    edited = tl.where(tl.load(at + 3) != 0.0, -float("inf"), edited)
+    return m, plain, edited
+
+
+@triton.jit
 def _decide_rows(
     teacher_ptr,
     theta_ptr,
@@ -151,8 +178,9 @@ def _decide_rows(
     alpha0_ptr,
     force_ptr,
     u_ptr,
-    masked_ptr,
-    n_masked,
+    penalty_ptr,
+    edits_ptr,
+    n_edits,
     blocks_ptr,
     n_blocks,
     out_ptr,
@@ -167,7 +195,9 @@ def _decide_rows(
     unconverged).
 
     ``params`` holds (fixed α, alpha_min, alpha_max, tol, xtol) in float64 (scalar arguments would be float32);
-    ``force`` (0 or 1) and ``masked`` (token ids, −1 for none) are float64 too, parts of the same staged copy.
+    ``force`` (0 or 1), ``penalty`` (``[b, 4]``: repetition, frequency, presence, theta's shift) and ``edits``
+    (``[b, n_edits, 5]``: token id or −1, output count, seen, masked, bonus) are float64 too, parts of the same
+    staged copy.
     """
     row = tl.program_id(0).to(tl.int64)
     fixed_alpha = tl.load(params_ptr + 0)
@@ -178,7 +208,11 @@ def _decide_rows(
     t_row = teacher_ptr + row * row_stride_t
     h_row = theta_ptr + row * row_stride_h
     blocks_row = blocks_ptr + row * n_blocks
-    masked_row = masked_ptr + row * n_masked
+    edits_row = edits_ptr + row * n_edits * 5
+    rep = tl.load(penalty_ptr + row * 4 + 0)
+    freq = tl.load(penalty_ptr + row * 4 + 1)
+    pres = tl.load(penalty_ptr + row * 4 + 2)
+    shift = tl.load(penalty_ptr + row * 4 + 3)
     out_row = out_ptr + row * 8
     inf = float("inf")
 
@@ -261,23 +295,21 @@ def _decide_rows(
                 s0, g, k2, k3, k4 = _tilted(t_row, h_row, blocks_row, V, alpha, h_max, t_max, c, BLOCK, False)
                 passes += 1
 
-    # 4. The masked tokens leave q after α is solved (as the reference removes the stop tokens before min_tokens).
+    # 4. The edited tokens change q after α is solved, as in the reference: each moves the total and its block's
+    # sum from its plain weight to its edited one (0 where masked). Where the edits took more than half of q's
+    # mass, the subtraction would cancel: such a row goes to the reference (the CPU kernel re-sums its blocks).
     a32 = alpha.to(tl.float32)
     total = s0
-    for j in range(0, n_masked):
-        m = tl.load(masked_row + j).to(tl.int64)
+    for j in range(0, n_edits):
+        m, plain, edited = _edit(edits_row, j, t_row, h_row, h_max, t_max, a32, alpha, rep, freq, pres, shift)
         valid = m >= 0
-        safe_m = tl.where(valid, m, 0)
-        w = tl.exp(
-            _log_weight(
-                tl.load(h_row + safe_m).to(tl.float32), tl.load(t_row + safe_m).to(tl.float32), h_max, t_max, a32
-            )
-        ).to(tl.float64)
-        w = tl.where(valid, w, 0.0)
-        total -= w
-        block_sum = tl.load(blocks_row + safe_m // BLOCK)
-        tl.store(blocks_row + safe_m // BLOCK, tl.maximum(block_sum - w.to(tl.float32), 0.0), mask=valid)
-    ok = finite & (s0 >= TINY) & (total >= 0.5 * s0) & (~unconverged)
+        delta = tl.where(valid, tl.exp(edited) - tl.exp(plain).to(tl.float64), 0.0)
+        total += delta
+        at = blocks_row + tl.where(valid, m, 0) // BLOCK
+        tl.store(at, tl.maximum(tl.load(at) + delta.to(tl.float32), 0.0), mask=valid)
+        # Two edits in one block: the next load must see this store, whichever thread made it.
+        tl.debug_barrier()
+    ok = finite & (s0 >= TINY) & (total >= 0.5 * s0) & (total < inf) & (~unconverged)
 
     # 5. The draw: the block holding u·Σw, from the block sums; then the token inside it.
     # The block sums (the last pass's and the masked ones) were stored by one thread; Triton orders global memory
@@ -304,10 +336,11 @@ def _decide_rows(
     block_sum = tl.load(blocks_row + k).to(tl.float64)
     found_before = tl.where(past_end, total - block_sum, found_before)
     offs, inside, t, h = _load_block(t_row, h_row, k * BLOCK, V, BLOCK, 0.0)
-    keep = inside
-    for j in range(0, n_masked):
-        keep = keep & (offs != tl.load(masked_row + j).to(tl.int64))
-    w = tl.where(keep, tl.exp(_log_weight(h, t, h_max, t_max, a32)), 0.0).to(tl.float64)
+    w = tl.where(inside, tl.exp(_log_weight(h, t, h_max, t_max, a32)), 0.0).to(tl.float64)
+    for j in range(0, n_edits):
+        m, plain, edited = _edit(edits_row, j, t_row, h_row, h_max, t_max, a32, alpha, rep, freq, pres, shift)
+        if (m >= 0) & (m // BLOCK == k):  # a vector pass only for the edits in this block
+            w = tl.where(offs == m, tl.exp(edited), w)
     # The block's sum was a float32 reduction; re-summed here in another order it differs in the last bits, so the
     # target keeps its fraction of the block and is placed on the re-sum.
     fraction = tl.minimum(tl.maximum((goal_total - found_before) / tl.maximum(block_sum, 1e-300), 0.0), 1.0)
@@ -320,7 +353,11 @@ def _decide_rows(
     safe_token = tl.where(token >= 0, token, 0)
     t_tok = tl.load(t_row + safe_token).to(tl.float32)
     h_tok = tl.load(h_row + safe_token).to(tl.float32)
-    log_q = _log_weight(h_tok, t_tok, h_max, t_max, a32).to(tl.float64) - tl.log(tl.maximum(total, 1e-300))
+    log_w = _log_weight(h_tok, t_tok, h_max, t_max, a32).to(tl.float64)
+    for j in range(0, n_edits):
+        m, plain, edited = _edit(edits_row, j, t_row, h_row, h_max, t_max, a32, alpha, rep, freq, pres, shift)
+        log_w = tl.where(m == safe_token, edited, log_w)
+    log_q = log_w - tl.log(tl.maximum(total, 1e-300))
     tl.store(out_row + 0, safe_token.to(tl.float64))
     tl.store(out_row + 1, alpha)
     tl.store(out_row + 2, t_tok.to(tl.float64) - lse_t)
@@ -339,7 +376,7 @@ def decide_gpu(
     alpha_computer: AlphaComputer,
     alpha_init: torch.Tensor | None,
     theta_normalized: bool = False,
-    masked_tokens: Sequence[Sequence[int]] | None = None,
+    edits: RowEdits | None = None,
     block: int = BLOCK,
     num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
@@ -347,12 +384,12 @@ def decide_gpu(
 
     Columns: token, α, log π_t, log π_θ, log q, status (0 decided, 1 for the reference), passes, unconverged (1
     where the α solve did not converge in ``_MAX_PASSES`` passes: such a row has status 1 too, and the caller can
-    count them apart from the other rows it hands to the reference). ``uniforms`` (b
-    floats), ``force_teacher`` (b bools: α = 1) and ``masked_tokens`` (each row's stop tokens masked before
-    min_tokens) are host values, as the CPU kernel takes them; they reach the device in one copy.
-    ``alpha_init`` ``[b]`` (on the rows' device) warm-starts kl_symmetry (0.5 where absent). ``block`` sets the block
-    size (a power of two; the tests use small ones on small vocabularies), ``num_warps`` the warps of each row's
-    program.
+    count them apart from the other rows it hands to the reference). ``uniforms`` (b floats), ``force_teacher`` (b
+    bools: α = 1) and ``edits`` (the rows' masked, penalised and diverse tokens, :func:`~dual_sampling.decision.
+    edits.row_edits`; None: no row has any) are host values, as the CPU kernel takes them; they reach the device in
+    one copy. ``alpha_init`` ``[b]`` (on the rows' device) warm-starts kl_symmetry (0.5 where absent). ``block`` sets
+    the block size (a power of two; the tests use small ones on small vocabularies), ``num_warps`` the warps of each
+    row's program.
     """
     if teacher_logits.shape != theta_logits.shape or teacher_logits.dim() != 2:
         raise ValueError(
@@ -370,20 +407,30 @@ def decide_gpu(
         alpha0 = torch.full((b,), 0.5, dtype=torch.float64, device=device)
     else:
         alpha0 = alpha_init.to(device, torch.float64).reshape(-1)
-    masked = masked_ids(masked_tokens, b, vocab)
+    edits = edits or RowEdits.none(b)
+    width = edits.ids.shape[1]
+    used = np.arange(width) < edits.n[:, None]
+    # Per edit: (token id or −1, output count, seen, masked, bonus); ids are exact in float64.
+    per_edit = np.stack(
+        [np.where(used, edits.ids, -1), edits.count, edits.seen, edits.masked, edits.bonus], axis=-1
+    ).astype(np.float64)
     tol, xtol = (1e-6, 1e-7) if method == 0 else alpha_computer.tolerances(torch.float32)
     fixed = float(alpha_computer.alpha) if method == 0 else 0.5
     limits = (fixed, float(alpha_computer.alpha_min), float(alpha_computer.alpha_max), float(tol), float(xtol))
     # Every host input in one float64 buffer and one copy: on an H200 machine each copy from pageable memory cost
     # about 45 µs of host time, five of them a third of decide()'s. Page-locked, the copy does not wait either.
     # Parts start at even offsets (16 bytes), so Triton's alignment specialisation compiles one kernel for every b.
-    u_at, force_at, masked_at = 8, 8 + b + b % 2, 8 + 2 * (b + b % 2)
-    host = torch.zeros(masked_at + masked.size, dtype=torch.float64, pin_memory=device.type == "cuda")
+    even = b + b % 2
+    u_at, force_at = 8, 8 + even
+    penalty_at = force_at + even
+    edits_at = penalty_at + 4 * even
+    host = torch.zeros(edits_at + per_edit.size, dtype=torch.float64, pin_memory=device.type == "cuda")
     staged = host.numpy()
     staged[:5] = limits
     staged[u_at : u_at + b] = uniforms
     staged[force_at : force_at + b] = force_teacher
-    staged[masked_at:] = masked.reshape(-1)  # token ids, exact in float64
+    staged[penalty_at : penalty_at + 4 * b] = edits.penalty.reshape(-1)
+    staged[edits_at:] = per_edit.reshape(-1)
     packed = host.to(device, non_blocking=True)
     n_blocks = triton.cdiv(vocab, block)
     blocks = torch.empty((b, n_blocks), dtype=torch.float32, device=device)
@@ -400,8 +447,9 @@ def decide_gpu(
         alpha0,
         packed[force_at:],
         packed[u_at:],
-        packed[masked_at:],
-        masked.shape[1],
+        packed[penalty_at:],
+        packed[edits_at:],
+        width,
         blocks,
         n_blocks,
         out,

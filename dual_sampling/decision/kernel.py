@@ -53,10 +53,8 @@ checked together (``tests/test_decision_kernel.py``); most of the length is its 
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numba
@@ -67,10 +65,10 @@ from numba import types
 from numba.extending import intrinsic
 
 from alpha import AlphaComputer, FixedAlpha, KLSymmetryAlpha
+from dual_sampling.decision.edits import RowEdits, row_edits
 from dual_sampling.decision.fusable import KERNEL_ALPHA_METHODS
-from dual_sampling.decision.stages.penalties import Penalties
 
-__all__ = ["RowEdits", "decide_fused", "row_edits", "warm_up"]
+__all__ = ["decide_fused", "warm_up"]
 
 _BLOCK = 256
 _CHUNK = 2048  # tokens per step of the maxima and log-normaliser pass: both rows' chunks stay in L1
@@ -79,6 +77,9 @@ _MAX_PASSES = 200
 """α evaluations a row may take, as the reference's solver allows; read at each call (an argument of the compiled
 kernel, not a constant compiled into it)."""
 _TINY = 1e-30
+_HUGE = 1e300
+"""A total past it overflowed. Finiteness is tested by comparison: under the kernel's fastmath flags numba's
+``math.isfinite`` of an infinite total came out true (a penalty's overflow was drawn from, and log q was -inf)."""
 # Reassociation lets sums and extremes vectorise; no "nnan"/"ninf", so the finiteness checks stay.
 _FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
 _jit = numba.njit(fastmath=_FAST, cache=True, nogil=True)
@@ -329,7 +330,7 @@ def _series_step(g, k2, k3, k4):
         if not slope > 0.0:
             return newton
         step -= value / slope
-    return step if abs(step - newton) <= 0.5 * abs(newton) and math.isfinite(step) else newton
+    return step if abs(step - newton) <= 0.5 * abs(newton) and abs(step) <= _HUGE else newton
 
 
 @_jit_inline
@@ -479,7 +480,7 @@ def _solve_and_draw(
             hi_b = alpha if g > 0 else high
             if abs(g) <= tol * slope or (at_lo and g >= 0) or (at_hi and g <= 0):
                 break
-            usable = slope > 0 and math.isfinite(slope)
+            usable = 0 < slope <= _HUGE
             if usable:
                 target = alpha + _series_step(g, slope, k3, k4)
             else:
@@ -556,7 +557,7 @@ def _solve_and_draw(
         total = 0.0
         for k in range(blocks.size):
             total += blocks[k]
-        if not (total >= _TINY and math.isfinite(total)):  # every token removed, or a penalty overflowed
+        if not (_TINY <= total <= _HUGE):  # every token removed, or a penalty overflowed
             out[5] = _ROW_FALLBACK
             return passes
     token = _draw(theta, teacher, alpha, h_max, t_max, blocks, total, u, edit_ids, edit_weights, n_edits)
@@ -632,147 +633,6 @@ def _decide_batch(
             out[r],
         )
     return passes
-
-
-@dataclass
-class RowEdits:
-    """The kernel's form of each row's edited tokens (the sparse changes to q after α is solved): ``[b, m]`` arrays
-    of distinct in-vocabulary ids per row, ascending, the first ``n[r]`` of row r used (m ≥ 1)."""
-
-    ids: np.ndarray
-    """int64 token ids."""
-    count: np.ndarray
-    """float64: times the output holds each (the frequency and presence penalties read it)."""
-    seen: np.ndarray
-    """bool: in the prompt or the output, where the row's penalties are on (they apply to it)."""
-    masked: np.ndarray
-    """bool: removed from q (a stop token before min_tokens), whatever its penalty."""
-    bonus: np.ndarray
-    """float64: added to its log-weight after the penalties (the diversity's −λ·c; 0 elsewhere)."""
-    n: np.ndarray
-    """``[b]`` int64: edited tokens per row."""
-    penalty: np.ndarray
-    """``[b, 4]`` float64: repetition, frequency and presence penalties, and the shift that makes theta's row its raw
-    logits (its log-normaliser where the rows are log-softmax outputs and the repetition penalty is on, else 0)."""
-
-    @classmethod
-    def none(cls, rows: int) -> RowEdits:
-        """No row edits a token."""
-        return cls.empty(rows, 1)
-
-    @classmethod
-    def empty(cls, rows: int, width: int) -> RowEdits:
-        """Room for ``width`` edited tokens per row, none used."""
-        return cls(
-            np.zeros((rows, width), np.int64),
-            np.zeros((rows, width)),
-            np.zeros((rows, width), np.bool_),
-            np.zeros((rows, width), np.bool_),
-            np.zeros((rows, width)),
-            np.zeros(rows, np.int64),
-            np.tile([1.0, 0.0, 0.0, 0.0], (rows, 1)),
-        )
-
-
-@_jit_inline
-def _mark(tokens, lo, hi, bit, vocab, state, row_ids, k, tally, step):
-    """Mark ``tokens[lo:hi]`` (ids outside [0, vocab) skipped) with ``bit`` in ``state``, append each id not yet
-    marked to ``row_ids`` from position ``k``, and add ``step`` to its ``tally``; return the new ``k``."""
-    for j in range(lo, hi):
-        t = tokens[j]
-        if 0 <= t < vocab:
-            if state[t] == 0:
-                row_ids[k] = t
-                k += 1
-            state[t] |= bit
-            tally[t] += step
-    return k
-
-
-@_jit
-def _collect_edits(
-    vocab, prompt, prompt_at, output, output_at, stops, stops_at, taken, taken_at, penalised, lam, edits_out
-):
-    """Fill ``edits_out`` (ids, count, seen, masked, bonus, n of a :class:`RowEdits`) from each row's flat token
-    lists: row r's prompt is ``prompt[prompt_at[r]:prompt_at[r + 1]]``, likewise its output, its masked stop ids and
-    the tokens its group's earlier members took at this step (``taken``, one entry per member). A row's prompt and
-    output count only where ``penalised[r]``; ``lam[r]`` is its diversity penalty λ. Ids outside [0, vocab) are
-    skipped."""
-    ids, count, seen_out, masked_out, bonus, n = edits_out
-    state = np.zeros(vocab, np.int8)  # bits: 1 seen (penalised), 2 masked, 4 taken by a member
-    times = np.zeros(vocab, np.float64)
-    members = np.zeros(vocab, np.float64)
-    for r in range(n.size):
-        k = 0
-        if penalised[r]:
-            k = _mark(prompt, prompt_at[r], prompt_at[r + 1], 1, vocab, state, ids[r], k, times, 0.0)
-            k = _mark(output, output_at[r], output_at[r + 1], 1, vocab, state, ids[r], k, times, 1.0)
-        k = _mark(stops, stops_at[r], stops_at[r + 1], 2, vocab, state, ids[r], k, times, 0.0)
-        k = _mark(taken, taken_at[r], taken_at[r + 1], 4, vocab, state, ids[r], k, members, 1.0)
-        ids[r, :k] = np.sort(ids[r, :k])
-        for j in range(k):
-            t = ids[r, j]
-            count[r, j] = times[t]
-            seen_out[r, j] = (state[t] & 1) != 0
-            masked_out[r, j] = (state[t] & 2) != 0
-            bonus[r, j] = -lam[r] * members[t]
-            state[t] = 0
-            times[t] = 0.0
-            members[t] = 0.0
-        n[r] = k
-
-
-def _flat(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """(the lists' tokens end to end as int64, the offsets where each starts, and the end)."""
-    at = np.zeros(len(lists) + 1, np.int64)
-    at[1:] = np.cumsum([len(x) for x in lists])
-    flat = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(at[-1])) if at[-1] else np.zeros(0, np.int64)
-    return flat, at
-
-
-def row_edits(
-    rows: Sequence,
-    steps: Sequence[int],
-    outputs: Sequence[Sequence[int]] | None,
-    vocab: int,
-    theta_shift: Sequence[float] | None,
-    diversity: Sequence[dict[int, int]] | None = None,
-) -> RowEdits | None:
-    """The rows' edited tokens, or None where no row edits any: the stop tokens masked while a row's step is below
-    min_tokens, the tokens its penalties touch (its prompt's and output's; ``outputs``: each row's generated tokens;
-    ``theta_shift``: :attr:`RowEdits.penalty`'s shift per row, read only where a repetition penalty is on), and the
-    tokens its group's earlier members took at this step (``diversity``, with their counts)."""
-    penalties = Penalties()
-    penalised = [penalties.used(row) for row in rows]
-    stops = [row.stop_token_ids if step < row.min_tokens else () for row, step in zip(rows, steps)]
-    taken = [
-        [t for t, c in (diversity[r] if diversity is not None and row.diversity_penalty > 0 else {}).items()
-         for _ in range(c)]
-        for r, row in enumerate(rows)
-    ]  # fmt: skip
-    if not any(penalised) and not any(stops) and not any(taken):
-        return None
-    if any(penalised) and outputs is None:
-        raise ValueError("penalties need each row's generated tokens (outputs)")
-    prompts = [row.prompt_token_ids if p else () for row, p in zip(rows, penalised)]
-    generated = [outputs[r] if p else () for r, p in enumerate(penalised)]
-    width = max(1, *(len(p) + len(o) + len(s) + len(t) for p, o, s, t in zip(prompts, generated, stops, taken)))
-    edits = RowEdits.empty(len(rows), width)
-    lam = np.array([row.diversity_penalty for row in rows], dtype=np.float64)
-    parts = (edits.ids, edits.count, edits.seen, edits.masked, edits.bonus, edits.n)
-    _collect_edits(
-        vocab, *_flat(prompts), *_flat(generated), *_flat(stops), *_flat(taken), np.asarray(penalised), lam, parts
-    )
-    for r, row in enumerate(rows):
-        if not penalised[r]:
-            continue
-        shift = 0.0
-        if row.repetition_penalty != 1.0:
-            if theta_shift is None:
-                raise ValueError("the repetition penalty needs theta's log-normalisers (theta_log_normalisers)")
-            shift = float(theta_shift[r])
-        edits.penalty[r] = (row.repetition_penalty, row.frequency_penalty, row.presence_penalty, shift)
-    return edits
 
 
 def decide_fused(

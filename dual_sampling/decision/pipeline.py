@@ -363,27 +363,27 @@ def decide(
     warm = alpha_init if alpha_init is None or every else alpha_init[index.to(alpha_init.device)]
     uniforms = [counter_uniform(rows[i].seed, steps[i]) for i in fast]
     forced = [rows[i].force_first_token and steps[i] == 0 for i in fast]
-    if kernel_device(teacher_logits.device) == "cpu":
-        # Imported here, not at module level: a vLLM CPU worker imports this module (through the
-        # processors) before it scans every loaded module for Triton kernels, and that scan fails
-        # on an object of numba's LLVM binding.
-        from dual_sampling.decision.kernel import decide_fused, row_edits
+    # Imported here, not at module level: a vLLM CPU worker imports this module (through the processors) before it
+    # scans every loaded module for Triton kernels, and that scan fails on an object of numba's LLVM binding.
+    from dual_sampling.decision.edits import row_edits
 
-        edits = row_edits(
-            [rows[i] for i in fast],
-            [steps[i] for i in fast],
-            None if outputs is None else [outputs[i] for i in fast],
-            teacher_logits.shape[-1],
-            _theta_shift(theta_normalized, theta_log_normalisers, fast),
-            None if diversity is None else [diversity[i] for i in fast],
-        )
+    edits = row_edits(
+        [rows[i] for i in fast],
+        [steps[i] for i in fast],
+        None if outputs is None else [outputs[i] for i in fast],
+        teacher_logits.shape[-1],
+        _theta_shift(theta_normalized, theta_log_normalisers, fast),
+        None if diversity is None else [diversity[i] for i in fast],
+    )
+    if kernel_device(teacher_logits.device) == "cpu":
+        from dual_sampling.decision.kernel import decide_fused
+
         out, _ = decide_fused(teacher_part, theta_part, uniforms, forced, alpha_computer, warm, theta_normalized, edits)
         decided = torch.from_numpy(out)
     else:
         from dual_sampling.decision.gpu_kernel import decide_gpu
 
-        masked = [rows[i].stop_token_ids if steps[i] < rows[i].min_tokens else () for i in fast]
-        out = decide_gpu(teacher_part, theta_part, uniforms, forced, alpha_computer, warm, theta_normalized, masked)
+        out = decide_gpu(teacher_part, theta_part, uniforms, forced, alpha_computer, warm, theta_normalized, edits)
         decided = out.cpu()  # the step's one wait on the device: the tokens and records go to the host anyway
     handed_back = [fast[k] for k in (decided[:, 5] != 0).nonzero().flatten()]
     if handed_back:

@@ -29,7 +29,7 @@ class Diversity(Stage):
 
     order = 70
     settings = DiversitySettings
-    fused_on = frozenset({"cpu"})  # a sparse edit after α, as the penalties
+    fused_on = frozenset({"cpu", "cuda"})  # a sparse edit after α, as the penalties
 
     def check(self, options: Any) -> None:
         v = options.diversity_penalty

@@ -41,7 +41,7 @@ class Penalties(Stage):
 
     order = 40
     settings = PenaltySettings
-    fused_on = frozenset({"cpu"})  # a sparse edit after α; the GPU kernel does not take it yet
+    fused_on = frozenset({"cpu", "cuda"})  # a sparse edit after α (decision.edits), in both kernels
 
     def check(self, options: Any) -> None:
         p = options.repetition_penalty
