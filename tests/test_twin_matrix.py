@@ -9,7 +9,8 @@ broke exactness in a feature whose tests used easier models. So every mode runs 
   with a prompt cached before the update; the sampler–trainer mismatch helper on a tied and an untied student;
 - the speculative mode, on every pair vLLM's draft model takes (equal embedding rows, one kind of attention layer),
   and a refusal by name, before any engine starts, on the others;
-- the draw itself (``tests.draws``), in each mode, on a padded twin and an unpadded one.
+- the draw itself (``tests.draws``), in each mode, on a padded twin and an unpadded one;
+- the sampling surface on q in lockstep: penalties, a diverse group and a beam search, re-scored.
 
 One engine per twin and mode serves all of its cases (a module fixture parametrized by the pair). A feature added
 later joins this matrix: a test here, parametrized over the twins it applies to. With ``DUAL_SAMPLING_TWIN_MATRIX``
@@ -33,7 +34,7 @@ from dual_sampling import OptimalSamplingDual
 from dual_sampling.distill.mismatch import sampler_trainer_mismatch
 from dual_sampling.testing.twins import PADDING_MASS_PROMPT, TWIN_PAIRS, twin_pair
 from tests.draws import FIXED_ALPHA, LEVEL, first_token_p, two_token_p_values
-from tests.oracles import assert_dense_match_rescoring, assert_records_match_rescoring, np_mix
+from tests.oracles import assert_dense_match_rescoring, assert_records_match_rescoring, np_mix, rescore
 from tests.tolerances import BF16_RESCORE_ATOL, RESCORE_ATOL
 
 pytestmark = pytest.mark.engine
@@ -356,3 +357,40 @@ def test_lockstep_penalised_records_match_rescoring(lockstep):
                 assert abs(recorded - (row[token] - np.logaddexp.reduce(row))) < lockstep.atol, (role, t)
     CELLS.setdefault(f"{lockstep.name}/lockstep/penalised", {})["logq"] = worst
     assert worst < 2 * lockstep.atol, worst
+
+
+def test_lockstep_diverse_group_and_beam_search_records_match_rescoring(lockstep):
+    """A diverse group and a beam search on every twin, against float64 re-scoring at the recorded α.
+
+    Group: member i's log q at step t is log q_i(y), q_i ∝ q·exp(−λ·c_i), c_i counting the members before it that
+    took y at step t (its members step together: the engine admits a group at once). Beams: each token's log q is
+    q's at temperature 1 with no filter, given the beam's own prefix; a beam's score sums them."""
+    engine, (hf_teacher, hf_theta) = lockstep.engine, lockstep.hf
+    vocab, lam, tol = engine.vocab, 2.0, 2 * lockstep.atol
+    out = engine.generate(PROMPTS[1:2], n=3, max_tokens=8, seed=3, diversity_penalty=lam)
+    (request,) = out.requests
+    teacher_ids, theta_ids = list(request.teacher_prompt_token_ids), list(request.theta_prompt_token_ids)
+    members = request.samples
+    worst = {"group": 0.0, "beams": 0.0}
+    for i, sample in enumerate(members):
+        assert sample.ok, sample.error
+        lt = rescore(hf_teacher, teacher_ids, sample.token_ids, vocab).numpy()
+        lth = rescore(hf_theta, theta_ids, sample.token_ids, vocab).numpy()
+        for t, token in enumerate(sample.token_ids):
+            x = (1 - sample.alpha[t]) * lth[t] + sample.alpha[t] * lt[t]
+            for earlier in members[:i]:
+                if t < len(earlier.token_ids):
+                    x[earlier.token_ids[t]] -= lam
+            worst["group"] = max(worst["group"], abs(sample.logq[t] - (x[token] - np.logaddexp.reduce(x))))
+    (beams,) = engine.beam_search(PROMPTS[1:2], beam_width=2, max_tokens=6)
+    assert len(beams) == 2
+    for beam in beams:
+        lt = rescore(hf_teacher, teacher_ids, beam.tokens, vocab).numpy()
+        lth = rescore(hf_theta, theta_ids, beam.tokens, vocab).numpy()
+        for t, token in enumerate(beam.tokens):
+            x = (1 - beam.alpha[t]) * lth[t] + beam.alpha[t] * lt[t]
+            worst["beams"] = max(worst["beams"], abs(beam.logq[t] - (x[token] - np.logaddexp.reduce(x))))
+            assert abs(beam.logp_teacher[t] - lt[t][token]) < lockstep.atol
+            assert abs(beam.logp_theta[t] - lth[t][token]) < lockstep.atol
+    CELLS.setdefault(f"{lockstep.name}/lockstep/group-and-beams", {}).update(worst)
+    assert worst["group"] < tol and worst["beams"] < tol, worst
