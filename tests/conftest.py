@@ -18,7 +18,7 @@ import pytest
 from hypothesis import settings
 
 from dual_sampling.testing import tiny_models
-from tests import processes  # noqa: F401  (tags every process this session starts, before any starts)
+from tests import processes  # tags every process this session starts, before any starts
 from tests.budget import BudgetCheck
 
 settings.register_profile("default", derandomize=True, deadline=None)
@@ -30,6 +30,7 @@ ENGINE_FIXTURES = {"dual_engine", "load_engine"}
 
 def pytest_configure(config):
     config.pluginmanager.register(BudgetCheck(), "dual-sampling-budget")
+    config.pluginmanager.register(processes.EngineStarts(), "dual-sampling-engine-starts")
 
 
 def pytest_collection_modifyitems(items):

@@ -2,9 +2,12 @@
 
 Every process the session starts inherits the environment variable :data:`TAG_VARIABLE` (set when this module is
 imported, from conftest, before any engine starts), vLLM's engine processes and Ray's workers included, and keeps it
-after its parent dies. So "our processes" are the live ones whose environment carries the tag: another program on the
-machine, or another test session, is never counted. Our files are those under the names this package gives them in
-/dev/shm (sessions ``dual-sampling-*``, staged weights ``dual-sampling.<uid>/``).
+after its parent dies. But /proc shows a vLLM engine process's environment as empty once it has set its title
+(``VLLM::EngineCore``, ``VLLM::Worker``): the tag alone missed exactly the processes the fault tests are about. So
+"our processes" are those :data:`LINEAGE` has seen with the tag or born to one of ours, recorded from this module's
+import on: another program on the machine, or another test session, is never counted. Our files are those under
+the names this package gives them in /dev/shm (sessions ``dual-sampling-*``, staged weights
+``dual-sampling.<uid>/``).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -26,15 +30,64 @@ TAG_VARIABLE = "DUAL_SAMPLING_TEST_TAG"
 TAG = os.environ.setdefault(TAG_VARIABLE, uuid.uuid4().hex)
 
 
+class _Lineage:
+    """Every process this session started, by pid and start time: one whose environment carries the tag, or whose
+    parent is one already known. vLLM's engine processes need the second way: setting a process title overwrites the
+    environment that /proc shows (EngineCore's and Worker's read back empty). Scanned twice a second from this
+    module's import on (an engine lives for seconds at the least, its parent as long), and again at each query."""
+
+    def __init__(self) -> None:
+        self.known: dict[int, float] = {}
+        self.engine_cores: set[tuple[int, float]] = set()
+        """Those of them that became a vLLM engine core (the title comes after the start)."""
+        self._lock = threading.Lock()
+        threading.Thread(target=self._poll, name="test-process-lineage", daemon=True).start()
+
+    def _poll(self) -> None:
+        while True:
+            with contextlib.suppress(psutil.Error):
+                self.scan()
+            time.sleep(0.5)
+
+    def scan(self) -> list[psutil.Process]:
+        """Record the new processes of ours; return every live process seen."""
+        procs = list(psutil.process_iter(["ppid", "create_time", "status", "name"]))
+        with self._lock:
+            alive = {p.pid: p.info["create_time"] for p in procs}
+            for p in sorted(procs, key=lambda p: p.info["create_time"] or 0.0):  # parents before their children
+                pid, ppid = p.pid, p.info["ppid"]
+                if self.known.get(pid) == p.info["create_time"]:
+                    if (p.info["name"] or "").startswith("VLLM::EngineCor"):
+                        self.engine_cores.add((pid, p.info["create_time"]))
+                    continue
+                if pid == os.getpid():
+                    continue
+                parent_ours = ppid == os.getpid() or (ppid in self.known and self.known[ppid] == alive.get(ppid))
+                tagged = False
+                if not parent_ours:
+                    with contextlib.suppress(psutil.Error):
+                        tagged = p.environ().get(TAG_VARIABLE) == TAG
+                if parent_ours or tagged:
+                    self.known[pid] = p.info["create_time"]
+        return procs
+
+    def live(self) -> list[psutil.Process]:
+        """Our live (not zombie) processes, at any depth, orphans included."""
+        procs = self.scan()
+        with self._lock:
+            return [
+                p
+                for p in procs
+                if self.known.get(p.pid) == p.info["create_time"] and p.info["status"] != psutil.STATUS_ZOMBIE
+            ]
+
+
+LINEAGE = _Lineage()
+
+
 def tagged_processes() -> set[int]:
     """Live (not zombie) processes started by this test session, at any depth, orphans included."""
-    out = set()
-    for p in psutil.process_iter(["status"]):
-        with contextlib.suppress(psutil.Error):
-            if p.info["status"] != psutil.STATUS_ZOMBIE and p.environ().get(TAG_VARIABLE) == TAG:
-                out.add(p.pid)
-    out.discard(os.getpid())
-    return out
+    return {p.pid for p in LINEAGE.live()}
 
 
 _OWNER_PID = re.compile(
@@ -90,4 +143,26 @@ def settled(before: tuple[set[int], set[str]], timeout: float, files_too: bool =
         time.sleep(0.2)
 
 
-__all__ = ["TAG", "TAG_VARIABLE", "describe", "our_shm_files", "settled", "snapshot", "tagged_processes"]
+class EngineStarts:
+    """Counts the vLLM engines this session starts (their ``VLLM::EngineCore`` processes, in-process and in
+    subprocesses alike), for the terminal summary: engine starts and stops are most of the suite's time, so their
+    count says what a faster suite has to cut."""
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        LINEAGE.scan()
+        with LINEAGE._lock:
+            starts = len(LINEAGE.engine_cores)
+        terminalreporter.write_line(f"vLLM engines started by this session: {starts}")
+
+
+__all__ = [
+    "LINEAGE",
+    "TAG",
+    "TAG_VARIABLE",
+    "EngineStarts",
+    "describe",
+    "our_shm_files",
+    "settled",
+    "snapshot",
+    "tagged_processes",
+]
