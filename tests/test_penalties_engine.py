@@ -56,36 +56,31 @@ def vllm_steps(llm, prompt_ids: list[int], **penalties) -> tuple[list[int], list
 
 
 @pytest.fixture(scope="module", params=["theta", "teacher"])
-def side(request, tiny_same):
-    """(alpha, the dual engine, vLLM's engine of the model q equals at that α), one side at a time."""
+def side(request, tiny_same, dual_engine):
+    """(alpha, the session's dual engine at that fixed α, vLLM's engine of the model q equals there), one side at a
+    time; the dual engine's alpha settings are restored after."""
     from vllm import LLM
 
     teacher, theta = tiny_same
     alpha, folder = (0.0, theta) if request.param == "theta" else (1.0, teacher)
-    with OptimalSamplingDual(
-        teacher,
-        theta,
-        alpha_method="fixed",
-        alpha_config={"alpha": alpha},
-        max_num_seqs=2,
+    before = dual_engine.alpha_settings
+    dual_engine.update_alpha("fixed", alpha=alpha)
+    llm = LLM(
+        model=str(folder),
+        dtype="float32",
         max_model_len=128,
-        sync_timeout=30,
-        use_tqdm=False,
-    ) as dual:
-        llm = LLM(
-            model=str(folder),
-            dtype="float32",
-            max_model_len=128,
-            max_num_seqs=2,
-            enforce_eager=True,
-            logprobs_mode="processed_logprobs",
-            kv_cache_memory_bytes=64 << 20,
-            seed=0,
-        )
-        try:
-            yield request.param, dual, llm
-        finally:
-            del llm
+        max_num_seqs=2,
+        enforce_eager=True,
+        logprobs_mode="processed_logprobs",
+        kv_cache_memory_bytes=64 << 20,
+        seed=0,
+    )
+    try:
+        yield request.param, dual_engine, llm
+    finally:
+        del llm
+        method, config = before
+        dual_engine.update_alpha(method, **config)
 
 
 @pytest.mark.parametrize("penalties", PENALTIES)
