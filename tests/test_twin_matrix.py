@@ -366,22 +366,27 @@ def test_lockstep_diverse_group_and_beam_search_records_match_rescoring(lockstep
     took y at step t (its members step together: the engine admits a group at once). Beams: each token's log q is
     q's at temperature 1 with no filter, given the beam's own prefix; a beam's score sums them."""
     engine, (hf_teacher, hf_theta) = lockstep.engine, lockstep.hf
-    vocab, lam, tol = engine.vocab, 2.0, 2 * lockstep.atol
-    out = engine.generate(PROMPTS[1:2], n=3, max_tokens=8, seed=3, diversity_penalty=lam)
+    vocab, lam, temperature, tol = engine.vocab, 2.0, 0.3, 2 * lockstep.atol
+    # A low temperature puts q's mass on a few tokens, so the members' penalties move each law visibly.
+    out = engine.generate(PROMPTS[1:2], n=3, max_tokens=8, seed=3, diversity_penalty=lam, temperature=temperature)
     (request,) = out.requests
     teacher_ids, theta_ids = list(request.teacher_prompt_token_ids), list(request.theta_prompt_token_ids)
     members = request.samples
     worst = {"group": 0.0, "beams": 0.0}
+    moved = 0.0  # the positive control: how far the penalties moved a member's log q from plain q's
     for i, sample in enumerate(members):
         assert sample.ok, sample.error
         lt = rescore(hf_teacher, teacher_ids, sample.token_ids, vocab).numpy()
         lth = rescore(hf_theta, theta_ids, sample.token_ids, vocab).numpy()
         for t, token in enumerate(sample.token_ids):
-            x = (1 - sample.alpha[t]) * lth[t] + sample.alpha[t] * lt[t]
+            x = ((1 - sample.alpha[t]) * lth[t] + sample.alpha[t] * lt[t]) / temperature
+            plain = x[token] - np.logaddexp.reduce(x)
             for earlier in members[:i]:
                 if t < len(earlier.token_ids):
                     x[earlier.token_ids[t]] -= lam
-            worst["group"] = max(worst["group"], abs(sample.logq[t] - (x[token] - np.logaddexp.reduce(x))))
+            expected = x[token] - np.logaddexp.reduce(x)
+            worst["group"] = max(worst["group"], abs(sample.logq[t] - expected))
+            moved = max(moved, abs(expected - plain))
     (beams,) = engine.beam_search(PROMPTS[1:2], beam_width=2, max_tokens=6)
     assert len(beams) == 2
     for beam in beams:
@@ -394,3 +399,5 @@ def test_lockstep_diverse_group_and_beam_search_records_match_rescoring(lockstep
             assert abs(beam.logp_theta[t] - lth[t][token]) < lockstep.atol
     CELLS.setdefault(f"{lockstep.name}/lockstep/group-and-beams", {}).update(worst)
     assert worst["group"] < tol and worst["beams"] < tol, worst
+    # Without the group's penalties the oracle must miss by more than the check allows, or the cell could not tell.
+    assert moved > max(2 * tol, 0.05), f"the group's penalties moved no law measurably ({moved})"
