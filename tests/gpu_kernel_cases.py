@@ -188,11 +188,13 @@ def test_penalised_and_diverse_rows_are_the_references(interpreted, monkeypatch,
     assert fused.tokens.tolist() == reference.tokens.tolist()
     for name in ("alpha", "logp_teacher", "logp_theta", "logq"):
         torch.testing.assert_close(getattr(fused, name), getattr(reference, name).float(), atol=2e-5, rtol=0)
-    # A weight that overflows (frequency_penalty −2 on a token held 400 times: +800 on its logit) comes back.
-    big = [RowSampling(seed=1, frequency_penalty=-2.0)]
-    over = decide(teacher[:1], theta[:1], [400], big, computer, theta_normalized=normalized, outputs=[[5] * 400],
-                  theta_log_normalisers=lse[:1] if normalized else None)  # fmt: skip
-    assert over.handed_back.tolist() == [True] and over.tokens.tolist() == [5] and float(over.logq[0]) == 0.0
+    # A weight past float32's range in its block sum (frequency_penalty −2 on a token held 50 times: +100 on its
+    # logit) or past float64's (400 times: +800) comes back, and the reference draws that token.
+    for times in (50, 400):
+        big = [RowSampling(seed=1, frequency_penalty=-2.0)]
+        over = decide(teacher[:1], theta[:1], [times], big, computer, theta_normalized=normalized,
+                      outputs=[[5] * times], theta_log_normalisers=lse[:1] if normalized else None)  # fmt: skip
+        assert over.handed_back.tolist() == [True] and over.tokens.tolist() == [5], times
     # The edits moved the law: without them, other tokens come out of the same uniforms.
     plain = [RowSampling(seed=r) for r in range(b)]
     unedited = decide(teacher, theta, [len(o) for o in outputs], plain, computer, theta_normalized=normalized)

@@ -309,7 +309,9 @@ def _decide_rows(
         tl.store(at, tl.maximum(tl.load(at) + delta.to(tl.float32), 0.0), mask=valid)
         # Two edits in one block: the next load must see this store, whichever thread made it.
         tl.debug_barrier()
-    ok = finite & (s0 >= TINY) & (total >= 0.5 * s0) & (total < inf) & (~unconverged)
+    # A total past 1e38 may hold a block sum past float32's range (a penalty that raised a logit by ~90 nats): the
+    # draw could not place its target in that block, so the row goes to the reference.
+    ok = finite & (s0 >= TINY) & (total >= 0.5 * s0) & (total < 1e38) & (~unconverged)
 
     # 5. The draw: the block holding u·Σw, from the block sums; then the token inside it.
     # The block sums (the last pass's and the masked ones) were stored by one thread; Triton orders global memory
