@@ -178,7 +178,10 @@ def test_penalised_and_diverse_rows_are_the_references(interpreted, monkeypatch,
         diversity.append({int(t): 1 + k for k, t in enumerate(history[:2])} if r % 4 == 3 else {})
     taken = []
     kernel = interpreted.decide_gpu
-    monkeypatch.setattr(interpreted, "decide_gpu", lambda t, *a, **k: taken.append(len(t)) or kernel(t, *a, **k))
+    # 64-token blocks: the edits fall in five blocks (the sums and the draw's block filter are per block).
+    monkeypatch.setattr(
+        interpreted, "decide_gpu", lambda t, *a, **k: taken.append(len(t)) or kernel(t, *a, **{**k, "block": 64})
+    )
     computer = get_alpha_computer("kl_symmetry")
     shared = dict(theta_normalized=normalized, outputs=outputs, diversity=diversity)
     shared["theta_log_normalisers"] = lse if normalized else None

@@ -74,11 +74,12 @@ try:
     SamplingOptions(recency_penalty=-1.0)
 except ValueError as exc:
     out["refused"] = str(exc)
-opts = SamplingOptions(recency_penalty=2.5, temperature=0.8, max_tokens=16)
+opts = SamplingOptions(recency_penalty=2.5, max_tokens=16)
 row = opts.row(7, masked_before_min_tokens=(0,))
 out["round_trip"] = RowSampling.from_dict(json.loads(json.dumps(row.to_dict()))) == row
 out["row_value"] = row.recency_penalty
-out["kernel_takes_it"] = kernel_rows([row], FixedAlpha(alpha=0.4), torch.device("cpu"))[0]
+plain_row = dataclasses.replace(row, recency_penalty=0.0)
+out["kernel_takes"] = kernel_rows([row, plain_row], FixedAlpha(alpha=0.4), torch.device("cpu"))
 try:
     check_speculative(DualRequest([5, 6, 7], [5, 6, 7], dataclasses.replace(row, seed=1), max_tokens=8))
 except ValueError as exc:
@@ -95,9 +96,8 @@ lt = torch.log_softmax(teacher.double(), -1)[0].numpy()
 lth = torch.log_softmax(theta.double(), -1)[0].numpy()
 z = (1 - alpha) * lth + alpha * lt
 z[last] -= 2.5
-z /= 0.8
 q = np.exp(z - np.logaddexp.reduce(z))
-plain = np.exp(((1 - alpha) * lth + alpha * lt) / 0.8)
+plain = np.exp((1 - alpha) * lth + alpha * lt)
 plain /= plain.sum()
 counts = np.bincount(d.tokens.numpy(), minlength=V)
 out["p_value"] = _chi_square_p(counts, draws * q)
@@ -129,7 +129,7 @@ def test_a_new_stage_module_reaches_every_surface(tmp_path):
     assert out["stages"].index("Recency") == out["stages"].index("Penalties") + 1  # order 45: before Temperature
     assert "recency_penalty" in out["refused"]
     assert out["round_trip"] and out["row_value"] == 2.5
-    assert out["kernel_takes_it"] is False  # no kernel implements it: the reference decides its rows
+    assert out["kernel_takes"] == [False, True]  # no kernel implements it: the reference decides its rows
     assert "recency_penalty" in out["speculative"]
     assert out["p_value"] > 1e-3
     assert out["control_p_value"] < 1e-6  # the draws do see the penalty

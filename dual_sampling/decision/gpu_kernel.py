@@ -195,9 +195,9 @@ def _decide_rows(
     unconverged).
 
     ``params`` holds (fixed α, alpha_min, alpha_max, tol, xtol) in float64 (scalar arguments would be float32);
-    ``force`` (0 or 1), ``penalty`` (``[b, 4]``: repetition, frequency, presence, theta's shift) and ``edits``
-    (``[b, n_edits, 5]``: token id or −1, output count, seen, masked, bonus) are float64 too, parts of the same
-    staged copy.
+    ``force`` (0 or 1), ``penalty`` (``[b, 5]``: repetition, frequency, presence, theta's shift, the row's count of
+    edits) and ``edits`` (``[b, n_edits, 5]``: token id or −1, output count, seen, masked, bonus; each row loops over
+    its own count only) are float64 too, parts of the same staged copy.
     """
     row = tl.program_id(0).to(tl.int64)
     fixed_alpha = tl.load(params_ptr + 0)
@@ -209,10 +209,11 @@ def _decide_rows(
     h_row = theta_ptr + row * row_stride_h
     blocks_row = blocks_ptr + row * n_blocks
     edits_row = edits_ptr + row * n_edits * 5
-    rep = tl.load(penalty_ptr + row * 4 + 0)
-    freq = tl.load(penalty_ptr + row * 4 + 1)
-    pres = tl.load(penalty_ptr + row * 4 + 2)
-    shift = tl.load(penalty_ptr + row * 4 + 3)
+    rep = tl.load(penalty_ptr + row * 5 + 0)
+    freq = tl.load(penalty_ptr + row * 5 + 1)
+    pres = tl.load(penalty_ptr + row * 5 + 2)
+    shift = tl.load(penalty_ptr + row * 5 + 3)
+    row_edits = tl.load(penalty_ptr + row * 5 + 4).to(tl.int32)  # this row's edits: the rest are padding
     out_row = out_ptr + row * 8
     inf = float("inf")
 
@@ -300,7 +301,7 @@ def _decide_rows(
     # mass, the subtraction would cancel: such a row goes to the reference (the CPU kernel re-sums its blocks).
     a32 = alpha.to(tl.float32)
     total = s0
-    for j in range(0, n_edits):
+    for j in range(0, row_edits):
         m, plain, edited = _edit(edits_row, j, t_row, h_row, h_max, t_max, a32, alpha, rep, freq, pres, shift)
         valid = m >= 0
         delta = tl.where(valid, tl.exp(edited) - tl.exp(plain).to(tl.float64), 0.0)
@@ -339,7 +340,7 @@ def _decide_rows(
     found_before = tl.where(past_end, total - block_sum, found_before)
     offs, inside, t, h = _load_block(t_row, h_row, k * BLOCK, V, BLOCK, 0.0)
     w = tl.where(inside, tl.exp(_log_weight(h, t, h_max, t_max, a32)), 0.0).to(tl.float64)
-    for j in range(0, n_edits):
+    for j in range(0, row_edits):
         m, plain, edited = _edit(edits_row, j, t_row, h_row, h_max, t_max, a32, alpha, rep, freq, pres, shift)
         if (m >= 0) & (m // BLOCK == k):  # a vector pass only for the edits in this block
             w = tl.where(offs == m, tl.exp(edited), w)
@@ -356,7 +357,7 @@ def _decide_rows(
     t_tok = tl.load(t_row + safe_token).to(tl.float32)
     h_tok = tl.load(h_row + safe_token).to(tl.float32)
     log_w = _log_weight(h_tok, t_tok, h_max, t_max, a32).to(tl.float64)
-    for j in range(0, n_edits):
+    for j in range(0, row_edits):
         m, plain, edited = _edit(edits_row, j, t_row, h_row, h_max, t_max, a32, alpha, rep, freq, pres, shift)
         log_w = tl.where(m == safe_token, edited, log_w)
     log_q = log_w - tl.log(tl.maximum(total, 1e-300))
@@ -425,13 +426,13 @@ def decide_gpu(
     even = b + b % 2
     u_at, force_at = 8, 8 + even
     penalty_at = force_at + even
-    edits_at = penalty_at + 4 * even
+    edits_at = penalty_at + 5 * even
     host = torch.zeros(edits_at + per_edit.size, dtype=torch.float64, pin_memory=device.type == "cuda")
     staged = host.numpy()
     staged[:5] = limits
     staged[u_at : u_at + b] = uniforms
     staged[force_at : force_at + b] = force_teacher
-    staged[penalty_at : penalty_at + 4 * b] = edits.penalty.reshape(-1)
+    staged[penalty_at : penalty_at + 5 * b] = np.concatenate([edits.penalty, edits.n[:, None]], axis=1).reshape(-1)
     staged[edits_at:] = per_edit.reshape(-1)
     packed = host.to(device, non_blocking=True)
     n_blocks = triton.cdiv(vocab, block)
