@@ -52,23 +52,28 @@ class _Lineage:
     def scan(self) -> list[psutil.Process]:
         """Record the new processes of ours; return every live process seen."""
         procs = list(psutil.process_iter(["ppid", "create_time", "status", "name"]))
+        procs = [p for p in procs if p.info["create_time"] is not None]  # unreadable: never taken for ours
         with self._lock:
             alive = {p.pid: p.info["create_time"] for p in procs}
-            for p in sorted(procs, key=lambda p: p.info["create_time"] or 0.0):  # parents before their children
-                pid, ppid = p.pid, p.info["ppid"]
-                if self.known.get(pid) == p.info["create_time"]:
-                    if (p.info["name"] or "").startswith("VLLM::EngineCor"):
-                        self.engine_cores.add((pid, p.info["create_time"]))
-                    continue
-                if pid == os.getpid():
-                    continue
-                parent_ours = ppid == os.getpid() or (ppid in self.known and self.known[ppid] == alive.get(ppid))
-                tagged = False
-                if not parent_ours:
-                    with contextlib.suppress(psutil.Error):
-                        tagged = p.environ().get(TAG_VARIABLE) == TAG
-                if parent_ours or tagged:
-                    self.known[pid] = p.info["create_time"]
+            added = True
+            while added:  # until nothing new: a child may be listed before its parent (start times tie at 10 ms)
+                added = False
+                for p in procs:
+                    pid, ppid = p.pid, p.info["ppid"]
+                    if self.known.get(pid) == p.info["create_time"]:
+                        if (p.info["name"] or "").startswith("VLLM::EngineCor"):
+                            self.engine_cores.add((pid, p.info["create_time"]))
+                        continue
+                    if pid == os.getpid():
+                        continue
+                    parent_ours = ppid == os.getpid() or (ppid in self.known and self.known[ppid] == alive.get(ppid))
+                    tagged = False
+                    if not parent_ours:
+                        with contextlib.suppress(psutil.Error):
+                            tagged = p.environ().get(TAG_VARIABLE) == TAG
+                    if parent_ours or tagged:
+                        self.known[pid] = p.info["create_time"]
+                        added = True
         return procs
 
     def live(self) -> list[psutil.Process]:

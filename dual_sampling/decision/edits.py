@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
+from dual_sampling.decision.stages.diversity import Diversity
 from dual_sampling.decision.stages.penalties import Penalties
 
 __all__ = ["RowEdits", "row_edits"]
@@ -133,11 +134,11 @@ def row_edits(
     min_tokens, the tokens its penalties touch (its prompt's and output's; ``outputs``: each row's generated tokens;
     ``theta_shift``: :attr:`RowEdits.penalty`'s shift per row, read only where a repetition penalty is on), and the
     tokens its group's earlier members took at this step (``diversity``, with their counts)."""
-    penalties = Penalties()
+    penalties, diverse = Penalties(), Diversity()
     penalised = [penalties.used(row) for row in rows]
     stops = [row.stop_token_ids if step < row.min_tokens else () for row, step in zip(rows, steps)]
     taken = [
-        [t for t, c in (diversity[r] if diversity is not None and row.diversity_penalty > 0 else {}).items()
+        [t for t, c in (diversity[r] if diversity is not None and diverse.used(row) else {}).items()
          for _ in range(c)]
         for r, row in enumerate(rows)
     ]  # fmt: skip
