@@ -76,6 +76,12 @@ class _Lineage:
                         added = True
         return procs
 
+    def engine_starts(self) -> int:
+        """vLLM engine cores among our processes so far, live or gone."""
+        self.scan()
+        with self._lock:
+            return len(self.engine_cores)
+
     def live(self) -> list[psutil.Process]:
         """Our live (not zombie) processes, at any depth, orphans included."""
         procs = self.scan()
@@ -154,10 +160,7 @@ class EngineStarts:
     count says what a faster suite has to cut."""
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        LINEAGE.scan()
-        with LINEAGE._lock:
-            starts = len(LINEAGE.engine_cores)
-        terminalreporter.write_line(f"vLLM engines started by this session: {starts}")
+        terminalreporter.write_line(f"vLLM engines started by this session: {LINEAGE.engine_starts()}")
 
 
 __all__ = [

@@ -159,7 +159,7 @@ def row_edits(
         if not penalised[r]:
             continue
         shift = 0.0
-        if row.repetition_penalty != 1.0:
+        if penalties.needs_logit_offset(row):
             if theta_shift is None:
                 raise ValueError("the repetition penalty needs theta's log-normalisers (theta_log_normalisers)")
             shift = float(theta_shift[r])
