@@ -8,6 +8,9 @@ prompts, turns :class:`SamplingOptions` into one request per sample, and assembl
 It is the one door for front ends: the server and the distillation loop prepare prompts, pause
 and resume, relabel and read weight versions, and read health and statistics through it, never
 through the driver.
+
+One module over 500 lines: it is that one door (sampling, beam search, streaming, weights, state), and a second
+module would give front ends two.
 """
 
 from __future__ import annotations
@@ -24,8 +27,16 @@ from pathlib import Path
 from typing import Any
 
 from alpha import get_alpha_computer
-from dual_sampling.beams import BeamSearchOptions, BeamSequence, Candidates, decision_candidates, run_beam_search
+from dual_sampling.beams import (
+    BeamSearchOptions,
+    BeamSequence,
+    Candidates,
+    beam_samples,
+    decision_candidates,
+    run_beam_search,
+)
 from dual_sampling.checks import require
+from dual_sampling.decision.pipeline import RowSampling
 from dual_sampling.driver.lockstep_driver import LockstepDriver
 from dual_sampling.driver.loop_thread import as_coroutine
 from dual_sampling.driver.requests import DualRequest, PromptPair, prompt_pairs
@@ -155,17 +166,21 @@ class OptimalSamplingDual:
         if prompt_keys is not None and len(prompt_keys) != len(prompts):
             raise ValueError(f"prompt_keys has {len(prompt_keys)} entries but prompts has {len(prompts)}")
         keys = list(prompt_keys) if prompt_keys is not None else list(range(len(prompts)))
-        requests = [
-            [self.request(pair, opts, derive_seed(opts.seed, keys[i], j), group, j) for j in range(opts.draws)]
-            for i, pair in enumerate(pairs)
-            # A diverse group's id pairs its samples in the teacher's processor only: any unique number will do.
-            for group in [secrets.randbits(62) + 1 if opts.diversity_penalty > 0 else 0]
-        ]
-        show = self.config.use_tqdm if use_tqdm is None else use_tqdm
-        samples = self.driver.call(self._sample_all([r for per in requests for r in per], show))
-        out, it = [], iter(samples)
-        for i, pair in enumerate(pairs):
-            mine = [next(it) for _ in range(opts.draws)]
+        seeds = [[derive_seed(opts.seed, keys[i], j) for j in range(opts.draws)] for i in range(len(pairs))]
+        if opts.use_beam_search:
+            per_prompt = self.driver.call(self._search_all(pairs, opts, seeds))
+        else:
+            requests = [
+                [self.request(pair, opts, seeds[i][j], group, j) for j in range(opts.draws)]
+                for i, pair in enumerate(pairs)
+                # A diverse group's id pairs its samples in the teacher's processor only: any unique number will do.
+                for group in [secrets.randbits(62) + 1 if opts.diversity_penalty > 0 else 0]
+            ]
+            show = self.config.use_tqdm if use_tqdm is None else use_tqdm
+            it = iter(self.driver.call(self._sample_all([r for per in requests for r in per], show)))
+            per_prompt = [[next(it) for _ in range(opts.draws)] for _ in pairs]
+        out = []
+        for i, (pair, mine) in enumerate(zip(pairs, per_prompt)):
             if opts.score is not None:
                 mine = [scored(sample, prompts[i], opts.score) for sample in mine]
             if opts.best_of:
@@ -186,14 +201,14 @@ class OptimalSamplingDual:
         """Beam search over q as vLLM's ``LLM.beam_search`` runs it (``dual_sampling.beams``): per prompt, its best
         ``beam_width`` beams by cum log q / length^length_penalty, each token with its α, log π_t, log π_θ and log q."""
         self._check_open()
-        require(self.config.mode == "lockstep", "beam_search is served in mode='lockstep' only")
+        self._require_lockstep("beam_search")
         options = BeamSearchOptions(
             beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty, ignore_eos=ignore_eos
         )
         pairs = prompt_pairs(self.tokenizer, self.vocab, self.max_model_len, prompts, teacher_prompts)
         room = min(p.room for p in pairs)
         require(max_tokens <= room, f"max_tokens={max_tokens} does not fit: a prompt leaves {room} tokens")
-        row = SamplingOptions(max_tokens=1, temperature=0.0, top_logprobs=2 * beam_width).row(0, self.eos_token_ids)
+        row = self._beam_step_row(options)
 
         def step(prefixes: list[tuple[list[int], list[int]]]) -> list[Candidates]:
             requests = [DualRequest(teacher, theta, row, 1) for teacher, theta in prefixes]
@@ -203,6 +218,39 @@ class OptimalSamplingDual:
         for beam in (beam for beams in out for beam in beams):
             beam.text = decode(self.tokenizer, beam.tokens)
         return out
+
+    async def beam_search_samples(
+        self, pair: PromptPair, opts: SamplingOptions, seeds: Sequence[int]
+    ) -> list[SampleRecord]:
+        """The beam search ``opts`` asks for (``use_beam_search``) on one prepared prompt pair, from any asyncio loop:
+        its n best beams as samples, best first, labelled with ``seeds``; at most the pair's room of tokens each. A
+        search that fails fails its own beams only (``dual_sampling.beams.beam_samples``)."""
+        self._require_lockstep("use_beam_search")
+        options = dataclasses.replace(opts.beam_search(), max_tokens=min(opts.max_tokens, pair.room))
+        row = self._beam_step_row(options)
+        search = beam_samples(
+            self.driver.stream,
+            lambda teacher, theta: DualRequest(teacher, theta, row, 1),
+            (list(pair.teacher_ids), list(pair.theta_ids)),
+            options,
+            self.eos_token_ids,
+            self.tokenizer,
+            seeds,
+        )
+        return await self.driver.thread.run(search)
+
+    def _beam_step_row(self, options: BeamSearchOptions) -> RowSampling:
+        """A search step's one-token decision: q's 2·beam_width most likely tokens reported (the candidates)."""
+        step = SamplingOptions(max_tokens=1, temperature=0.0, top_logprobs=2 * options.beam_width)
+        return step.row(0, self.eos_token_ids)
+
+    def _require_lockstep(self, what: str) -> None:
+        require(self.config.mode == "lockstep", f"{what} is served in mode='lockstep' only")
+
+    async def _search_all(
+        self, pairs: Sequence[PromptPair], opts: SamplingOptions, seeds: Sequence[Sequence[int]]
+    ) -> list[list[SampleRecord]]:
+        return list(await asyncio.gather(*(self.beam_search_samples(p, opts, s) for p, s in zip(pairs, seeds))))
 
     async def _sample_all(self, requests: list[DualRequest], show: bool) -> list[SampleRecord]:
         from tqdm.auto import tqdm
@@ -378,6 +426,7 @@ class OptimalSamplingDual:
         """
         self._check_open()
         opts = sampling or self._options(**options)
+        require(not opts.use_beam_search, "use_beam_search returns whole beams: use generate(), not stream()")
         seed = derive_seed(opts.seed, sample_key, sample_index)
         request = self.request(self.prepare(prompt, teacher_prompt), opts, seed)
         request.request_id = request_id
@@ -427,6 +476,8 @@ class OptimalSamplingDual:
     def check(self, pair: PromptPair, opts: SamplingOptions) -> None:
         """Refuse, with a ValueError that begins with the field's name, a prompt pair and options this engine cannot
         serve: the checks a sample's start runs, for callers that answer before starting (the server)."""
+        if opts.use_beam_search:
+            self._require_lockstep("use_beam_search")
         self.driver.check(self.request(pair, opts, opts.seed))
 
     def prepare(self, prompt: str | Sequence[int], teacher_prompt: str | Sequence[int] | None = None) -> PromptPair:

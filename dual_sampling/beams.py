@@ -6,6 +6,10 @@ beam's cumulative log q; a candidate that is an EOS id ends its beam (unless ``i
 of the rest live on. At the end the finished and the live beams are ranked by cum log q / length^length_penalty,
 the length counting generated tokens without a final EOS. Every token of a beam keeps its α, log π_t, log π_θ and
 log q: q here is the mixture at temperature 1 with no filter, the law the beam's score sums.
+
+:func:`beam_samples` runs one prompt's search as the samples a request returns (``SamplingOptions.use_beam_search``
+in ``generate()``, the server and data runs): each beam a :class:`~dual_sampling.records.SampleRecord`, and a search
+that fails or spans two weight versions fails its beams by name, never its neighbours'.
 """
 
 from __future__ import annotations
@@ -17,12 +21,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dual_sampling.checks import is_count, is_number, require
+from dual_sampling.records import SampleRecord
+from dual_sampling.text import decode
 
 __all__ = [
     "MAX_BEAM_WIDTH",
     "BeamSearchOptions",
     "BeamSequence",
     "Candidates",
+    "beam_samples",
     "beam_score",
     "beam_steps",
     "decision_candidates",
@@ -77,6 +84,26 @@ class BeamSequence:
     def cum_logq(self) -> float:
         return math.fsum(self.logq)
 
+    def sample(self, seed: int, versions: tuple[str, str], eos_ids: Sequence[int]) -> SampleRecord:
+        """This finished beam as a sample's record: its tokens (as both engines took them) with their records;
+        ``versions`` (teacher's, theta's) drew every token; a beam ended by an EOS id names it as its stop reason."""
+        stop = self.tokens[-1] if self.finish_reason == "stop" and self.tokens[-1] in eos_ids else None
+        return SampleRecord(
+            self.text,
+            list(self.tokens),
+            self.finish_reason,
+            seed,
+            list(self.alpha),
+            list(self.logp_teacher),
+            list(self.logp_theta),
+            list(self.logq),
+            list(self.tokens),
+            list(self.tokens),
+            stop_reason=stop,
+            teacher_version=versions[0],
+            theta_version=versions[1],
+        )
+
 
 @dataclass
 class Candidates:
@@ -88,6 +115,8 @@ class Candidates:
     logp_teacher: Sequence[float]
     logp_theta: Sequence[float]
     alpha: float
+    versions: tuple[str, str] = ("0", "0")
+    """The (teacher's, theta's) weight versions that made this decision."""
 
 
 def beam_score(beam: BeamSequence, eos_ids: Sequence[int], length_penalty: float) -> float:
@@ -197,6 +226,51 @@ async def decision_candidates(stream: Callable[[Any], AsyncIterator[Any]], reque
         if sample is None or sample.error is not None or top is None:
             raise RuntimeError(f"beam search: a step's request failed ({sample.error if sample else 'no sample'})")
         ids, logq, logp_teacher, logp_theta = (part[0].tolist() for part in top)
-        return Candidates(ids, logq, logp_teacher, logp_theta, alpha)
+        return Candidates(ids, logq, logp_teacher, logp_theta, alpha, (sample.teacher_version, sample.theta_version))
 
     return list(await asyncio.gather(*(one(r) for r in requests)))
+
+
+async def beam_samples(
+    stream: Callable[[Any], AsyncIterator[Any]],
+    make_request: Callable[[list[int], list[int]], Any],
+    prompt: tuple[list[int], list[int]],
+    options: BeamSearchOptions,
+    eos_ids: Sequence[int],
+    tokenizer: Any,
+    seeds: Sequence[int],
+) -> list[SampleRecord]:
+    """One prompt's (teacher's ids, theta's ids) beam search as ``options.beam_width`` samples, best first.
+
+    ``make_request`` builds a step's one-token request from a beam's (teacher's, theta's) ids and ``stream`` runs it
+    (:func:`decision_candidates`); ``seeds`` label the samples (a search draws nothing at random). A step that fails,
+    or decisions made by more than one weight version (a score summed over two policies ranks nothing), fail every
+    beam of this search alone: ``finish_reason="error"`` with the ``error`` named, no tokens, never training data.
+    Fewer than beam_width beams (q gave the search fewer distinct continuations) pad with such failures too.
+    """
+    seen: set[tuple[str, str]] = set()
+
+    async def step(prefixes: list[tuple[list[int], list[int]]]) -> list[Candidates]:
+        found = await decision_candidates(stream, [make_request(teacher, theta) for teacher, theta in prefixes])
+        seen.update(c.versions for c in found)
+        return found
+
+    def failed(seed: int, error: str) -> SampleRecord:
+        return SampleRecord("", [], "error", seed, error=error)
+
+    try:
+        (beams,) = await run_beam_search_async([prompt], options, eos_ids, step)
+    except RuntimeError as exc:
+        return [failed(seed, f"beam_search_failed: {exc}") for seed in seeds]
+    if len(seen) > 1:
+        error = f"weight_update during the beam search: its decisions came from versions {sorted(seen)}"
+        return [failed(seed, error) for seed in seeds]
+    versions = seen.pop() if seen else ("0", "0")
+    out = []
+    for k, seed in enumerate(seeds):
+        if k >= len(beams):
+            out.append(failed(seed, f"beam_search_short: q gave {len(beams)} beams of {options.beam_width}"))
+            continue
+        beams[k].text = decode(tokenizer, beams[k].tokens)
+        out.append(beams[k].sample(seed, versions, eos_ids))
+    return out

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from alpha import get_alpha_computer
+from dual_sampling.beams import MAX_BEAM_WIDTH, BeamSearchOptions
 from dual_sampling.checks import MAX_COUNT, is_count, is_int, is_number, require
 from dual_sampling.decision.pipeline import RowSampling
 from dual_sampling.decision.stages import LOGIT_BIAS_LIMIT, STAGES, DecisionOptions, needs_prompt
@@ -49,6 +50,9 @@ UNSUPPORTED_SAMPLING = ("bad_words",)
 """vLLM options that would act after the token is forced; refused by name."""
 MODES = ("lockstep", "speculative")
 """How a dual engine draws tokens from q (:attr:`EngineOptions.mode`)."""
+BEAM_SEARCH = {"beam_search": True}
+"""Field metadata of a sampling setting that a beam search reads (:attr:`SamplingOptions.use_beam_search`); every
+other setting must keep its default there."""
 RUNTIME_ONLY = {"changes_records": False}
 """Field metadata of a setting that changes how samples are drawn (speed, memory, progress, where), never which:
 a data run leaves it out of its identity, so ``--resume`` may change it."""
@@ -71,26 +75,32 @@ class SamplingOptions(DecisionOptions):
     settings are :class:`~dual_sampling.decision.stages.DecisionOptions`' (each checked by the stage that applies
     it); these are the request's."""
 
-    max_tokens: int = 256
+    max_tokens: int = field(default=256, metadata=BEAM_SEARCH)
     """Generated tokens per sample at most (also capped by the room the longer prompt leaves in max_model_len)."""
     stop: list[str] = field(default_factory=list)
     """Stop strings (at most 16, of at most 256 characters): a sample ends at the token that completes one; its
     text ends before it."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end a sample, besides both models' EOS ids."""
-    n: int = 1
+    n: int = field(default=1, metadata=BEAM_SEARCH)
     """Samples per prompt."""
     best_of: int | None = None
     """Draw this many samples per prompt (>= n) and keep the n with the highest best_of_score."""
     best_of_score: str = "logq"
     """Score for best_of: logq, logp_theta or logp_teacher summed over the sample's tokens, or with _mean (logq_mean,
     ...) averaged per token, which does not favour short samples. A user ``score`` replaces it."""
-    score: str | ScoreFunction | None = None
+    score: str | ScoreFunction | None = field(default=None, metadata=BEAM_SEARCH)
     """A user score of each complete sample, recorded with its name (SampleRecord.score): a callable f(prompt,
     sample) -> float (prompt: as passed to generate), or "module:function" naming one; best_of keeps the n highest.
     A function that raises, or returns no finite number, fails that sample as score_error."""
-    seed: int = 0
+    seed: int = field(default=0, metadata=BEAM_SEARCH)
     """Seed of the call; sample j of prompt i is drawn with a seed derived from (seed, prompt key, j)."""
+    use_beam_search: bool = field(default=False, metadata=BEAM_SEARCH)
+    """Return each prompt's n best beams over q (beam width n, at most 10) instead of n samples, ranked by
+    cum log q / length^length_penalty, as vLLM's beam search; a search is deterministic, so every setting but n,
+    max_tokens, seed, score and length_penalty keeps its default."""
+    length_penalty: float = field(default=1.0, metadata=BEAM_SEARCH)
+    """With use_beam_search: the final ranking's exponent of the length (1: mean log q per token; 0: the sum)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -153,6 +163,31 @@ class SamplingOptions(DecisionOptions):
             is_int(self.dense_logprobs) and self.dense_logprobs >= 0,
             f"dense_logprobs must be a non-negative integer, got {self.dense_logprobs!r}",
         )
+        self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        """use_beam_search and length_penalty: the width is n, and a setting a search does not use is refused by
+        name rather than ignored."""
+        require(
+            isinstance(self.use_beam_search, bool),
+            f"use_beam_search must be true or false, got {self.use_beam_search!r}",
+        )
+        if is_int(self.length_penalty):
+            self.length_penalty = float(self.length_penalty)
+        require(is_number(self.length_penalty), f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not self.use_beam_search:
+            require(self.length_penalty == 1.0, "length_penalty acts on beam search only (use_beam_search)")
+            return
+        require(self.n <= MAX_BEAM_WIDTH, f"n (the beam width) must be at most {MAX_BEAM_WIDTH} with use_beam_search")
+        plain = SamplingOptions(max_tokens=self.max_tokens)
+        for f in dataclasses.fields(SamplingOptions):
+            if not f.metadata.get("beam_search") and getattr(self, f.name) != getattr(plain, f.name):
+                raise ValueError(f"{f.name} is not used by beam search (use_beam_search); leave it out")
+
+    def beam_search(self) -> BeamSearchOptions:
+        """The search these options ask for (:attr:`use_beam_search`): n beams of at most max_tokens tokens."""
+        require(self.use_beam_search, "use_beam_search is not set")
+        return BeamSearchOptions(beam_width=self.n, max_tokens=self.max_tokens, length_penalty=self.length_penalty)
 
     def row(
         self,

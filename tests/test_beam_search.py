@@ -7,13 +7,17 @@ width 1 against greedy decoding of q.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import math
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from dual_sampling.beams import BeamSearchOptions, Candidates, run_beam_search
+from dual_sampling.api import derive_seed
+from dual_sampling.beams import BeamSearchOptions, Candidates, beam_samples, run_beam_search
+from dual_sampling.options import SamplingOptions
 from tests.oracles import assert_records_match_rescoring
 
 VOCAB, EOS = 6, 0
@@ -101,3 +105,119 @@ def test_beams_on_the_engines_carry_exact_records_and_width_one_is_greedy(dual_e
         assert best.tokens == sample.samples[0].token_ids
     with pytest.raises(ValueError, match="max_tokens=300 does not fit"):
         dual_engine.beam_search(prompts, beam_width=2, max_tokens=300)
+
+
+# ---------------------------------------------------------------- beam search as a request's samples (use_beam_search)
+
+
+def _a_valid_other_value(name: str):
+    """A value of setting ``name`` that SamplingOptions takes without beam search and that is not its default (the
+    first that works of a few tries), or None."""
+    default = getattr(SamplingOptions(), name)
+    tries = [1, 2, True, ["x"], [1], {1: 1.0}, "logq_mean"]
+    if isinstance(default, float):
+        tries[:0] = [default + 0.5, default - 0.5]
+    for value in tries:
+        try:
+            if getattr(SamplingOptions(max_tokens=8, **{name: value}), name) != default:
+                return value
+        except (ValueError, TypeError):
+            continue
+    return None
+
+
+def test_every_setting_a_search_does_not_read_is_refused_by_name_with_use_beam_search():
+    ignored = [f.name for f in dataclasses.fields(SamplingOptions) if not f.metadata.get("beam_search")]
+    assert {"temperature", "stop", "best_of", "repetition_penalty", "top_logprobs"} <= set(ignored)
+    for name in ignored:
+        value = _a_valid_other_value(name)
+        assert value is not None, f"no non-default value of {name} found to test with"
+        with pytest.raises(ValueError, match=rf"^{name} is not used by beam search"):
+            SamplingOptions(max_tokens=8, use_beam_search=True, **{name: value})
+    search = SamplingOptions(max_tokens=8, n=3, seed=5, use_beam_search=True, length_penalty=0).beam_search()
+    assert search == BeamSearchOptions(beam_width=3, max_tokens=8, length_penalty=0.0)
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"length_penalty": 0.5}, "length_penalty"),  # without use_beam_search
+        ({"use_beam_search": True, "length_penalty": math.inf}, "length_penalty"),
+        ({"use_beam_search": True, "n": 11}, "n"),
+        ({"use_beam_search": "yes"}, "use_beam_search"),
+    ],
+)
+def test_bad_beam_search_options_are_named(settings, field):
+    with pytest.raises(ValueError, match=rf"^{field}"):
+        SamplingOptions(**settings)
+
+
+def _fake_stream(row_logq, versions=lambda step: ("0", "0"), fail_at=None):
+    """A driver stream over the known table: each one-token request's delta reports q's 20 best tokens after its
+    prefix (prompt [9]); ``fail_at``: the step whose requests fail; ``versions``: the weights of each step."""
+    calls = {"step": 0}
+
+    def make_request(teacher, theta):
+        return theta[1:]
+
+    async def stream(prefix):
+        step = len(prefix)
+        calls["step"] = max(calls["step"], step)
+        row = row_logq(prefix)
+        top = np.argsort(-row, kind="stable")[:20]
+        records = np.array([[0.5, 0, 0, 0]], dtype=np.float32)
+        top_arrays = (top[None], row[top][None], row[top][None] - 1, row[top][None] - 2)
+        teacher_version, theta_version = versions(step)
+        error = "sync_timeout at step 1" if step == fail_at else None
+        sample = SimpleNamespace(error=error, teacher_version=teacher_version, theta_version=theta_version)
+        yield SimpleNamespace(top=top_arrays, records=records, sample=None)
+        yield SimpleNamespace(top=None, records=records[:0], sample=sample)
+
+    return stream, make_request
+
+
+def test_beam_samples_are_the_searchs_beams_and_a_failure_or_a_weight_change_fails_them_all():
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
+    options = BeamSearchOptions(beam_width=3, max_tokens=5, length_penalty=1.0)
+
+    def search(**fake):
+        stream, make_request = _fake_stream(table_logq, **fake)
+        return asyncio.run(beam_samples(stream, make_request, ([9], [9]), options, [EOS], tokenizer, [11, 12, 13]))
+
+    got = search()
+    want = oracle_beam_search(3, 5, 1.0)
+    assert [s.token_ids for s in got] == [tokens for tokens, _ in want]
+    for sample, (tokens, cum) in zip(got, want):
+        assert sample.ok and sample.teacher_token_ids == sample.theta_token_ids == tokens
+        assert math.isclose(math.fsum(sample.logq), cum, abs_tol=1e-9)
+        assert sample.logp_theta == [x - 2 for x in sample.logq] and sample.alpha == [0.5] * len(tokens)
+        assert sample.stop_reason == (EOS if sample.finish_reason == "stop" else None)
+        assert sample.text == " ".join(map(str, tokens))
+    assert [s.seed for s in got] == [11, 12, 13]
+    failed = search(fail_at=3)
+    assert all(s.finish_reason == "error" and "beam_search_failed" in s.error and not s.token_ids for s in failed)
+    mixed = search(versions=lambda step: ("0", "1" if step >= 2 else "0"))
+    assert all(s.finish_reason == "error" and s.error.startswith("weight_update") for s in mixed)
+    assert all(not s.ok for s in failed + mixed)
+
+
+def test_generate_with_use_beam_search_returns_the_beams_as_samples(dual_engine, hf_models):
+    """generate(use_beam_search=True): per prompt the n beams of beam_search(), best first, as SampleRecords with
+    the records re-scoring gives, seeds derived as a sample's, and EOS-ended beams naming their stop token."""
+    prompts = ["Once upon a time", "The answer is"]
+    out = dual_engine.generate(
+        prompts, prompt_keys=["a", "b"], max_tokens=6, n=3, seed=4, use_beam_search=True, length_penalty=0.5
+    )
+    direct = dual_engine.beam_search(prompts, beam_width=3, max_tokens=6, length_penalty=0.5)
+    for key, request, beams in zip("ab", out.requests, direct):
+        assert [s.token_ids for s in request.samples] == [b.tokens for b in beams]
+        assert [s.seed for s in request.samples] == [derive_seed(4, key, j) for j in range(3)]
+        for sample, beam in zip(request.samples, beams):
+            assert sample.ok and sample.finish_reason == beam.finish_reason and sample.text == beam.text
+            assert sample.teacher_token_ids == sample.theta_token_ids == beam.tokens
+            assert sample.stop_reason == (beam.tokens[-1] if beam.finish_reason == "stop" else None)
+        assert_records_match_rescoring(request, *hf_models, dual_engine.vocab, "kl_symmetry")
+    with pytest.raises(ValueError, match="stream"):
+        asyncio.run(anext(dual_engine.stream("Hi", use_beam_search=True, n=2, max_tokens=3)))
+    with pytest.raises(ValueError, match="^temperature is not used by beam search"):
+        dual_engine.generate(prompts, n=2, max_tokens=3, use_beam_search=True, temperature=0.7)

@@ -28,9 +28,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dual_sampling.run_output",
         "dual_sampling.checks",
     ),
-    ("dual_sampling.lockstep", "dual_sampling.decision"),
+    ("dual_sampling.lockstep", "dual_sampling.decision", "dual_sampling.beams"),
     ("processors",),  # the vLLM plugins
-    ("dual_sampling.options", "dual_sampling.beams"),
+    ("dual_sampling.options",),
     ("dual_sampling.driver",),
     ("dual_sampling.api", "dual_sampling.run_settings"),
     ("dual_sampling.server", "dual_sampling.datagen", "dual_sampling.distill", "dual_sampling.testing"),

@@ -222,39 +222,64 @@ def test_bad_input_and_an_unreachable_cluster_are_named(tiny_same, tmp_path):
     assert settle(before, timeout=30) == (set(), set())
 
 
-def test_the_stage_in_a_users_own_pipeline(tiny_same, tmp_path):
-    """``map_batches(DualSamplingStage, ...)`` on raw rows, written by Ray: one record per sample, seeds as locally."""
-    from dual_sampling.api import derive_seed
-    from dual_sampling.datagen.ray_stage import DualSamplingStage
+def run_users_pipeline(tiny_same, tmp_path: Path, rows: list[dict], **settings) -> list[dict]:
+    """``map_batches(DualSamplingStage, ...)`` on raw ``rows`` with the run ``settings`` (over the tiny pair's), one
+    replica, batches of 3, written by Ray as Parquet; the rows it wrote."""
+    import pyarrow.parquet as pq
 
     teacher, theta = tiny_same
-    rows = [{"id": f"q{i}", "problem": f"What is {i} times 3?", "solution": f"{3 * i}"} for i in range(6)]
-    settings = {
+    base = {
         "teacher": str(teacher),
         "theta": str(theta),
         "hint_field": "solution",
         "id_field": "id",
-        "n": 2,
-        "max_tokens": 8,
         "max_num_seqs": 2,
         "max_model_len": 256,
         "sync_timeout": 30,
-        "seed": 3,
     }
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
     try:
         out = ray.data.from_items(rows).map_batches(
-            DualSamplingStage, fn_constructor_kwargs={"settings": settings}, concurrency=1, batch_size=3, num_cpus=1
+            DualSamplingStage,
+            fn_constructor_kwargs={"settings": {**base, **settings}},
+            concurrency=1,
+            batch_size=3,
+            num_cpus=1,
         )
         out.write_parquet(str(tmp_path / "runs"))
     finally:
         ray.shutdown()
-    import pyarrow.parquet as pq
+    return pq.read_table(tmp_path / "runs").to_pylist()
 
-    written = pq.read_table(tmp_path / "runs").to_pylist()
+
+def times_three(count: int) -> list[dict]:
+    return [{"id": f"q{i}", "problem": f"What is {i} times 3?", "solution": f"{3 * i}"} for i in range(count)]
+
+
+def test_the_stage_in_a_users_own_pipeline(tiny_same, tmp_path):
+    """``map_batches(DualSamplingStage, ...)`` on raw rows, written by Ray: one record per sample, seeds as locally."""
+    written = run_users_pipeline(tiny_same, tmp_path, times_three(6), n=2, max_tokens=8, seed=3)
     assert sorted((r["id"], r["sample_index"]) for r in written) == [(f"q{i}", j) for i in range(6) for j in range(2)]
     assert all(r["seed"] == derive_seed(3, r["id"], r["sample_index"]) for r in written)
     assert all(json.loads(r["sampling"])["n"] == 2 and len(r["alpha"]) == r["num_tokens"] for r in written)
+
+
+def test_a_beam_search_in_a_users_own_pipeline_writes_each_problems_ranked_beams(
+    dual_engine, hf_models, tiny_same, tmp_path
+):
+    """The stage with ``use_beam_search``: per problem its n beams (sample j the (j+1)-th best), distinct and ranked
+    by cum log q / length^length_penalty, each record right for its own tokens by re-scoring."""
+    beams = dict(n=3, max_tokens=5, use_beam_search=True, length_penalty=0.5, max_num_seqs=4)
+    written = run_users_pipeline(tiny_same, tmp_path, times_three(3), **beams)
+    assert sorted((r["id"], r["sample_index"]) for r in written) == [(f"q{i}", j) for i in range(3) for j in range(3)]
+    for i in range(3):
+        ranked = sorted((r for r in written if r["id"] == f"q{i}"), key=lambda r: r["sample_index"])
+        assert len({tuple(r["token_ids"]) for r in ranked}) == 3
+        lengths = [max(r["num_tokens"] - (r["finish_reason"] == "stop"), 1) for r in ranked]  # a final EOS not counted
+        scores = [r["sum_logq"] / length**0.5 for r, length in zip(ranked, lengths)]
+        assert scores == sorted(scores, reverse=True)
+        assert all(json.loads(r["sampling"])["use_beam_search"] for r in ranked)
+    assert assert_written_records_match_rescoring(written, dual_engine.tokenizer, *hf_models, dual_engine.vocab) > 0
 
 
 class DyingSampler(ScriptedSampler):

@@ -338,6 +338,7 @@ BAD = [
     ({"messages": QUESTION, "use_beam_search": True, "temperature": 0.5}, 400, "temperature"),
     ({"messages": QUESTION, "use_beam_search": True, "top_logprobs": 2, "logprobs": True}, 400, "top_logprobs"),
     ({"messages": QUESTION, "length_penalty": 2.0}, 400, "length_penalty"),
+    ({"messages": QUESTION, "use_beam_search": True, "n": 2, "stop": ["x"]}, 400, "stop"),
 ]
 
 

@@ -120,6 +120,10 @@ def test_the_server_serves_the_mode_and_refuses_a_teacher_prompt_by_name(spec_en
             client.chat.completions.create(
                 model="dual", messages=messages, max_tokens=4, extra_body={"teacher_messages": messages * 2}
             )
+        with pytest.raises(BadRequestError, match="use_beam_search is served in mode='lockstep' only"):
+            client.chat.completions.create(
+                model="dual", messages=messages, max_tokens=4, n=2, extra_body={"use_beam_search": True}
+            )
     finally:
         server.stop()
 
@@ -131,6 +135,7 @@ def test_the_server_serves_the_mode_and_refuses_a_teacher_prompt_by_name(spec_en
         ({"temperature": 0.7}, "temperature"),
         ({"teacher_prompts": ["A hint. Once upon a time"]}, "teacher_prompts"),
         ({"min_tokens": 2}, "min_tokens"),
+        ({"use_beam_search": True, "n": 2}, "use_beam_search is served in mode='lockstep' only"),
     ],
 )
 def test_what_the_mode_cannot_serve_is_refused_by_name(spec_engine, options, named):

@@ -87,7 +87,15 @@ def write_report(records_path: str | Path, out_dir: str | Path | None = None) ->
     ax.set(xlabel="generated tokens", ylabel="sequences", title="Response lengths")
     _save(fig, out / "lengths.png")
 
+    sampling = records[0].get("sampling") or {}
+    sampling = json.loads(sampling) if isinstance(sampling, str) else sampling  # JSON text in Parquet
     ess = effective_sample_size(log_w_theta.tolist())
+    # A beam search's records are no samples of q: their weights weigh nothing.
+    ess_line = (
+        "none: the records are beams, not samples of q"
+        if sampling.get("use_beam_search")
+        else f"{ess:.1f} of {log_w_theta.size} ({ess / max(log_w_theta.size, 1):.1%})"
+    )
     finish = {}
     for r in records:
         finish[r["finish_reason"]] = finish.get(r["finish_reason"], 0) + 1
@@ -101,7 +109,7 @@ def write_report(records_path: str | Path, out_dir: str | Path | None = None) ->
         f"| generated tokens | {int(lengths.sum())} (mean {lengths.mean():.1f}, max {longest}) |",
         f"| α mean ± std | {alphas.mean():.3f} ± {alphas.std():.3f} |",
         f"| α min / median / max | {alphas.min():.3f} / {np.median(alphas):.3f} / {alphas.max():.3f} |",
-        f"| ESS of w_θ | {ess:.1f} of {log_w_theta.size} ({ess / max(log_w_theta.size, 1):.1%}) |",
+        f"| ESS of w_θ | {ess_line} |",
         f"| finish reasons | {json.dumps(finish)} |",
         "",
         "![alpha histogram](alpha_hist.png)",

@@ -187,9 +187,10 @@ class _Tally:
         """Counts, α statistics, the ESS of the θ-weights, failures by error code, sync statistics, wall time.
 
         ``truncated_samples`` counts the answers cut off at max_tokens that were written, ``truncated_left_out`` those
-        left out (format "messages" without keep_truncated)."""
+        left out (format "messages" without keep_truncated). A beam search's records are no samples of q, so the
+        ESS of their weights means nothing: None there."""
         mean = self.alpha_mean
-        ess = effective_sample_size(self.log_w) if self.log_w else None
+        ess = effective_sample_size(self.log_w) if self.log_w and not cfg.sampling.use_beam_search else None
         return {
             "output": cfg.output,
             "samples_written": self.written,

@@ -14,16 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from dual_sampling.beams import Candidates, decision_candidates, run_beam_search_async
 from dual_sampling.lockstep import SyncError
-from dual_sampling.options import SamplingOptions
-from dual_sampling.records import SampleDelta, SampleRecord, best_of
+from dual_sampling.records import SampleDelta, best_of
 from dual_sampling.server import render
 from dual_sampling.server.metrics import Metrics
 from dual_sampling.server.serve_options import ServeOptions
 from dual_sampling.server.translate import Job, Translator
 from dual_sampling.server.wire import BadRequest, error_body
-from dual_sampling.text import TextStream, decode
+from dual_sampling.text import TextStream
 
 __all__ = ["DualService", "Reservation"]
 
@@ -126,7 +124,7 @@ class DualService:
     async def complete(self, job: Job) -> bytes:
         """The whole response of a non-streaming request, as JSON bytes (a DualCompletionResponse or
         DualChatCompletionResponse)."""
-        if job.beam is not None:
+        if job.sampling.use_beam_search:
             return await self._beam_search(job)
         deltas: dict[int, list[SampleDelta]] = {}
         # aclosing: a cancelled handler aborts its samples before it returns, not whenever the loop gets round to
@@ -149,40 +147,19 @@ class DualService:
     async def _beam_search(self, job: Job) -> bytes:
         """The response of a ``use_beam_search`` request: its n best beams over q as the choices, each token with its
         records (as a sample's); BadRequest(504) past its deadline."""
-        step_options = SamplingOptions(max_tokens=1, temperature=0.0, top_logprobs=2 * job.beam.beam_width)
-
-        def stream(prefix: tuple[list[int], list[int]]) -> AsyncIterator[SampleDelta]:
-            return self.dual.stream(prefix[1], prefix[0], sampling=step_options)
-
-        async def step(prefixes: list[tuple[list[int], list[int]]]) -> list[Candidates]:
-            return await decision_candidates(stream, prefixes)
-
-        search = run_beam_search_async([(job.teacher_ids, job.theta_ids)], job.beam, self.dual.eos_token_ids, step)
+        pair = self.dual.prepare(job.theta_ids, job.teacher_ids)
+        search = self.dual.beam_search_samples(pair, job.sampling, [job.sampling.seed] * job.sampling.n)
         try:
-            (beams,) = await asyncio.wait_for(search, max(0.0, job.deadline - time.monotonic()))
+            beams = await asyncio.wait_for(search, max(0.0, job.deadline - time.monotonic()))
         except TimeoutError:
             message = f"the request ran past request_timeout={self.options.request_timeout} s and was aborted"
             raise BadRequest(message, None, 504, "timeout_error") from None
-        versions = self.dual.weight_versions
         answers = []
-        for b in beams:
-            text = decode(self.dual.tokenizer, b.tokens)
-            sample = SampleRecord(
-                text,
-                b.tokens,
-                b.finish_reason,
-                job.sampling.seed,
-                b.alpha,
-                b.logp_teacher,
-                b.logp_theta,
-                b.logq,
-                b.tokens,
-                b.tokens,
-                teacher_version=versions["teacher"],
-                theta_version=versions["theta"],
-            )
-            records = np.array([b.alpha, b.logp_teacher, b.logp_theta, b.logq], dtype=np.float32).T.reshape(-1, 4)
-            answers.append([SampleDelta(b.tokens, records, sample)])
+        for sample in beams:
+            records = np.array(
+                [sample.alpha, sample.logp_teacher, sample.logp_theta, sample.logq], dtype=np.float32
+            ).T.reshape(-1, 4)
+            answers.append([SampleDelta(sample.token_ids, records, sample)])
             self.metrics.observe(sample)
         return await asyncio.to_thread(render.response_body, job, answers, self.piece)
 

@@ -4,13 +4,11 @@ not do, its prompts (and the teacher's) rendered and tokenized, and its fields t
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from dual_sampling.beams import BeamSearchOptions
 from dual_sampling.options import SamplingOptions
 from dual_sampling.prompts import DEFAULT_TEACHER_TEMPLATE, user_template
 from dual_sampling.server.serve_options import ServeOptions
@@ -71,8 +69,6 @@ class Job:
     model: str
     deadline: float
     """time.monotonic() past which the request is aborted."""
-    beam: BeamSearchOptions | None = None
-    """``use_beam_search``: the n best beams over q instead of n samples (``OptimalSamplingDual.beam_search``)."""
 
 
 class Translator:
@@ -181,6 +177,8 @@ class Translator:
                 seed=secrets.randbits(62) if req.seed is None else req.seed,
                 top_logprobs=logprobs or 0,
                 dense_logprobs=dense,
+                use_beam_search=bool(req.use_beam_search),
+                length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
             )
             sampling.check_vocab(self.dual.vocab, self.dual.eos_token_ids)
         except ValueError as exc:
@@ -189,9 +187,8 @@ class Translator:
             self.dual.check(pair, sampling)  # what this engine serves (mode="speculative" serves less)
         except ValueError as exc:
             raise BadRequest(str(exc), _request_field(str(exc), kind, max_tokens_field)) from None
-        beam = self._beam(req, sampling, kind)
-        if beam is not None and self.dual.config.mode != "lockstep":
-            raise BadRequest("use_beam_search is served in mode='lockstep' only", "use_beam_search")
+        if sampling.use_beam_search and req.stream:
+            raise BadRequest("use_beam_search cannot be combined with stream", "stream")
         stream_options = getattr(req, "stream_options", None)
         return Job(
             kind,
@@ -203,32 +200,7 @@ class Translator:
             logprobs,
             self.options.served_model_name,
             arrival + self.options.request_timeout,
-            beam,
         )
-
-    @staticmethod
-    def _beam(req: Any, sampling: SamplingOptions, kind: str) -> BeamSearchOptions | None:
-        """vLLM's ``use_beam_search`` (n beams) and ``length_penalty``; every sampling field a beam search does not
-        use must keep its default (a search has no temperature, no filter and no stream), else 400 naming it."""
-        penalty = 1.0 if req.length_penalty is None else req.length_penalty
-        if not req.use_beam_search:
-            if penalty != 1.0:
-                raise BadRequest("length_penalty acts on beam search only (use_beam_search)", "length_penalty")
-            return None
-        if req.stream:
-            raise BadRequest("use_beam_search cannot be combined with stream", "stream")
-        plain = SamplingOptions(max_tokens=sampling.max_tokens, n=sampling.n, seed=sampling.seed)
-        for f in dataclasses.fields(SamplingOptions):
-            if getattr(sampling, f.name) != getattr(plain, f.name):
-                name = _request_field(f.name, kind, "max_tokens")
-                raise BadRequest(f"{name} is not used by beam search (use_beam_search); leave it out", name)
-        try:
-            return BeamSearchOptions(beam_width=sampling.n, max_tokens=sampling.max_tokens, length_penalty=penalty)
-        except ValueError as exc:
-            field = str(exc).split(" ")[0]
-            raise BadRequest(
-                str(exc).replace("beam_width", "n (the beam width)"), "n" if field == "beam_width" else field
-            ) from None
 
     def _prompts(self, req: Any, kind: str) -> tuple[Any, Any]:
         """(theta's prompt, teacher's prompt): text rendered with the chat template, or token ids."""
