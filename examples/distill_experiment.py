@@ -54,7 +54,7 @@ from typing import Any
 
 from dual_sampling import ModelsAndPrompts, models
 from dual_sampling.distill import DistillConfig, Distiller
-from dual_sampling.distill.compare import bootstrap_interval, sign_flip_p
+from dual_sampling.distill.compare import bootstrap_interval, sign_flip_p, trust_region_helps
 from dual_sampling.distill.evaluate import continuation_logp, distinct_n, divergence_sums, repetition_rate, sample
 from dual_sampling.options import EngineOptions, SamplingOptions
 from dual_sampling.run_output import remove_path, write_no_follow
@@ -104,6 +104,34 @@ class Design:
     """The student's samples per held-out problem (the primary metric)."""
     quick: bool = False
     """The tiny random pair and short samples: a smoke run of the machinery, not evidence."""
+    arms: tuple[str, ...] = ARMS
+    """The arms run, in this order within each seed."""
+    anneal_rounds: int = 0
+    """trust_region: the rounds over which ε falls linearly to 0, after which it samples at ε = 0, that is from the
+    student alone (α = 0), as published; 0: over all the rounds, ending at ε₀/rounds, never 0 (the first run)."""
+    rule: str = "beats_both"
+    """The decision rule: "beats_both" (the first experiment: a mixture arm beats both pure arms on the primary
+    metric) or "helps" (the second: non-inferiority on the own KL within ``margin`` and superiority on the human
+    solutions' NLL, ``compare.trust_region_helps``)."""
+    margin: float = 0.05
+    """The non-inferiority margin of the "helps" rule (nats per token), fixed before the run."""
+
+
+FIRST = Design()
+"""The first experiment (docs/distillation.json), as it ran."""
+
+SECOND = Design(
+    arms=("student", "trust_region"),
+    seeds=tuple(range(16)),
+    rounds=12,
+    anneal_rounds=6,
+    max_tokens=320,
+    rule="helps",
+)
+"""The second experiment (docs/distillation.md, "The second experiment"): trust-region blending as published against
+α = 0, 16 paired seeds; rounds and max_tokens by the pilot's rules (``--design second --pilot``)."""
+
+DESIGNS = {"first": FIRST, "second": SECOND}
 
 
 def base_config(design: Design, out: Path, teacher: Path, theta: Path, prompts: Path) -> DistillConfig:
@@ -161,14 +189,27 @@ def theta_prompts(tokenizer: Any, rows: list[dict], design: Design) -> list[str]
     return [renderer.prompt(renderer.user_messages(r["question"], None, r)[1], None) for r in rows]
 
 
+def final_answer(text: str, last_number: bool = False) -> str | None:
+    """A GSM8K answer as a plain number string ("1,200" → "1200", "3.50" → "3.5"): the number after "####", or with
+    ``last_number`` the last number in ``text`` (how a free-form answer is read); None where there is none."""
+    if not last_number:
+        text = text.split("####")[-1] if "####" in text else ""
+    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    if not numbers:
+        return None
+    value = numbers[-1].replace(",", "")
+    return value.rstrip("0").rstrip(".") if "." in value else value
+
+
 class HeldOut:
     """The held-out problems rendered as the student sees them, and the fixed sequences scored for every student:
     the teacher's samples at temperature 1 (drawn once) and the human solutions, with the teacher's rows on them
     computed once. Every sample here is drawn by transformers (``evaluate.sample``), independently of the engine."""
 
     def __init__(self, tokenizer: Any, eos_ids: list[int], rows: list[dict], design: Design, out: Path, teacher: Any):
-        self.design, self.eos_ids, self.teacher = design, eos_ids, teacher
+        self.design, self.eos_ids, self.teacher, self.tokenizer = design, eos_ids, teacher, tokenizer
         self.vocab = len(tokenizer)
+        self.answers = [final_answer(r.get("answer", "")) for r in rows]
         self.prompt_ids = [
             tokenizer.encode(p, add_special_tokens=False) for p in theta_prompts(tokenizer, rows, design)
         ]
@@ -194,9 +235,12 @@ class HeldOut:
     def score(self, student: Any, seed: int) -> dict[str, Any]:
         """Every metric of one student (its own samples drawn with ``seed``): per-token figures pooled over tokens,
         per-sequence ones averaged. Each prompt's forward runs once per model; its continuations in one batch."""
+        import torch
+
         n = self.design.eval_samples
         own = sample(student, self.prompt_ids, n, self.design.max_tokens, self.eos_ids, seed)
         sums: dict[str, list[dict[str, float]]] = {"own": [], "teacher_samples": [], "human": []}
+        human_nll: list[float] = []
         was_training = student.training
         student.eval()
         try:
@@ -207,6 +251,8 @@ class HeldOut:
                 for j, (ls, lt) in enumerate(zip(s_rows, t_rows)):
                     name = "own" if j < n else ("teacher_samples", "human")[j - n]
                     sums[name].append(divergence_sums(ls, lt))
+                human = torch.tensor(self.fixed["human"][i])
+                human_nll.append(-float(s_rows[-1].gather(-1, human[:, None]).sum()))
         finally:
             student.train(was_training)
         metrics: dict[str, Any] = {}
@@ -214,6 +260,8 @@ class HeldOut:
             tokens = sum(r["tokens"] for r in rows)
             for key in ("kl_student_teacher", "kl_teacher_student"):
                 metrics[f"{name}_{key}"] = sum(r[key] for r in rows) / tokens
+        # The student's NLL per token of the human solutions (no hint), pooled over their tokens.
+        metrics["human_nll"] = sum(human_nll) / sum(len(h) for h in self.fixed["human"])
         rows = sums["own"]
         metrics["own_kl_student_teacher_per_sequence"] = statistics.fmean(r["kl_student_teacher"] for r in rows)
         metrics["own_student_entropy"] = sum(r["student_entropy"] for r in rows) / sum(r["tokens"] for r in rows)
@@ -225,6 +273,13 @@ class HeldOut:
         # An answer ended when its last token is an EOS id (the sampler stops there); one cut at max_tokens did not.
         ended = [bool(s) and s[-1] in self.eos_ids for s in texts]
         metrics["own_end_rate"] = statistics.fmean(ended)
+        # The share of own samples whose last number is the problem's answer (GSM8K's "#### N"): small for students
+        # this size, recorded as the issue asks, not decided on.
+        answers = [self.answers[i] for i, group in enumerate(own) for _ in group]
+        texts_decoded = [self.tokenizer.decode(s, skip_special_tokens=True) for _, s in own_pairs]
+        metrics["own_accuracy"] = statistics.fmean(
+            a is not None and final_answer(t, last_number=True) == a for t, a in zip(texts_decoded, answers)
+        )
         metrics["own_per_sequence"] = [
             {"tokens": r["tokens"], "kl_student_teacher": r["kl_student_teacher"], "ended": e}
             for r, e in zip(rows, ended)
@@ -252,7 +307,7 @@ def run_cell(
         output=str(folder),
         engine=dataclasses.replace(base.engine, alpha_method=method, alpha_config=alpha_config),
         sampling=dataclasses.replace(base.sampling, seed=seed),
-        kl_budget_warmup_rounds=design.rounds if arm == "trust_region" else 0,
+        kl_budget_warmup_rounds=(design.anneal_rounds or design.rounds) if arm == "trust_region" else 0,
     )
     dual.update_alpha(method, **alpha_config)
     t0 = time.perf_counter()
@@ -267,6 +322,9 @@ def run_cell(
         "tokens_per_round": [r["tokens"] - p["tokens"] for p, r in itertools.pairwise(rounds)],
         "mean_alpha_per_round": [r["mean_alpha"] for r in rounds[1:]],
         "kl_budget_per_round": [r.get("kl_budget") for r in rounds[1:]],
+        # The records' Monte Carlo estimate of KL(q‖π_θ) per token: the mean of log q − log π_θ at the sampled tokens.
+        "kl_q_theta_per_round": [-r["mean_log_w_per_token"] for r in rounds[1:]],
+        "loss_per_round": [r["loss"] for r in rounds[1:]],
         "sampler_mismatch_max": max(r["sampler_mismatch_max"] for r in rounds[1:]),
         "train_wall_s": t1 - t0,  # this process's share (a resumed cell counts its last part only)
         "rounds_wall_s": rounds[-1]["wall_s"],
@@ -314,6 +372,64 @@ def pilot(design: Design, base: DistillConfig, dual: Any, rows: list[dict], out:
     write_no_follow(out / "pilot.json", json.dumps(found, indent=1))
 
 
+PILOT_SEED = 1000
+"""The second pilot's seed: its prompt order and samples are none of the experiment's (seeds 0–15)."""
+PILOT_LENGTH_CAP = 512
+"""The longest teacher answer the second pilot lets run (tokens)."""
+PILOT_ROUNDS = 16
+"""Rounds of the second pilot's α = 0 cell."""
+
+
+def pilot_second(design: Design, base: DistillConfig, dual: Any, rows: list[dict], out: Path) -> dict[str, Any]:
+    """The second experiment's pilot, on training problems only, by rules fixed before it ran (docs/distillation.md):
+
+    1. ``max_tokens``: the teacher (α = 1) answers the first 48 training problems at temperature 1, up to
+       PILOT_LENGTH_CAP tokens; the smallest multiple of 64 within which at least 90 % of its answers end.
+    2. ``rounds``: an α = 0 cell (seed PILOT_SEED, that max_tokens, PILOT_ROUNDS rounds, the design's tokens, steps and
+       rate); with m_r the mean training loss of rounds r−1 and r, the smallest even r ≥ 4 with
+       m_r ≤ 1.1·m_PILOT_ROUNDS: where the loss is within 10 % of where the pilot ends. ``anneal_rounds`` is half.
+    """
+    found: dict[str, Any] = {}
+    prompts = theta_prompts(dual.tokenizer, rows[:48], design)
+    dual.update_theta(base.source.theta, version="pilot-start")
+    dual.update_alpha("fixed", alpha=1.0)
+    t0 = time.perf_counter()
+    answers = dual.generate(prompts, max_tokens=PILOT_LENGTH_CAP, temperature=1.0, seed=PILOT_SEED, use_tqdm=False)
+    lengths = [len(s.token_ids) for req in answers.requests for s in req.samples]
+    ended = [s.finish_reason == "stop" for req in answers.requests for s in req.samples]
+    caps = list(range(64, PILOT_LENGTH_CAP + 1, 64))
+    end_rate = {cap: statistics.fmean(e and n <= cap for e, n in zip(ended, lengths)) for cap in caps}
+    max_tokens = next((cap for cap in caps if end_rate[cap] >= 0.9), PILOT_LENGTH_CAP)
+    found["teacher_lengths"] = {"lengths": lengths, "ended": ended, "end_rate_within": end_rate, "wall_s": 0.0}
+    found["teacher_lengths"]["wall_s"] = time.perf_counter() - t0
+    found["max_tokens"] = max_tokens
+    print(f"teacher answers end within {max_tokens} tokens at rate {end_rate[max_tokens]:.3f}", flush=True)
+    write_no_follow(out / "pilot.json", json.dumps(found, indent=1))
+
+    cfg = dataclasses.replace(
+        base,
+        output=str(out / "pilot-student"),
+        rounds=PILOT_ROUNDS,
+        engine=dataclasses.replace(base.engine, alpha_method="fixed", alpha_config={"alpha": 0.0}),
+        sampling=dataclasses.replace(base.sampling, max_tokens=max_tokens, seed=PILOT_SEED),
+    )
+    dual.update_alpha("fixed", alpha=0.0)
+    rounds = Distiller(cfg, dual).run()[1:]
+    losses = [r["loss"] for r in rounds]
+    smooth = {r: (losses[r - 2] + losses[r - 1]) / 2 for r in range(2, PILOT_ROUNDS + 1)}
+    chosen = next(r for r in range(4, PILOT_ROUNDS + 1, 2) if smooth[r] <= 1.1 * smooth[PILOT_ROUNDS])
+    found["student_cell"] = {
+        "loss_per_round": losses,
+        "smoothed_loss": smooth,
+        "round_wall_s": [r["sample_s"] + r["train_s"] + r["update_s"] for r in rounds],
+        "samples_per_round": [r["samples"] for r in rounds],
+    }
+    found["rounds"], found["anneal_rounds"] = chosen, chosen // 2
+    print(f"rounds {chosen} (loss {smooth[chosen]:.3f} against {smooth[PILOT_ROUNDS]:.3f} at {PILOT_ROUNDS})")
+    write_no_follow(out / "pilot.json", json.dumps(found, indent=1))
+    return found
+
+
 # ---------------------------------------------------------------------------------------------------- analysis
 
 SECONDARY = [
@@ -329,22 +445,33 @@ SECONDARY = [
     "own_student_entropy",
     "own_teacher_entropy",
     "own_end_rate",
+    "human_nll",
+    "own_accuracy",
 ]
-"""The secondary metrics; the last two are saved by cells run after docs/distillation.json was (its cells lack them)."""
+"""The secondary metrics (for the second experiment, human_nll is its second primary); the last four are saved by
+cells run after docs/distillation.json was (its cells lack them)."""
 
 
-def analyse(cells: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
-    """Per arm: each metric's median and range over seeds; per mixture arm: the decision rule on the primary metric
-    against each pure arm (paired by seed; lower is better, so the difference is pure − mixture)."""
+def analyse(cells: list[dict[str, Any]], design: dict[str, Any]) -> dict[str, Any]:
+    """Per arm: each metric's median and range over seeds; then the design's rule on the seeds every arm finished:
+    "beats_both" (per mixture arm, the rule on the primary metric against each pure arm, paired by seed; lower is
+    better, so the difference is pure − mixture) or "helps" (``compare.trust_region_helps``)."""
+    arms = design.get("arms", ARMS)
     by = {(c["arm"], c["seed"]): c for c in cells}
-    complete = [s for s in seeds if all((a, s) in by for a in ARMS)]
+    complete = [s for s in design["seeds"] if all((a, s) in by for a in arms)]
     table: dict[str, Any] = {}
-    for arm in ARMS:
+    for arm in arms:
         table[arm] = {}
         for key in [PRIMARY, *SECONDARY]:
             values = [by[(arm, s)][key] for s in complete if key in by[(arm, s)]]
             if values and len(values) == len(complete):  # a metric older cells lack is not summarised from a part
                 table[arm][key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    if design.get("rule", "beats_both") == "helps":
+        if not complete:
+            return {"seeds_complete": complete, "summary": table, "verdicts": {}}
+        values = {key: {arm: [by[(arm, s)][key] for s in complete] for arm in arms} for key in (PRIMARY, "human_nll")}
+        helps = trust_region_helps(values[PRIMARY], values["human_nll"], design["margin"])
+        return {"seeds_complete": complete, "summary": table, "verdicts": {"trust_region": helps}}
     verdicts: dict[str, Any] = {}
     for mix in MIXTURE_ARMS:
         against = {}
@@ -365,7 +492,7 @@ def analyse(cells: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
     return {"seeds_complete": complete, "summary": table, "verdicts": verdicts}
 
 
-def plot(cells: list[dict[str, Any]], path: Path) -> None:
+def plot(cells: list[dict[str, Any]], arms: list[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -376,12 +503,12 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
     rows_ = -(-len(keys) // cols)
     fig, axes = plt.subplots(rows_, cols, figsize=(4.2 * cols, 3.2 * rows_), squeeze=False)
     for ax, key in zip(axes.flat, keys):
-        for i, arm in enumerate(ARMS):
+        for i, arm in enumerate(arms):
             values = [c[key] for c in cells if c["arm"] == arm and key in c]
             ax.scatter([i] * len(values), values, s=14, alpha=0.7)
             if values:
                 ax.hlines(statistics.median(values), i - 0.3, i + 0.3, color="black")
-        ax.set_xticks(range(len(ARMS)), ARMS, fontsize=7)
+        ax.set_xticks(range(len(arms)), arms, fontsize=7)
         ax.set_title(key + (" (primary)" if key == PRIMARY else ""), fontsize=8)
     for ax in list(axes.flat)[len(keys) :]:
         ax.axis("off")
@@ -393,6 +520,8 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
 def markdown_table(result: dict[str, Any], start: dict[str, Any] | None) -> str:
     keys = [PRIMARY, "own_kl_teacher_student", "teacher_samples_kl_student_teacher", "human_kl_student_teacher"]
     keys += ["own_repetition", "own_distinct_2", "own_length", "own_student_entropy"]
+    if "helps" in str(result["verdicts"]):  # the second experiment's own figures
+        keys = [PRIMARY, "human_nll", "own_end_rate", "own_teacher_entropy", "own_accuracy", "own_length"]
     head = "| arm | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys) + "\n"
     lines = []
     if start:
@@ -402,6 +531,19 @@ def markdown_table(result: dict[str, Any], start: dict[str, Any] | None) -> str:
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     verdict = []
     for mix, v in result["verdicts"].items():
+        if "helps" in v:
+            for name, test in (
+                ("non-inferiority, own KL", "non_inferiority_own_kl"),
+                ("superiority, human NLL", "superiority_human_nll"),
+            ):
+                a = v[test]
+                lo, hi = a["bootstrap_95"]
+                verdict.append(
+                    f"- {name}: mean {a['mean']:+.4f} nats/token, one-sided p = {a['p_one_sided']:.5f}, bootstrap 95 % "
+                    f"[{lo:+.4f}, {hi:+.4f}] → {'passes' if a['passes'] else 'fails'}"
+                )
+            verdict.append(f"- **{mix}: {'helps' if v['helps'] else 'does not help'}** by the rule.")
+            continue
         for pure, a in v["against"].items():
             verdict.append(
                 f"- {mix} vs {pure}: mean difference {a['mean']:+.4f} nats/token (pure − mixture), one-sided p = "
@@ -414,10 +556,9 @@ def markdown_table(result: dict[str, Any], start: dict[str, Any] | None) -> str:
 
 def report(out: Path) -> dict[str, Any]:
     design = json.loads((out / "design.json").read_text())
-    seeds = design["seeds"]
     cells = [json.loads(p.read_text()) for p in sorted(out.glob("*/seed-*/cell.json"))]
     start = json.loads((out / "start.json").read_text()) if (out / "start.json").exists() else None
-    result = analyse(cells, seeds)
+    result = analyse(cells, design)
     pilot_file = out / "pilot.json"
     full = {
         "design": design,
@@ -428,7 +569,7 @@ def report(out: Path) -> dict[str, Any]:
         "cells": [{k: v for k, v in c.items() if k != "rounds"} | {"rounds": c["rounds"]} for c in cells],
     }
     write_no_follow(out / "results.json", json.dumps(full, indent=1))
-    plot(cells, out / "distillation.png")
+    plot(cells, design.get("arms", ARMS), out / "distillation.png")
     print(markdown_table(result, start))
     return full
 
@@ -438,13 +579,14 @@ def report(out: Path) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", default="bench-out/distill")
+    parser.add_argument("--design", choices=sorted(DESIGNS), default="second", help="which experiment (DESIGNS)")
+    parser.add_argument("--output", default="bench-out/distill-2")
     parser.add_argument("--quick", action="store_true", help="the tiny random pair: a smoke run, not evidence")
-    parser.add_argument("--pilot", action="store_true", help="print the mean α of trust_region budgets and stop")
+    parser.add_argument("--pilot", action="store_true", help="run the design's pilot (pilot / pilot_second) and stop")
     parser.add_argument("--report", action="store_true", help="analyse the finished cells in --output, run nothing")
-    parser.add_argument("--seeds", help="comma-separated seeds (default: the design's six)")
+    parser.add_argument("--seeds", help="comma-separated seeds (default: the design's)")
     parser.add_argument("--kl-budget", type=float, help="trust_region's starting ε (default: the design's)")
-    parser.add_argument("--arms", default=",".join(ARMS), help="a subset of the arms, for a partial run")
+    parser.add_argument("--arms", help="a subset of the design's arms, for a partial run (default: all)")
     args = parser.parse_args()
     out = Path(args.output)
     if args.report:
@@ -459,18 +601,20 @@ def main() -> None:
         changes.update(
             keep_layers=0, seeds=changes.get("seeds", (0, 1)), rounds=2, tokens_per_round=48, max_tokens=12,
             eval_prompts=4, loss_top_k=16, steps_per_round=2, learning_rate=1e-3,
+            anneal_rounds=min(DESIGNS[args.design].anneal_rounds, 1),
         )  # fmt: skip
-    design = Design(**changes)
-    arms = args.arms.split(",")
-    unknown = sorted(set(arms) - set(ARMS))
+    design = dataclasses.replace(DESIGNS[args.design], **changes)
+    arms = args.arms.split(",") if args.arms else list(design.arms)
+    unknown = sorted(set(arms) - set(design.arms))
     if unknown:
-        raise SystemExit(f"--arms: unknown {unknown}; the arms are {list(ARMS)}")
+        raise SystemExit(f"--arms: unknown {unknown}; this design's arms are {list(design.arms)}")
     out.mkdir(parents=True, exist_ok=True)
     saved = out / "design.json"
     mine = json.loads(json.dumps(dataclasses.asdict(design)))
     if saved.exists() and not args.pilot:
         before = json.loads(saved.read_text())
-        changed = sorted(k for k in mine if before.get(k) != mine[k])
+        first = json.loads(json.dumps(dataclasses.asdict(FIRST)))  # fields added since: the first run's values
+        changed = sorted(k for k in mine if before.get(k, first[k]) != mine[k])
         if changed:
             raise SystemExit(f"{out} holds a run of another design (differs in {changed}); use another --output")
     if args.quick:
@@ -494,7 +638,8 @@ def main() -> None:
     t0 = time.perf_counter()
     with OptimalSamplingDual(str(teacher), str(theta), **dataclasses.asdict(base.engine)) as dual:
         if args.pilot:
-            pilot(design, base, dual, rows[: -design.eval_prompts], out)
+            run_pilot = pilot_second if design.rule == "helps" else pilot
+            run_pilot(design, base, dual, rows[: -design.eval_prompts], out)
             return
         if not saved.exists():
             write_no_follow(saved, json.dumps(mine, indent=1))

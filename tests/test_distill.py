@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -559,3 +560,66 @@ def test_continuations_scored_in_one_batch_get_the_rows_of_separate_forwards(hf_
             assert rows.shape == (len(c), 600) and rows.dtype == torch.float64
             if c:
                 torch.testing.assert_close(rows, forced_logp(model, prompt, c, 600), atol=2e-5, rtol=0)
+
+
+def test_the_second_experiments_rule_needs_both_tests_with_the_margin_on_the_right_side():
+    from dual_sampling.distill.compare import trust_region_helps
+
+    base = [1.0, 0.9, 1.1, 0.95, 1.05, 1.0, 0.98]
+    worse_by = lambda x: [b + x for b in base]
+    # Own KL 0.01 worse on every seed (inside the 0.05 margin), human NLL 0.2 better on every seed: helps.
+    ok = trust_region_helps(
+        {"student": base, "trust_region": worse_by(0.01)}, {"student": base, "trust_region": worse_by(-0.2)}, 0.05
+    )
+    assert ok["helps"] and ok["non_inferiority_own_kl"]["p_one_sided"] == 1 / 2**7
+    assert ok["non_inferiority_own_kl"]["mean"] == pytest.approx(0.04)
+    # 0.08 worse on own KL: outside the margin, so not non-inferior, whatever the human NLL says.
+    bad = trust_region_helps(
+        {"student": base, "trust_region": worse_by(0.08)}, {"student": base, "trust_region": worse_by(-0.2)}, 0.05
+    )
+    assert not bad["non_inferiority_own_kl"]["passes"] and bad["superiority_human_nll"]["passes"]
+    assert not bad["helps"]
+    # Equal on the human solutions: no superiority.
+    tie = trust_region_helps({"student": base, "trust_region": base}, {"student": base, "trust_region": base}, 0.05)
+    assert tie["non_inferiority_own_kl"]["passes"] and not tie["superiority_human_nll"]["passes"]
+    with pytest.raises(ValueError, match="paired"):
+        trust_region_helps({"student": base, "trust_region": base[:-1]}, {"student": base, "trust_region": base}, 0.05)
+
+
+def _experiment_script():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "distill_experiment.py"
+    spec = importlib.util.spec_from_file_location("distill_experiment", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_experiments_answer_reader_and_its_rule_on_cells():
+    script = _experiment_script()
+    read = script.final_answer
+    assert read("He pays 3 * 4 = 12.\n#### 1,200") == "1200"
+    assert read("so the total is $3.50 and then 7.", last_number=True) == "7"
+    assert read("The answer is 3.50", last_number=True) == "3.5"
+    assert read("no number here", last_number=True) is None and read("12 but no marker") is None
+    # The "helps" rule over cells, paired by seed; a seed one arm has not finished is left out.
+    design = dataclasses.asdict(script.SECOND) | {"seeds": [0, 1, 2, 3, 4, 5, 6]}
+    cells = [
+        {
+            "arm": arm,
+            "seed": s,
+            script.PRIMARY: 1.0 + 0.01 * (arm == "trust_region"),
+            "human_nll": 2.0 - 0.2 * (arm == "trust_region"),
+        }
+        for s in range(6)
+        for arm in ("student", "trust_region")
+    ] + [{"arm": "student", "seed": 6, script.PRIMARY: 9.0, "human_nll": 9.0}]
+    result = script.analyse(cells, design)
+    assert result["seeds_complete"] == [0, 1, 2, 3, 4, 5]
+    verdict = result["verdicts"]["trust_region"]
+    assert verdict["helps"] and verdict["superiority_human_nll"]["mean"] == pytest.approx(0.2)
+    assert script.SECOND.anneal_rounds * 2 == script.SECOND.rounds  # ε reaches 0 half-way, as published
