@@ -46,7 +46,7 @@ from dual_sampling.driver.weights import WeightsCheck, prepared_weights, reload_
 from dual_sampling.lockstep import Role, SyncError
 from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, SamplingOptions, model_config
 from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleDelta, SampleRecord, best_of, scored
-from dual_sampling.text import decode
+from dual_sampling.text import sample_text
 from dual_sampling.vocab import check_embedding_rows, check_tokenizers_match, embedding_rows, eos_token_ids
 
 __all__ = ["OptimalSamplingDual", "context_length", "derive_seed"]
@@ -216,7 +216,7 @@ class OptimalSamplingDual:
 
         out = run_beam_search([(p.teacher_ids, p.theta_ids) for p in pairs], options, self.eos_token_ids, step)
         for beam in (beam for beams in out for beam in beams):
-            beam.text = decode(self.tokenizer, beam.tokens)
+            beam.text = sample_text(self.tokenizer, beam.tokens, stop_token=beam.finish_reason == "stop")
         return out
 
     async def beam_search_samples(
@@ -250,7 +250,13 @@ class OptimalSamplingDual:
     async def _search_all(
         self, pairs: Sequence[PromptPair], opts: SamplingOptions, seeds: Sequence[Sequence[int]]
     ) -> list[list[SampleRecord]]:
-        return list(await asyncio.gather(*(self.beam_search_samples(p, opts, s) for p, s in zip(pairs, seeds))))
+        tasks = [asyncio.ensure_future(self.beam_search_samples(p, opts, s)) for p, s in zip(pairs, seeds)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # one search's error ends the call: the others' requests are aborted, not left running
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _sample_all(self, requests: list[DualRequest], show: bool) -> list[SampleRecord]:
         from tqdm.auto import tqdm

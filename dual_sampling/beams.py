@@ -22,12 +22,13 @@ from typing import Any
 
 from dual_sampling.checks import is_count, is_number, require
 from dual_sampling.records import SampleRecord
-from dual_sampling.text import decode
+from dual_sampling.text import sample_text
 
 __all__ = [
     "MAX_BEAM_WIDTH",
     "BeamSearchOptions",
     "BeamSequence",
+    "BeamStepFailed",
     "Candidates",
     "beam_samples",
     "beam_score",
@@ -40,6 +41,10 @@ __all__ = [
 
 MAX_BEAM_WIDTH = 10
 """2 × this candidates per beam and step: the decision records at most 20 of q's most likely tokens."""
+
+
+class BeamStepFailed(RuntimeError):
+    """One step's request of a beam search failed (the sample's own error; a dead engine raises its own error)."""
 
 
 @dataclass(kw_only=True)
@@ -79,6 +84,7 @@ class BeamSequence:
     finish_reason: str | None = None
     """"stop" (it ended with an EOS id), "length" (max_tokens), or None while it lives."""
     text: str = ""
+    """The generated text, without the text of an ending EOS id (as a sample's)."""
 
     @property
     def cum_logq(self) -> float:
@@ -215,7 +221,7 @@ async def run_beam_search_async(
 
 async def decision_candidates(stream: Callable[[Any], AsyncIterator[Any]], requests: Sequence[Any]) -> list[Candidates]:
     """Each one-token request's decision (``stream``: the driver's, yielding ``SampleDelta``): q's recorded top tokens
-    with their log π_t and log π_θ, and α. RuntimeError, with the sample's error, for a request that failed."""
+    with their log π_t and log π_θ, and α. BeamStepFailed, with the sample's error, for a request that failed."""
 
     async def one(request: Any) -> Candidates:
         top, alpha, sample = None, None, None
@@ -224,7 +230,7 @@ async def decision_candidates(stream: Callable[[Any], AsyncIterator[Any]], reque
                 top, alpha = delta.top, float(delta.records[0, 0])
             sample = delta.sample or sample
         if sample is None or sample.error is not None or top is None:
-            raise RuntimeError(f"beam search: a step's request failed ({sample.error if sample else 'no sample'})")
+            raise BeamStepFailed(f"a step's request failed ({sample.error if sample else 'no sample'})")
         ids, logq, logp_teacher, logp_theta = (part[0].tolist() for part in top)
         return Candidates(ids, logq, logp_teacher, logp_theta, alpha, (sample.teacher_version, sample.theta_version))
 
@@ -260,7 +266,7 @@ async def beam_samples(
 
     try:
         (beams,) = await run_beam_search_async([prompt], options, eos_ids, step)
-    except RuntimeError as exc:
+    except BeamStepFailed as exc:  # this search's own failure; an engine's death is everyone's, and raises
         return [failed(seed, f"beam_search_failed: {exc}") for seed in seeds]
     if len(seen) > 1:
         error = f"weight_update during the beam search: its decisions came from versions {sorted(seen)}"
@@ -271,6 +277,7 @@ async def beam_samples(
         if k >= len(beams):
             out.append(failed(seed, f"beam_search_short: q gave {len(beams)} beams of {options.beam_width}"))
             continue
-        beams[k].text = decode(tokenizer, beams[k].tokens)
+        # A beam ended by an EOS id leaves that token's text out, as a sample does (an EOS id need not be special).
+        beams[k].text = sample_text(tokenizer, beams[k].tokens, stop_token=beams[k].finish_reason == "stop")
         out.append(beams[k].sample(seed, versions, eos_ids))
     return out

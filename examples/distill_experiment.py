@@ -1,8 +1,9 @@
-"""The pre-registered experiment of docs/distillation.md: are the mixture's samples better states for on-policy
-distillation than either model's own?
+"""The pre-registered experiments of docs/distillation.md: are the mixture's samples better states for on-policy
+distillation than either model's own? (``--design first``), and does trust-region blending as published help?
+(``--design second``, the default).
 
-Four arms train the same student from the same start, differing only in the distribution the training states are
-sampled from:
+The first design's four arms train the same student from the same start, differing only in the distribution the
+training states are sampled from:
 
   student        α = 0: the student's own samples (on-policy distillation as published)
   teacher        α = 1: the teacher's samples
@@ -11,6 +12,11 @@ sampled from:
                  linearly by a quarter of its start a round: 0.8, 0.6, 0.4, 0.2 nats over the four rounds. It never
                  reaches 0, so this arm never returns to the student's own samples as the published method does;
                  its verdict is on this schedule only. ε chosen by --pilot, before the run
+
+The second design (``SECOND``) runs two of them, student and trust_region, with ε annealed to 0 over the first half of
+the rounds and the student's own samples after (the published schedule), on 16 paired seeds, and decides by
+non-inferiority on the own KL and superiority on the human solutions' NLL (``compare.trust_region_helps``); its
+pilot (``pilot_second``) fixes max_tokens and the rounds by rules written before it ran.
 
 Held equal across arms: the loss (the per-prefix reverse KL over the whole vocabulary), no importance
 weighting, the learning rate, the optimizer steps, and the generated tokens of every round (draws continue until the
@@ -26,10 +32,11 @@ forwards). The decision rule and the secondary metrics are in docs/distillation.
 Each (arm, seed) cell resumes on its own: an interrupted run loses at most the round in progress, and a finished cell
 (its cell.json) is never run again. One dual engine serves every cell (its alpha method is set per cell).
 
-    python examples/distill_experiment.py --pilot --output bench-out/distill       # ε for trust_region, minutes
-    python examples/distill_experiment.py --output bench-out/distill               # make experiment-distill
-    python examples/distill_experiment.py --report bench-out/distill               # analysis of the finished cells
+    python examples/distill_experiment.py --pilot --output bench-out/distill-2     # the design's pilot
+    python examples/distill_experiment.py --output bench-out/distill-2             # make experiment-distill
+    python examples/distill_experiment.py --report bench-out/distill-2             # analysis of the finished cells
     python examples/distill_experiment.py --quick --output /tmp/dx                 # the tiny pair, a smoke run
+    python examples/distill_experiment.py --design first --output bench-out/distill   # the first experiment
 
 Writes, under --output: design.json, references.json (the teacher's samples and the human solutions), one folder per
 cell with its metrics.jsonl and cell.json, the final student of the first seed of every arm, and (--report)

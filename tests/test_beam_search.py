@@ -184,20 +184,23 @@ def test_beam_samples_are_the_searchs_beams_and_a_failure_or_a_weight_change_fai
         stream, make_request = _fake_stream(table_logq, **fake)
         return asyncio.run(beam_samples(stream, make_request, ([9], [9]), options, [EOS], tokenizer, [11, 12, 13]))
 
-    got = search()
+    got = search(versions=lambda step: ("t1", "th2"))
     want = oracle_beam_search(3, 5, 1.0)
+    assert [(s.teacher_version, s.theta_version) for s in got] == [("t1", "th2")] * 3
     assert [s.token_ids for s in got] == [tokens for tokens, _ in want]
     for sample, (tokens, cum) in zip(got, want):
         assert sample.ok and sample.teacher_token_ids == sample.theta_token_ids == tokens
         assert math.isclose(math.fsum(sample.logq), cum, abs_tol=1e-9)
         assert sample.logp_theta == [x - 2 for x in sample.logq] and sample.alpha == [0.5] * len(tokens)
         assert sample.stop_reason == (EOS if sample.finish_reason == "stop" else None)
-        assert sample.text == " ".join(map(str, tokens))
+        shown = tokens[:-1] if sample.finish_reason == "stop" else tokens  # an ending EOS's text left out
+        assert sample.text == " ".join(map(str, shown))
     assert [s.seed for s in got] == [11, 12, 13]
     failed = search(fail_at=3)
+    assert len(failed) == 3
     assert all(s.finish_reason == "error" and "beam_search_failed" in s.error and not s.token_ids for s in failed)
     mixed = search(versions=lambda step: ("0", "1" if step >= 2 else "0"))
-    assert all(s.finish_reason == "error" and s.error.startswith("weight_update") for s in mixed)
+    assert len(mixed) == 3 and all(s.finish_reason == "error" and s.error.startswith("weight_update") for s in mixed)
     assert all(not s.ok for s in failed + mixed)
 
 

@@ -551,36 +551,39 @@ def test_a_resumed_run_draws_each_sample_once_with_its_seed_and_records_that_mat
     assert assert_written_records_match_rescoring(b.values(), dual_engine.tokenizer, *hf_models, dual_engine.vocab) > 0
 
 
-def test_a_beam_search_run_writes_each_problems_beams_once_ranked_with_records_that_match_rescoring(
+def test_a_beam_search_run_writes_each_problems_beams_whole_ranked_with_records_that_match_rescoring(
     dual_engine, hf_models, tiny_same, tmp_path
 ):
-    """--use-beam-search: sample j of a problem is its (j+1)-th best beam over q, as generate() returns it, with
-    records re-scoring confirms; --resume after a lost record draws the search again and writes only that beam."""
+    """--use-beam-search: sample j of a problem is its (j+1)-th best beam over q, as beam_search() finds it, with
+    records re-scoring confirms. A problem's beams are written all or none: one failed beam fails its search, and
+    --resume draws the whole search again."""
     beams = dict(n=3, max_tokens=6, use_beam_search=True, length_penalty=0.5)
     out = tmp_path / "beams.jsonl"
-    summary = run_generation(tiny_config(tiny_same, tmp_path, output=str(out), **beams), sampler=dual_engine)
+    first = run_generation(
+        tiny_config(tiny_same, tmp_path, output=str(out), **beams), sampler=FailingSampler(dual_engine)
+    )
+    by_problem = Counter(r["id"] for r in read_journal(out))
+    failed = [json.loads(line) for line in (tmp_path / "beams.failed.jsonl").read_text().splitlines()]
+    assert set(by_problem.values()) <= {3} and len(by_problem) < 6  # whole searches only, and some failed
+    assert {f["id"] for f in failed}.isdisjoint(by_problem)
+    assert "beam_search_partial" in first["failures"] and first["failed_samples"] == 18 - 3 * len(by_problem)
+    summary = run_generation(
+        tiny_config(tiny_same, tmp_path, output=str(out), resume=True, **beams), sampler=dual_engine
+    )
     records = {(r["id"], r["sample_index"]): r for r in read_journal(out)}
     assert records.keys() == all_pairs(6, 3) and summary["failed_samples"] == 0
     assert summary["ess_theta_weights"] is None  # beams are no samples of q: their weights weigh nothing
     report = write_report(out, tmp_path / "report") / "summary.md"
     assert "the records are beams, not samples of q" in report.read_text()
     assert all(r["sampling"]["use_beam_search"] and r["sampling"]["length_penalty"] == 0.5 for r in records.values())
-    first = records["p0", 0]
+    one = records["p0", 0]
     (direct,) = dual_engine.beam_search(
-        [first["theta_prompt"]], [first["teacher_prompt"]], beam_width=3, max_tokens=6, length_penalty=0.5
+        [one["theta_prompt"]], [one["teacher_prompt"]], beam_width=3, max_tokens=6, length_penalty=0.5
     )
     assert [records["p0", j]["token_ids"] for j in range(3)] == [b.tokens for b in direct]
     tokenizer, vocab = dual_engine.tokenizer, dual_engine.vocab
     tokens = sum(r["num_tokens"] for r in records.values())
     assert assert_written_records_match_rescoring(records.values(), tokenizer, *hf_models, vocab) == tokens > 0
-    kept = [r for key, r in records.items() if key != ("p2", 1)]
-    out.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    resumed = run_generation(
-        tiny_config(tiny_same, tmp_path, output=str(out), resume=True, **beams), sampler=dual_engine
-    )
-    assert resumed["samples_written"] == 1
-    again = {(r["id"], r["sample_index"]): r for r in read_journal(out)}
-    assert again.keys() == all_pairs(6, 3) and again["p2", 1]["token_ids"] == records["p2", 1]["token_ids"]
     with pytest.raises(ValueError, match="^temperature is not used by beam search"):
         tiny_config(tiny_same, tmp_path, output=str(tmp_path / "x.jsonl"), temperature=0.5, **beams)
 

@@ -215,6 +215,10 @@ def test_config_names_the_bad_field(tmp_path):
         DistillConfig.from_settings(
             {"prompts": "p", "output": "o", "teacher": "t", "theta": "s", "loss_top_k": 8, "dense_logprobs": 4}
         )
+    with pytest.raises(ValueError, match="^use_beam_search: distillation trains on samples of q"):
+        DistillConfig.from_settings(
+            {"prompts": "p", "output": "o", "teacher": "t", "theta": "s", "use_beam_search": True, "n": 2}
+        )
     with pytest.raises(ValueError, match=r"^trainer_dtype must be one of \('float32', 'bfloat16'\), got 'float16'"):
         DistillConfig(prompts="p.jsonl", output=str(tmp_path), source=PAIR, trainer_dtype="float16")
     with pytest.raises(ValueError, match="^trainer_device must be a torch device"):

@@ -350,6 +350,15 @@ def test_bad_chat_requests_name_the_field(server, body, status, param):
     assert error["code"] == status and (error["param"] or "").startswith(param.split(".")[0]) and error["message"]
 
 
+def test_a_completions_beam_search_refusal_names_its_own_field(server):
+    """The options say top_logprobs; a completion asks for logprobs, so its 400 names logprobs in param and message."""
+    body = {"prompt": "The sea is", "n": 2, "max_tokens": 4, "use_beam_search": True, "logprobs": 2}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "logprobs" and error["message"].startswith("logprobs is not used by beam search")
+
+
 def test_bad_bodies_and_credentials(server, client):
     auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     cases = [

@@ -289,6 +289,7 @@ def test_untied_student_engines_start_with_the_trainer_and_leave_nothing_behind(
         (dict(generation_kwargs={"frequency_penalty": 2.5}), "frequency_penalty"),
         (dict(generation_kwargs={"bad_words": ["x"]}), "bad_words"),
         (dict(generation_kwargs={"n": 2}), "'n'"),
+        (dict(generation_kwargs={"use_beam_search": True}), "use_beam_search.*a beam search returns no samples"),
         (dict(generation_kwargs={"seed": -1}), r"generation_kwargs\['seed'\]"),
         (dict(temperature=-1.0), "temperature"),
         (dict(top_p=0.0), "top_p"),

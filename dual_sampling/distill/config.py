@@ -169,6 +169,11 @@ class DistillConfig:
                 f"steps_per_round={self.steps_per_round} exceeds the {self.prompts_per_round * self.sampling.n} "
                 "samples of a round (prompts_per_round × n)"
             )
+        if self.sampling.use_beam_search:
+            raise ValueError(
+                "use_beam_search: distillation trains on samples of q (the records' log q weighs them); a beam search "
+                "returns no samples"
+            )
         if self.sampling.dense_logprobs not in (0, self.loss_top_k):  # set, and not to what the loss reads
             raise ValueError(
                 f"dense_logprobs={self.sampling.dense_logprobs} differs from loss_top_k={self.loss_top_k}: a "

@@ -293,6 +293,12 @@ class MixtureGeneration:
                 f"logprobs={logprobs!r}: mixture rollouts return the sampled token's log q only (logprobs 0 or None)"
             )
         extra = dict(fields.get("generation_kwargs") or {})
+        searched = sorted(set(extra) & {"use_beam_search", "length_penalty"})
+        if searched:
+            raise ValueError(
+                f"generation_kwargs {searched}: rollouts must be samples of q, whose log q is their behaviour "
+                "log-probability; a beam search returns no samples"
+            )
         allowed = {f.name for f in dataclasses.fields(SamplingOptions)} - set(_TRAINER_SETS)
         refused = sorted(set(extra) - allowed)
         if refused:

@@ -182,11 +182,11 @@ class Translator:
             )
             sampling.check_vocab(self.dual.vocab, self.dual.eos_token_ids)
         except ValueError as exc:
-            raise BadRequest(str(exc), _request_field(str(exc), kind, max_tokens_field)) from None
+            raise _named_error(str(exc), kind, max_tokens_field) from None
         try:
             self.dual.check(pair, sampling)  # what this engine serves (mode="speculative" serves less)
         except ValueError as exc:
-            raise BadRequest(str(exc), _request_field(str(exc), kind, max_tokens_field)) from None
+            raise _named_error(str(exc), kind, max_tokens_field) from None
         if sampling.use_beam_search and req.stream:
             raise BadRequest("use_beam_search cannot be combined with stream", "stream")
         stream_options = getattr(req, "stream_options", None)
@@ -264,6 +264,14 @@ class Translator:
                 return None
             return int(req.top_logprobs or 0)
         return None if req.logprobs is None else int(req.logprobs)
+
+
+def _named_error(message: str, kind: str, max_tokens_field: str) -> BadRequest:
+    """A 400 for a SamplingOptions or engine check's message, in the request's own words: the field it begins with
+    renamed as the request names it (so a completion's message says logprobs where the options say top_logprobs)."""
+    field = message.split(" ")[0].rstrip(":")
+    name = _request_field(message, kind, max_tokens_field)
+    return BadRequest(name + message[len(field) :] if name != field else message, name)
 
 
 def _request_field(message: str, kind: str, max_tokens_field: str) -> str:
