@@ -50,9 +50,8 @@ def sample_items(sampler: Any, cfg: RunConfig, items: list[WorkItem], models: di
     for item, request in zip(items, out.requests):
         # A problem's beams are written all or none: --resume then draws a whole search again, never one rank from a
         # second search (which may order near-ties otherwise) beside the first search's others.
-        whole = cfg.sampling.use_beam_search and any(
-            not request.samples[j].ok or _non_finite(request.samples[j]) for j in item.missing
-        )
+        broken = [j for j in item.missing if not request.samples[j].ok or _non_finite(request.samples[j])]
+        whole = cfg.sampling.use_beam_search and bool(broken)
         for j in item.missing:
             sample = request.samples[j]
             tokens = {"tokens": len(sample.token_ids)}
@@ -60,7 +59,7 @@ def sample_items(sampler: Any, cfg: RunConfig, items: list[WorkItem], models: di
             # drawn again on --resume.
             error = _non_finite(sample) if sample.ok else sample.error
             if whole and sample.ok and error is None:
-                error = "beam_search_partial: another beam of its search failed"
+                error = f"beam_search_partial at beam {broken[0]}: a beam of its search failed"
             if not sample.ok or error is not None:
                 outcomes.append(Outcome(item.id, j, None, _failure(item, j, sample, error), None, tokens))
             elif cfg.format == "messages" and sample.finish_reason == "length" and not cfg.keep_truncated:
