@@ -22,9 +22,9 @@ import hashlib
 import secrets
 import signal
 import threading
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from alpha import get_alpha_computer
 from dual_sampling.beams import (
@@ -51,11 +51,25 @@ from dual_sampling.vocab import check_embedding_rows, check_tokenizers_match, em
 
 __all__ = ["OptimalSamplingDual", "context_length", "derive_seed"]
 
+T = TypeVar("T")
+
 
 def derive_seed(seed: int, prompt_key: int | str, sample_index: int) -> int:
     """A distinct, reproducible 63-bit seed per sample of a prompt."""
     digest = hashlib.blake2b(f"{seed}/{prompt_key}/{sample_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+async def _all_or_none(coroutines: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+    """Every result, in order; one error ends the call, and the others are cancelled (their requests aborted on both
+    engines) before it is raised, never left running."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def context_length(model_teacher: str, model_theta: str, max_model_len: int | None) -> int:
@@ -250,13 +264,7 @@ class OptimalSamplingDual:
     async def _search_all(
         self, pairs: Sequence[PromptPair], opts: SamplingOptions, seeds: Sequence[Sequence[int]]
     ) -> list[list[SampleRecord]]:
-        tasks = [asyncio.ensure_future(self.beam_search_samples(p, opts, s)) for p, s in zip(pairs, seeds)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:  # one search's error ends the call: the others' requests are aborted, not left running
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        return await _all_or_none([self.beam_search_samples(p, opts, s) for p, s in zip(pairs, seeds)])
 
     async def _sample_all(self, requests: list[DualRequest], show: bool) -> list[SampleRecord]:
         from tqdm.auto import tqdm
@@ -268,13 +276,7 @@ class OptimalSamplingDual:
                 bar.update(1)
                 return sample
 
-            tasks = [asyncio.ensure_future(one(r)) for r in requests]
-            try:
-                return list(await asyncio.gather(*tasks))
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+            return await _all_or_none([one(r) for r in requests])
 
     # ------------------------------------------------------------------ new weights
 

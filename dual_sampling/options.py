@@ -114,7 +114,7 @@ class SamplingOptions(DecisionOptions):
         self.logit_bias = {
             int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k: v for k, v in self.logit_bias.items()
         }
-        for f in dataclasses.fields(DecisionOptions):  # a float setting given as an integer (1 for 1.0)
+        for f in dataclasses.fields(self):  # a float setting given as an integer (1 for 1.0)
             if f.type == "float" and is_int(getattr(self, f.name)):
                 setattr(self, f.name, float(getattr(self, f.name)))
         require(
@@ -172,8 +172,6 @@ class SamplingOptions(DecisionOptions):
             isinstance(self.use_beam_search, bool),
             f"use_beam_search must be true or false, got {self.use_beam_search!r}",
         )
-        if is_int(self.length_penalty):
-            self.length_penalty = float(self.length_penalty)
         require(is_number(self.length_penalty), f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if not self.use_beam_search:
             require(self.length_penalty == 1.0, "length_penalty acts on beam search only (use_beam_search)")
