@@ -57,10 +57,11 @@ bench-datagen: $(STAMP)
 	$(PY) examples/bench_datagen.py --output bench-out/datagen.json
 
 # The second pre-registered distillation experiment of docs/distillation.md (hours on 2 cores: the budget is in the
-# doc; resumes where it stopped); results.json, distillation.png and the table under bench-out/distill-2. The first
+# doc; resumes where it stopped, also on a fresh clone: finished cells are kept in docs/distillation_second);
+# results.json, distillation.png and the table under bench-out/distill-2. The first
 # experiment: the same script with --design first --output bench-out/distill.
 experiment-distill: models
-	$(PY) examples/distill_experiment.py --design second --output bench-out/distill-2
+	$(PY) examples/distill_experiment.py --design second --output bench-out/distill-2 --archive docs/distillation_second
 
 bench-dense: models
 	$(PY) examples/bench_dense.py --output bench-out/dense.json

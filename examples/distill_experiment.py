@@ -33,7 +33,8 @@ Each (arm, seed) cell resumes on its own: an interrupted run loses at most the r
 (its cell.json) is never run again. One dual engine serves every cell (its alpha method is set per cell).
 
     python examples/distill_experiment.py --pilot --output bench-out/distill-2     # the design's pilot
-    python examples/distill_experiment.py --output bench-out/distill-2             # make experiment-distill
+    python examples/distill_experiment.py --output bench-out/distill-2 --archive docs/distillation_second
+                                                                                   # make experiment-distill
     python examples/distill_experiment.py --report bench-out/distill-2             # analysis of the finished cells
     python examples/distill_experiment.py --quick --output /tmp/dx                 # the tiny pair, a smoke run
     python examples/distill_experiment.py --design first --output bench-out/distill   # the first experiment
@@ -122,6 +123,9 @@ class Design:
     solutions' NLL, ``compare.trust_region_helps``)."""
     margin: float = 0.05
     """The non-inferiority margin of the "helps" rule (nats per token), fixed before the run."""
+    eval_batch_size: int = 0
+    """Held-out samples per transformers ``generate`` call (``evaluate.sample``); 0: all of a set in one batch. The
+    batching picks which draw each sample is, not its distribution."""
 
 
 FIRST = Design()
@@ -134,11 +138,13 @@ SECOND = Design(
     anneal_rounds=5,
     max_tokens=512,
     rule="helps",
+    eval_batch_size=16,
 )
 """The second experiment (docs/distillation.md, "The second experiment"): trust-region blending as published against
 α = 0, 16 paired seeds; rounds and max_tokens by the pilot's rules (``--design second --pilot``, in
 docs/distillation_second.json): no cap up to 512 lets 90 % of the teacher's answers end (54 % end within 512), so
-512; the α = 0 loss is within 10 % of its 16-round end at round 10."""
+512; the α = 0 loss is within 10 % of its 16-round end at round 10. Held-out samples in batches of 16: the amendment
+of 2026-11-28, made before the run that is reported (docs/distillation.md, "Amendment")."""
 
 DESIGNS = {"first": FIRST, "second": SECOND}
 
@@ -232,7 +238,9 @@ class HeldOut:
         if saved.exists():
             teacher_samples = json.loads(saved.read_text())["teacher_samples"]
         else:
-            teacher_samples = sample(teacher, self.prompt_ids, 1, design.max_tokens, eos_ids, seed=1_000_003)
+            teacher_samples = sample(
+                teacher, self.prompt_ids, 1, design.max_tokens, eos_ids, 1_000_003, design.eval_batch_size
+            )
             write_no_follow(saved, json.dumps({"teacher_samples": teacher_samples, "human": human}))
         self.fixed = {"teacher_samples": [group[0] for group in teacher_samples], "human": human}
         # The teacher's rows on the fixed sequences, once for every student (float32: 1e-7 relative).
@@ -247,7 +255,9 @@ class HeldOut:
         import torch
 
         n = self.design.eval_samples
-        own = sample(student, self.prompt_ids, n, self.design.max_tokens, self.eos_ids, seed)
+        own = sample(
+            student, self.prompt_ids, n, self.design.max_tokens, self.eos_ids, seed, self.design.eval_batch_size
+        )
         sums: dict[str, list[dict[str, float]]] = {"own": [], "teacher_samples": [], "human": []}
         human_nll: list[float] = []
         was_training = student.training
@@ -585,6 +595,19 @@ def report(out: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------- main
 
+RESULT_FILES = ("design.json", "references.json", "start.json", "*/seed-*/cell.json")
+"""What a run's results are, without its checkpoints: the files ``--archive`` keeps (a few MB for 32 cells)."""
+
+
+def copy_missing(source: Path, target: Path) -> None:
+    """Copy the result files of ``source`` that ``target`` lacks (a result, once written, never changes)."""
+    for pattern in RESULT_FILES:
+        for path in sorted(source.glob(pattern)):
+            copy = target / path.relative_to(source)
+            if not copy.exists():
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                write_no_follow(copy, path.read_text())
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -596,6 +619,12 @@ def main() -> None:
     parser.add_argument("--seeds", help="comma-separated seeds (default: the design's)")
     parser.add_argument("--kl-budget", type=float, help="trust_region's starting ε (default: the design's)")
     parser.add_argument("--arms", help="a subset of the design's arms, for a partial run (default: all)")
+    parser.add_argument(
+        "--archive",
+        type=Path,
+        help="a folder kept in git that carries the run's results (RESULT_FILES) from machine to machine: copied into "
+        "--output before the run and updated after each cell, so a run continues on a new checkout",
+    )
     args = parser.parse_args()
     out = Path(args.output)
     if args.report:
@@ -618,6 +647,8 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--arms: unknown {unknown}; this design's arms are {list(design.arms)}")
     out.mkdir(parents=True, exist_ok=True)
+    if args.archive and not args.pilot:
+        copy_missing(args.archive, out)
     saved = out / "design.json"
     mine = json.loads(json.dumps(dataclasses.asdict(design)))
     if saved.exists() and not args.pilot:
@@ -656,10 +687,14 @@ def main() -> None:
         eos = sorted(dual.eos_token_ids)
         held = HeldOut(dual.tokenizer, eos, rows[-design.eval_prompts :], design, out, teacher_model)
         start = start_cell(base, held)
+        if args.archive:
+            copy_missing(out, args.archive)
         print(f"start: {PRIMARY} {start[PRIMARY]:.4f} at {time.perf_counter() - t0:.0f} s", flush=True)
         for seed in design.seeds:  # seed-major: a run cut short still has every arm of its first seeds
             for arm in arms:
                 cell = run_cell(arm, seed, design, base, dual, held, seed == design.seeds[0])
+                if args.archive:
+                    copy_missing(out, args.archive)
                 print(
                     f"{arm} seed {seed}: {PRIMARY} {cell[PRIMARY]:.4f}, tokens/round {cell['tokens_per_round']}, "
                     f"at {time.perf_counter() - t0:.0f} s",

@@ -430,8 +430,9 @@ def test_arms_whose_samples_differ_in_length_train_on_one_sequence_of_problems()
     order = list(range(50))
     np.random.default_rng(5).shuffle(order)
 
-    def arm(length):
+    def arm(length, sizes):
         def draw(picks):  # one sample per problem; the problem's id stands in for its prompt ids
+            sizes.append(len(picks))
             return [
                 RequestRecord(i, [p], [p], [SampleRecord("", [7] * n, "stop" if n < 16 else "length", seed=0)])
                 for i, (p, n) in enumerate((p, length(p)) for p in picks)
@@ -439,18 +440,24 @@ def test_arms_whose_samples_differ_in_length_train_on_one_sequence_of_problems()
 
         return draw
 
-    walks = {}
-    for name, draw in (("at_cap", arm(lambda p: 16)), ("stopping", arm(lambda p: 16 if p % 3 else 5))):
-        used, trained = 0, []
-        for r in range(1, 5):
-            taken, used = draw_round(r, draw, order, used, per_draw=8, budget=64)
-            assert sum(len(s.token_ids) for s, _ in taken) == 64
-            trained += [req.theta_prompt_token_ids[0] for _, req in taken]
-            assert used == len(trained)  # a problem counts once its sample is trained on, and only then
-        walks[name] = trained
-    assert walks["at_cap"] == order[:16]
-    assert walks["stopping"] == order[: len(walks["stopping"])]
-    assert len(walks["stopping"]) > 16
+    walks, drawn = {}, {}
+    for name, length in (("at_cap", lambda p: 16), ("stopping", lambda p: 16 if p % 3 else 5)):
+        for per_problem in (0, 16):  # full draws of 8; draws of only what the budget can use at 16 tokens a sample
+            used, trained, picked = 0, [], []
+            draw = arm(length, picked)
+            for r in range(1, 5):
+                taken, used = draw_round(r, draw, order, used, 8, 64, per_problem)
+                assert sum(len(s.token_ids) for s, _ in taken) == 64
+                trained += [(req.theta_prompt_token_ids[0], len(s.token_ids)) for s, req in taken]
+                assert used == len(trained)  # a problem counts once its sample is trained on, and only then
+            walks[name, per_problem], drawn[name, per_problem] = trained, picked
+    for name in ("at_cap", "stopping"):
+        # The same samples in the same order, cut at the same place, with fewer problems drawn.
+        assert walks[name, 0] == walks[name, 16]
+        assert max(drawn[name, 16]) <= 4 and sum(drawn[name, 16]) < sum(drawn[name, 0])
+    assert [p for p, _ in walks["at_cap", 0]] == order[:16] and drawn["at_cap", 16] == [4] * 4
+    assert [p for p, _ in walks["stopping", 0]] == order[: len(walks["stopping", 0])]
+    assert len(walks["stopping", 0]) > 16
 
 
 @pytest.mark.parametrize("loss", ["reverse", "reverse_full"])
@@ -528,13 +535,15 @@ def test_sequence_divergences_are_exact_sums_over_the_vocabulary(hf_models):
 def test_the_held_out_sampler_draws_from_the_model_and_stops_at_eos(hf_models):
     """evaluate.sample, the engine-independent sampler of the held-out metrics: the first token's frequencies over
     2,000 draws a prompt match the model's softmax (float64) within sampling error; samples end at and with their
-    first EOS; a seed reproduces them; prompts of different lengths (left-padded) keep their own distributions."""
+    first EOS; a seed reproduces them; prompts of different lengths (left-padded) keep their own distributions, in one
+    batch or in batches that mix them (1,500 rows a batch: the third holds both prompts)."""
     from dual_sampling.distill.evaluate import sample
 
     _, theta = hf_models
     prompts = [[5, 9, 13, 2], [7, 8]]
-    draws = sample(theta, prompts, 2000, 1, [1023], seed=3)
-    for prompt, group in zip(prompts, draws):
+    one_batch = sample(theta, prompts, 2000, 1, [1023], seed=3)
+    batched = sample(theta, prompts, 2000, 1, [1023], seed=3, batch_size=1500)
+    for prompt, group in [*zip(prompts, one_batch), *zip(prompts, batched)]:
         with torch.no_grad():
             p = torch.softmax(theta(torch.tensor([prompt])).logits[0, -1].double(), -1).numpy()
         counts = np.bincount([s[0] for s in group], minlength=p.size)
@@ -545,7 +554,9 @@ def test_the_held_out_sampler_draws_from_the_model_and_stops_at_eos(hf_models):
     assert a == sample(theta, prompts, 3, 12, [1023], seed=4) and a != sample(theta, prompts, 3, 12, [1023], seed=5)
     common = max(set(t for g in a for s in g for t in s), key=lambda t: sum(s.count(t) for g in a for s in g))
     cut = sample(theta, prompts, 3, 12, [common], seed=4)  # a frequent token as the EOS id: samples end early
-    for group in cut:
+    cut_batched = sample(theta, prompts, 3, 12, [common], seed=4, batch_size=4)
+    assert cut_batched == sample(theta, prompts, 3, 12, [common], seed=4, batch_size=4)
+    for group in [*cut, *cut_batched]:
         for s in group:
             assert len(s) <= 12 and s.count(common) <= 1 and (common not in s or s[-1] == common)
     assert any(len(s) < 12 for g in cut for s in g)

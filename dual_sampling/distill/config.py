@@ -51,10 +51,11 @@ class DistillConfig:
     rounds: int = 4
     """Sample-train-update rounds."""
     prompts_per_round: int = 16
-    """Problems sampled per draw (one sample each, n > 1 for more); the file is walked in a seeded order, continued
-    from round to round. A problem counts as used once a sample of it is trained on: the problems of a draw after
-    the last one trained on are drawn again next, so runs of one seed whose samples differ in length (other α) train
-    on the same problems in the same order (``prompts_used`` in metrics.jsonl)."""
+    """Problems sampled per draw, at most (one sample each, n > 1 for more; under ``tokens_per_round`` a draw takes
+    only as many as the remaining budget can use at max_tokens a sample); the file is walked in a seeded order,
+    continued from round to round. A problem counts as used once a sample of it is trained on: the problems of a
+    draw after the last one trained on are drawn again next, so runs of one seed whose samples differ in length
+    (other α) train on the same problems in the same order (``prompts_used`` in metrics.jsonl)."""
     tokens_per_round: int = 0
     """0: each round trains on one draw of ``prompts_per_round`` problems. > 0: an equal budget of generated tokens:
     each round draws until its samples hold this many tokens, and the last sample is cut to its first tokens to meet

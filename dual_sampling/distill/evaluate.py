@@ -59,18 +59,24 @@ def greedy(model: Any, prompts: Sequence[Sequence[int]], max_tokens: int, eos_id
 
 
 def sample(
-    model: Any, prompts: Sequence[Sequence[int]], n: int, max_tokens: int, eos_ids: Sequence[int], seed: int
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    n: int,
+    max_tokens: int,
+    eos_ids: Sequence[int],
+    seed: int,
+    batch_size: int = 0,
 ) -> list[list[list[int]]]:
     """``n`` samples of ``model`` at temperature 1 for each prompt (no top-k, top-p or penalty: π exactly, in float32),
-    each ending at and with its first EOS id or after ``max_tokens``; one batch, left-padded. A sampler independent of
-    the dual engine, for held-out metrics on a model's own samples."""
+    each ending at and with its first EOS id or after ``max_tokens``; left-padded batches of ``batch_size`` samples
+    (0: one batch), drawn in turn after one ``torch.manual_seed(seed)``. A sampler independent of the dual engine, for
+    held-out metrics on a model's own samples. The batching changes which draw each sample is, not its distribution;
+    on 2 CPU cores, 96 samples of 512 tokens ran at 33 tokens/s in one batch and 50 in batches of 16."""
     from transformers import GenerationConfig
 
     rows = [list(p) for p in prompts for _ in range(n)]
-    width = max(map(len, rows))
+    step = batch_size or len(rows)
     pad = eos_ids[0]
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=model.device)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=model.device)
     config = GenerationConfig(
         do_sample=True,
         temperature=1.0,
@@ -81,8 +87,14 @@ def sample(
         pad_token_id=pad,
     )
     torch.manual_seed(seed)
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, generation_config=config)[:, width:].tolist()
+    out: list[list[int]] = []
+    for start in range(0, len(rows), step):
+        part = rows[start : start + step]
+        width = max(map(len, part))
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in part], device=model.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in part], device=model.device)
+        with torch.no_grad():
+            out += model.generate(ids, attention_mask=mask, generation_config=config)[:, width:].tolist()
     samples = []
     for gen in out:
         end = next((i for i, t in enumerate(gen) if t in eos_ids), len(gen) - 1)

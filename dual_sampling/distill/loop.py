@@ -78,6 +78,7 @@ def draw_round(
     used: int,
     per_draw: int,
     budget: int,
+    tokens_per_problem: int = 0,
 ) -> tuple[list[tuple[SampleRecord, RequestRecord]], int]:
     """Round ``r``'s complete samples, each with its request, in draw order, and the count of problems used after it.
 
@@ -86,11 +87,20 @@ def draw_round(
     samples hold ``budget`` tokens, the last sample cut to meet it exactly. A problem counts as used only up to the
     last one of its draw that a sample was taken from; the draw's later problems are drawn again next, so runs whose
     samples differ in length (arms of one seed with other α) train on one sequence of problems.
+
+    With ``tokens_per_problem`` (the most tokens one problem's samples can hold: max_tokens × n), a
+    draw under a budget takes only the problems the remaining budget can still use, at most ``per_draw``: every one
+    of them is then taken whole or cut, none discarded. The samples are those of full draws, since a sample's seed
+    comes from its problem and round (``derive_seed``), not from the other problems of its draw; only the
+    discarded tail is not sampled (at 512-token samples and a 1,024-token budget, 6 of 8).
     """
     taken: list[tuple[SampleRecord, RequestRecord]] = []
     tokens = 0
     while not taken or tokens < budget:
-        picks = [order[(used + i) % len(order)] for i in range(per_draw)]
+        size = per_draw
+        if budget and tokens_per_problem:
+            size = min(per_draw, -(-(budget - tokens) // tokens_per_problem))
+        picks = [order[(used + i) % len(order)] for i in range(size)]
         requests = draw(picks)
         complete = [(i, s, req) for i, req in enumerate(requests) for s in req.samples if s.ok and s.token_ids]
         if not complete:
@@ -296,7 +306,8 @@ class Distiller:
                 use_tqdm=False,
             ).requests
 
-        taken, used = draw_round(r, draw, self.order, used, cfg.prompts_per_round, cfg.tokens_per_round)
+        per_problem = cfg.sampling.max_tokens * cfg.sampling.n
+        taken, used = draw_round(r, draw, self.order, used, cfg.prompts_per_round, cfg.tokens_per_round, per_problem)
         prompt_ids = [(list(req.teacher_prompt_token_ids), list(req.theta_prompt_token_ids)) for _, req in taken]
         return [s for s, _ in taken], prompt_ids, used
 
