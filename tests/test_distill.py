@@ -560,6 +560,9 @@ def test_the_held_out_sampler_draws_from_the_model_and_stops_at_eos(hf_models):
         for s in group:
             assert len(s) <= 12 and s.count(common) <= 1 and (common not in s or s[-1] == common)
     assert any(len(s) < 12 for g in cut for s in g)
+    for bad in (-1, 1.5, True, "16"):  # a negative step would return no samples at all
+        with pytest.raises(ValueError, match="batch_size"):
+            sample(theta, prompts, 3, 12, [1023], seed=4, batch_size=bad)
 
 
 def test_continuations_scored_in_one_batch_get_the_rows_of_separate_forwards(hf_models):
