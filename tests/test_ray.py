@@ -130,10 +130,17 @@ def test_two_replicas_with_one_killed_give_the_local_samples_exactly_once(dual_e
         # Killed while it holds a batch (a slot of its session holds a request), so that batch must be drawn again; a
         # replica killed between two batches holds none, and nothing would be retried. A held slot says its engines
         # are up by itself: the listing is not asked for (one CI run never saw a listing and a part at one look).
-        drawing = [p for p in replicas if drawing_a_batch(p.pid)] if killed is None and parts else []
-        if drawing:
-            killed = drawing[0].pid
-            os.kill(killed, signal.SIGKILL)
+        # Once parts exist, the known replicas' slots are looked at every 5 ms for half a second: a walk of Ray's
+        # process tree takes tens of ms, and a fast idle CI run drew each batch between two such walks (1,090 looks
+        # in 101 s, none inside a held slot).
+        watch_until = time.monotonic() + 0.5 if killed is None and parts else 0.0
+        while time.monotonic() < watch_until and proc.poll() is None:
+            drawing = [p for p in replicas if drawing_a_batch(p.pid)]
+            if drawing:
+                killed = drawing[0].pid
+                os.kill(killed, signal.SIGKILL)
+                break
+            time.sleep(0.005)
         time.sleep(0.05)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr[-4000:]
