@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from dual_sampling.checks import need_int
+
 __all__ = [
     "EvalSet",
     "build_eval_set",
@@ -74,9 +76,7 @@ def sample(
     on 2 CPU cores, 96 samples of 512 tokens ran at 33 tokens/s in one batch and 50 in batches of 16."""
     from transformers import GenerationConfig
 
-    # bool is an int subclass; a negative step would silently return no samples
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
-        raise ValueError(f"batch_size must be an int >= 0 (0: one batch), got {batch_size!r}")
+    need_int("batch_size", batch_size, 0)  # a negative step would return no samples
     rows = [list(p) for p in prompts for _ in range(n)]
     step = batch_size or len(rows)
     pad = eos_ids[0]
