@@ -41,6 +41,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from dual_sampling.checks import is_int
+
 __all__ = [
     "REAL_PAIRS",
     "cache_root",
@@ -137,7 +139,7 @@ def smollm2_pruned(keep_layers: int = 24) -> Path:
     """Folder of SmolLM2-135M-Instruct with ``keep_layers`` of its 30 layers kept, evenly spaced."""
     source = smollm2()
     total = json.loads((source / "config.json").read_text())["num_hidden_layers"]
-    if isinstance(keep_layers, bool) or not isinstance(keep_layers, int) or not 1 <= keep_layers <= total:
+    if not (is_int(keep_layers) and 1 <= keep_layers <= total):
         raise ValueError(f"keep_layers must be an integer in [1, {total}], got {keep_layers!r}")
 
     keep = sorted({round(i * (total - 1) / max(keep_layers - 1, 1)) for i in range(keep_layers)})
@@ -217,11 +219,7 @@ def gemma3_270m_pruned(keep_layers: int = 14) -> Path:
     """Gemma 3 270M keeping ``keep_layers`` of 18 layers: the full-attention ones and evenly spaced others."""
     source = gemma3_270m()
     total = json.loads((source / "config.json").read_text())["num_hidden_layers"]
-    if (
-        isinstance(keep_layers, bool)
-        or not isinstance(keep_layers, int)
-        or not len(GEMMA3_FULL_ATTENTION_LAYERS) <= keep_layers <= total
-    ):
+    if not (is_int(keep_layers) and len(GEMMA3_FULL_ATTENTION_LAYERS) <= keep_layers <= total):
         raise ValueError(
             f"keep_layers must be an integer in [{len(GEMMA3_FULL_ATTENTION_LAYERS)}, {total}], got {keep_layers!r}"
         )

@@ -83,8 +83,9 @@ def test_pruned_theta_keeps_evenly_spaced_layers_and_tokenizer():
     assert (
         AutoTokenizer.from_pretrained(path).get_vocab() == AutoTokenizer.from_pretrained(models.smollm2()).get_vocab()
     )
-    with pytest.raises(ValueError, match="keep_layers"):
-        models.smollm2_pruned(31)
+    for bad in (31, 0, True, 24.0, "24"):  # out of range, a bool (an int to Python), a float, a string
+        with pytest.raises(ValueError, match="keep_layers"):
+            models.smollm2_pruned(bad)
 
 
 @pytest.mark.models
@@ -110,5 +111,6 @@ def test_gemma3_theta_keeps_the_full_attention_layers():
     assert len(kept) == 14 and set(models.GEMMA3_FULL_ATTENTION_LAYERS) <= set(kept)
     source_types = AutoConfig.from_pretrained(models.gemma3_270m()).layer_types
     assert AutoConfig.from_pretrained(path).layer_types == [source_types[i] for i in kept]
-    with pytest.raises(ValueError, match="keep_layers"):
-        models.gemma3_270m_pruned(2)
+    for bad in (2, 19, True, 14.0):  # fewer than the full-attention layers, more than 18, a bool, a float
+        with pytest.raises(ValueError, match="keep_layers"):
+            models.gemma3_270m_pruned(bad)

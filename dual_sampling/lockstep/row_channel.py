@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from dual_sampling.checks import is_int
 from dual_sampling.lockstep.layout import SyncError
 
 __all__ = [
@@ -257,20 +258,15 @@ def _parse_field(name: str, kind: str, value: Any) -> Any:
     """A handle field's ``value`` from JSON as its ``kind`` (the annotation); ValueError naming the field."""
     if kind == "bool" and isinstance(value, bool):
         return value
-    if kind == "int" and _integer(value) and value >= 0:
+    if kind == "int" and is_int(value) and value >= 0:
         return value
     if kind == "tuple[int, int]" and isinstance(value, list) and len(value) == 2:
-        if all(_integer(v) and v > 0 for v in value):
+        if all(is_int(v) and v > 0 for v in value):
             return tuple(value)
     elif kind == "bytes" and isinstance(value, str) and (decoded := _base64(value)):
         return decoded
     wanted = {"bool": "a boolean", "int": "an integer >= 0", "tuple[int, int]": "two positive integers"}
     raise ValueError(f"the handle's {name} must be {wanted.get(kind, 'non-empty base64')}, got {value!r}")
-
-
-def _integer(value: Any) -> bool:
-    """Whether a JSON value is an integer (JSON's true and false load as Python ints too: they are not)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _base64(text: str) -> bytes:
