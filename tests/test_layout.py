@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("alpha", "processors", "dual_sampling")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # Leaves: pure math, text, vocabularies, model folders, records, prompts, run outputs on disk, value checks.
+    ("dual_sampling.checks",),  # value checks of single settings: they import nothing of ours; anything may use them
+    # Leaves: pure math, text, vocabularies, model folders, records, prompts, run outputs on disk.
     (
         "alpha",
         "dual_sampling.text",
@@ -26,7 +27,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dual_sampling.records",
         "dual_sampling.prompts",
         "dual_sampling.run_output",
-        "dual_sampling.checks",
     ),
     ("dual_sampling.lockstep", "dual_sampling.decision", "dual_sampling.beams"),
     ("processors",),  # the vLLM plugins
