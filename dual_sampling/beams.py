@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Seque
 from dataclasses import dataclass, field
 from typing import Any
 
-from dual_sampling.checks import is_count, is_number, require
+from dual_sampling.checks import is_count, is_number, need_int, require
 from dual_sampling.records import SampleRecord
 from dual_sampling.text import sample_text
 
@@ -61,10 +61,7 @@ class BeamSearchOptions:
     """Keep extending past EOS ids (no beam ends before max_tokens)."""
 
     def __post_init__(self) -> None:
-        require(
-            is_count(self.beam_width, 1) and self.beam_width <= MAX_BEAM_WIDTH,
-            f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}",
-        )
+        need_int("beam_width", self.beam_width, 1, most=MAX_BEAM_WIDTH)
         require(is_count(self.max_tokens, 1), f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         require(is_number(self.length_penalty), f"length_penalty must be a finite number, got {self.length_penalty!r}")
         require(isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}")

@@ -38,10 +38,12 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def need_int(name: str, value: Any, least: int) -> int:
-    """``value`` if it is an integer >= ``least``; else ValueError: "<name> must be an integer >= <least>"."""
-    if not (is_int(value) and value >= least):
-        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+def need_int(name: str, value: Any, least: int, most: int | None = None) -> int:
+    """``value`` if it is an integer >= ``least`` (and <= ``most`` when given); else ValueError:
+    "<name> must be an integer >= <least>" or "<name> must be an integer in [<least>, <most>]"."""
+    if not (is_int(value) and value >= least and (most is None or value <= most)):
+        bound = f">= {least}" if most is None else f"in [{least}, {most}]"
+        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
     return value
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from dual_sampling.checks import is_int
+from dual_sampling.checks import need_int
 
 __all__ = [
     "REAL_PAIRS",
@@ -139,8 +139,7 @@ def smollm2_pruned(keep_layers: int = 24) -> Path:
     """Folder of SmolLM2-135M-Instruct with ``keep_layers`` of its 30 layers kept, evenly spaced."""
     source = smollm2()
     total = json.loads((source / "config.json").read_text())["num_hidden_layers"]
-    if not (is_int(keep_layers) and 1 <= keep_layers <= total):
-        raise ValueError(f"keep_layers must be an integer in [1, {total}], got {keep_layers!r}")
+    need_int("keep_layers", keep_layers, 1, most=total)
 
     keep = sorted({round(i * (total - 1) / max(keep_layers - 1, 1)) for i in range(keep_layers)})
     return _prune(source, keep, f"smollm2-135m-instruct-pruned{keep_layers}")
@@ -219,10 +218,7 @@ def gemma3_270m_pruned(keep_layers: int = 14) -> Path:
     """Gemma 3 270M keeping ``keep_layers`` of 18 layers: the full-attention ones and evenly spaced others."""
     source = gemma3_270m()
     total = json.loads((source / "config.json").read_text())["num_hidden_layers"]
-    if not (is_int(keep_layers) and len(GEMMA3_FULL_ATTENTION_LAYERS) <= keep_layers <= total):
-        raise ValueError(
-            f"keep_layers must be an integer in [{len(GEMMA3_FULL_ATTENTION_LAYERS)}, {total}], got {keep_layers!r}"
-        )
+    need_int("keep_layers", keep_layers, len(GEMMA3_FULL_ATTENTION_LAYERS), most=total)
     others = [i for i in range(total) if i not in GEMMA3_FULL_ATTENTION_LAYERS]
     wanted = keep_layers - len(GEMMA3_FULL_ATTENTION_LAYERS)
     picked = {others[round(k * (len(others) - 1) / max(wanted - 1, 1))] for k in range(wanted)} if wanted else set()

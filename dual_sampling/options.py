@@ -16,7 +16,7 @@ from typing import Any
 
 from alpha import get_alpha_computer
 from dual_sampling.beams import MAX_BEAM_WIDTH, BeamSearchOptions
-from dual_sampling.checks import MAX_COUNT, is_count, is_int, is_number, require
+from dual_sampling.checks import MAX_COUNT, is_count, is_int, is_number, need_int, require
 from dual_sampling.decision.pipeline import RowSampling
 from dual_sampling.decision.stages import LOGIT_BIAS_LIMIT, STAGES, DecisionOptions, needs_prompt
 from dual_sampling.lockstep import TOP_LOGPROBS_MAX
@@ -155,10 +155,7 @@ class SamplingOptions(DecisionOptions):
             is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
             f"seed must be a 64-bit signed integer, got {self.seed!r}",
         )
-        require(
-            is_int(self.top_logprobs) and 0 <= self.top_logprobs <= TOP_LOGPROBS_MAX,
-            f"top_logprobs must be an integer in [0, {TOP_LOGPROBS_MAX}], got {self.top_logprobs!r}",
-        )
+        need_int("top_logprobs", self.top_logprobs, 0, most=TOP_LOGPROBS_MAX)
         require(
             is_int(self.dense_logprobs) and self.dense_logprobs >= 0,
             f"dense_logprobs must be a non-negative integer, got {self.dense_logprobs!r}",
@@ -372,10 +369,7 @@ class EngineOptions:
         for name in ("teacher_engine_kwargs", "theta_engine_kwargs"):
             require(isinstance(getattr(self, name), dict), f"{name} must be a dict of vLLM engine arguments")
         require(self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}")
-        require(
-            is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 32,
-            f"num_speculative_tokens must be an integer in [1, 32], got {self.num_speculative_tokens!r}",
-        )
+        need_int("num_speculative_tokens", self.num_speculative_tokens, 1, most=32)
         require(
             self.mode == "lockstep" or not self.theta_engine_kwargs,
             "theta_engine_kwargs: in mode='speculative' theta runs in the teacher's engine (use teacher_engine_kwargs)",

@@ -19,6 +19,16 @@ def test_need_int_returns_what_it_accepts():
     assert need_int("dense_k", 0, 0) == 0 and need_int("slots", 7, 1) == 7
 
 
+@pytest.mark.parametrize("value", [0, 11, True, 5.0, "5", None])
+def test_need_int_with_an_upper_bound_refuses_values_outside_it_by_name(value):
+    with pytest.raises(ValueError, match=r"^beam_width must be an integer in \[1, 10\], got"):
+        need_int("beam_width", value, 1, most=10)
+
+
+def test_need_int_with_an_upper_bound_takes_both_ends():
+    assert need_int("beam_width", 1, 1, most=10) == 1 and need_int("beam_width", 10, 1, most=10) == 10
+
+
 @pytest.mark.parametrize(
     ("value", "kwargs", "message"),
     [
