@@ -22,19 +22,24 @@ def test_a_members_law_is_q_divided_by_exp_lambda_per_earlier_member():
     vocab, b = 5000, 4
     g = torch.Generator().manual_seed(2)
     teacher, theta = 3 * torch.randn(b, vocab, generator=g), 2 * torch.randn(b, vocab, generator=g)
-    taken = [{}, {7: 1}, {7: 2, 11: 1}, {int(teacher[3].argmax()): 1}]
+    z = 0.6 * torch.log_softmax(theta.double(), -1) + 0.4 * torch.log_softmax(teacher.double(), -1)
+    # Earlier members took q's likeliest tokens, so the penalty moves every row's law well past the tolerance.
+    top = z.topk(2, dim=-1).indices.tolist()
+    taken = [{}, {top[1][0]: 1}, {top[2][0]: 2, top[2][1]: 1}, {int(teacher[3].argmax()): 1}]
     rows = [RowSampling(seed=r, diversity_penalty=1.5, group=9, member=r, temperature=0.8) for r in range(b)]
     rows[1].temperature = 1.0  # the kernel takes this row; the others (tempered) go to the reference
     computer = get_alpha_computer("fixed", alpha=0.4)
     d = decide(teacher, theta, [3] * b, rows, computer, diversity=taken)
     assert bool(d.handed_back.sum() == 0)
     for r in range(b):
-        z = 0.6 * torch.log_softmax(theta[r].double(), -1) + 0.4 * torch.log_softmax(teacher[r].double(), -1)
-        x = z / rows[r].temperature
+        x = z[r] / rows[r].temperature
+        plain = torch.log_softmax(x, -1)
         for token, count in taken[r].items():
             x[token] -= 1.5 * count
         logq = torch.log_softmax(x, -1)
         assert abs(float(d.logq[r]) - float(logq[d.tokens[r]])) < 2e-5, r
+        if taken[r]:  # the control: the unpenalised law is far from what was recorded
+            assert abs(float(d.logq[r]) - float(plain[d.tokens[r]])) > 2e-4, r
     with pytest.raises(ValueError, match="diversity_penalty"):
         SamplingOptions(max_tokens=4, diversity_penalty=-0.1)
 
