@@ -47,10 +47,13 @@ def geometric_log_weights(logp_theta: Tensor, logp_teacher: Tensor, alpha: Tenso
     """log q_α up to a per-row constant, ``[B, V]``: no checks and no normalisation.
 
     For callers that validated their ``[B, V]`` inputs and ``alpha`` ``[B]`` already and
-    normalise later anyway (the sampler draws from unnormalised weights).
+    normalise later anyway (the sampler draws from unnormalised weights). Reads nothing back off
+    the CPU: there, checking the rows for −inf would make the host wait for the device, so the
+    masked form (exact for any rows) is taken without the check.
     """
     a = alpha.unsqueeze(-1)
-    if bool(logp_theta.amin() > -math.inf) and bool(logp_teacher.amin() > -math.inf):
+    on_host = logp_theta.device.type == "cpu"
+    if on_host and bool(logp_theta.amin() > -math.inf) and bool(logp_teacher.amin() > -math.inf):
         return torch.lerp(logp_theta, logp_teacher, a)
     return _mix_with_masks(logp_theta, logp_teacher, a)
 

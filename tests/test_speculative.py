@@ -288,20 +288,24 @@ def test_spans_with_no_rows_emit_nothing_and_leave_the_others_alone():
     assert empty[0].tokens == [] and empty[0].logq.shape == (0,)
 
 
-class _DeviceWaits(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the operations that make the host wait for a tensor's device: a value read back to Python
-    (``.item()``, ``float()``, ``bool()``, ``.tolist()`` go through ``_local_scalar_dense``) or a copy to the CPU."""
+class _DeviceWaits(torch.overrides.TorchFunctionMode):
+    """Counts the calls that make the host wait for a tensor's device: a copy to the CPU (``.cpu()``, ``.to("cpu")``)
+    and every read into Python or NumPy (``.numpy()``, ``.tolist()``, ``.item()``, ``float()``, ``int()``,
+    ``bool()``). Counted at the torch-function level: on CPU tensors ``.cpu()``, ``.numpy()`` and ``.tolist()`` reach
+    no dispatched operation, so a dispatch-level count would miss them here while they wait on a GPU."""
+
+    READS = frozenset({"cpu", "numpy", "tolist", "item", "__float__", "__int__", "__bool__", "__index__"})
 
     def __init__(self) -> None:
         super().__init__()
         self.waits = 0
         self.paused = False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        read_back = func is torch.ops.aten._local_scalar_dense.default
-        copied_out = func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu")
-        if not self.paused and (read_back or copied_out):
+        name = getattr(func, "__name__", "")
+        to_cpu = name == "to" and any(str(a) == "cpu" for a in (*args[1:], kwargs.get("device")))
+        if not self.paused and (name in self.READS or to_cpu):
             self.waits += 1
         return func(*args, **kwargs)
 
@@ -309,8 +313,10 @@ class _DeviceWaits(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("method", ["fixed", "kl_symmetry"])
 def test_the_decision_waits_for_the_device_as_often_for_many_drafts_as_for_one(method):
     """The device-safety check run on CPU tensors (the same code runs on CUDA): no wait per draft or per span, so one
-    span with one draft and 16 spans of 8 drafts make the same number of waits. The α solve's own convergence
-    checks (a few per call, as many as its passes) are not counted: the count is of the verification itself."""
+    span with one draft and 16 spans of 8 drafts make the same number of waits, and at least the one copy out is
+    seen (the count can see a wait). The α solve's own convergence checks (a few per call, as many as its passes)
+    are not counted: the count is of the verification itself. On the CPU the mixing also checks its rows for −inf
+    (free there); that nothing is read back on a device is the next test's (a host read of a meta tensor raises)."""
     g = torch.Generator().manual_seed(9)
     solve = get_alpha_computer(method)
     mode = None
@@ -333,20 +339,16 @@ def test_the_decision_waits_for_the_device_as_often_for_many_drafts_as_for_one(m
         return mode.waits
 
     few, many = waits(1, 1), waits(16, 8)
-    assert few == many <= 2, (few, many)
+    assert few == many and few >= 1, (few, many)
 
 
-def test_the_verification_runs_where_its_rows_are_without_reading_them_back(monkeypatch):
+def test_the_verification_runs_where_its_rows_are_without_reading_them_back():
     """The device-safety check off a GPU: the verification's device work on ``meta`` tensors, which have no data, so
     every input the host builds (uniforms, the spans' layout) must be sent to the rows' device (a CPU tensor meeting
     a meta one raises, as a CPU tensor meeting a CUDA one does) and nothing may be read back before the one wait (a
-    host read of a meta tensor raises). The α solve and the mixing's fast-path check read their rows and are
-    replaced by device-pure stand-ins: what is checked is the verification around them."""
-    import dual_sampling.decision.speculative as speculative
-    from alpha.mixing import _mix_with_masks
+    host read of a meta tensor raises). The α solve reads its rows (its convergence checks) and is replaced by a
+    device-pure stand-in: what is checked is the verification around it, the mixing included."""
     from dual_sampling.decision.speculative import verification_block
-
-    monkeypatch.setattr(speculative, "geometric_log_weights", lambda th, t, a: _mix_with_masks(th, t, a.unsqueeze(-1)))
 
     def half(logp_theta, logp_teacher, alpha_init=None, normalized=False):
         return torch.full(logp_theta.shape[:1], 0.5, device=logp_theta.device)
