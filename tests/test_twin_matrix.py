@@ -235,7 +235,9 @@ def test_the_mismatch_helper_on_a_tied_and_an_untied_student(lockstep):
     CELLS.setdefault(f"{lockstep.name}/lockstep/mismatch", {})["max_abs"] = same.max_abs
     try:
         engine.update_theta(_perturbed(hf_theta, seed=9).state_dict(), version="theta-moved-on")
-        behind = sampler_trainer_mismatch(hf_theta, engine.generate(PROMPTS, max_tokens=16, seed=8).requests)
+        behind = sampler_trainer_mismatch(
+            hf_theta, engine.generate(PROMPTS, max_tokens=16, seed=8).requests, engine.vocab
+        )
     finally:
         engine.update_theta(str(lockstep.folders[1]))
     assert behind.max_abs > 100 * RESCORE_ATOL
