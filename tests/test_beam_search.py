@@ -15,10 +15,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dual_sampling.api import derive_seed
 from dual_sampling.beams import BeamSearchOptions, Candidates, beam_samples, run_beam_search
 from dual_sampling.options import SamplingOptions
-from tests.oracles import assert_records_match_rescoring
+from tests.oracles import assert_records_match_rescoring, rescore
 
 VOCAB, EOS = 6, 0
 
@@ -98,11 +97,22 @@ def test_beams_on_the_engines_carry_exact_records_and_width_one_is_greedy(dual_e
             ],
         )  # fmt: skip
         assert_records_match_rescoring(request, *hf_models, vocab, "kl_symmetry")
-        scores = [b.cum_logq / len(b.tokens) for b in beams]
+        # The ranking by its definition: mean log q per token, a final EOS not counted as a token.
+        lengths = [len(b.tokens) - (b.tokens[-1] in dual_engine.eos_token_ids) for b in beams]
+        scores = [b.cum_logq / max(n, 1) for b, n in zip(beams, lengths)]
         assert scores == sorted(scores, reverse=True)
     greedy = dual_engine.generate(prompts, max_tokens=6, temperature=0.0)
-    for (best,), sample in zip(dual_engine.beam_search(prompts, beam_width=1, max_tokens=6), greedy.requests):
+    for prompt, (best,), sample in zip(
+        prompts, dual_engine.beam_search(prompts, beam_width=1, max_tokens=6), greedy.requests
+    ):
         assert best.tokens == sample.samples[0].token_ids
+        # Width one is greedy on q itself: each token is the argmax of the float64 mixture of re-scored rows at its α
+        # (a near tie, within float32 rounding, may go either way).
+        ids = dual_engine.prepare(prompt).theta_ids
+        teacher, theta = (rescore(model, ids, best.tokens, vocab) for model in hf_models)
+        for t, token in enumerate(best.tokens):
+            mixed = (1 - best.alpha[t]) * theta[t] + best.alpha[t] * teacher[t]
+            assert float(mixed.max() - mixed[token]) < 1e-4, (prompt, t)
     with pytest.raises(ValueError, match="max_tokens=300 does not fit"):
         dual_engine.beam_search(prompts, beam_width=2, max_tokens=300)
 
@@ -212,9 +222,10 @@ def test_generate_with_use_beam_search_returns_the_beams_as_samples(dual_engine,
         prompts, prompt_keys=["a", "b"], max_tokens=6, n=3, seed=4, use_beam_search=True, length_penalty=0.5
     )
     direct = dual_engine.beam_search(prompts, beam_width=3, max_tokens=6, length_penalty=0.5)
-    for key, request, beams in zip("ab", out.requests, direct):
+    sampled = dual_engine.generate(prompts, prompt_keys=["a", "b"], max_tokens=1, n=3, seed=4)
+    for request, beams, plain in zip(out.requests, direct, sampled.requests):
         assert [s.token_ids for s in request.samples] == [b.tokens for b in beams]
-        assert [s.seed for s in request.samples] == [derive_seed(4, key, j) for j in range(3)]
+        assert [s.seed for s in request.samples] == [s.seed for s in plain.samples]  # as a sampled request's
         for sample, beam in zip(request.samples, beams):
             assert sample.ok and sample.finish_reason == beam.finish_reason and sample.text == beam.text
             assert sample.teacher_token_ids == sample.theta_token_ids == beam.tokens

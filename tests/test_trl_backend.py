@@ -21,6 +21,7 @@ from dual_sampling.options import EngineOptions
 from dual_sampling.testing.tiny_models import tiny_pair
 from tests.oracles import assert_records_match_rescoring
 from tests.processes import settled, snapshot
+from tests.tolerances import RESCORE_ATOL
 
 pytestmark = pytest.mark.filterwarnings("ignore:TRL currently supports vLLM:UserWarning")
 
@@ -147,7 +148,9 @@ def _mixture_metrics(trainer) -> list[dict]:
     assert len(rows) == trainer.state.max_steps
     for row in rows:
         assert 0.0 < row["mixture/alpha_mean"] < 1.0
-        assert row["mixture/sampler_mismatch_max"] <= 0.05
+        # The logged figure is the re-scoring check's own quantity (log π_θ of the rollouts against the trainer's
+        # model), so it must be as small as that check's tolerance, not merely under the backend's 0.05 alarm.
+        assert row["mixture/sampler_mismatch_max"] <= RESCORE_ATOL
     return rows
 
 

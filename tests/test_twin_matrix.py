@@ -35,7 +35,7 @@ from dual_sampling.distill.mismatch import sampler_trainer_mismatch
 from dual_sampling.testing.twins import PADDING_MASS_PROMPT, TWIN_PAIRS, twin_pair
 from tests.draws import FIXED_ALPHA, LEVEL, first_token_p, two_token_p_values
 from tests.oracles import assert_dense_match_rescoring, assert_records_match_rescoring, np_mix, rescore
-from tests.tolerances import BF16_RESCORE_ATOL, RESCORE_ATOL
+from tests.tolerances import BF16_ALPHA_ATOL, BF16_RESCORE_ATOL, RESCORE_ATOL
 
 pytestmark = pytest.mark.engine
 
@@ -78,13 +78,22 @@ class Twin:
     hf: tuple  # (teacher, theta)
     atol: float
     """The re-scoring tolerance of this pair's records (bfloat16 rounding where a model runs in it)."""
+    alpha_atol: float
+    """The tolerance of its α (``BF16_ALPHA_ATOL`` where a model runs in bfloat16, else ``atol``)."""
 
     def check(self, out, case: str, **sampling) -> int:
         """Every record of ``out`` against re-scoring by the twin's own models; tokens checked."""
         worst = CELLS.setdefault(f"{self.name}/{self.engine.config.mode}/{case}", {})
         checked = sum(
             assert_records_match_rescoring(
-                r, *self.hf, self.engine.vocab, "kl_symmetry", self.atol, worst=worst, **sampling
+                r,
+                *self.hf,
+                self.engine.vocab,
+                "kl_symmetry",
+                self.atol,
+                worst=worst,
+                alpha_atol=self.alpha_atol,
+                **sampling,
             )
             for r in out.requests
         )
@@ -110,9 +119,9 @@ def _start(name: str, mode: str) -> OptimalSamplingDual:
 
 def _twin(name: str, mode: str):
     folders = twin_pair(name)
-    atol = BF16_RESCORE_ATOL if name in BF16_TEACHER else RESCORE_ATOL
+    atol, alpha_atol = (BF16_RESCORE_ATOL, BF16_ALPHA_ATOL) if name in BF16_TEACHER else (RESCORE_ATOL, RESCORE_ATOL)
     with _start(name, mode) as engine:
-        yield Twin(name, folders, engine, tuple(_hf(f) for f in folders), atol)
+        yield Twin(name, folders, engine, tuple(_hf(f) for f in folders), atol, alpha_atol)
 
 
 @pytest.fixture(scope="module", params=list(TWIN_PAIRS))
@@ -205,7 +214,7 @@ def test_lockstep_new_weights_by_state_dict_and_folder_into_both_models(lockstep
     def drawn_from(teacher, theta, seed: int) -> None:
         for prompt in (LONG_PROMPT, "Once upon a time"):
             out = engine.generate([prompt], max_tokens=12, seed=seed)
-            Twin(twin.name, twin.folders, engine, (teacher, theta), twin.atol).check(out, "live")
+            Twin(twin.name, twin.folders, engine, (teacher, theta), twin.atol, twin.alpha_atol).check(out, "live")
 
     engine.generate([LONG_PROMPT], max_tokens=4, n=2, seed=11)  # cached on both engines
     try:
@@ -328,16 +337,19 @@ def test_speculative_refuses_by_name_before_an_engine_starts(name, named):
 
 def test_lockstep_penalised_records_match_rescoring(lockstep):
     """Penalties on q on every twin (padded vocabularies, a bfloat16 teacher): log q is the penalised law of the
-    mixture's raw logits at the recorded α, recomputed in float64 from transformers' logits over the shared
-    vocabulary (theta's prompt and the output so far counted, as vLLM counts them); log π_t and log π_θ stay the
-    models' own. (α is solved before the penalties, as the other cells check.)"""
+    mixture's raw logits at the recorded α, then tempered (vLLM's order), recomputed in float64 from transformers'
+    logits over the shared vocabulary (theta's prompt and the output so far counted, as vLLM counts them); log π_t
+    and log π_θ stay the models' own. (α is solved before the penalties, as the other cells check.) The twins'
+    random weights spread q thinly, so at temperature 1 these penalties moved log q by 0.004–0.006 nats, under the
+    bfloat16 twin's tolerance: a low temperature puts q's mass on a few tokens, as the group cell does."""
     from tests.test_penalties import numpy_penalised
 
     penalties = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3)
     engine = lockstep.engine
-    out = engine.generate(PROMPTS[:2], max_tokens=12, seed=5, **penalties)
+    temperature = 0.3
+    out = engine.generate(PROMPTS[:2], max_tokens=12, seed=5, temperature=temperature, **penalties)
     vocab = engine.vocab
-    worst = 0.0
+    worst, moved = 0.0, 0.0  # moved: the positive control, how far the penalties took log q from plain q's
     for request in out.requests:
         (sample,) = request.samples
         raw = {}
@@ -351,14 +363,18 @@ def test_lockstep_penalised_records_match_rescoring(lockstep):
         for t, token in enumerate(sample.token_ids):
             a = sample.alpha[t]
             z = (1 - a) * raw["theta"][t] + a * raw["teacher"][t]
-            zp = numpy_penalised(z, list(request.theta_prompt_token_ids), sample.token_ids[:t], penalties)
+            zp = numpy_penalised(z, list(request.theta_prompt_token_ids), sample.token_ids[:t], penalties) / temperature
             logq = zp[token] - np.logaddexp.reduce(zp)
             worst = max(worst, abs(sample.logq[t] - logq))
+            plain = z / temperature
+            moved = max(moved, abs(logq - (plain[token] - np.logaddexp.reduce(plain))))
             for role, recorded in (("teacher", sample.logp_teacher[t]), ("theta", sample.logp_theta[t])):
                 row = raw[role][t]
                 assert abs(recorded - (row[token] - np.logaddexp.reduce(row))) < lockstep.atol, (role, t)
-    CELLS.setdefault(f"{lockstep.name}/lockstep/penalised", {})["logq"] = worst
+    CELLS.setdefault(f"{lockstep.name}/lockstep/penalised", {}).update({"logq": worst, "moved": moved})
     assert worst < 2 * lockstep.atol, worst
+    # Without the penalties the oracle must miss by more than the check allows, or the cell could not tell.
+    assert moved > 2 * (2 * lockstep.atol), f"the penalties moved no law measurably ({moved})"
 
 
 def test_lockstep_diverse_group_and_beam_search_records_match_rescoring(lockstep):
@@ -389,6 +405,8 @@ def test_lockstep_diverse_group_and_beam_search_records_match_rescoring(lockstep
             expected = x[token] - np.logaddexp.reduce(x)
             worst["group"] = max(worst["group"], abs(sample.logq[t] - expected))
             moved = max(moved, abs(expected - plain))
+            assert abs(sample.logp_teacher[t] - lt[t][token]) < lockstep.atol  # the models' own, unpenalised
+            assert abs(sample.logp_theta[t] - lth[t][token]) < lockstep.atol
     (beams,) = engine.beam_search(PROMPTS[1:2], beam_width=2, max_tokens=6)
     assert len(beams) == 2
     for beam in beams:
