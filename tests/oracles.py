@@ -201,19 +201,18 @@ def oracle_rows(sample, request, hf_teacher, hf_theta, vocab: int, alpha_method:
 
 
 def assert_kl_symmetry_alpha(
-    recorded: torch.Tensor, root: torch.Tensor, lth: torch.Tensor, lt: torch.Tensor, atol, residual_atol=None
+    recorded: torch.Tensor, root: torch.Tensor, lth: torch.Tensor, lt: torch.Tensor, atol, residual_atol
 ):
     """kl_symmetry's α [T] against the float64 bisection's root, allowing for the engines' own logits.
 
     The engines' logits differ from plain transformers' by float32 rounding (about 1e-5 nats). That moves the root
     of E_q[d] = 0 (d = log π_t − log π_θ) by about that difference / Var_q(d), which exceeds ``atol`` where the two
     models nearly agree (small Var_q(d)). So an α off by more than ``atol`` passes only if it still solves the
-    oracle's equation, |E_q[d]| ≤ ``residual_atol`` nats at the recorded α (default ``atol`` / 10: ten times those
-    logit differences), and lies no further from the root than that residual allows to first order,
+    oracle's equation, |E_q[d]| ≤ ``residual_atol`` nats at the recorded α (the caller's log π tolerance / 10: ten
+    times those logit differences), and lies no further from the root than that residual allows to first order,
     ``residual_atol`` / Var_q(d) (twice, for the curvature). A wrong α (another method, a missed Newton step) leaves
     a residual far above that.
     """
-    residual_atol = atol / 10 if residual_atol is None else residual_atol
     off = (recorded - root).abs()
     far = off > atol
     if not far.any():

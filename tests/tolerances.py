@@ -72,10 +72,11 @@ moves them by about 0.07, as measured. The records of a model that stays float32
 twin matrix checks that, and that the bfloat16 side is far outside it, so the dtype really took effect)."""
 
 BF16_ALPHA_ATOL = 5e-3
-"""|α − float64 root| where the teacher runs in bfloat16 (the ``mixed-dtype`` twin): its log-probabilities move by up
-to BF16_RESCORE_ATOL's 0.09, which moves the root of E_q[d] = 0 by about that over Var_q(d). Measured at most 1.3e-3
-(records), 8.8e-4 (after new weights) and 6.1e-4 (stop string and hint), ``tests/test_twin_matrix.py``, 2026-11-29:
-3.9× the largest. α is a weight in [0, 1], not a log-probability, so the nats tolerance is not its own."""
+"""|α − float64 root| where a model runs in bfloat16 (the ``mixed-dtype`` twin: its teacher, and in the speculative mode
+theta too): their log-probabilities move by up to BF16_RESCORE_ATOL's 0.09, which moves the root of E_q[d] = 0 by
+about that over Var_q(d). Measured at most 1.3e-3 (lockstep records), 8.8e-4 (after new weights), 6.1e-4 (stop string
+and hint) and 9.0e-4 (speculative records), ``tests/test_twin_matrix.py``, 2026-11-29: 3.9× the largest. α is a
+weight in [0, 1], not a log-probability, so the nats tolerance is not its own."""
 
 ALPHA_ATOL = 5e-6
 """|α − float64 root| for a float32 solve: the solvers stop within ``tol`` = 1e-6 of the root of their own float32
