@@ -167,7 +167,8 @@ def best_of_score(sample: SampleRecord, name: str) -> float:
 
 
 def best_of(samples: Sequence[SampleRecord], n: int, score: str) -> list[int]:
-    """Indices of the ``n`` samples with the highest :func:`best_of_score` (best first), ranked within one version.
+    """Indices of the ``n`` samples with the highest :func:`best_of_score` (best first; equal scores keep their draw
+    order, so a ranking is the same every run), ranked within one version.
 
     Scores of samples drawn by different weights do not compare (an update can land between the draws of one
     request when it has more draws than free slots), so samples are ranked only among those of one (teacher, theta)

@@ -59,6 +59,9 @@ def test_best_of_ranks_by_the_user_score_and_never_keeps_a_failed_sample():
     samples = [scored(sample("x" * k, [1] * (2 * k)), "p", response_length) for k in (3, 9, 1, 5)]
     samples.append(scored(sample("y" * 20, [1] * 3), "p", odd_first_token_raises))  # fails: never kept
     assert best_of(samples, 2, USER_SCORE) == [1, 3]
+    # Equal scores keep their draw order (the engine test below relies on it when two texts have one length).
+    tied = [scored(sample(text, [1] * 4), "p", response_length) for text in ("ab", "cde", "xy", "fgh", "z")]
+    assert best_of(tied, 4, USER_SCORE) == [1, 3, 0, 2]
     assert SamplingOptions(max_tokens=4, score=response_length).ranked_by == USER_SCORE
     assert SamplingOptions(max_tokens=4).ranked_by == "logq"
 

@@ -156,13 +156,22 @@ def test_seeds_reproduce_whatever_the_batch():
     assert [r.tokens for r in again] == [together[1].tokens, together[0].tokens]
 
 
-def test_alpha_zero_accepts_every_draft():
-    """At α = 0, q is π_θ: no draft is rejected, and the bonus row is drawn from π_θ."""
+def test_alpha_zero_accepts_every_draft_and_draws_the_bonus_from_theta():
+    """At α = 0, q is π_θ: no draft is rejected, and the bonus row is drawn from π_θ (a chi-square test of the bonus
+    tokens' PITs under float64 softmax of theta's row; the same tokens judged under the teacher's row are rejected)."""
+    from tests.draws import first_token_p
+
     g = torch.Generator().manual_seed(8)
     teacher, theta = torch.randn(4, 100, generator=g), torch.randn(4, 100, generator=g)
-    spans = [Span(0, (1, 2, 3), seed=s, step=0, bonus_row=True) for s in range(200)]
+    spans = [Span(0, (1, 2, 3), seed=s, step=0, bonus_row=True) for s in range(2000)]
     rounds = verify_drafts(teacher, theta, spans, get_alpha_computer("fixed", alpha=0.0))
     assert all(r.accepted == 3 and len(r.tokens) == 4 for r in rounds)
+    assert [r.tokens[:3] for r in rounds] == [[1, 2, 3]] * len(rounds)
+    bonus = [r.tokens[3] for r in rounds]
+    theta_law = np.exp(np_log_softmax(theta[3].double().numpy()))
+    teacher_law = np.exp(np_log_softmax(teacher[3].double().numpy()))
+    assert first_token_p(bonus, theta_law, theta_law) > LEVEL
+    assert first_token_p(bonus, teacher_law, teacher_law) < LEVEL, "the control: the test must tell the two rows apart"
 
 
 def test_bad_spans_are_refused_by_name():

@@ -34,7 +34,14 @@ from dual_sampling import OptimalSamplingDual
 from dual_sampling.distill.mismatch import sampler_trainer_mismatch
 from dual_sampling.testing.twins import PADDING_MASS_PROMPT, TWIN_PAIRS, twin_pair
 from tests.draws import FIXED_ALPHA, LEVEL, first_token_p, two_token_p_values
-from tests.oracles import assert_dense_match_rescoring, assert_records_match_rescoring, np_mix, rescore
+from tests.oracles import (
+    FLOAT64_ORACLES,
+    assert_dense_match_rescoring,
+    assert_kl_symmetry_alpha,
+    assert_records_match_rescoring,
+    np_mix,
+    rescore,
+)
 from tests.tolerances import BF16_ALPHA_ATOL, BF16_RESCORE_ATOL, RESCORE_ATOL
 
 pytestmark = pytest.mark.engine
@@ -99,6 +106,19 @@ class Twin:
         )
         assert checked == sum(len(s.token_ids) for r in out.requests for s in r.samples) > 0
         return checked
+
+    def check_alpha(self, recorded, lth, lt) -> float:
+        """kl_symmetry's α of one sample's tokens (``recorded`` [T]) against the float64 root on its re-scored rows
+        (``lth``, ``lt`` [T, V] log-probabilities, NumPy or torch); the largest |recorded − root|."""
+        lth, lt = (
+            torch.as_tensor(np.asarray(lth), dtype=torch.float64),
+            torch.as_tensor(np.asarray(lt), dtype=torch.float64),
+        )
+        solve = FLOAT64_ORACLES["kl_symmetry"]
+        root = torch.tensor([solve(h.numpy(), t.numpy()) for h, t in zip(lth, lt)], dtype=torch.float64)
+        recorded = torch.tensor(list(recorded), dtype=torch.float64)
+        assert_kl_symmetry_alpha(recorded, root, lth, lt, self.alpha_atol, residual_atol=self.atol / 10)
+        return float((recorded - root).abs().max())
 
 
 def _hf(folder: Path):
@@ -339,7 +359,7 @@ def test_lockstep_penalised_records_match_rescoring(lockstep):
     """Penalties on q on every twin (padded vocabularies, a bfloat16 teacher): log q is the penalised law of the
     mixture's raw logits at the recorded α, then tempered (vLLM's order), recomputed in float64 from transformers'
     logits over the shared vocabulary (theta's prompt and the output so far counted, as vLLM counts them); log π_t
-    and log π_θ stay the models' own. (α is solved before the penalties, as the other cells check.) The twins'
+    and log π_θ stay the models' own; α is kl_symmetry's on the unpenalised rows, as re-scored. The twins'
     random weights spread q thinly, so at temperature 1 these penalties moved log q by 0.004–0.006 nats, under the
     bfloat16 twin's tolerance: a low temperature puts q's mass on a few tokens, as the group cell does."""
     from tests.test_penalties import numpy_penalised
@@ -349,7 +369,7 @@ def test_lockstep_penalised_records_match_rescoring(lockstep):
     temperature = 0.3
     out = engine.generate(PROMPTS[:2], max_tokens=12, seed=5, temperature=temperature, **penalties)
     vocab = engine.vocab
-    worst, moved = 0.0, 0.0  # moved: the positive control, how far the penalties took log q from plain q's
+    worst, moved, alpha_off = 0.0, 0.0, 0.0  # moved: the positive control, how far penalties took log q from plain q's
     for request in out.requests:
         (sample,) = request.samples
         raw = {}
@@ -360,6 +380,8 @@ def test_lockstep_penalised_records_match_rescoring(lockstep):
             with torch.no_grad():
                 logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(sample.token_ids), :vocab]
             raw[role] = logits.double().numpy()
+        log_rows = {role: row - np.logaddexp.reduce(row, axis=-1, keepdims=True) for role, row in raw.items()}
+        alpha_off = max(alpha_off, lockstep.check_alpha(sample.alpha, log_rows["theta"], log_rows["teacher"]))
         for t, token in enumerate(sample.token_ids):
             a = sample.alpha[t]
             z = (1 - a) * raw["theta"][t] + a * raw["teacher"][t]
@@ -371,14 +393,17 @@ def test_lockstep_penalised_records_match_rescoring(lockstep):
             for role, recorded in (("teacher", sample.logp_teacher[t]), ("theta", sample.logp_theta[t])):
                 row = raw[role][t]
                 assert abs(recorded - (row[token] - np.logaddexp.reduce(row))) < lockstep.atol, (role, t)
-    CELLS.setdefault(f"{lockstep.name}/lockstep/penalised", {}).update({"logq": worst, "moved": moved})
+    CELLS.setdefault(f"{lockstep.name}/lockstep/penalised", {}).update(
+        {"logq": worst, "moved": moved, "alpha": alpha_off}
+    )
     assert worst < 2 * lockstep.atol, worst
     # Without the penalties the oracle must miss by more than the check allows, or the cell could not tell.
     assert moved > 2 * (2 * lockstep.atol), f"the penalties moved no law measurably ({moved})"
 
 
 def test_lockstep_diverse_group_and_beam_search_records_match_rescoring(lockstep):
-    """A diverse group and a beam search on every twin, against float64 re-scoring at the recorded α.
+    """A diverse group and a beam search on every twin, against float64 re-scoring; α (solved on the members' and
+    beams' unpenalised rows) against the float64 kl_symmetry root, and log q at the recorded α.
 
     Group: member i's log q at step t is log q_i(y), q_i ∝ q·exp(−λ·c_i), c_i counting the members before it that
     took y at step t (its members step together: the engine admits a group at once). Beams: each token's log q is
@@ -390,12 +415,13 @@ def test_lockstep_diverse_group_and_beam_search_records_match_rescoring(lockstep
     (request,) = out.requests
     teacher_ids, theta_ids = list(request.teacher_prompt_token_ids), list(request.theta_prompt_token_ids)
     members = request.samples
-    worst = {"group": 0.0, "beams": 0.0}
+    worst = {"group": 0.0, "beams": 0.0, "alpha": 0.0}
     moved = 0.0  # the positive control: how far the penalties moved a member's log q from plain q's
     for i, sample in enumerate(members):
         assert sample.ok, sample.error
         lt = rescore(hf_teacher, teacher_ids, sample.token_ids, vocab).numpy()
         lth = rescore(hf_theta, theta_ids, sample.token_ids, vocab).numpy()
+        worst["alpha"] = max(worst["alpha"], lockstep.check_alpha(sample.alpha, lth, lt))
         for t, token in enumerate(sample.token_ids):
             x = ((1 - sample.alpha[t]) * lth[t] + sample.alpha[t] * lt[t]) / temperature
             plain = x[token] - np.logaddexp.reduce(x)
@@ -412,6 +438,7 @@ def test_lockstep_diverse_group_and_beam_search_records_match_rescoring(lockstep
     for beam in beams:
         lt = rescore(hf_teacher, teacher_ids, beam.tokens, vocab).numpy()
         lth = rescore(hf_theta, theta_ids, beam.tokens, vocab).numpy()
+        worst["alpha"] = max(worst["alpha"], lockstep.check_alpha(beam.alpha, lth, lt))
         for t, token in enumerate(beam.tokens):
             x = (1 - beam.alpha[t]) * lth[t] + beam.alpha[t] * lt[t]
             worst["beams"] = max(worst["beams"], abs(beam.logq[t] - (x[token] - np.logaddexp.reduce(x))))
