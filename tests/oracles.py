@@ -182,22 +182,28 @@ def reference_logq(
     return torch.stack(out)
 
 
-def oracle_rows(sample, request, hf_teacher, hf_theta, vocab: int, alpha_method: str = "kl_symmetry", **alpha_config):
-    """(log π_t, log π_θ, α) of every generated token by teacher-forced re-scoring, in float64.
-
-    α comes from :data:`FLOAT64_ORACLES`, independent of the alpha package (``alpha_config``: fixed's ``alpha``);
-    it is not clamped, so engines run with the default bounds [0, 1]."""
-    lt = rescore(hf_teacher, request.teacher_prompt_token_ids, sample.token_ids, vocab)
-    lth = rescore(hf_theta, request.theta_prompt_token_ids, sample.token_ids, vocab)
+def oracle_alpha(
+    lth: torch.Tensor, lt: torch.Tensor, alpha_method: str = "kl_symmetry", **alpha_config
+) -> torch.Tensor:
+    """α [T] of re-scored rows ``lth``, ``lt`` [T, V] (log-probabilities, float64) from :data:`FLOAT64_ORACLES`,
+    independent of the alpha package (``alpha_config``: fixed's ``alpha``, trust_region's ``kl_budget``); not
+    clamped, so engines run with the default bounds [0, 1]."""
     if alpha_method == "fixed":
-        return lt, lth, torch.full((len(sample.token_ids),), float(alpha_config.get("alpha", 0.5)), dtype=torch.float64)
+        return torch.full((len(lth),), float(alpha_config.get("alpha", 0.5)), dtype=torch.float64)
     if alpha_method == "trust_region":
         budget = alpha_config["kl_budget"]
         solve = lambda h, t: np_alpha_trust_region(h, t, budget)
     else:
         solve = FLOAT64_ORACLES[alpha_method]
-    alpha = torch.tensor([solve(h.numpy(), t.numpy()) for h, t in zip(lth, lt)], dtype=torch.float64)
-    return lt, lth, alpha
+    return torch.tensor([solve(h.numpy(), t.numpy()) for h, t in zip(lth, lt)], dtype=torch.float64)
+
+
+def oracle_rows(sample, request, hf_teacher, hf_theta, vocab: int, alpha_method: str = "kl_symmetry", **alpha_config):
+    """(log π_t, log π_θ, α) of every generated token by teacher-forced re-scoring, in float64 (α:
+    :func:`oracle_alpha`)."""
+    lt = rescore(hf_teacher, request.teacher_prompt_token_ids, sample.token_ids, vocab)
+    lth = rescore(hf_theta, request.theta_prompt_token_ids, sample.token_ids, vocab)
+    return lt, lth, oracle_alpha(lth, lt, alpha_method, **alpha_config)
 
 
 def assert_kl_symmetry_alpha(

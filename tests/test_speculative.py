@@ -19,6 +19,7 @@ import torch
 from alpha import get_alpha_computer
 from dual_sampling.decision.pipeline import inverse_cdf
 from dual_sampling.decision.speculative import Span, stream_uniform, verify_drafts
+from tests.draws import first_token_p
 from tests.oracles import np_alpha_kl, np_log_softmax, np_mix
 from tests.tolerances import ALPHA_ATOL
 
@@ -159,8 +160,6 @@ def test_seeds_reproduce_whatever_the_batch():
 def test_alpha_zero_accepts_every_draft_and_draws_the_bonus_from_theta():
     """At α = 0, q is π_θ: no draft is rejected, and the bonus row is drawn from π_θ (a chi-square test of the bonus
     tokens' PITs under float64 softmax of theta's row; the same tokens judged under the teacher's row are rejected)."""
-    from tests.draws import first_token_p
-
     g = torch.Generator().manual_seed(8)
     teacher, theta = torch.randn(4, 100, generator=g), torch.randn(4, 100, generator=g)
     spans = [Span(0, (1, 2, 3), seed=s, step=0, bonus_row=True) for s in range(2000)]

@@ -35,11 +35,11 @@ from dual_sampling.distill.mismatch import sampler_trainer_mismatch
 from dual_sampling.testing.twins import PADDING_MASS_PROMPT, TWIN_PAIRS, twin_pair
 from tests.draws import FIXED_ALPHA, LEVEL, first_token_p, two_token_p_values
 from tests.oracles import (
-    FLOAT64_ORACLES,
     assert_dense_match_rescoring,
     assert_kl_symmetry_alpha,
     assert_records_match_rescoring,
     np_mix,
+    oracle_alpha,
     rescore,
 )
 from tests.tolerances import BF16_ALPHA_ATOL, BF16_RESCORE_ATOL, RESCORE_ATOL
@@ -107,15 +107,11 @@ class Twin:
         assert checked == sum(len(s.token_ids) for r in out.requests for s in r.samples) > 0
         return checked
 
-    def check_alpha(self, recorded, lth, lt) -> float:
+    def check_alpha(self, recorded, lth: np.ndarray, lt: np.ndarray) -> float:
         """kl_symmetry's α of one sample's tokens (``recorded`` [T]) against the float64 root on its re-scored rows
-        (``lth``, ``lt`` [T, V] log-probabilities, NumPy or torch); the largest |recorded − root|."""
-        lth, lt = (
-            torch.as_tensor(np.asarray(lth), dtype=torch.float64),
-            torch.as_tensor(np.asarray(lt), dtype=torch.float64),
-        )
-        solve = FLOAT64_ORACLES["kl_symmetry"]
-        root = torch.tensor([solve(h.numpy(), t.numpy()) for h, t in zip(lth, lt)], dtype=torch.float64)
+        (``lth``, ``lt`` [T, V] log-probabilities); the largest |recorded − root|."""
+        lth, lt = torch.from_numpy(lth), torch.from_numpy(lt)
+        root = oracle_alpha(lth, lt)
         recorded = torch.tensor(list(recorded), dtype=torch.float64)
         assert_kl_symmetry_alpha(recorded, root, lth, lt, self.alpha_atol, residual_atol=self.atol / 10)
         return float((recorded - root).abs().max())
@@ -391,8 +387,7 @@ def test_lockstep_penalised_records_match_rescoring(lockstep):
             plain = z / temperature
             moved = max(moved, abs(logq - (plain[token] - np.logaddexp.reduce(plain))))
             for role, recorded in (("teacher", sample.logp_teacher[t]), ("theta", sample.logp_theta[t])):
-                row = raw[role][t]
-                assert abs(recorded - (row[token] - np.logaddexp.reduce(row))) < lockstep.atol, (role, t)
+                assert abs(recorded - log_rows[role][t][token]) < lockstep.atol, (role, t)
     CELLS.setdefault(f"{lockstep.name}/lockstep/penalised", {}).update(
         {"logq": worst, "moved": moved, "alpha": alpha_off}
     )
