@@ -573,23 +573,37 @@ def markdown_table(result: dict[str, Any], start: dict[str, Any] | None) -> str:
     return head + "\n".join(lines) + "\n\n" + "\n".join(verdict)
 
 
+def teacher_end_rate(references: dict[str, Any], max_tokens: int) -> float:
+    """The share of the teacher's held-out samples (``references.json``) that ended within ``max_tokens``. The
+    sampler stops early only at an EOS id, so a sample shorter than the cap ended; one exactly at the cap counts as
+    cut, even where its last token is an EOS id (the file does not name the EOS ids)."""
+    return statistics.fmean(len(group[0]) < max_tokens for group in references["teacher_samples"])
+
+
 def report(out: Path) -> dict[str, Any]:
     design = json.loads((out / "design.json").read_text())
     cells = [json.loads(p.read_text()) for p in sorted(out.glob("*/seed-*/cell.json"))]
     start = json.loads((out / "start.json").read_text()) if (out / "start.json").exists() else None
     result = analyse(cells, design)
     pilot_file = out / "pilot.json"
+    references = out / "references.json"
+    end_rate = (
+        teacher_end_rate(json.loads(references.read_text()), design["max_tokens"]) if references.exists() else None
+    )
     full = {
         "design": design,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "pilot": json.loads(pilot_file.read_text()) if pilot_file.exists() else None,
         "start": start,
+        "held_out_teacher_end_rate": end_rate,
         **result,
         "cells": [{k: v for k, v in c.items() if k != "rounds"} | {"rounds": c["rounds"]} for c in cells],
     }
     write_no_follow(out / "results.json", json.dumps(full, indent=1))
     plot(cells, design.get("arms", ARMS), out / "distillation.png")
     print(markdown_table(result, start))
+    if end_rate is not None:
+        print(f"\nthe teacher's held-out samples ended within {design['max_tokens']} tokens at rate {end_rate:.3f}")
     return full
 
 

@@ -641,3 +641,6 @@ def test_the_experiments_answer_reader_and_its_rule_on_cells():
     verdict = result["verdicts"]["trust_region"]
     assert verdict["helps"] and verdict["superiority_human_nll"]["mean"] == pytest.approx(0.2)
     assert script.SECOND.anneal_rounds * 2 == script.SECOND.rounds  # ε reaches 0 half-way, as published
+    # The teacher's held-out end rate: a sample shorter than the cap ended, one at the cap was cut.
+    references = {"teacher_samples": [[[5, 2]], [[5, 5, 5, 5]], [[5, 5, 5, 2]], [[2]]]}
+    assert script.teacher_end_rate(references, 4) == pytest.approx(0.5)
