@@ -35,7 +35,7 @@ Each (arm, seed) cell resumes on its own: an interrupted run loses at most the r
     python examples/distill_experiment.py --pilot --output bench-out/distill-2     # the design's pilot
     python examples/distill_experiment.py --output bench-out/distill-2 --archive docs/distillation_second
                                                                                    # make experiment-distill
-    python examples/distill_experiment.py --report bench-out/distill-2             # analysis of the finished cells
+    python examples/distill_experiment.py --report --output bench-out/distill-2    # analysis of the finished cells
     python examples/distill_experiment.py --quick --output /tmp/dx                 # the tiny pair, a smoke run
     python examples/distill_experiment.py --design first --output bench-out/distill   # the first experiment
 
