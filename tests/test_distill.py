@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from torch import Tensor
 
 from dual_sampling.distill import DistillConfig, Distiller
 from dual_sampling.distill.loss import (
@@ -74,6 +75,69 @@ def test_recorded_reverse_kl_has_the_reverse_kl_gradient_and_refuses_repeated_id
     torch.testing.assert_close(student.grad, expected, atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="ids must be distinct"):
         recorded_reverse_kl(student, torch.tensor([[0, 0, 1, 2]] * 3), teacher_at)
+
+
+def _peaked_rows(dtype: torch.dtype, permutation: np.ndarray) -> tuple[Tensor, Tensor, np.ndarray, np.ndarray]:
+    """Student logits ``[4, 64]`` whose recorded tokens hold all the mass a float32 or float64 row can show, the
+    recorded ids ``[4, 8]`` and the teacher's full log-probabilities ``[4, 64]`` (float64), the columns permuted by
+    ``permutation`` so that a reduction adds them in another order. Row 0 records every token (no rest at all); in
+    rows 1 to 3 the other tokens sit 1e4, 200 and 40 nats below: 0 in both dtypes, 0 in float32 only, and a rest of
+    about 1e-16 that 1 − Σ p cannot resolve in either."""
+    rng = np.random.default_rng(11)
+    vocab, k = 64, 8
+    student = rng.normal(0, 1, (4, vocab))
+    for row, gap in zip((1, 2, 3), (1e4, 200.0, 40.0)):
+        student[row, k:] -= gap
+    student = student[:, permutation]
+    teacher = _log_softmax(rng.normal(0, 2, (4, vocab)))[:, permutation]
+    where = np.argsort(permutation)  # the column each original token moved to
+    ids = np.tile(where[:k], (4, 1))
+    every = np.tile(where, (1, 1))[0]
+    ids = np.concatenate([ids, np.full((4, vocab - k), -1)], 1)
+    ids[0] = every
+    return torch.tensor(student, dtype=dtype, requires_grad=True), torch.tensor(ids), student, teacher
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_recorded_reverse_kl_gradient_is_the_full_ones_where_the_ids_hold_all_the_mass(dtype):
+    """Where the recorded tokens hold all of the student's mass (every token recorded, or the rest below what the
+    dtype or 1 − Σ p resolves), the loss is the full reverse KL and so is its gradient, finite, in float32 and float64
+    and whatever order the columns are summed in; against float64 NumPy: ∂KL/∂z_j = p_j (log p_j − log t_j − KL)."""
+    for seed in range(6):
+        permutation = np.random.default_rng(seed).permutation(64)
+        logits, ids, student, teacher = _peaked_rows(dtype, permutation)
+        teacher_at = torch.tensor(np.where(ids >= 0, np.take_along_axis(teacher, ids.clamp(min=0).numpy(), -1), 0.0))
+        loss = recorded_reverse_kl(logits, ids, teacher_at)
+        loss.sum().backward()
+        assert torch.isfinite(loss).all() and torch.isfinite(logits.grad).all(), (seed, logits.grad)
+        ls = _log_softmax(student)
+        p = np.exp(ls)
+        full = (p * (ls - teacher)).sum(-1)
+        want = p * (ls - teacher - full[:, None])
+        # float32: the log-softmax of one row is within a few units of roundoff of the exact one (|log p| < 30 at the
+        # recorded tokens), and so is each term; float64 likewise at its own roundoff.
+        tol = 1e-5 if dtype == torch.float32 else 1e-12
+        np.testing.assert_allclose(loss.detach().double().numpy(), full, rtol=0, atol=tol)
+        np.testing.assert_allclose(logits.grad.double().numpy(), want, rtol=0, atol=tol)
+        # The forward KL on the same rows, the teacher's rest not empty: its student rest is summed the same way
+        # and floored at e^-80 (rows 1 and 2), where its gradient is 0.
+        top = ids[1:2, :8].expand(4, 8)
+        logits.grad = None
+        forward = top_k_forward_kl(logits, top, torch.tensor(np.take_along_axis(teacher, top.numpy(), -1)))
+        forward.sum().backward()
+        assert torch.isfinite(forward).all() and torch.isfinite(logits.grad).all(), (seed, logits.grad)
+        inside = np.zeros_like(p, dtype=bool)
+        np.put_along_axis(inside, top.numpy(), True, -1)
+        t = np.exp(teacher) * inside
+        t_rest = 1 - t.sum(-1)
+        log_s_rest = np.logaddexp.reduce(np.where(inside, -np.inf, ls), axis=-1)
+        floored = log_s_rest < -80
+        kl = (t * np.where(inside, teacher - ls, 0.0)).sum(-1) + t_rest * (np.log(t_rest) - np.maximum(log_s_rest, -80))
+        grad = -t + t.sum(-1, keepdims=True) * p
+        p_over = np.exp(np.where(inside, -np.inf, ls - log_s_rest[:, None]))  # p_j / the rest, outside the top k
+        grad += np.where(floored[:, None], 0.0, -t_rest[:, None] * (p_over - p))
+        np.testing.assert_allclose(forward.detach().double().numpy(), kl, rtol=0, atol=tol)
+        np.testing.assert_allclose(logits.grad.double().numpy(), grad, rtol=0, atol=tol)
 
 
 def test_the_reverse_kl_of_a_samples_dense_records_is_the_kl_over_the_union_of_both_top_k():

@@ -96,8 +96,40 @@ def _at_least_float32(x: Tensor) -> Tensor:
 
 
 def _log1mexp(x: Tensor) -> Tensor:
-    """log(1 − exp(x)) for x ≤ 0, accurate at both ends (−inf at x = 0)."""
+    """log(1 − exp(x)) for x ≤ 0, accurate at both ends (−inf at x = 0). For recorded values, which carry no
+    gradient: at x = 0 its derivative is infinite."""
     return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def _student_log_rest(logp_student: Tensor, ids: Tensor, valid: Tensor) -> Tensor:
+    """log of the student's mass outside ``ids`` per row, ``[n]``, summed over those tokens themselves.
+
+    ``logp_student`` ``[n, V]`` log-probabilities; ``ids`` ``[n, m]`` with ``valid`` ``[n, m]`` marking the real ones.
+    Not log(1 − Σ recorded): that cancels catastrophically when the recorded tokens hold nearly all the mass, and in
+    float32 or float64 it can round to 0 or below in whatever order a CPU's reduction adds (a NaN gradient). A
+    logsumexp over the complement has no cancellation, is −inf exactly where the complement is empty (the ids cover the
+    row) or holds no mass, and there its gradient is 0, not 0·∞.
+    """
+    vocab = logp_student.shape[-1]
+    # Padding goes to an extra column, so every write is True and duplicates cannot race.
+    column = torch.where(valid, ids, vocab).long()
+    recorded = torch.zeros(logp_student.shape[0], vocab + 1, dtype=torch.bool, device=logp_student.device).scatter_(
+        -1, column, True
+    )[:, :vocab]
+    outside = logp_student.masked_fill(recorded, -math.inf)
+    empty = ~(outside > -math.inf).any(-1)
+    # A row with nothing outside is replaced by zeros before the logsumexp (whose gradient there would be 0/0) and
+    # its result by −inf after it, so no NaN reaches the backward pass through the branch torch.where discards.
+    safe = torch.where(empty.unsqueeze(-1), torch.zeros_like(outside), outside)
+    return torch.where(empty, -math.inf, torch.logsumexp(safe, -1))
+
+
+def _rest_term(log_p: Tensor, log_r: Tensor) -> Tensor:
+    """p·(log p − log r) with p = exp(``log_p``): the rest bucket's share of a KL, 0 where ``log_p`` is −inf (an empty
+    bucket), with a zero gradient there. ``log_r`` must be finite."""
+    has = log_p > -math.inf
+    safe = torch.where(has, log_p, torch.zeros_like(log_p))
+    return torch.where(has, safe.exp() * (safe - log_r), torch.zeros_like(log_p))
 
 
 def top_k_forward_kl(student_logits: Tensor, top_ids: Tensor, top_logp: Tensor) -> Tensor:
@@ -107,17 +139,17 @@ def top_k_forward_kl(student_logits: Tensor, top_ids: Tensor, top_logp: Tensor) 
     ``[n, k]``: the teacher's k most likely tokens and their log π_t (the records' ``dense_*[:, 0]``). Returns ``[n]``
     nats. It is the exact KL between the two distributions coarsened to {top k, rest}, so it never exceeds the full
     KL, equals it when the rest has no teacher mass, and its gradient is the full forward KL's on the top k.
+    The teacher's rest is 1 − Σ of its recorded values (all a record holds); the student's is summed over the tokens
+    outside the top k (:func:`_student_log_rest`) and floored at e^-80 where the teacher's rest is not empty.
     """
     logp_student = torch.log_softmax(_at_least_float32(student_logits), dim=-1)
     at_top = logp_student.gather(-1, top_ids.long())
     teacher = top_logp.to(at_top.dtype)
     kl = (teacher.exp() * (teacher - at_top)).sum(-1)
     teacher_rest = _log1mexp(torch.logsumexp(teacher, -1).clamp(max=0.0))
-    # Floored: when the top k hold all but rounding of both models' mass, the rest would be 0·log(0/0).
-    student_rest = _log1mexp(torch.logsumexp(at_top, -1).clamp(max=0.0)).clamp(min=_LOG_REST_FLOOR)
-    has_rest = teacher_rest > -math.inf
-    rest = torch.where(has_rest, teacher_rest.exp() * (teacher_rest - student_rest), torch.zeros_like(kl))
-    return kl + torch.where(has_rest, rest, torch.zeros_like(rest))
+    valid = torch.ones_like(top_ids, dtype=torch.bool)
+    student_rest = _student_log_rest(logp_student, top_ids, valid).clamp(min=_LOG_REST_FLOOR)
+    return kl + _rest_term(teacher_rest, student_rest)
 
 
 def recorded_reverse_kl(student_logits: Tensor, ids: Tensor, teacher_logp: Tensor) -> Tensor:
@@ -130,8 +162,10 @@ def recorded_reverse_kl(student_logits: Tensor, ids: Tensor, teacher_logp: Tenso
 
     It is the exact KL between the two distributions coarsened to {recorded tokens, rest}: never above the full KL
     (data processing), equal to it when the rest holds none of the student's mass, and its gradient is the full
-    reverse KL's on the recorded tokens. Where the teacher's rest is empty but the student's is not, the teacher's is
-    floored at e^-80 (a large, finite loss, not inf).
+    reverse KL's on the recorded tokens. The student's rest is summed over the tokens outside the ids
+    (:func:`_student_log_rest`), so where the ids hold all its mass the bucket is exactly empty, with a zero gradient,
+    in any summation order. Where the teacher's rest is empty but the student's is not, the teacher's is floored at
+    e^-80 (a large, finite loss, not inf).
     """
     if ids.shape != teacher_logp.shape or ids.dim() != 2 or ids.shape[0] != student_logits.shape[0]:
         raise ValueError(
@@ -145,16 +179,13 @@ def recorded_reverse_kl(student_logits: Tensor, ids: Tensor, teacher_logp: Tenso
     logp_student = torch.log_softmax(_at_least_float32(student_logits), dim=-1)
     at = logp_student.gather(-1, ids.clamp(min=0).long())
     teacher = teacher_logp.to(at.dtype)
-    # Padding contributes nothing: π_θ taken as 0 there (its log −inf), and the teacher's value never read.
-    at = torch.where(valid, at, torch.full_like(at, -math.inf))
+    # Padding contributes nothing: its term is 0 and the teacher's value there is never read.
     term = torch.where(valid, at.exp() * (at - torch.where(valid, teacher, torch.zeros_like(teacher))), 0.0)
-    student_rest = _log1mexp(torch.logsumexp(at, -1).clamp(max=0.0))
+    student_rest = _student_log_rest(logp_student, ids, valid)
     teacher_rest = _log1mexp(
         torch.logsumexp(torch.where(valid, teacher, torch.full_like(teacher, -math.inf)), -1).clamp(max=0.0)
     ).clamp(min=_LOG_REST_FLOOR)
-    has_rest = student_rest > -math.inf
-    rest = torch.where(has_rest, student_rest.exp() * (student_rest - teacher_rest), torch.zeros_like(student_rest))
-    return term.sum(-1) + rest
+    return term.sum(-1) + _rest_term(student_rest, teacher_rest)
 
 
 def recorded_teacher_logp(dense_ids: Tensor, dense_logp: Tensor, dense_other_logp: Tensor) -> tuple[Tensor, Tensor]:
