@@ -27,6 +27,8 @@ SmolLM2 / pruned (30/24)    8.6e-5 (1.04e-4 after  not measured
 
 from __future__ import annotations
 
+import math
+
 F32_U = 2.0**-24
 """float32's unit roundoff."""
 
@@ -52,15 +54,50 @@ SAME_WEIGHTS_TWO_RUNS = 2 * RESCORE_ATOL
 batch compositions: each is within RESCORE_ATOL of the same transformers re-scoring, so by the triangle inequality
 within twice that of each other (measured: 1.2e-5, above the 1e-5 bound this replaced)."""
 
-ONE_NORMALISATION_ATOL = (256 + 64) * F32_U
-"""|float32 log-probability − exact| for one normalisation of given float32 logits: V exponentials summed in float32
-in runs of at most 256 terms (the compiled kernel's blocks; torch's vectorised reductions run shorter), a relative
-error of at most 255 u in the sum and so 255 u in its log, plus the subtraction of a row maximum from logits below
-64 in magnitude, at most 64 u. About 1.9e-5. (The test rows and engine logits stay below 64.)"""
+KERNEL_BLOCK = 256
+"""Terms the compiled kernel sums in float32, in whatever order numba vectorises them, before it carries the sum in
+float64 (``dual_sampling/decision/kernel.py`` ``_BLOCK``): the same on every CPU."""
+
+TORCH_LANES = 8
+"""The fewest float32 lanes torch's vectorised CPU reductions (log_softmax, logsumexp, sum) keep on x86: ``Vectorized
+<float>`` is 8 wide under the ``default`` and ``avx2`` capabilities and 16 under ``avx512``. Each lane adds every
+8th (16th) term in order and the lanes are combined at the end, so the fewer the lanes the longer each run: 8 is the
+worst case, and the bound holds for the wider ones."""
+
+MAX_TEST_LOGIT = 64
+"""|logit| the test rows and engine logits stay below: subtracting a row maximum rounds by at most this many u."""
+
+
+def sum_roundings(vocab: int) -> int:
+    """The most roundings one term of a float32 sum of ``vocab`` positive terms goes through, over the reductions the
+    code under test may use on any x86 CPU: the kernel's (KERNEL_BLOCK − 1 within a block; the float64 carry adds
+    nothing at this precision) and torch's (⌈V / lanes⌉ − 1 along a lane and lanes − 1 to combine them, worst at
+    TORCH_LANES). A sum of positive terms whose evaluation tree has height h is within h·u of the exact sum, relatively
+    (to first order), whatever the order inside the tree: so this bounds every order either may pick."""
+    return max(KERNEL_BLOCK - 1, math.ceil(vocab / TORCH_LANES) - 1 + TORCH_LANES - 1)
+
+
+def one_normalisation_atol(vocab: int) -> float:
+    """|float32 log-probability − exact| for one normalisation of ``vocab`` given float32 logits on any x86 CPU: a
+    relative error of at most ``sum_roundings(V)`` u in the sum of exponentials, so as much in its log, plus one u for
+    each exponential's own rounding and one for the log's (relative to a log-normaliser of at most ln V, so ⌈ln V⌉ u),
+    plus the subtraction of the row maximum, MAX_TEST_LOGIT u. At V = 49,152 about 3.7e-4, against 2.8e-5 measured
+    under AVX2 and 1.4e-5 under AVX-512 (a worst case, not a random walk); up to SMALL_VOCAB it is at most
+    ONE_NORMALISATION_ATOL."""
+    return (sum_roundings(vocab) + 2 + math.ceil(math.log(max(vocab, 1))) + MAX_TEST_LOGIT) * F32_U
+
+
+SMALL_VOCAB = 2048
+"""The widest rows most tests use: up to here torch's lanes run at most 262 terms, about the kernel's blocks."""
+
+ONE_NORMALISATION_ATOL = one_normalisation_atol(SMALL_VOCAB)
+"""The same for rows of V ≤ SMALL_VOCAB, and for the compiled kernel's own outputs at any V up to 262,144 (its blocks
+do not grow with V: 255 + 2 + 13 + 64 < 262 + 2 + 8 + 64): 336 u, about 2.0e-5."""
 
 TWO_NORMALISATIONS_ATOL = 2 * ONE_NORMALISATION_ATOL
 """One log-probability computed from the same float32 logits by two normalisations (the kernel and torch's
-log_softmax; a mixture at α = 1 and the teacher's own): each within ONE_NORMALISATION_ATOL of the exact value."""
+log_softmax; a mixture at α = 1 and the teacher's own): each within ONE_NORMALISATION_ATOL of the exact value (rows of
+V ≤ SMALL_VOCAB; wider rows take ``2 * one_normalisation_atol(V)``)."""
 
 BF16_RESCORE_ATOL = 0.25
 """The same where a model runs in bfloat16 in the engine (the ``mixed-dtype`` twin's teacher; in the speculative mode
