@@ -25,6 +25,7 @@ import psutil
 from dual_sampling.lockstep import SESSION_PREFIX
 from dual_sampling.lockstep.janitor import SCRATCH_KINDS
 from dual_sampling.lockstep.layout import SHM_DIR
+from tests.budget import SETTLE_S
 
 TAG_VARIABLE = "DUAL_SAMPLING_TEST_TAG"
 TAG = os.environ.setdefault(TAG_VARIABLE, uuid.uuid4().hex)
@@ -141,7 +142,9 @@ def describe(pid: int) -> str:
     return f"{pid} (gone)"
 
 
-def settled(before: tuple[set[int], set[str]], timeout: float, files_too: bool = True) -> tuple[set[str], set[str]]:
+def settled(
+    before: tuple[set[int], set[str]], timeout: float = SETTLE_S, files_too: bool = True
+) -> tuple[set[str], set[str]]:
     """New processes (as "pid command") and new files of ours, once none is left or ``timeout`` passed. The wait is a
     deadline for cleanup that runs on its own (an engine's exit), not a measurement. ``files_too=False`` waits for
     the processes alone (files a later cleanup is to remove would otherwise hold the wait to its deadline)."""

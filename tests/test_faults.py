@@ -21,6 +21,7 @@ import pytest
 
 from dual_sampling.lockstep import SESSION_PREFIX, SessionLayout, SyncSession, listing_dir, mapped_shm_files
 from tests import processes
+from tests.budget import ENGINE_PAIR_START_S
 
 pytestmark = [
     pytest.mark.engine,
@@ -28,18 +29,16 @@ pytestmark = [
         120,
         reason=(
             "each case starts a pair in a driver process of its own and waits out its end: 25-45 s, but the end's "
-            "bounded waits (the driver's 10 s sync_timeout, the engines' 10 s exit grace, 30 s for leftovers to "
+            "bounded waits (the driver's 10 s sync_timeout, the engines' 10 s exit grace, 60 s for leftovers to "
             "settle) add up under load (one fresh-clone run saw 73 s for the SIGINT case, 25 s on a rerun)"
         ),
     ),
 ]
 
-SETTLE_S = 30.0
 
-
-def settled(before: tuple[set[int], set[str]], timeout: float = SETTLE_S) -> tuple[set[str], set[str]]:
-    """This session's new processes and shared-memory files (tests/processes.py), once gone or at ``timeout``."""
-    return processes.settled(before, timeout)
+def settled(before: tuple[set[int], set[str]]) -> tuple[set[str], set[str]]:
+    """This session's new processes and shared-memory files (tests/processes.py), once gone or at SETTLE_S."""
+    return processes.settled(before)
 
 
 def start_driver(mode: str, tiny_same, sync_timeout: float = 10) -> tuple[subprocess.Popen, dict]:
@@ -102,11 +101,11 @@ def test_driver_killed_engines_exit_by_themselves_and_next_session_cleans(tiny_s
 @pytest.mark.parametrize("victim", ["teacher", "theta"])
 def test_engine_killed_fails_fast_names_it_and_leaves_nothing(tiny_same, victim):
     before = processes.snapshot()
-    # sync_timeout is 10 minutes: a driver that left the failure to it would miss the 120 s deadline below, whatever
-    # the failure then says.
+    # sync_timeout is 10 minutes: a driver that left the failure to it would miss the ENGINE_PAIR_START_S (5 min)
+    # deadline below, whatever the failure then says (the driver closes the other engine and exits: ~15 s idle).
     proc, info = start_driver("hold", tiny_same, sync_timeout=600)
     os.kill(info["pids"][victim][0], signal.SIGKILL)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=ENGINE_PAIR_START_S)
     assert proc.returncode == 0, err[-3000:]
     failed = [line for line in out.splitlines() if line.startswith("FAILED ")]
     # Named as the engine's death, by the driver's watch on its processes, not found later as a sync timeout.
@@ -138,7 +137,7 @@ def test_driver_killed_while_engines_start_leaves_nothing_after_the_next_session
             stderr=subprocess.DEVNULL,
         )
     listing_glob = f"{SESSION_PREFIX}{proc.pid}-*.segments"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + ENGINE_PAIR_START_S
     while True:
         assert proc.poll() is None and time.monotonic() < deadline, "the engines' files were not listed while starting"
         with contextlib.suppress(psutil.Error, FileNotFoundError, ValueError):
@@ -153,7 +152,8 @@ def test_driver_killed_while_engines_start_leaves_nothing_after_the_next_session
         p.kill()
     proc.wait()
     assert "READY" not in out.read_text(), "the engines were up before the kill: nothing was tested"
-    _, alive = psutil.wait_procs(tree, timeout=60)
+    # Killed mid-start, an engine sees its driver gone only once its own start has gone far enough to look.
+    _, alive = psutil.wait_procs(tree, timeout=ENGINE_PAIR_START_S)
     assert not alive, f"engine processes outlived their driver: {alive}"
     SyncSession.create(SessionLayout(8, 2, 4, 1)).close()  # a new session removes what dead drivers left
     assert settled(before) == (set(), set())

@@ -28,6 +28,7 @@ from dual_sampling.datagen.run import run_generation
 from dual_sampling.datagen.sinks import read_records
 from dual_sampling.lockstep import SESSION_PREFIX, SyncError, SyncSession, cleanup_stale_sessions, listing_dir
 from tests import processes
+from tests.budget import SLOW_MACHINE
 from tests.oracles import assert_written_records_match_rescoring
 from tests.test_datagen import ScriptedSampler, all_pairs, cli_flags, problems, tiny_config
 
@@ -42,9 +43,9 @@ def ray_env() -> dict[str, str]:
     return env
 
 
-def settle(before: tuple[set[int], set[str]], timeout: float = 60, files_too: bool = True) -> tuple[set[str], set[str]]:
-    """This session's new processes (Ray's included) and shared-memory files, once gone or at ``timeout``."""
-    return processes.settled(before, timeout, files_too)
+def settle(before: tuple[set[int], set[str]], files_too: bool = True) -> tuple[set[str], set[str]]:
+    """This session's new processes (Ray's included) and shared-memory files, once gone or at SETTLE_S."""
+    return processes.settled(before, files_too=files_too)
 
 
 def drawing_a_batch(pid: int) -> bool:
@@ -113,7 +114,9 @@ def test_two_replicas_with_one_killed_give_the_local_samples_exactly_once(dual_e
     )
     killed = None
     seen = {"polls": 0, "replicas": 0, "with_listing": 0, "parts": 0}  # what the loop saw, for a failure's message
-    deadline = time.monotonic() + 400
+    # 119 s idle for the whole run, so SLOW_MACHINE times that; past it the run is stopped (its Ray cluster too) and
+    # the test fails by name, before pytest-timeout's 900 s would cut it off with the cluster still running.
+    deadline = time.monotonic() + SLOW_MACHINE * 150
     while proc.poll() is None and time.monotonic() < deadline:
         replicas = find_replicas(proc.pid)
         # Mid-run: some parts are written, others not yet. Replicas come up at different times (one may do
@@ -142,7 +145,13 @@ def test_two_replicas_with_one_killed_give_the_local_samples_exactly_once(dual_e
                 break
             time.sleep(0.005)
         time.sleep(0.05)
-    _, stderr = proc.communicate(timeout=60)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        raise AssertionError(
+            f"the Ray run did not end in {SLOW_MACHINE * 150:.0f} s; the loop saw {seen}: {stderr[-3000:]}"
+        )
+    _, stderr = proc.communicate()
     assert proc.returncode == 0, stderr[-4000:]
     assert killed is not None, f"the run ended before a replica could be killed; the loop saw {seen}"
     summary = json.loads((out / "summary.json").read_text())
@@ -177,7 +186,9 @@ def test_driver_killed_then_resumed_is_exactly_once(dual_engine, tiny_same, tmp_
     proc = subprocess.Popen(
         cmd, env=ray_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
     )
-    deadline = time.monotonic() + 400
+    # 119 s idle for the whole run, so SLOW_MACHINE times that; past it the run is stopped (its Ray cluster too) and
+    # the test fails by name, before pytest-timeout's 900 s would cut it off with the cluster still running.
+    deadline = time.monotonic() + SLOW_MACHINE * 150
     while proc.poll() is None and time.monotonic() < deadline:
         if out.exists() and out.read_text().count("\n") >= 4:
             break
@@ -226,7 +237,7 @@ def test_bad_input_and_an_unreachable_cluster_are_named(tiny_same, tmp_path):
         flags = cli_flags(tiny_same, input=tmp_path / name, output=tmp_path / f"out-{name}", n=1, max_tokens=4)
         done = subprocess.run([*base, *flags], env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
-    assert settle(before, timeout=30) == (set(), set())
+    assert settle(before) == (set(), set())
 
 
 def run_users_pipeline(tiny_same, tmp_path: Path, rows: list[dict], **settings) -> list[dict]:

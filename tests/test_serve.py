@@ -21,6 +21,7 @@ from dual_sampling.records import DENSE_FIELDS
 from dual_sampling.server.app import build_app
 from dual_sampling.server.serve_options import ServeOptions
 from tests import processes
+from tests.budget import ENGINE_PAIR_START_S
 from tests.tolerances import LOGQ_ATOL_FACTOR, SAME_WEIGHTS_TWO_RUNS, TWO_NORMALISATIONS_ATOL
 
 pytestmark = pytest.mark.engine
@@ -518,7 +519,7 @@ def test_engine_death_turns_health_red_and_ends_open_streams(tiny_same):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + ENGINE_PAIR_START_S
         while not _healthy(url):
             assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
             assert time.monotonic() < deadline, "the server did not come up"
@@ -572,8 +573,8 @@ def test_engine_death_turns_health_red_and_ends_open_streams(tiny_same):
             proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     # No process the server started (orphaned engines included) and no file of ours is left; an orphaned engine
-    # notices its dead driver within a second, so 30 s is a deadline, not a measurement.
-    assert processes.settled(before, 30) == (set(), set())
+    # notices its dead driver within a second, so SETTLE_S is a deadline, not a measurement.
+    assert processes.settled(before) == (set(), set())
 
 
 def _healthy(url: str) -> bool:

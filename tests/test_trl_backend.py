@@ -271,7 +271,7 @@ def test_untied_student_engines_start_with_the_trainer_and_leave_nothing_behind(
         trainer.train()
         vocab = rollouts.dual.vocab
     assert rollouts.dual is None
-    procs, files = settled(before, timeout=30)
+    procs, files = settled(before)
     assert not procs and not files, (procs, files)
     assert _check_rollouts(recorder, teacher, student, vocab, logprobs_returned=False) > 0
     _losses(trainer)
