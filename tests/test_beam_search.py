@@ -18,6 +18,7 @@ import pytest
 from dual_sampling.beams import BeamSearchOptions, Candidates, beam_samples, run_beam_search
 from dual_sampling.options import SamplingOptions
 from tests.oracles import assert_records_match_rescoring, rescore
+from tests.tolerances import RESCORE_ATOL
 
 VOCAB, EOS = 6, 0
 
@@ -112,7 +113,8 @@ def test_beams_on_the_engines_carry_exact_records_and_width_one_is_greedy(dual_e
         teacher, theta = (rescore(model, ids, best.tokens, vocab) for model in hf_models)
         for t, token in enumerate(best.tokens):
             mixed = (1 - best.alpha[t]) * theta[t] + best.alpha[t] * teacher[t]
-            assert float(mixed.max() - mixed[token]) < 1e-4, (prompt, t)
+            # Two values each within RESCORE_ATOL of the engine's: their gap within twice it.
+            assert float(mixed.max() - mixed[token]) < 2 * RESCORE_ATOL, (prompt, t)
     with pytest.raises(ValueError, match="max_tokens=300 does not fit"):
         dual_engine.beam_search(prompts, beam_width=2, max_tokens=300)
 

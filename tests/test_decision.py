@@ -22,7 +22,14 @@ from dual_sampling.decision.pipeline import (
 from dual_sampling.decision.stages import keep_top_k_top_p
 from dual_sampling.options import SamplingOptions
 from tests.oracles import np_alpha_kl, np_mix
-from tests.tolerances import ALPHA_ATOL, ONE_NORMALISATION_ATOL, TWO_NORMALISATIONS_ATOL, one_normalisation_atol
+from tests.tolerances import (
+    ALPHA_ATOL,
+    F32_U,
+    ONE_NORMALISATION_ATOL,
+    TWO_NORMALISATIONS_ATOL,
+    one_normalisation_atol,
+    sum_roundings,
+)
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 256, 1000, 49152])
@@ -37,7 +44,8 @@ def test_inverse_cdf_matches_a_full_float64_cdf(vocab):
     expected = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
     index, total = inverse_cdf(p, u)
     assert torch.equal(index, expected)
-    torch.testing.assert_close(total, cdf[:, -1], rtol=1e-6, atol=0)
+    # Totals: float32 sums of inverse_cdf's 256-token blocks carried in float64, each within its roundings (relative).
+    torch.testing.assert_close(total, cdf[:, -1], rtol=sum_roundings(256) * F32_U, atol=0)
 
 
 def test_draw_accepts_unnormalised_log_q_and_leaves_it_alone():
@@ -75,7 +83,7 @@ def test_draw_frequencies_follow_q():
     freq = torch.bincount(tokens, minlength=6).double() / draws
     sigma = torch.sqrt(q.double() * (1 - q.double()) / draws)
     assert ((freq - q.double()).abs() <= 4 * sigma + 1e-12).all(), freq
-    torch.testing.assert_close(logq_token, q.log()[tokens])
+    torch.testing.assert_close(logq_token, q.log()[tokens], rtol=0, atol=ONE_NORMALISATION_ATOL)
 
 
 def test_counter_uniform_is_uniform_and_reproducible():
@@ -118,7 +126,7 @@ def test_temperature_min_tokens_bias_and_greedy():
     assert t.item() == 3
     tempered = torch.log_softmax(logq / 0.5, -1)
     t, lq, _, _ = draw_tokens(logq, logq, [0], [RowSampling(seed=1, temperature=0.5)])
-    assert lq.item() == pytest.approx(tempered[0, t.item()].item(), abs=1e-6)
+    assert lq.item() == pytest.approx(tempered[0, t.item()].item(), abs=TWO_NORMALISATIONS_ATOL)  # float32, twice
 
 
 def test_support_constraint_and_empty_rows():

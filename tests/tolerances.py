@@ -56,7 +56,13 @@ within twice that of each other (measured: 1.2e-5, above the 1e-5 bound this rep
 
 KERNEL_BLOCK = 256
 """Terms the compiled kernel sums in float32, in whatever order numba vectorises them, before it carries the sum in
-float64 (``dual_sampling/decision/kernel.py`` ``_BLOCK``): the same on every CPU."""
+float64 (``dual_sampling/decision/kernel.py`` ``_BLOCK``): the same on every CPU.
+
+Its log-normaliser pass (``_maxima_and_log_normalisers``, which yields the recorded log π_t and log π_θ) sums
+``_CHUNK`` = 2048 terms per float32 run instead. numba vectorises that sum (fastmath ``reassoc``) with at least 8 lanes
+on the AVX2 and AVX-512 CPUs CI runs on, so each term goes through at most ⌈2048/8⌉ − 1 + 7 = 262 roundings: the
+same as torch's at SMALL_VOCAB, so ONE_NORMALISATION_ATOL still covers it. A CPU without AVX (4 lanes: 514) or an
+unvectorised build (2047) would not be covered."""
 
 TORCH_LANES = 8
 """The fewest float32 lanes torch's vectorised CPU reductions (log_softmax, logsumexp, sum) keep on x86: ``Vectorized
@@ -120,4 +126,47 @@ ALPHA_ATOL = 5e-6
 E_q[d] (the kernel's rule keeps α within tol; the reference's too where Var_q(d) ≥ 1), and that float32 E_q[d] is off
 the exact one by about ONE_NORMALISATION_ATOL·|d|, which moves the root by that over Var_q(d): about 4e-6 on the
 test rows (|d| of a few nats, Var_q(d) of several nats²). Rows where the models nearly agree (small Var_q(d)) are
-checked by their residual instead (``tests.oracles.assert_kl_symmetry_alpha``)."""
+checked by their residual instead (``tests.oracles.assert_kl_symmetry_alpha``).
+
+The same holds for ess_balance and entropy (each the root of one float32 expectation, off by the same order; measured
+at most 6.5e-8 at V = 5000) and for trust_region's boundary K(α) = ε away from α = 0 (measured 1.4e-7 at ε = 0.05;
+near 0 K is flat, and the boundary is judged in KL: ``tests.oracles.assert_trust_region_alpha``)."""
+
+
+def alpha_atol(vocab: int) -> float:
+    """ALPHA_ATOL for rows of ``vocab`` tokens: past SMALL_VOCAB torch's float32 reductions of E_q[d] round by up to
+    one_normalisation_atol(V) relatively instead of ONE_NORMALISATION_ATOL, so the rounding part of ALPHA_ATOL (all
+    but the solvers' ``tol`` = 1e-6) grows in that ratio: 9.4e-6 at V = 5000."""
+    tol = 1e-6
+    return tol + (ALPHA_ATOL - tol) * max(1.0, one_normalisation_atol(vocab) / ONE_NORMALISATION_ATOL)
+
+
+ALPHA_TWO_SOLVES_ATOL = 2 * ALPHA_ATOL
+"""|α − α'| for one row solved twice in float32 (the kernel and the torch reference, a GPU and a CPU kernel, a row in a
+batch and alone, a bounded solve and the clipped free one, warm and cold starts): each within ALPHA_ATOL of the same
+float64 root, so within twice that of each other by the triangle inequality."""
+
+ENGINE_ALPHA_ATOL = 1e-4
+"""|engine α − float64 root on the re-scored rows| accepted outright; rows beyond it are judged by their residual
+instead (``tests.oracles.assert_kl_symmetry_alpha``). The engine's log π are within RESCORE_ATOL of the re-scored
+ones, so E_q[d] (d = log π_t − log π_θ) moves by at most 2·RESCORE_ATOL and the root by that over Var_q(d): within
+1e-4 wherever Var_q(d) ≥ 2 nats², as on the tiny pairs' rows (teacher logits of std 4, theta's 2). Measured at most
+4.7e-7 on the float32 twins (docs/testing.md). α is a weight in [0, 1]: this is its own bound, not RESCORE_ATOL's
+nats, though the value is the same."""
+
+ALPHA_TWO_RUNS_ATOL = 2 * ENGINE_ALPHA_ATOL
+"""|α − α'| for one sample's step from two engine runs (a server and an offline call, other batch compositions,
+repeated calls): each within ENGINE_ALPHA_ATOL of the same root, so within twice that of each other."""
+
+
+def two_engines_penalised_atol(vocab: int, repetition_penalty: float = 1.0) -> float:
+    """|a − b| for one penalised log-probability from two engines holding the same weights, where one normalises its
+    penalised float32 logits with the compiled kernel and the other with torch's float32 log_softmax over ``vocab``
+    (vLLM's ``processed_logprobs``): the engines' forwards differ by at most SAME_WEIGHTS_TWO_RUNS in log π (measured
+    on one CPU kind, normalisations included); the repetition penalty multiplies a logit by p or 1/p, and so its
+    error by at most max(p, 1/p); and the two normalisations at their worst over x86 reduction orders add
+    ONE_NORMALISATION_ATOL (the kernel's) and one_normalisation_atol(V) (torch's), which the measurement need not
+    have met. The tiny models (V = 49,152, p = 1.4): 6.7e-4, against 2.2e-5 seen under AVX2; a penalty applied
+    wrongly moves log q by tenths of a nat."""
+    scale = max(repetition_penalty, 1.0 / repetition_penalty)
+    return scale * SAME_WEIGHTS_TWO_RUNS + ONE_NORMALISATION_ATOL + one_normalisation_atol(vocab)
