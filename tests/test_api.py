@@ -369,3 +369,21 @@ def test_a_new_alpha_computer_decides_the_next_samples_and_a_bad_one_changes_not
     assert s.alpha_settings == started and s.get_sync_statistics()["alpha_updates"] == 2
     back = s.generate(PROMPTS[:1], max_tokens=8, seed=4).requests[0]
     assert assert_records_match_rescoring(back, *hf_models, s.vocab, "kl_symmetry") > 0
+
+
+def test_engines_start_from_the_fork_server_with_their_own_cpus(dual_engine):
+    """Each EngineCore is forked from this process's fork server (not spawned by this process), its worker is forked
+    from it (so the pair's health watch and vLLM's shutdown still find it), and each worker runs on its own half of
+    the CPUs, applied by hand since libgomp read its variables in the fork server (``driver.engine_start``)."""
+    pair = dual_engine.driver.engines
+    assert pair.from_forkserver
+    pids = dual_engine.engine_pids()
+    assert set(pids) == {"teacher", "theta"} and all(len(p) == 2 for p in pids.values()), pids
+    servers = set()
+    for role, (core, worker) in pids.items():
+        servers.add(psutil.Process(core).ppid())
+        assert psutil.Process(worker).ppid() == core
+        assert psutil.Process(worker).cpu_affinity() == [int(c) for c in pair.binding[role].split(",")]
+    (server,) = servers
+    assert server != os.getpid() and psutil.Process(server).ppid() == os.getpid()
+    assert "forkserver" in " ".join(psutil.Process(server).cmdline())

@@ -141,7 +141,9 @@ def test_driver_killed_while_engines_start_leaves_nothing_after_the_next_session
     while True:
         assert proc.poll() is None and time.monotonic() < deadline, "the engines' files were not listed while starting"
         with contextlib.suppress(psutil.Error, FileNotFoundError, ValueError):
-            cores = [p for p in psutil.Process(proc.pid).children() if p.name().startswith("VLLM::EngineCore")]
+            # The driver's fork server's children (dual_sampling.driver.engine_start), or its own when spawned.
+            tree = psutil.Process(proc.pid).children(recursive=True)
+            cores = [p for p in tree if p.name().startswith("VLLM::EngineCore")]
             core_files = [{n for n in mapped_shm_files([p.pid]) if n.startswith("psm_")} for p in cores]
             listed = {n for path in listing_dir().glob(listing_glob) for n in json.loads(path.read_text())}
             if len(cores) == 2 and all(core_files) and set().union(*core_files) <= listed:

@@ -22,7 +22,7 @@ from dual_sampling.server.app import build_app
 from dual_sampling.server.serve_options import ServeOptions
 from tests import processes
 from tests.budget import ENGINE_PAIR_START_S
-from tests.tolerances import LOGQ_ATOL_FACTOR, SAME_WEIGHTS_TWO_RUNS, TWO_NORMALISATIONS_ATOL
+from tests.tolerances import ALPHA_TWO_RUNS_ATOL, LOGQ_ATOL_FACTOR, SAME_WEIGHTS_TWO_RUNS, TWO_NORMALISATIONS_ATOL
 
 pytestmark = pytest.mark.engine
 
@@ -91,8 +91,10 @@ TEACHER = [{"role": "user", "content": "What is 12 + 30? A reference solution: 1
 def assert_records_agree(extra: dict, token_ids: list[int], sample) -> None:
     """A choice's dual_sampling records against the offline sample of the same seed."""
     assert extra["token_ids"] == token_ids == sample.token_ids
+    atol = {"alpha": ALPHA_TWO_RUNS_ATOL, "logp_teacher": SAME_WEIGHTS_TWO_RUNS, "logp_theta": SAME_WEIGHTS_TWO_RUNS}
+    atol["logq"] = LOGQ_ATOL_FACTOR * SAME_WEIGHTS_TWO_RUNS
     for name in ("alpha", "logp_teacher", "logp_theta", "logq"):
-        assert extra[name] == pytest.approx(getattr(sample, name), abs=SAME_WEIGHTS_TWO_RUNS)
+        assert extra[name] == pytest.approx(getattr(sample, name), abs=atol[name])
 
 
 # ---------------------------------------------------------------- round trips, same seed, same sample
@@ -114,8 +116,8 @@ def test_chat_round_trip_matches_offline_generate(client, dual_engine):
         extra = choice.model_extra["dual_sampling"]
         assert_records_agree(extra, sample.token_ids, sample)
         assert choice.message.content == sample.text and choice.finish_reason == sample.finish_reason
-        # log w is a sum over the sample's tokens of two records, each within SAME_WEIGHTS_TWO_RUNS.
-        bound = 2 * SAME_WEIGHTS_TWO_RUNS * len(sample.token_ids)
+        # log w is a sum over the sample's tokens of log π_θ − log q, within (1 + LOGQ_ATOL_FACTOR)·SAME each.
+        bound = (1 + LOGQ_ATOL_FACTOR) * SAME_WEIGHTS_TWO_RUNS * len(sample.token_ids)
         assert extra["log_w_theta"] == pytest.approx(sample.log_w_theta, abs=bound) and extra["error"] is None
 
 
@@ -158,7 +160,7 @@ def test_chat_stream_with_hint_matches_offline_and_chunks_hold_their_records(cli
         .samples[0]
     )
     assert tokens == offline.token_ids and text == offline.text and finish == offline.finish_reason
-    assert records["alpha"] == pytest.approx(offline.alpha, abs=SAME_WEIGHTS_TWO_RUNS)
+    assert records["alpha"] == pytest.approx(offline.alpha, abs=ALPHA_TWO_RUNS_ATOL)
     assert records["logq"] == pytest.approx(offline.logq, abs=LOGQ_ATOL_FACTOR * SAME_WEIGHTS_TWO_RUNS)
     assert usage.completion_tokens == len(tokens)
 
@@ -549,7 +551,8 @@ def test_engine_death_turns_health_red_and_ends_open_streams(tiny_same):
             tasks = [asyncio.ensure_future(stream_until_error()) for _ in range(3)]
             for _ in range(2):  # both seats (max_num_seqs 2) are generating; the third request waits for one
                 await asyncio.wait_for(streaming.acquire(), timeout=120)
-            engines = [p for p in psutil.Process(proc.pid).children() if p.children()]  # EngineCores have workers
+            tree = psutil.Process(proc.pid).children(recursive=True)  # the EngineCores are its fork server's
+            engines = [p for p in tree if p.name().startswith("VLLM::EngineCor")]
             engines[0].kill()
             return await asyncio.gather(*tasks)
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dual_sampling.driver import engine_processes, placement
+from dual_sampling.driver import engine_processes, engine_start, placement
 from dual_sampling.lockstep import (
     SHM_DIR,
     LockstepConfig,
@@ -89,6 +89,10 @@ class EnginePair:
         self.row_transport = _resolve_row_transport(config.row_transport, self.places)
         """The row channel both engines open (``lockstep.row_channel``), resolved here, before either starts."""
         self.binding = engine_processes.split_cpu_binding() if config.cpu_binding == "split" else {}
+        self.from_forkserver = not self.places and engine_start.warm()
+        """Whether the engines' processes start from this process's fork server (``driver.engine_start``)."""
+        self._core_pids: list[int] = []
+        """The EngineCores' pids as they start (from the fork server, they are not this process's children)."""
         self.engines: dict[str, Any] = {}
         self._segments: set[str] = set()
         self._listed: set[str] = set()
@@ -149,14 +153,22 @@ class EnginePair:
         place = self.places.get(role)
         return {"gpu_memory_utilization": place.memory_share} if place else {}
 
+    def _engine_variables(self, role: Role) -> dict[str, str]:
+        """The environment variables ``role``'s engine processes start with on top of this process's: its CPUs
+        (``cpu_binding``) and its GPU (``driver.placement``)."""
+        place = self.places.get(role)
+        variables = {
+            "VLLM_CPU_OMP_THREADS_BIND": self.binding.get(role),
+            "CUDA_VISIBLE_DEVICES": place and place.visible_devices,
+        }
+        return {name: value for name, value in variables.items() if value is not None}
+
     @contextlib.contextmanager
     def _engine_environment(self, role: Role) -> Iterator[None]:
-        """The environment ``role``'s engine processes are spawned in: its CPUs (``cpu_binding``) and its GPU."""
-        place = self.places.get(role)
-        with (
-            engine_processes.engine_cpus(self.binding.get(role)),
-            engine_processes.environment("CUDA_VISIBLE_DEVICES", place and place.visible_devices),
-        ):
+        """This process's environment switched to ``role``'s engine variables, for engines it spawns."""
+        with contextlib.ExitStack() as stack:
+            for name, value in self._engine_variables(role).items():
+                stack.enter_context(engine_processes.environment(name, value))
             yield
 
     def _user_kwargs(self, role: str) -> dict[str, Any]:
@@ -223,11 +235,11 @@ class EnginePair:
         return kwargs
 
     def _start_both(self) -> None:
-        """Start both engines at once (each takes tens of seconds, mostly imports in new processes).
+        """Start both engines at once (from the fork server a few seconds; spawned, tens of seconds of imports).
 
-        An engine's CPU binding is read from the environment its EngineCore process is spawned
-        with, so the variable is switched to theta's binding only once the teacher's EngineCore
-        exists.
+        An engine's CPU binding is read from the environment its EngineCore process starts
+        with: carried to it from the fork server, or, when spawned, switched to theta's binding
+        only once the teacher's EngineCore exists.
         """
         # Engines create /dev/shm files while they start; listing them as they appear lets a later
         # session reclaim them if this driver is killed before both engines are up.
@@ -266,11 +278,18 @@ class EnginePair:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         def start(role: str) -> Any:
-            return AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_kwargs(role)))
+            args = AsyncEngineArgs(**self.engine_kwargs(role))
+            if not self.from_forkserver:
+                return AsyncLLM.from_engine_args(args)
+            with engine_start.engine_start(self._engine_variables(role), self._core_pids):
+                return AsyncLLM.from_engine_args(args)
 
         with ThreadPoolExecutor(2, thread_name_prefix="dual-sampling-start") as pool:
             futures = {}
             for role in Role:
+                if self.from_forkserver:  # each engine's variables travel with it: both start at once
+                    futures[role] = pool.submit(start, role)
+                    continue
                 with self._engine_environment(role):
                     known = engine_processes.spawned_children()
                     futures[role] = pool.submit(start, role)
@@ -402,7 +421,10 @@ class EnginePair:
         """Until ``started`` is set, keep the listing up to date with the files of the processes being started."""
         while not started.wait(_LISTING_INTERVAL_S):
             try:
-                self._record_segments(engine_processes.descendants(engine_processes.children() - children_before))
+                # From the fork server, this pair's EngineCores are known by pid (the server's other children belong
+                # to other pairs); spawned, they are this process's new children.
+                roots = list(self._core_pids) if self.from_forkserver else engine_processes.children() - children_before
+                self._record_segments(engine_processes.descendants(roots))
             except Exception:  # a process that exits mid-read; the next round or the final record covers it
                 logger.debug("listing the starting engines' files failed", exc_info=True)
 

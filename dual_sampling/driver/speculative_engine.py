@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dual_sampling.driver import engine_processes, placement
+from dual_sampling.driver import engine_start, placement
 from dual_sampling.driver.pair import EnginePair, _qualname
 from dual_sampling.lockstep import Role
 from dual_sampling.options import default_kv_cache_bytes
@@ -79,14 +79,20 @@ class SpeculativeEngine(EnginePair):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        # One engine: its model threads may use every CPU (lockstep splits them between two).
-        cpus = ",".join(map(str, sorted(os.sched_getaffinity(0)))) if self.binding else None
-        place = self.places.get(Role.TEACHER)
-        with (
-            engine_processes.engine_cpus(cpus),
-            engine_processes.environment("CUDA_VISIBLE_DEVICES", place and place.visible_devices),
-        ):
-            self.engines[Role.TEACHER] = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_kwargs()))
+        args = AsyncEngineArgs(**self.engine_kwargs())
+        if not self.from_forkserver:
+            with self._engine_environment(Role.TEACHER):
+                self.engines[Role.TEACHER] = AsyncLLM.from_engine_args(args)
+            return
+        with engine_start.engine_start(self._engine_variables(Role.TEACHER), self._core_pids):
+            self.engines[Role.TEACHER] = AsyncLLM.from_engine_args(args)
+
+    def _engine_variables(self, role: Role) -> dict[str, str]:
+        """One engine: its model threads may use every CPU (lockstep splits them between two)."""
+        variables = super()._engine_variables(role)
+        if self.binding:
+            variables["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+        return variables
 
     def verify(self) -> None:
         """Read the engine's effective settings and refuse any the speculative mixture cannot run with, naming it."""
