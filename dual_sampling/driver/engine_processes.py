@@ -126,19 +126,21 @@ def engine_cpus(cpu_list: str | None) -> contextlib.AbstractContextManager[None]
 
     The engine's processes read VLLM_CPU_OMP_THREADS_BIND when they are spawned.
     """
-    return environment("VLLM_CPU_OMP_THREADS_BIND", cpu_list)
+    return environment({"VLLM_CPU_OMP_THREADS_BIND": cpu_list})
 
 
 @contextlib.contextmanager
-def environment(name: str, value: str | None) -> Iterator[None]:
-    """Set the environment variable ``name`` to ``value`` inside this block (None: leave it as it is)."""
-    old = os.environ.get(name)
+def environment(variables: dict[str, str | None]) -> Iterator[None]:
+    """Set each environment variable of ``variables`` to its value inside this block (None: leave it as it is)."""
+    old = {name: os.environ.get(name) for name in variables}
     try:
-        if value is not None:
-            os.environ[name] = value
+        for name, value in variables.items():
+            if value is not None:
+                os.environ[name] = value
         yield
     finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

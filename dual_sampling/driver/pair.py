@@ -15,7 +15,6 @@ import math
 import os
 import shutil
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -163,14 +162,6 @@ class EnginePair:
         }
         return {name: value for name, value in variables.items() if value is not None}
 
-    @contextlib.contextmanager
-    def _engine_environment(self, role: Role) -> Iterator[None]:
-        """This process's environment switched to ``role``'s engine variables, for engines it spawns."""
-        with contextlib.ExitStack() as stack:
-            for name, value in self._engine_variables(role).items():
-                stack.enter_context(engine_processes.environment(name, value))
-            yield
-
     def _user_kwargs(self, role: str) -> dict[str, Any]:
         return Role(role).pick(self.config.teacher_engine_kwargs, self.config.theta_engine_kwargs)
 
@@ -263,10 +254,10 @@ class EnginePair:
         # On CUDA vLLM forks its engine processes unless told otherwise; a placed engine's environment is switched
         # once its process exists, which the pair sees for spawned processes only.
         spawn = "spawn" if self.places and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ else None
+        ipc = str(self.ipc_dir) if self.ipc_dir else None
         with (
             _RPC_BASE_LOCK,
-            engine_processes.environment("VLLM_RPC_BASE_PATH", str(self.ipc_dir) if self.ipc_dir else None),
-            engine_processes.environment("VLLM_WORKER_MULTIPROC_METHOD", spawn),
+            engine_processes.environment({"VLLM_RPC_BASE_PATH": ipc, "VLLM_WORKER_MULTIPROC_METHOD": spawn}),
         ):
             self._start_engines_here()
 
@@ -290,7 +281,7 @@ class EnginePair:
                 if self.from_forkserver:  # each engine's variables travel with it: both start at once
                     futures[role] = pool.submit(start, role)
                     continue
-                with self._engine_environment(role):
+                with engine_processes.environment(self._engine_variables(role)):
                     known = engine_processes.spawned_children()
                     futures[role] = pool.submit(start, role)
                     # The environment is read when the engine's first process is spawned: keep it until then.

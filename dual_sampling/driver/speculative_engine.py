@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dual_sampling.driver import engine_start, placement
+from dual_sampling.driver import engine_processes, engine_start, placement
 from dual_sampling.driver.pair import EnginePair, _qualname
 from dual_sampling.lockstep import Role
 from dual_sampling.options import default_kv_cache_bytes
@@ -81,7 +81,7 @@ class SpeculativeEngine(EnginePair):
 
         args = AsyncEngineArgs(**self.engine_kwargs())
         if not self.from_forkserver:
-            with self._engine_environment(Role.TEACHER):
+            with engine_processes.environment(self._engine_variables(Role.TEACHER)):
                 self.engines[Role.TEACHER] = AsyncLLM.from_engine_args(args)
             return
         with engine_start.engine_start(self._engine_variables(Role.TEACHER), self._core_pids):
