@@ -212,8 +212,10 @@ class OptimalSamplingDual:
         length_penalty: float = 1.0,
         ignore_eos: bool = False,
     ) -> list[list[BeamSequence]]:
-        """Beam search over q as vLLM's ``LLM.beam_search`` runs it (``dual_sampling.beams``): per prompt, its best
-        ``beam_width`` beams by cum log q / length^length_penalty, each token with its α, log π_t, log π_θ and log q."""
+        """Beam search over q in the shape of vLLM's ``LLM.beam_search`` (``dual_sampling.beams``): per prompt, its best
+        ``beam_width`` beams by cum log q / length^length_penalty, each token with its α, log π_t, log π_θ and log q.
+        The length counts the beam's generated tokens without a final EOS; vLLM's also counts the prompt's, so the
+        two rankings can differ wherever length_penalty is not 0."""
         self._check_open()
         self._require_lockstep("beam_search")
         options = BeamSearchOptions(

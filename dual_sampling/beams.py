@@ -4,7 +4,8 @@ The shape is vLLM's ``LLM.beam_search`` (itself transformers'): at each step eve
 q's 2·beam_width most likely next tokens; each candidate extends its beam by one token, adding its log q to the
 beam's cumulative log q; a candidate that is an EOS id ends its beam (unless ``ignore_eos``); the beam_width best
 of the rest live on. At the end the finished and the live beams are ranked by cum log q / length^length_penalty,
-the length counting generated tokens without a final EOS. Every token of a beam keeps its α, log π_t, log π_θ and
+the length counting generated tokens without a final EOS (vLLM's counts the prompt's tokens too, so its ranking
+depends on the prompt and this one does not). Every token of a beam keeps its α, log π_t, log π_θ and
 log q: q here is the mixture at temperature 1 with no filter, the law the beam's score sums.
 
 :func:`beam_samples` runs one prompt's search as the samples a request returns (``SamplingOptions.use_beam_search``
@@ -56,7 +57,8 @@ class BeamSearchOptions:
     max_tokens: int
     """Generated tokens per beam at most."""
     length_penalty: float = 1.0
-    """Final ranking by cum log q / length^this (1: per-token mean; 0: the plain sum)."""
+    """Final ranking by cum log q / length^this, the length counting generated tokens without a final EOS (1:
+    per-token mean; 0: the plain sum). vLLM's ``BeamSearchParams.length_penalty`` also counts the prompt's tokens."""
     ignore_eos: bool = False
     """Keep extending past EOS ids (no beam ends before max_tokens)."""
 

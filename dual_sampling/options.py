@@ -96,11 +96,13 @@ class SamplingOptions(DecisionOptions):
     seed: int = field(default=0, metadata=BEAM_SEARCH)
     """Seed of the call; sample j of prompt i is drawn with a seed derived from (seed, prompt key, j)."""
     use_beam_search: bool = field(default=False, metadata=BEAM_SEARCH)
-    """Return each prompt's n best beams over q (beam width n, at most 10) instead of n samples, ranked by
-    cum log q / length^length_penalty, as vLLM's beam search; a search is deterministic, so every setting but n,
-    max_tokens, seed, score and length_penalty keeps its default."""
+    """Return each prompt's n best beams over q (beam width n, at most 10) instead of n samples, searched as vLLM's
+    beam search searches but ranked by cum log q / length^length_penalty with the length as ``length_penalty`` says
+    (not vLLM's); a search is deterministic, so every setting but n, max_tokens, seed, score and length_penalty keeps
+    its default."""
     length_penalty: float = field(default=1.0, metadata=BEAM_SEARCH)
-    """With use_beam_search: the final ranking's exponent of the length (1: mean log q per token; 0: the sum)."""
+    """With use_beam_search: the final ranking's exponent of the length, the generated tokens without a final EOS
+    (1: mean log q per generated token; 0: the sum). Unlike vLLM's, the prompt's tokens are not counted."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

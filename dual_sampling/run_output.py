@@ -3,12 +3,14 @@
 Two runs on one output would interleave their lines and delete each other's checkpoints, so a run holds an
 exclusive lock on ``<output>.lock`` from start to end and a second run fails at once. Inside its output a run writes
 every file through :func:`open_no_follow` (a symlink or FIFO planted at a file's name is refused, never written
-through; :func:`write_no_follow` writes a whole text with it) and its checkpoint folders through :func:`fresh_dir` (a
+through; :func:`write_no_follow` writes a whole text with it), makes the folders it keeps through :func:`own_dir` (a
+link at a folder's name is refused, never written through) and its checkpoint folders through :func:`fresh_dir` (a
 link planted at ``checkpoints/round-3.partial`` is removed, never followed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -17,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["fresh_dir", "open_no_follow", "remove_path", "single_writer", "write_no_follow"]
+__all__ = ["fresh_dir", "open_no_follow", "own_dir", "remove_path", "single_writer", "write_no_follow"]
 
 
 @contextmanager
@@ -91,6 +93,22 @@ def remove_path(path: Path) -> None:
         shutil.rmtree(path)
     else:
         os.unlink(path)
+
+
+def own_dir(path: Path) -> Path:
+    """The folder ``path``, made (with any missing folders above it) if missing, kept with its contents if there.
+
+    A symlink at its name is refused (ValueError naming it), never written through: the files written into it would
+    land wherever it points. So is anything else there that is not a folder. Only the last component is checked: the
+    folders above it are the caller's.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o755)
+    # lstat after mkdir, not before: a link planted in between is seen here rather than followed.
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise ValueError(f"{path} must be a plain folder, not a link or a file: nothing is written through it")
+    return path
 
 
 def fresh_dir(path: Path) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 
 import pytest
@@ -12,10 +13,13 @@ import pytest
 import dual_sampling.datagen.sinks as sinks
 from dual_sampling.datagen.durable import write_text_durably
 from dual_sampling.datagen.report import write_report
+from dual_sampling.datagen.run import run_generation
 from dual_sampling.datagen.schema import record_schema
 from dual_sampling.datagen.sinks import Journal, journal_keys, open_sink, write_rejects
 from dual_sampling.distill.loop import plot_run
-from dual_sampling.run_output import fresh_dir, open_no_follow, remove_path, single_writer, write_no_follow
+from dual_sampling.run_output import fresh_dir, open_no_follow, own_dir, remove_path, single_writer, write_no_follow
+from dual_sampling.testing.scripted import ScriptedSampler
+from tests.test_datagen import tiny_config
 
 
 def test_a_second_writer_fails_at_once_naming_the_lock(tmp_path):
@@ -99,8 +103,11 @@ def _write_records(path):
 def _parquet_part(tmp_path):
     sink = open_sink({"parts": tmp_path / "parts"}, resume=False, fmt="records")  # it removes stale part-*.tmp
     planted = tmp_path / "parts" / "part-000000.parquet.tmp"
-    record = dict.fromkeys(record_schema("records").names) | {"id": "p0", "sample_index": 0}
-    return planted, lambda: sink.write([record])
+    return planted, lambda: sink.write([_one_record()])
+
+
+def _one_record():
+    return dict.fromkeys(record_schema("records").names) | {"id": "p0", "sample_index": 0}
 
 
 PLOT_ROWS = [{"round": r, "wall_s": 10.0 * r, "kl_teacher_student": 1.0 / (r + 1)} for r in range(3)]
@@ -131,6 +138,51 @@ def test_every_writer_of_a_run_refuses_a_planted_link_and_leaves_its_target_alon
     with pytest.raises(OSError, match=f"{planted.name} cannot be written without following a link"):
         write()
     assert target.read_text() == torn
+
+
+FOLDER_WRITERS = {
+    # name: (tmp_path, tiny_same) -> (the folder a link is planted at, the write that must refuse it)
+    "report folder": lambda t, _: (
+        t / "report",
+        lambda: write_report(_write_records(t / "records.jsonl"), t / "report"),
+    ),
+    "default report folder": lambda t, _: (
+        t / "records.jsonl.report",
+        lambda: write_report(_write_records(t / "records.jsonl")),
+    ),
+    "data run's folder of parts": lambda t, pair: (
+        t / "parts",
+        lambda: run_generation(tiny_config(pair, t, output=str(t / "parts")), ScriptedSampler(pair)),
+    ),
+    "Parquet parts sink": lambda t, _: (
+        t / "parts",
+        lambda: open_sink({"parts": t / "parts"}, False, "records").write([_one_record()]),
+    ),
+}
+
+
+@pytest.mark.parametrize("writer", FOLDER_WRITERS)
+def test_every_folder_of_a_run_refuses_a_link_by_name_and_nothing_goes_through_it(tmp_path, tiny_same, writer):
+    planted, write = FOLDER_WRITERS[writer](tmp_path, tiny_same)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    planted.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(ValueError, match=f"{re.escape(str(planted))} must be a plain folder, not a link"):
+        write()
+    assert not list(elsewhere.iterdir()) and planted.is_symlink()
+
+
+def test_an_own_folder_is_made_or_kept_and_a_file_or_dangling_link_there_refused(tmp_path):
+    made = own_dir(tmp_path / "a" / "b")
+    assert made.is_dir() and not made.is_symlink()
+    (made / "kept").write_text("x")
+    assert own_dir(made) == made and (made / "kept").read_text() == "x"
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for taken in (tmp_path / "file", tmp_path / "dangling"):
+        with pytest.raises(ValueError, match=f"{re.escape(str(taken))} must be a plain folder"):
+            own_dir(taken)
+    assert not (tmp_path / "nowhere").exists()
 
 
 def test_plots_are_pngs_in_their_own_files(tmp_path):

@@ -18,6 +18,7 @@ import torch
 from dual_sampling.distill.mismatch import SamplerMismatchError, sampler_trainer_mismatch
 from dual_sampling.integrations.trl import MixtureGeneration, MixtureRollouts, MixtureRolloutsConfig
 from dual_sampling.options import EngineOptions
+from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleRecord
 from dual_sampling.testing.tiny_models import tiny_pair
 from tests.oracles import assert_records_match_rescoring
 from tests.processes import settled, snapshot
@@ -275,6 +276,66 @@ def test_untied_student_engines_start_with_the_trainer_and_leave_nothing_behind(
     assert not procs and not files, (procs, files)
     assert _check_rollouts(recorder, teacher, student, vocab, logprobs_returned=False) > 0
     _losses(trainer)
+
+
+# ---------------------------------------------------------------------------- bookkeeping: no engine starts
+
+
+class StandInPair:
+    """OptimalSamplingDual's stand-in for the backend's bookkeeping, built where the engines would start. Each rollout
+    is one token recorded with log π_θ = 0 (probability 1), which the random tiny student gives no token, so every
+    sampler–trainer check that runs on a rollout fails. ``labels``: theta's version labels, in the order pushed."""
+
+    vocab = None  # the check compares over the model's whole output
+    max_model_len = ENGINE["max_model_len"]
+
+    def __init__(self, teacher: str, student: str, **settings) -> None:
+        self.labels: list[str] = []
+
+    @property
+    def weight_versions(self) -> dict[str, str]:
+        return {"teacher": "0", "theta": self.labels[-1] if self.labels else "0"}
+
+    def update_theta(self, weights, *, version=None, mode="wait") -> str:
+        self.labels.append(version)
+        return version
+
+    def generate(self, prompts, teacher_prompts=None, *, sampling, use_tqdm=True) -> DualGenerationOutput:
+        sample = dict(text="x", token_ids=[5], finish_reason="length", seed=0, alpha=[0.5], logp_teacher=[0.0])
+        return DualGenerationOutput(
+            [
+                RequestRecord(i, p, p, [SampleRecord(**sample, logp_theta=[0.0], logq=[0.0])])
+                for i, p in enumerate(prompts)
+            ]
+        )
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def stand_in_rollouts(tied_pair, monkeypatch):
+    """A MixtureRollouts whose engines are a :class:`StandInPair`."""
+    import dual_sampling.api
+
+    monkeypatch.setattr(dual_sampling.api, "OptimalSamplingDual", StandInPair)
+    return MixtureRollouts(teacher=str(tied_pair[0]), engine=EngineOptions(**ENGINE))
+
+
+def test_an_empty_batch_after_a_sync_leaves_the_check_to_the_next_batch(stand_in_rollouts, tied_pair, tmp_path):
+    backend = _grpo(stand_in_rollouts, tied_pair[1], tmp_path).vllm_generation
+    backend.sync_weights()
+    assert backend.generate([], None, 4) == ([], [], [], [])  # nothing to compare: not a pass
+    with pytest.raises(SamplerMismatchError, match="'sync-1-step-0'.*max_sampler_mismatch"):
+        backend.generate([[1, 2, 3]], None, 1)
+
+
+def test_trainers_sharing_engines_never_share_a_version_label(stand_in_rollouts, tied_pair, tmp_path):
+    first, second = (_grpo(stand_in_rollouts, tied_pair[1], tmp_path / name).vllm_generation for name in "ab")
+    for backend in (first, second, first):  # each at its trainer's step 0
+        backend.sync_weights()
+    assert stand_in_rollouts.dual.labels == ["sync-1-step-0", "sync-2-step-0", "sync-3-step-0"]
+    assert (first.behaviour_version, first._sync, second._sync) == ("sync-3-step-0", 3, 2)
 
 
 # ---------------------------------------------------------------------------- refusals: before any engine starts

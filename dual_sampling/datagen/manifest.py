@@ -11,6 +11,7 @@ from pathlib import Path
 
 from dual_sampling.datagen.durable import write_text_durably
 from dual_sampling.datagen.run_config import RunConfig
+from dual_sampling.run_output import own_dir
 from dual_sampling.run_settings import changed_settings
 
 __all__ = ["check_manifest"]
@@ -44,7 +45,10 @@ def check_manifest(cfg: RunConfig, paths: dict[str, Path], models: dict, inputs:
             f"{cfg.output} (or its journal or manifest) already exists; pass --resume to continue it, "
             "or remove it to start over"
         )
-    manifest.parent.mkdir(parents=True, exist_ok=True)
+    if "parts" in paths:
+        own_dir(paths["parts"])  # the manifest goes into the run's own folder of parts: never through a link
+    else:
+        manifest.parent.mkdir(parents=True, exist_ok=True)  # the folder the output file is in: the user's
     created = time.strftime("%Y-%m-%dT%H:%M:%S")
     text = {"config_hash": digest, "config": identity, "input_sha256": inputs, "created": created}
     write_text_durably(manifest, json.dumps(text, indent=1, allow_nan=False) + "\n")

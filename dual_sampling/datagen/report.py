@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from dual_sampling.records import effective_sample_size
-from dual_sampling.run_output import open_no_follow, write_no_follow
+from dual_sampling.run_output import open_no_follow, own_dir, write_no_follow
 
 __all__ = ["load_records", "write_report"]
 
@@ -39,8 +39,7 @@ def write_report(records_path: str | Path, out_dir: str | Path | None = None) ->
     records = load_records(records_path)
     if not records:
         raise ValueError(f"{records_path} holds no records")
-    out = Path(out_dir) if out_dir else Path(str(records_path) + ".report")
-    out.mkdir(parents=True, exist_ok=True)
+    out = own_dir(Path(out_dir) if out_dir else Path(str(records_path) + ".report"))
     ok = [r for r in records if not r.get("error")]
     alphas = np.array([a for r in ok for a in r["alpha"]], dtype=float)
     lengths = np.array([r["num_tokens"] for r in records])

@@ -16,7 +16,7 @@ from dual_sampling.datagen.durable import dumps, replace_durably, write_text_dur
 from dual_sampling.datagen.inputs import batched
 from dual_sampling.datagen.run_config import RunConfig
 from dual_sampling.datagen.schema import record_schema, records_table, table_records
-from dual_sampling.run_output import open_no_follow, single_writer
+from dual_sampling.run_output import open_no_follow, own_dir, single_writer
 
 __all__ = [
     "KEY_COLUMNS",
@@ -174,8 +174,7 @@ class _PartsSink:
         import pyarrow.parquet as pq
 
         self.format = fmt
-        self.folder = paths["parts"]
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder = own_dir(paths["parts"])
         for tmp in self.folder.glob("part-*.tmp"):
             tmp.unlink()
         parts = sorted(self.folder.glob("part-*.parquet"))

@@ -37,7 +37,7 @@ from dual_sampling.distill.loss import (
 )
 from dual_sampling.distill.mismatch import Mismatch, SamplerMismatchError, record_gaps
 from dual_sampling.records import RequestRecord, SampleRecord
-from dual_sampling.run_output import fresh_dir, remove_path, single_writer, write_no_follow
+from dual_sampling.run_output import fresh_dir, own_dir, remove_path, single_writer, write_no_follow
 from dual_sampling.run_settings import changed_settings
 
 __all__ = ["Distiller", "check_resume", "draw_round", "plot_run", "run_distillation"]
@@ -409,10 +409,7 @@ class Distiller:
         """Round ``r``'s student, tokenizer and optimizer state, written whole before the previous one goes: a kill at
         any moment leaves one complete checkpoint (its trainer_state.pt is written last)."""
         final = self._checkpoint(r)
-        folder = final.parent
-        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
-            raise ValueError(f"{folder} must be a folder of this run, not a link or a file")
-        folder.mkdir(exist_ok=True)
+        own_dir(final.parent)
         partial = fresh_dir(final.with_name(final.name + ".partial"))  # a planted link is removed, not followed
         self.student.save_pretrained(partial)
         self.dual.tokenizer.save_pretrained(partial)

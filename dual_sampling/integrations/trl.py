@@ -54,9 +54,9 @@ class MixtureRolloutsConfig:
     sizes and placement. ``mode`` must stay ``"lockstep"``."""
     max_sampler_mismatch: float = 0.05
     """Largest |log π_θ(trainer) − log π_θ(record)| (nats) allowed on the sampled tokens of the first batch after each
-    weight sync; above it ``generate`` raises :class:`~dual_sampling.distill.mismatch.SamplerMismatchError`. The same
-    threshold and advice as ``DistillConfig.max_sampler_mismatch`` (raise it to about 4 where either side runs
-    bfloat16)."""
+    weight sync (the first with tokens: an empty batch leaves the check to the next); above it ``generate`` raises
+    :class:`~dual_sampling.distill.mismatch.SamplerMismatchError`. The same threshold and advice as
+    ``DistillConfig.max_sampler_mismatch`` (raise it to about 4 where either side runs bfloat16)."""
     mismatch_samples: int = 8
     """Rollouts of that first batch the check re-scores with the trainer's model (spread over the batch; all of a
     smaller batch). Each costs one forward of the trainer's model."""
@@ -105,6 +105,7 @@ class MixtureRollouts:
         self.config = config if config is not None else MixtureRolloutsConfig(**settings)
         self._dual: Any = None
         self._student: str | None = None
+        self._syncs = 0  # every trainer's syncs through these engines: one count, so no two share a label
 
     # ------------------------------------------------------------------ building trainers
 
@@ -164,6 +165,13 @@ class MixtureRollouts:
                 "student"
             )
         return self._dual
+
+    def _next_sync(self, step: int) -> tuple[int, str]:
+        """The next weight sync's number (1, 2, … counting the syncs of every trainer built here) and its theta
+        version label ``sync-{number}-step-{step}`` (``step``: the syncing trainer's global step). A label names one
+        set of weights: two trainers that each sync at step 0 get two labels."""
+        self._syncs += 1
+        return self._syncs, f"sync-{self._syncs}-step-{step}"
 
     def close(self) -> None:
         """Stop both engines and remove their shared memory (idempotent); a later trainer starts them again."""
@@ -273,7 +281,7 @@ class MixtureGeneration:
         self._rollouts = rollouts
         self._trainer = trainer
         self._seeds = itertools.count(rollouts.config.seed if seed is None else seed)
-        self._syncs = 0
+        self._sync = 0  # the number of this trainer's latest sync (MixtureRollouts._next_sync); 0 before any
         self._check_next = True  # the engine loaded the folder; the trainer's model may already differ
         self.logprobs = fields.get("logprobs", 0)  # VLLMGeneration's default
         self.last_output: Any = None
@@ -333,11 +341,12 @@ class MixtureGeneration:
         return self.dual.weight_versions["theta"]
 
     def sync_weights(self) -> None:
-        """Push the trainer's current weights into the theta engine under a new version label; the first batch after
-        it is checked against the trainer's model (:attr:`MixtureRolloutsConfig.max_sampler_mismatch`)."""
-        self._syncs += 1
+        """Push the trainer's current weights into the theta engine under a new version label
+        (:meth:`MixtureRollouts._next_sync`); the first batch with tokens after it is checked against the trainer's
+        model (:attr:`MixtureRolloutsConfig.max_sampler_mismatch`)."""
+        self._sync, version = self._rollouts._next_sync(self._trainer.state.global_step)
         state = {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
-        self.dual.update_theta(state, version=f"sync-{self._syncs}-step-{self._trainer.state.global_step}")
+        self.dual.update_theta(state, version=version)
         self._check_next = True
 
     def generate(
@@ -399,6 +408,8 @@ class MixtureGeneration:
         step = max(1, len(requests) // cfg.mismatch_samples)
         chosen = requests[::step][: cfg.mismatch_samples]
         mismatch = sampler_trainer_mismatch(self.model, chosen, vocab=self.dual.vocab)
+        if not mismatch.tokens:
+            return None  # nothing to compare (an empty batch): the check waits for the next batch that has tokens
         if not mismatch.max_abs <= cfg.max_sampler_mismatch:
             raise SamplerMismatchError(
                 f"theta version {self.behaviour_version!r}: the rollouts' log π_θ differ from the trainer's model by "
@@ -423,6 +434,6 @@ class MixtureGeneration:
         gaps = [t - q for s in samples for t, q in zip(s.logp_theta, s.logq)]
         if gaps:
             metrics["mixture/log_theta_minus_log_q"].append(statistics.fmean(gaps))
-        metrics["mixture/behaviour_version"].append(float(self._syncs))
+        metrics["mixture/behaviour_version"].append(float(self._sync))
         if mismatch is not None:
             metrics["mixture/sampler_mismatch_max"].append(mismatch.max_abs)
