@@ -56,13 +56,16 @@ class _Lineage:
         procs = [p for p in procs if p.info["create_time"] is not None]  # unreadable: never taken for ours
         with self._lock:
             alive = {p.pid: p.info["create_time"] for p in procs}
+            names = {p.pid: p.info["name"] or "" for p in procs}
             added = True
             while added:  # until nothing new: a child may be listed before its parent (start times tie at 10 ms)
                 added = False
                 for p in procs:
                     pid, ppid = p.pid, p.info["ppid"]
                     if self.known.get(pid) == p.info["create_time"]:
-                        if (p.info["name"] or "").startswith("VLLM::EngineCor"):
+                        # A worker forked from its EngineCore bears the core's title until it sets its own.
+                        core = (p.info["name"] or "").startswith("VLLM::EngineCor")
+                        if core and not names.get(ppid, "").startswith("VLLM::EngineCor"):
                             self.engine_cores.add((pid, p.info["create_time"]))
                         continue
                     if pid == os.getpid():
