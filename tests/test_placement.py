@@ -4,9 +4,11 @@ the spawn is a real one of a stand-in for vLLM's engine."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -122,6 +124,97 @@ def test_weight_bytes_count_every_stored_tensor_at_the_engines_dtype():
         assert placement.weight_bytes(folder, "bfloat16") == 2 * params
 
 
+def _save(folder: Path, name: str, tensors: dict) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir(exist_ok=True)
+    save_file(tensors, str(folder / name))
+
+
+@pytest.mark.parametrize("layout", ["hidden", "index", "consolidated"])
+def test_weight_bytes_count_only_the_files_vllms_loader_reads(tmp_path, layout):
+    """vLLM's loader skips hidden names, reads only consolidated*.safetensors beside other files, and only the files
+    an index maps tensors to: a file it skips takes no memory, so counting it refused layouts that start."""
+    import torch
+
+    read = {"a": torch.zeros(10, 10), "b": torch.zeros(5)}  # 105 float32 elements
+    name = "consolidated.safetensors" if layout == "consolidated" else "model-1.safetensors"
+    _save(tmp_path, name, read)
+    skipped = {"hidden": ".x.safetensors", "index": "model-2.safetensors", "consolidated": "model-1.safetensors"}
+    _save(tmp_path, skipped[layout], {"c": torch.zeros(1000)})
+    if layout == "index":
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(read, name)}))
+    assert placement.weight_bytes(tmp_path, "bfloat16") == 2 * 105
+
+
+def test_weight_bytes_count_quantised_and_packed_dtypes_at_their_stored_size(tmp_path):
+    """Only the plain floating tensors take the engine's dtype; an integer, boolean or float8 tensor (a quantised
+    checkpoint's packed weights and scales) stays as stored, and F4 packs two elements to a byte."""
+    import torch
+
+    _save(
+        tmp_path,
+        "model.safetensors",
+        {
+            "f32": torch.zeros(8),  # 8 x 2 bytes at bfloat16
+            "packed": torch.zeros(64, dtype=torch.uint8),  # 64 x 1
+            "zeros": torch.zeros(6, dtype=torch.int16),  # 6 x 2
+            "fp8": torch.zeros(16, dtype=torch.float8_e4m3fn),  # 16 x 1, not cast
+            "mask": torch.zeros(3, dtype=torch.bool),  # 3 x 1
+        },
+    )
+    # F4 (float4_e2m1fn_x2), which safetensors' torch helper cannot save: its header written by hand.
+    header = json.dumps({"w": {"dtype": "F4", "shape": [2, 5], "data_offsets": [0, 5]}}).encode()
+    (tmp_path / "model-f4.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(5))
+    assert placement.weight_bytes(tmp_path, "bfloat16") == 16 + 64 + 12 + 16 + 3 + 5
+    bad = json.dumps({"q": {"dtype": "Q3", "shape": [4], "data_offsets": [0, 4]}}).encode()
+    (tmp_path / "model-q3.safetensors").write_bytes(len(bad).to_bytes(8, "little") + bad + bytes(4))
+    with pytest.raises(ValueError, match=r"model-q3\.safetensors: 'q' has dtype 'Q3', which safetensors does not"):
+        placement.weight_bytes(tmp_path, "bfloat16")
+
+
+@pytest.mark.parametrize("theta_dtype", ["bfloat16", "torch.bfloat16"])
+def test_each_engines_kv_cache_and_need_are_sized_at_its_own_dtype(tmp_path, theta_dtype):
+    """A dtype in theta_engine_kwargs is the one theta's engine runs, and its KV cache is of it (vLLM's
+    kv_cache_dtype "auto"); sizing it at the run's dtype asked the GPU for twice theta's cache. A torch.dtype there
+    is read by its name."""
+    import torch
+
+    from dual_sampling.driver.speculative_engine import SpeculativeEngine
+    from dual_sampling.options import DualEngineConfig, default_kv_cache_bytes
+
+    models = {}
+    for role in ("teacher", "theta"):
+        models[role] = tmp_path / role
+        _save(models[role], "model.safetensors", {"w": torch.zeros(100)})
+        config = {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+        (models[role] / "config.json").write_text(json.dumps(config))
+    given = torch.bfloat16 if theta_dtype.startswith("torch.") else theta_dtype
+    options = {"model_teacher": str(models["teacher"]), "model_theta": str(models["theta"]), "dtype": "float32"}
+    pair = object.__new__(EnginePair)  # its sizing alone: no engines
+    pair.config = DualEngineConfig(**options, theta_engine_kwargs={"dtype": given})
+    pair.max_model_len = 256
+    kv = {
+        "teacher": default_kv_cache_bytes(str(models["teacher"]), 8, 256, "float32"),
+        "theta": default_kv_cache_bytes(str(models["theta"]), 8, 256, "bfloat16"),
+    }
+    assert pair.kv_cache_bytes(Role.TEACHER) == kv["teacher"]
+    assert pair.kv_cache_bytes(Role.THETA) == kv["theta"]
+    assert pair.engine_need_bytes(Role.THETA) == 2 * 100 + kv["theta"]
+    # An engine short of KV blocks is told the cache it needs at its dtype: 129 blocks x 16 tokens x 512 bytes.
+    short = SimpleNamespace(
+        cache_config=SimpleNamespace(num_gpu_blocks=1, block_size=16),
+        model_config=SimpleNamespace(max_model_len=256),
+        scheduler_config=SimpleNamespace(max_num_seqs=8),
+    )
+    assert "(about 1 MiB)" in pair._kv_problems("theta", short)[0]
+    speculative = object.__new__(SpeculativeEngine)  # one engine: the teacher's dtype is the draft's too
+    speculative.config = DualEngineConfig(**options, mode="speculative", teacher_engine_kwargs={"dtype": given})
+    speculative.max_model_len = 256
+    assert speculative.kv_cache_bytes() == 2 * kv["theta"]
+    assert speculative.engine_need_bytes(Role.TEACHER) == 2 * (2 * 100) + 2 * kv["theta"]
+
+
 def _write_visible_devices(path: str) -> None:
     seen = (os.environ.get(name, "unset") for name in ("CUDA_VISIBLE_DEVICES", "VLLM_WORKER_MULTIPROC_METHOD"))
     Path(path).write_text(" ".join(seen))
@@ -150,6 +243,7 @@ def test_each_engine_process_is_spawned_seeing_its_own_gpu(tmp_path, monkeypatch
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,7")
     pair = object.__new__(EnginePair)  # its start path alone: no models, no session
     pair.binding, pair.engines = {}, {}
+    pair.from_forkserver = False  # as __init__ sets it where engines are placed on GPUs
     pair.places = plan((16, 4), [80, 80], visible="4,7", theta_device=1)
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)

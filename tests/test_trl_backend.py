@@ -121,8 +121,9 @@ def _check_rollouts(recorder: Recorder, teacher, student, vocab: int, logprobs_r
         for request in out.requests:
             checked += assert_records_match_rescoring(request, hf_teacher, hf_student, vocab, "kl_symmetry", **sampling)
         prompt_ids, completion_ids, logprobs, token_ids = returned
-        samples = [r.samples[0] for r in out.requests]
-        assert [r.theta_prompt_token_ids for r in out.requests] == asked  # rollout i continues TRL's prompt i
+        # A request per group of TRL's repeated prompt, its samples in TRL's order: rollout i continues prompt i.
+        samples = [s for r in out.requests for s in r.samples]
+        assert [r.theta_prompt_token_ids for r in out.requests for _ in r.samples] == asked
         assert prompt_ids == asked
         assert completion_ids == [s.token_ids for s in samples]
         if logprobs_returned:
@@ -282,15 +283,21 @@ def test_untied_student_engines_start_with_the_trainer_and_leave_nothing_behind(
 
 
 class StandInPair:
-    """OptimalSamplingDual's stand-in for the backend's bookkeeping, built where the engines would start. Each rollout
-    is one token recorded with log π_θ = 0 (probability 1), which the random tiny student gives no token, so every
-    sampler–trainer check that runs on a rollout fails. ``labels``: theta's version labels, in the order pushed."""
+    """OptimalSamplingDual's stand-in for the backend's bookkeeping, built where the engines would start. Sample j of
+    a prompt is two tokens, the prompt's last token and j (so the order TRL receives can be read off), each recorded
+    with log π_θ = 0 (probability 1), which the random tiny student gives no token, so every sampler–trainer check
+    that runs on a rollout fails. ``labels``: theta's version labels, in the order pushed; ``calls``: what each
+    ``generate`` was called with."""
 
     vocab = None  # the check compares over the model's whole output
     max_model_len = ENGINE["max_model_len"]
 
     def __init__(self, teacher: str, student: str, **settings) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(teacher)  # teacher hints decode TRL's prompts with it
         self.labels: list[str] = []
+        self.calls: list[dict] = []
 
     @property
     def weight_versions(self) -> dict[str, str]:
@@ -300,11 +307,22 @@ class StandInPair:
         self.labels.append(version)
         return version
 
-    def generate(self, prompts, teacher_prompts=None, *, sampling, use_tqdm=True) -> DualGenerationOutput:
-        sample = dict(text="x", token_ids=[5], finish_reason="length", seed=0, alpha=[0.5], logp_teacher=[0.0])
+    def generate(
+        self, prompts, teacher_prompts=None, *, sampling, prompt_keys=None, use_tqdm=True
+    ) -> DualGenerationOutput:
+        self.calls.append(dict(prompts=prompts, teacher_prompts=teacher_prompts, sampling=sampling, keys=prompt_keys))
+        zeros = dict(alpha=[0.5] * 2, logp_teacher=[0.0] * 2, logp_theta=[0.0] * 2, logq=[0.0] * 2)
         return DualGenerationOutput(
             [
-                RequestRecord(i, p, p, [SampleRecord(**sample, logp_theta=[0.0], logq=[0.0])])
+                RequestRecord(
+                    i,
+                    p if teacher_prompts is None else teacher_prompts[i],
+                    p,
+                    [
+                        SampleRecord(text="x", token_ids=[p[-1], j], finish_reason="length", seed=0, **zeros)
+                        for j in range(sampling.n)
+                    ],
+                )
                 for i, p in enumerate(prompts)
             ]
         )
@@ -314,12 +332,34 @@ class StandInPair:
 
 
 @pytest.fixture
-def stand_in_rollouts(tied_pair, monkeypatch):
-    """A MixtureRollouts whose engines are a :class:`StandInPair`."""
+def stand_in(tied_pair, monkeypatch):
+    """MixtureRollouts(**settings) whose engines are a :class:`StandInPair`."""
     import dual_sampling.api
 
     monkeypatch.setattr(dual_sampling.api, "OptimalSamplingDual", StandInPair)
-    return MixtureRollouts(teacher=str(tied_pair[0]), engine=EngineOptions(**ENGINE))
+    return lambda **settings: MixtureRollouts(teacher=str(tied_pair[0]), engine=EngineOptions(**ENGINE), **settings)
+
+
+@pytest.fixture
+def stand_in_rollouts(stand_in):
+    """A MixtureRollouts whose engines are a :class:`StandInPair`."""
+    return stand_in()
+
+
+@pytest.fixture
+def checked(monkeypatch):
+    """The rollouts each sampler–trainer check re-scored (a list per check); the check passes, as the stand-in's
+    records would fail it."""
+    from dual_sampling.distill import mismatch
+
+    seen: list[list] = []
+
+    def record(model, requests, vocab=None):
+        seen.append([(list(r.theta_prompt_token_ids), s.token_ids) for r in requests for s in r.samples])
+        return mismatch.Mismatch(0.0, 0.0, sum(len(tokens) for _, tokens in seen[-1]))
+
+    monkeypatch.setattr(mismatch, "sampler_trainer_mismatch", record)
+    return seen
 
 
 def test_an_empty_batch_after_a_sync_leaves_the_check_to_the_next_batch(stand_in_rollouts, tied_pair, tmp_path):
@@ -336,6 +376,97 @@ def test_trainers_sharing_engines_never_share_a_version_label(stand_in_rollouts,
         backend.sync_weights()
     assert stand_in_rollouts.dual.labels == ["sync-1-step-0", "sync-2-step-0", "sync-3-step-0"]
     assert (first.behaviour_version, first._sync, second._sync) == ("sync-3-step-0", 3, 2)
+
+
+A, B, C = [100, 101, 102], [200, 201], [300]
+
+
+def test_each_prompt_group_is_one_request_of_n_samples_so_diversity_spans_it(stand_in, tied_pair, tmp_path, checked):
+    """TRL repeats each prompt num_generations times in a row (its RepeatSampler): each group is sampled as n samples
+    of one prompt, so diversity_penalty acts across it; rollout k still answers TRL's prompt k."""
+    hinted: list[str] = []
+    rollouts = stand_in(teacher_prompt=lambda text: (hinted.append(text), [7, 7])[1])
+    trainer = _grpo(rollouts, tied_pair[1], tmp_path, generation_kwargs={"diversity_penalty": 0.5})
+    backend = trainer.vllm_generation
+    prompts = [A] * 4 + [B] * 4
+    prompt_ids, completion_ids, logprobs, token_ids = backend.generate(prompts, None, 4)
+    (call,) = rollouts.dual.calls
+    assert (call["prompts"], call["teacher_prompts"], call["keys"]) == ([A, B], [[7, 7]] * 2, ["0", "4"])
+    assert (call["sampling"].n, call["sampling"].diversity_penalty) == (4, 0.5)
+    assert len(hinted) == 2  # the hint is asked once per group
+    assert prompt_ids == prompts
+    assert completion_ids == [[A[-1], j] for j in range(4)] + [[B[-1], j] for j in range(4)]
+    assert token_ids == [[[t] for t in c] for c in completion_ids] and len(logprobs) == 8
+    # The check re-scores mismatch_samples rollouts (8, here all), not as many groups of four.
+    assert checked == [list(zip(prompts, completion_ids))]
+
+
+def test_groups_of_other_sizes_keep_trls_order_and_each_rollout_its_own_seed(
+    stand_in_rollouts, tied_pair, tmp_path, checked
+):
+    backend = _grpo(stand_in_rollouts, tied_pair[1], tmp_path).vllm_generation
+    prompts = [A, A, B, C, C, C]  # runs cut at num_generations, as TRL groups them: AA, B, CC, C
+    prompt_ids, completion_ids, _, _ = backend.generate(prompts, None, 2)
+    calls = stand_in_rollouts.dual.calls
+    assert [(c["prompts"], c["sampling"].n, c["keys"]) for c in calls] == [
+        ([A, C], 2, ["0", "3"]),
+        ([B, C], 1, ["2", "5"]),
+    ]
+    assert len({c["sampling"].seed for c in calls}) == 1  # one call's seed; rollout k's from (seed, key, member)
+    assert prompt_ids == prompts
+    assert completion_ids == [[A[-1], 0], [A[-1], 1], [B[-1], 0], [C[-1], 0], [C[-1], 1], [C[-1], 0]]
+    out = backend.last_output
+    assert [r.index for r in out.requests] == [0, 1, 2, 3]
+    assert [s.token_ids for r in out.requests for s in r.samples] == completion_ids
+
+
+def test_the_sampler_check_rescores_mismatch_samples_rollouts_spread_over_the_groups(
+    stand_in, tied_pair, tmp_path, checked
+):
+    backend = _grpo(stand_in(mismatch_samples=2), tied_pair[1], tmp_path).vllm_generation
+    backend.generate([A] * 4 + [B] * 4, None, 4)
+    assert checked == [[(A, [A[-1], 0]), (B, [B[-1], 0])]]
+
+
+def test_a_completion_length_or_context_the_engines_cannot_hold_is_refused_before_any_engine(
+    stand_in_rollouts, tied_pair, tmp_path
+):
+    context = ENGINE["max_model_len"]
+    with pytest.raises(ValueError, match=f"max_completion_length={context}: .*max_model_len={context}"):
+        _grpo(stand_in_rollouts, tied_pair[1], tmp_path, max_completion_length=context)
+    with pytest.raises(ValueError, match=f"vllm_max_model_length={context + 1}: .* hold {context} tokens"):
+        _grpo(stand_in_rollouts, tied_pair[1], tmp_path, vllm_max_model_length=context + 1)
+    assert stand_in_rollouts.dual is None
+    _grpo(stand_in_rollouts, tied_pair[1], tmp_path, max_completion_length=context - 1)  # a 1-token prompt fits
+
+
+LONG = [400] * 30  # 30 tokens leave 98 of 128: short of max_completion_length=100
+FITS = [500] * 28  # exactly 100 left
+SHORT = "which leaves {room} of max_model_len=128 for its completion, short of max_completion_length=100 "
+
+
+@pytest.mark.parametrize(
+    ("prompts", "hint", "failure"),
+    [
+        ([A] * 4 + [LONG] * 4, None, "prompt 4: theta's prompt has 30 tokens, " + SHORT.format(room=98) + r"\(4 of 8"),
+        ([B] * 4 + [A] * 4, [7] * 40, "prompt 4: the teacher's hinted prompt has 40 tokens, " + SHORT.format(room=88)),
+        ([FITS] * 4 + [A] * 4, [7] * 28, None),
+    ],
+)
+def test_a_prompt_that_leaves_less_room_than_max_completion_length_fails_by_name_before_sampling(
+    stand_in, tied_pair, tmp_path, checked, prompts, hint, failure
+):
+    """The longer of theta's prompt and the teacher's (A's, hinted) must leave max_completion_length=100 of the 128."""
+    tokenizer = StandInPair(str(tied_pair[0]), "").tokenizer
+    hinted = tokenizer.decode(A, skip_special_tokens=False)
+    rollouts = stand_in(teacher_prompt=lambda text: hint if text == hinted else None)
+    backend = _grpo(rollouts, tied_pair[1], tmp_path, max_completion_length=100).vllm_generation
+    if failure is None:
+        assert len(backend.generate(prompts, None, 4)[1]) == len(prompts)
+        return
+    with pytest.raises(ValueError, match=failure):
+        backend.generate(prompts, None, 4)
+    assert rollouts.dual.calls == []  # refused before any rollout was drawn
 
 
 # ---------------------------------------------------------------------------- refusals: before any engine starts
@@ -409,6 +540,14 @@ def test_trainer_hooks_that_generate_by_other_means_are_refused_by_name(tied_pai
 def test_trl_sampling_fields_map_to_sampling_options_as_trl_applies_them(fields, expected):
     options, _ = MixtureGeneration._sampling_options(fields)
     assert {name: getattr(options, name) for name in expected} == expected
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("score", lambda prompt, sample: 0.0), ("top_logprobs", 2), ("dense_logprobs", 2)]
+)
+def test_generation_kwargs_whose_results_never_reach_trl_are_refused_by_name(key, value):
+    with pytest.raises(ValueError, match=rf"generation_kwargs \['{key}'\]: .*TRL receives"):
+        MixtureGeneration._sampling_options({"generation_kwargs": {key: value}})
 
 
 @pytest.mark.parametrize(

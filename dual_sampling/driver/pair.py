@@ -121,12 +121,12 @@ class EnginePair:
     """The engines this pair starts."""
 
     def kv_cache_bytes(self, role: Role) -> int:
-        """The KV cache ``role``'s engine gets: ``kv_cache_memory_bytes``, or room for max_num_seqs full contexts."""
-        cfg = self.config
-        model = Role(role).pick(cfg.model_teacher, cfg.model_theta)
-        return cfg.kv_cache_memory_bytes or default_kv_cache_bytes(
-            model, cfg.max_num_seqs, self.max_model_len, cfg.dtype
-        )
+        """The KV cache ``role``'s engine gets, in bytes: ``kv_cache_memory_bytes``, or room for max_num_seqs full
+        contexts at the engine's own dtype (vLLM's cache takes the model's)."""
+        cfg, role = self.config, Role(role)
+        model = role.pick(cfg.model_teacher, cfg.model_theta)
+        dtype = placement.engine_dtype(cfg, role)
+        return cfg.kv_cache_memory_bytes or default_kv_cache_bytes(model, cfg.max_num_seqs, self.max_model_len, dtype)
 
     def engine_need_bytes(self, role: Role) -> int:
         """The least GPU memory ``role``'s engine can run in (its weights and KV cache)."""
@@ -357,8 +357,9 @@ class EnginePair:
         if blocks >= need:
             return []
         model = Role(role).pick(self.config.model_teacher, self.config.model_theta)
+        dtype = placement.engine_dtype(self.config, Role(role))
         want = kv_cache_bytes_needed(
-            model, vc.scheduler_config.max_num_seqs, vc.model_config.max_model_len, self.config.dtype, block_size
+            model, vc.scheduler_config.max_num_seqs, vc.model_config.max_model_len, dtype, block_size
         )
         return [
             f"{role}: the KV cache has {blocks} blocks of {block_size} tokens, fewer than the {need} that "

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dual_sampling.driver import weights
 from dual_sampling.lockstep.layout import Role
 from dual_sampling.options import ENGINE_DTYPE_BYTES, EngineOptions
 
@@ -43,9 +44,6 @@ __all__ = [
     "plan_placement",
     "weight_bytes",
 ]
-
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I8": 1}
-"""Bytes per element of the safetensors dtypes a checkpoint may hold."""
 
 
 @dataclass(frozen=True)
@@ -59,24 +57,32 @@ class EnginePlace:
 
 
 def weight_bytes(folder: str | Path, dtype: str) -> int:
-    """Bytes the weights of the model in ``folder`` take at ``dtype`` (floating tensors converted; others as
-    stored), from the safetensors headers alone."""
+    """Bytes the weights of the model in ``folder`` take in an engine of ``dtype``, from the safetensors headers of
+    the files vLLM loads (:func:`weights.loaded_files`): the plain floating tensors (:data:`weights.FLOAT_BYTES`) at
+    ``dtype``'s size, which vLLM casts them to; the others (integer, packed, float8 and narrower) as stored.
+    ValueError naming the file and tensor for a dtype the safetensors format does not define."""
+    engine_bytes = ENGINE_DTYPE_BYTES.get(dtype)
     total = 0
-    for path in sorted(Path(folder).glob("*.safetensors")):
+    for path in weights.loaded_files(folder):
         with open(path, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
-            stored = _DTYPE_BYTES.get(entry["dtype"], 4)
-            floating = entry["dtype"].startswith(("F", "BF"))
-            total += math.prod(entry["shape"]) * (ENGINE_DTYPE_BYTES.get(dtype, stored) if floating else stored)
+            bits = weights.DTYPE_BITS.get(entry["dtype"])
+            if bits is None:
+                raise ValueError(f"{path}: {name!r} has dtype {entry['dtype']!r}, which safetensors does not define")
+            if engine_bytes and entry["dtype"] in weights.FLOAT_BYTES:
+                bits = 8 * engine_bytes
+            total += -(-math.prod(entry["shape"]) * bits // 8)  # a packed tensor fills whole bytes
     return total
 
 
 def engine_dtype(cfg: EngineOptions, role: Role) -> str:
-    """The dtype ``role``'s engine runs in: its ``*_engine_kwargs``' or the pair's."""
-    return str(role.pick(cfg.teacher_engine_kwargs, cfg.theta_engine_kwargs).get("dtype", cfg.dtype))
+    """The dtype ``role``'s engine runs in, by name: its ``*_engine_kwargs``' or the pair's (a ``torch.dtype`` given
+    there named as vLLM reads it, ``torch.bfloat16`` as ``bfloat16``)."""
+    given = role.pick(cfg.teacher_engine_kwargs, cfg.theta_engine_kwargs).get("dtype", cfg.dtype)
+    return str(given).removeprefix("torch.")
 
 
 def engine_need_bytes(models: list[str], dtype: str, kv_cache_bytes: int) -> int:

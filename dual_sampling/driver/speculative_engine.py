@@ -47,10 +47,12 @@ class SpeculativeEngine(EnginePair):
     ROLES = (Role.TEACHER,)
 
     def kv_cache_bytes(self, role: Role = Role.TEACHER) -> int:
-        """Both models' KV share the engine's cache (max_model_len already holds the drafts' room)."""
+        """Both models' KV share the engine's cache (max_model_len already holds the drafts' room), in bytes; the
+        draft runs at the engine's dtype."""
         cfg = self.config
+        dtype = placement.engine_dtype(cfg, Role.TEACHER)
         return cfg.kv_cache_memory_bytes or sum(
-            default_kv_cache_bytes(m, cfg.max_num_seqs, self.max_model_len, cfg.dtype)
+            default_kv_cache_bytes(m, cfg.max_num_seqs, self.max_model_len, dtype)
             for m in (cfg.model_teacher, cfg.model_theta)
         )
 

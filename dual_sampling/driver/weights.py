@@ -44,12 +44,33 @@ from typing import Any
 from dual_sampling.lockstep import SHM_DIR
 from dual_sampling.lockstep.janitor import scratch_dir
 
-__all__ = ["WeightsCheck", "prepared_weights", "reload_from", "staged_folder", "staged_weights"]
+__all__ = [
+    "DTYPE_BITS",
+    "FLOAT_BYTES",
+    "WeightsCheck",
+    "loaded_files",
+    "prepared_weights",
+    "reload_from",
+    "staged_folder",
+    "staged_weights",
+]
 
 _TIED_OUTPUT = "lm_head.weight"
 """The output projection, which a checkpoint with tied word embeddings does not store."""
-_FLOAT_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
-"""The safetensors dtypes new weights may have, and their sizes in bytes (float8 and the integer types are refused)."""
+_DTYPES_BY_BITS = {
+    4: "F4",
+    6: "F6_E2M3 F6_E3M2",
+    8: "BOOL U8 I8 F8_E4M3 F8_E5M2 F8_E8M0 F8_E4M3FNUZ F8_E5M2FNUZ",
+    16: "U16 I16 F16 BF16",
+    32: "U32 I32 F32",
+    64: "U64 I64 F64 C64",
+}
+DTYPE_BITS = {dtype: bits for bits, dtypes in _DTYPES_BY_BITS.items() for dtype in dtypes.split()}
+"""Bits per element of every dtype the safetensors format defines (its 22, as of safetensors 0.8). Bits, not bytes:
+F4 and F6 pack several elements to a byte, and a header's shape counts elements."""
+FLOAT_BYTES = {dtype: DTYPE_BITS[dtype] // 8 for dtype in ("F16", "BF16", "F32", "F64")}
+"""The plain floating dtypes and their sizes in bytes: those vLLM casts to an engine's dtype when it loads them
+(float8 and narrower are quantised storage, kept as stored), and the only ones new weights may have."""
 _HEADERS_MAX = 100_000_000
 """Bytes of safetensors headers a folder may hold in all (safetensors' own limit for one file)."""
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
@@ -291,7 +312,7 @@ class _Header:
     @property
     def size(self) -> int:
         """The file's length in bytes, as its header describes it (its dtypes checked first)."""
-        return len(self.raw) + sum(_FLOAT_BYTES[dtype] * math.prod(shape) for dtype, shape in self.tensors.values())
+        return len(self.raw) + sum(FLOAT_BYTES[dtype] * math.prod(shape) for dtype, shape in self.tensors.values())
 
 
 def _read_at(fd: int, count: int, offset: int) -> bytes:
@@ -331,7 +352,7 @@ def _read_header(fd: int, path: Path, budget: int) -> _Header:
 
 def _checked_headers(check: WeightsCheck, files: Mapping[str, int], source: Path, role: str) -> dict[str, _Header]:
     """Each file's header, checked before anything is copied: names and shapes as :meth:`WeightsCheck._check_shapes`,
-    no tensor in two files, every dtype in :data:`_FLOAT_BYTES`, and each file (``fstat``) exactly as long as its
+    no tensor in two files, every dtype in :data:`FLOAT_BYTES`, and each file (``fstat``) exactly as long as its
     header says. So the copy is bounded by the checkpoint's shapes. ValueError naming the file and the tensor."""
     what = f"{role} weights"
     headers: dict[str, _Header] = {}
@@ -353,8 +374,8 @@ def _checked_headers(check: WeightsCheck, files: Mapping[str, int], source: Path
     check._check_shapes(shapes, f"{what} in {source}", role)
     for tensor in sorted(found):
         dtype = headers[found[tensor]].tensors[tensor][0]
-        if dtype not in _FLOAT_BYTES:
-            allowed = ", ".join(_FLOAT_BYTES)
+        if dtype not in FLOAT_BYTES:
+            allowed = ", ".join(FLOAT_BYTES)
             raise ValueError(
                 f"{what}: {tensor!r} has dtype {dtype}, not one of {allowed} (in {source / found[tensor]})"
             )
@@ -406,10 +427,10 @@ def _check_staged(check: WeightsCheck, folder: Path, source: Path, names: list[s
         raise ValueError(f"{role} weights in {source}: a file is not valid safetensors: {exc}") from exc
 
 
-def _checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name → shape over the safetensors files of ``folder`` that vLLM loaded (headers only)."""
-    from safetensors import safe_open
-
+def loaded_files(folder: str | Path) -> list[Path]:
+    """The safetensors files of the model folder ``folder`` that vLLM's loader reads (:func:`_weight_files`), sorted
+    by name; ValueError naming the folder when it cannot be opened, or its index when that cannot be read."""
+    folder = Path(folder)
     try:
         fd = _open_folder(folder.absolute(), follow_symlinks=True)
     except OSError as exc:
@@ -418,11 +439,19 @@ def _checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
         names, _ = _weight_files(fd, folder, "the model", follow_symlinks=True)
     finally:
         os.close(fd)
-    if not names:
+    return [folder / name for name in names]
+
+
+def _checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name → shape over the safetensors files of ``folder`` that vLLM loaded (headers only)."""
+    from safetensors import safe_open
+
+    paths = loaded_files(folder)
+    if not paths:
         raise ValueError(f"{folder} holds no .safetensors files")
     shapes: dict[str, tuple[int, ...]] = {}
-    for name in names:
-        with safe_open(str(folder / name), framework="pt") as f:
+    for path in paths:
+        with safe_open(str(path), framework="pt") as f:
             for tensor in f.keys():  # noqa: SIM118 (safe_open has keys(), no iteration)
                 shapes[tensor] = tuple(f.get_slice(tensor).get_shape())
     return shapes

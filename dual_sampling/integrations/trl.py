@@ -23,6 +23,10 @@ GRPO's importance-sampling correction multiplies each token's loss by exp(log π
 the mixture, where a student-only sampler's log-probabilities would make it wrong.
 
 α is the teacher weight throughout.
+
+The module is over 500 lines: it is one backend (its config, the engines' owner, and the generation object TRL calls,
+with the batch grouping and the checks each batch needs). TRL's own seams (``rollout_func``, the async trainer's
+protocols) are to come beside it as modules of their own, and this one becomes a package then.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dual_sampling.checks import need_int, need_number
+from dual_sampling.driver.requests import generation_room
 from dual_sampling.options import EngineOptions, SamplingOptions
+from dual_sampling.records import DualGenerationOutput
 
 __all__ = ["MixtureGeneration", "MixtureRollouts", "MixtureRolloutsConfig", "RolloutFailed"]
 
@@ -65,12 +71,15 @@ class MixtureRolloutsConfig:
     and its position in the call."""
     teacher_prompt: Callable[[str], str | Sequence[int] | None] | None = None
     """Teacher hints: given the student's prompt as text (decoded from the trainer's token ids, special tokens kept),
-    the teacher's prompt (text or token ids), or None for the same prompt. Text is tokenized without adding special
-    tokens (the decoded prompt kept its own). For datasets that carry a privileged field (a reference solution,
-    feedback), as self-distillation setups do: look the row up and put its hint in the teacher's prompt."""
+    the teacher's prompt (text or token ids), or None for the same prompt; asked once per group of the trainer's
+    repeated prompt (see :meth:`MixtureGeneration.generate`). Text is tokenized without adding special tokens (the
+    decoded prompt kept its own). The longer of the two prompts must leave ``max_completion_length`` tokens of the
+    engines' ``max_model_len``. For datasets that carry a privileged field (a reference solution, feedback), as
+    self-distillation setups do: look the row up and put its hint in the teacher's prompt."""
     on_rollouts: Callable[[Any], None] | None = None
     """Called with each ``generate`` call's :class:`~dual_sampling.DualGenerationOutput` (every rollout's α,
-    log π_t, log π_θ and log q per token, and its θ version), to keep or inspect the records."""
+    log π_t, log π_θ and log q per token, and its θ version), to keep or inspect the records: a request per group of
+    the trainer's repeated prompt, whose samples, taken in order, are the trainer's rollouts in its order."""
 
     def __post_init__(self) -> None:
         if self.engine.mode != "lockstep":
@@ -152,6 +161,15 @@ class MixtureRollouts:
             raise RuntimeError("update_alpha: no engines run yet (build a trainer first)")
         return self._dual.update_alpha(method, **alpha_config)
 
+    def _context(self, student: str) -> int:
+        """Tokens per request (prompt and completion) the engines hold for ``student``: the running pair's, or the
+        one they will start with (``context_length``, the pair's own), so a trainer is refused before they start."""
+        if self._dual is not None:
+            return self._dual.max_model_len
+        from dual_sampling.api import context_length
+
+        return context_length(self.config.teacher, student, self.config.engine.max_model_len)
+
     def _start(self, student: str) -> Any:
         if self._dual is None:
             from dual_sampling.api import OptimalSamplingDual
@@ -184,6 +202,19 @@ class MixtureRollouts:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _prompt_groups(prompts: list[list[int]], size: int) -> list[tuple[int, int]]:
+    """(start, length) of each group of ``prompts``: runs of equal prompts, cut every ``size`` entries. TRL repeats
+    each prompt ``num_generations`` times in a row, so these are its groups; two rows of one prompt drawn one after
+    the other are two groups, as TRL counts them."""
+    groups: list[tuple[int, int]] = []
+    for i, prompt in enumerate(prompts):
+        if groups and groups[-1][1] < size and prompts[groups[-1][0]] == prompt:
+            groups[-1] = (groups[-1][0], groups[-1][1] + 1)
+        else:
+            groups.append((i, 1))
+    return groups
 
 
 @contextmanager
@@ -242,6 +273,9 @@ TRL_FIELDS = frozenset((*_SAMPLING_FIELDS, *_ENGINE_FIELDS, *_CAPACITY_HINTS, *_
 """Every keyword (besides model and accelerator) a trainer hands VLLMGeneration, each handled above."""
 _TRAINER_SETS = ("max_tokens", "n", "best_of", "best_of_score")
 """SamplingOptions fields that the trainer's own settings decide (max_completion_length, num_generations)."""
+_NOT_RETURNED = ("score", "top_logprobs", "dense_logprobs")
+"""SamplingOptions fields whose results a rollout's record holds but TRL never receives: refused, as they would
+only cost time (and a score that raises fails its rollout)."""
 
 
 class MixtureGeneration:
@@ -252,9 +286,10 @@ class MixtureGeneration:
     repetition_penalty (on the mixture's logits), max_completion_length (``max_tokens``), and ``generation_kwargs``
     whose keys are SamplingOptions fields (they override the named ones, as in TRL's own backend; ``seed`` replaces
     :attr:`MixtureRolloutsConfig.seed`). ``vllm_max_model_length`` is served when the engines hold that context.
-    Refused, naming the field: ``logprobs`` > 0 (only the sampled token's log q is returned), no token cap, any
-    other ``generation_kwargs`` key, and engine fields that ask for something the pair does not do
-    (``_ENGINE_FIELDS``).
+    Refused, naming the field: ``logprobs`` > 0 (only the sampled token's log q is returned), no token cap, a
+    max_completion_length that no prompt leaves room for (at least the engines' ``max_model_len``), the
+    ``generation_kwargs`` keys whose results TRL never receives (``_NOT_RETURNED``) or that are not SamplingOptions
+    fields, and engine fields that ask for something the pair does not do (``_ENGINE_FIELDS``).
     """
 
     def __init__(self, rollouts: MixtureRollouts, trainer: Any, *, model: Any, accelerator: Any, **fields: Any) -> None:
@@ -264,9 +299,9 @@ class MixtureGeneration:
         for name, (config_field, served, reason) in _ENGINE_FIELDS.items():
             if name in fields and fields[name] not in served:
                 raise ValueError(f"{config_field}={fields[name]!r}: not served by mixture rollouts: {reason}")
-        context = fields.get("max_model_length")
-        if context is not None:
-            need_int("vllm_max_model_length", context, 1)
+        trainer_context = fields.get("max_model_length")
+        if trainer_context is not None:
+            need_int("vllm_max_model_length", trainer_context, 1)
         if accelerator.num_processes != 1:
             raise ValueError(
                 f"num_processes={accelerator.num_processes}: mixture rollouts serve one training process (the pair's "
@@ -277,6 +312,18 @@ class MixtureGeneration:
         if is_peft_model(model):
             raise ValueError("model: a PEFT model's adapters are not pushed to the theta engine; merge them first")
         self.sampling, seed = self._sampling_options(fields)
+        context = rollouts._context(str(model.name_or_path))
+        if trainer_context is not None and trainer_context > context:
+            raise ValueError(
+                f"vllm_max_model_length={trainer_context}: the mixture's engines hold {context} tokens per request; "
+                "raise EngineOptions.max_model_len"
+            )
+        if self.sampling.max_tokens >= context:
+            raise ValueError(
+                f"max_completion_length={self.sampling.max_tokens}: the mixture's engines hold max_model_len={context} "
+                "tokens per request, prompt included, so no prompt leaves room for it; lower it or raise "
+                "EngineOptions.max_model_len"
+            )
         self.model = model
         self._rollouts = rollouts
         self._trainer = trainer
@@ -285,13 +332,9 @@ class MixtureGeneration:
         self._check_next = True  # the engine loaded the folder; the trainer's model may already differ
         self.logprobs = fields.get("logprobs", 0)  # VLLMGeneration's default
         self.last_output: Any = None
-        """The latest ``generate`` call's :class:`~dual_sampling.DualGenerationOutput` (its records)."""
+        """The latest ``generate`` call's :class:`~dual_sampling.DualGenerationOutput` (its records, as
+        :attr:`MixtureRolloutsConfig.on_rollouts` receives them)."""
         self.dual = rollouts._start(str(model.name_or_path))
-        if context is not None and context > self.dual.max_model_len:
-            raise ValueError(
-                f"vllm_max_model_length={context}: the mixture's engines hold {self.dual.max_model_len} tokens per "
-                "request; raise EngineOptions.max_model_len"
-            )
 
     @staticmethod
     def _sampling_options(fields: dict[str, Any]) -> tuple[SamplingOptions, int | None]:
@@ -307,7 +350,13 @@ class MixtureGeneration:
                 f"generation_kwargs {searched}: rollouts must be samples of q, whose log q is their behaviour "
                 "log-probability; a beam search returns no samples"
             )
-        allowed = {f.name for f in dataclasses.fields(SamplingOptions)} - set(_TRAINER_SETS)
+        unseen = sorted(set(extra) & set(_NOT_RETURNED))
+        if unseen:
+            raise ValueError(
+                f"generation_kwargs {unseen}: TRL receives each rollout's tokens and their log q only, so these "
+                "would only cost time (and a score that raises would fail its rollout)"
+            )
+        allowed = {f.name for f in dataclasses.fields(SamplingOptions)} - {*_TRAINER_SETS, *_NOT_RETURNED}
         refused = sorted(set(extra) - allowed)
         if refused:
             raise ValueError(
@@ -356,28 +405,56 @@ class MixtureGeneration:
         num_generations: int,
         profiler: Any = None,
     ) -> tuple[list[list[int]], list[list[int]], list | None, list | None]:
-        """One rollout per entry of ``prompts`` (token ids; the trainer has already repeated each prompt
-        ``num_generations`` times, as in TRL's colocate mode). Returns (prompt_ids, completion_ids, logprobs,
-        logprob_token_ids): logprobs ``[B][T][1]`` is each token's log q, logprob_token_ids ``[B][T][1]`` the token;
-        both None where the trainer asked for no log-probabilities (``logprobs=None``)."""
+        """One rollout per entry of ``prompts`` (token ids), in their order. The trainer hands each prompt
+        ``num_generations`` times in a row (TRL's ``RepeatSampler``; its colocate mode samples each copy alone): each
+        run of equal prompts, cut every ``num_generations`` entries as TRL groups them, is drawn as one request of n
+        samples, so ``diversity_penalty`` acts across the group, and its samples fill the run's places. Returns
+        (prompt_ids, completion_ids, logprobs, logprob_token_ids): logprobs ``[B][T][1]`` is each token's log q,
+        logprob_token_ids ``[B][T][1]`` the token; both None where the trainer asked for no log-probabilities
+        (``logprobs=None``).
+
+        A prompt whose longer side (theta's prompt or the teacher's hinted one) leaves less than
+        ``max_completion_length`` of the engines' ``max_model_len`` fails the call by name (ValueError) before any
+        rollout is drawn. Failing, not a metric and a warning: its rollouts would stop where the context ends, and the
+        trainer, unable to tell them from rollouts cut at ``max_completion_length``, would train on them as truncated
+        (with ``mask_truncated_completions``, with zero loss), so long prompts would quietly weigh less; as with a
+        failed rollout (:class:`RolloutFailed`), the step stops rather than train on them unmarked. Drop or shorten
+        such prompts (or hints), or raise ``EngineOptions.max_model_len``."""
         if images is not None and any(image is not None for image in images):
             raise ValueError("images: mixture rollouts serve text prompts only")
-        dual = self.dual
-        sampling = dataclasses.replace(self.sampling, seed=next(self._seeds))
+        need_int("num_generations", num_generations, 1)
         prompts = [list(map(int, p)) for p in prompts]
+        groups = _prompt_groups(prompts, num_generations)
+        firsts = [prompts[start] for start, _ in groups]
+        teachers = self._teacher_prompts(firsts)
+        self._check_room(prompts, groups, teachers)
+        seed = next(self._seeds)
+        requests: list[Any] = [None] * len(groups)
         with profiler or nullcontext():
-            out = dual.generate(prompts, self._teacher_prompts(prompts), sampling=sampling, use_tqdm=False)
-        samples = [request.samples[0] for request in out.requests]
+            # One call per group size (one call for TRL's batches, whose groups all hold num_generations); the
+            # rollout at start + j is seeded from (seed, start, j), whichever call draws it.
+            for size in sorted({size for _, size in groups}, reverse=True):
+                chosen = [k for k, (_, n) in enumerate(groups) if n == size]
+                out = self.dual.generate(
+                    [firsts[k] for k in chosen],
+                    None if teachers is None else [teachers[k] for k in chosen],
+                    sampling=dataclasses.replace(self.sampling, seed=seed, n=size),
+                    prompt_keys=[str(groups[k][0]) for k in chosen],
+                    use_tqdm=False,
+                )
+                for k, request in zip(chosen, out.requests, strict=True):
+                    requests[k] = dataclasses.replace(request, index=k)
+        samples = [s for request in requests for s in request.samples]
         failed = [(i, s.error) for i, s in enumerate(samples) if s.error is not None]
         if failed:
             first, error = failed[0]
             raise RolloutFailed(f"{len(failed)} of {len(samples)} rollouts failed; rollout {first}: {error}")
-        mismatch = self._check(out.requests) if self._check_next else None
+        mismatch = self._check(requests) if self._check_next else None
         self._log(samples, mismatch)
-        self.last_output = out
+        self.last_output = out = DualGenerationOutput(requests)
         if self._rollouts.config.on_rollouts is not None:
             self._rollouts.config.on_rollouts(out)
-        prompt_ids = [list(request.theta_prompt_token_ids) for request in out.requests]
+        prompt_ids = [list(request.theta_prompt_token_ids) for request in requests for _ in request.samples]
         completion_ids = [list(s.token_ids) for s in samples]
         if self.logprobs is None:
             return prompt_ids, completion_ids, None, None
@@ -401,12 +478,41 @@ class MixtureGeneration:
             out.append(prompt if chosen is None else list(chosen))
         return out
 
+    def _check_room(self, prompts: list[list[int]], groups: list[tuple[int, int]], teachers: list | None) -> None:
+        """Refuse, naming the first, the groups whose longer prompt leaves less than max_completion_length
+        (:meth:`generate` says why)."""
+        limit, wanted = self.dual.max_model_len, self.sampling.max_tokens
+        first, rollouts = None, 0  # the first group short of room (start, theta's prompt, the teacher's, room)
+        for k, (start, size) in enumerate(groups):
+            theta = prompts[start]
+            teacher = theta if teachers is None else teachers[k]
+            room = generation_room(limit, teacher, theta)
+            if room < wanted:
+                rollouts += size
+                first = first or (start, theta, teacher, room)
+        if first is None:
+            return
+        start, theta, teacher, room = first
+        side, length = (
+            ("the teacher's hinted prompt", len(teacher))
+            if len(teacher) > len(theta)
+            else ("theta's prompt", len(theta))
+        )
+        raise ValueError(
+            f"prompt {start}: {side} has {length} tokens, which leaves {room} of max_model_len={limit} for its "
+            f"completion, short of max_completion_length={wanted} ({rollouts} of {len(prompts)} "
+            "rollouts of this batch are): they would stop early and the trainer would take them as truncated; drop "
+            "or shorten such prompts (or hints), or raise EngineOptions.max_model_len"
+        )
+
     def _check(self, requests: list[Any]) -> Any:
         from dual_sampling.distill.mismatch import SamplerMismatchError, sampler_trainer_mismatch
 
         cfg = self._rollouts.config
-        step = max(1, len(requests) // cfg.mismatch_samples)
-        chosen = requests[::step][: cfg.mismatch_samples]
+        # mismatch_samples rollouts, not requests: a group's request holds num_generations of them.
+        rollouts = [dataclasses.replace(request, samples=[s]) for request in requests for s in request.samples]
+        step = max(1, len(rollouts) // cfg.mismatch_samples)
+        chosen = rollouts[::step][: cfg.mismatch_samples]
         mismatch = sampler_trainer_mismatch(self.model, chosen, vocab=self.dual.vocab)
         if not mismatch.tokens:
             return None  # nothing to compare (an empty batch): the check waits for the next batch that has tokens
