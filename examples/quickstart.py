@@ -1,5 +1,13 @@
-"""Quickstart: sample from the geometric mixture of SmolLM2-135M-Instruct (teacher) and its
-24-layer pruned copy (theta), and print the texts with α statistics.
+"""Quickstart: what the mixture is for, on SmolLM2-135M-Instruct (the teacher) and its 24-layer pruned copy (theta).
+
+For the same prompts and seeds it draws three times from one engine pair and prints them side by side:
+
+- **theta alone** (α = 0: q = π_θ, so log w = log π_θ − log q is 0);
+- **the teacher alone** (α = 1: q = π_t; the student's own weights would price these tokens at log w);
+- **the mixture** q ∝ π_θ^(1−α)·π_t^α with α chosen per token (kl_symmetry).
+
+The last question's teacher sees a hint the student does not (a privileged field, as self-distillation rows carry).
+α is the teacher weight; log w sums log π_θ − log q over a sample's tokens (the trainer's importance weight).
 
     python examples/quickstart.py
 """
@@ -14,37 +22,47 @@ QUESTIONS = [
     "What is 12 times 7?",
     "Name three primary colours.",
     "Write one sentence about the sea.",
-    "What is the capital of France?",
+    "What is 15 plus 27?",
 ]
+HINT = "Hint: 15 plus 27 is 42; say so in one sentence. "
+"""Seen by the teacher only, before the last question."""
+
+LAWS = [
+    ("theta alone", "fixed", {"alpha": 0.0}),
+    ("teacher alone", "fixed", {"alpha": 1.0}),
+    ("mixture q", "kl_symmetry", {}),
+]
+"""(label, alpha method, its settings): the three laws drawn from, with the same seeds."""
+
+
+def chat(tokenizer, text: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
 
 
 def main() -> None:
     teacher, theta = models.smollm2(), models.smollm2_pruned(24)
     tokenizer = AutoTokenizer.from_pretrained(teacher)
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-        for q in QUESTIONS
-    ]
-    with OptimalSamplingDual(teacher, theta, alpha_method="kl_symmetry", max_num_seqs=4, max_model_len=512) as sampler:
-        out = sampler.generate(prompts, max_tokens=64, temperature=0.8, seed=0)
-        for question, request in zip(QUESTIONS, out.requests):
-            sample = request.samples[0]
-            mean_alpha = sum(sample.alpha) / max(len(sample.alpha), 1)
-            print(
-                f"\nQ: {question}\nA: {sample.text.strip()}\n   ({len(sample.token_ids)} tokens, "
-                f"mean α {mean_alpha:.3f}, log w_theta {sample.log_w_theta:.2f}, finish {sample.finish_reason})"
-            )
-        stats = out.alpha_stats
-        print(
-            f"\nα (teacher weight) over {stats['count']} tokens: mean {stats['mean']:.3f}, std {stats['std']:.3f}, "
-            f"min {stats['min']:.3f}, max {stats['max']:.3f}"
-        )
+    prompts = [chat(tokenizer, q) for q in QUESTIONS]
+    teacher_prompts = [*prompts[:-1], chat(tokenizer, HINT + QUESTIONS[-1])]
+    answers = {}
+    with OptimalSamplingDual(teacher, theta, max_num_seqs=4, max_model_len=512) as sampler:
+        for label, method, settings in LAWS:
+            sampler.update_alpha(method, **settings)
+            out = sampler.generate(prompts, teacher_prompts, max_tokens=48, temperature=0.8, seed=0)
+            answers[label] = [request.samples[0] for request in out.requests]
         sync = sampler.get_sync_statistics()
-        print(
-            f"sync: {sync['teacher_rows']} rows, teacher waited {sync['teacher_wait_s']:.2f} s, theta waited "
-            f"{sync['theta_wait_s']:.2f} s, mixing {sync['mix_s']:.2f} s, "
-            f"timeouts {sync['teacher_timeouts'] + sync['theta_timeouts']}"
-        )
+    for i, question in enumerate(QUESTIONS):
+        print(f"\nQ: {question}" + ("   (the teacher was told: " + HINT.strip() + ")" if i == len(QUESTIONS) - 1 else ""))
+        for label, _, _ in LAWS:
+            sample = answers[label][i]
+            mean_alpha = sum(sample.alpha) / max(len(sample.alpha), 1)
+            text = " ".join(sample.text.split())
+            print(f"  {label:<13} mean α {mean_alpha:.2f}  log w {sample.log_w_theta:7.2f}  | {text[:90]}")
+    print(
+        f"\nlockstep: {sync['teacher_rows']} rows mixed; the engines waited {sync['teacher_wait_s']:.1f} s (teacher) "
+        f"and {sync['theta_wait_s']:.1f} s (theta) for each other; "
+        f"timeouts {sync['teacher_timeouts'] + sync['theta_timeouts']}"
+    )
 
 
 if __name__ == "__main__":

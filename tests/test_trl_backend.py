@@ -5,6 +5,10 @@ replaced by mixture rollouts. Each rollout is re-scored by plain transformers ag
 sync before it (a copy of the trainer's weights taken right after each sync) and the teacher's folder, in float64
 (:func:`tests.oracles.assert_records_match_rescoring`). The tied student shares one engine pair across the tests of
 this module; the untied one gets its own, which also checks that the engines stop with the ``with`` block.
+
+TRL's own seams train on the same engines: GRPO through ``rollout_func`` and AsyncGRPOTrainer through its rollout
+worker and weight transfer (on CPU through ``tests.async_grpo_on_cpu``), each judged on the tensors the trainer itself
+holds (``tests/test_trl_seams.py`` covers their bookkeeping without engines).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dual_sampling.integrations.trl import MixtureGeneration, MixtureRollouts, M
 from dual_sampling.options import EngineOptions
 from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleRecord
 from dual_sampling.testing.tiny_models import tiny_pair
-from tests.oracles import assert_records_match_rescoring
+from tests.oracles import assert_records_match_rescoring, rescore
 from tests.processes import settled, snapshot
 from tests.tolerances import RESCORE_ATOL
 
@@ -237,6 +241,164 @@ def test_distillation_trainer_on_mixture_rollouts_discards_log_q_and_rescores_ex
 @pytest.mark.engine
 def test_rloo_trains_on_mixture_rollouts_that_rescore_exactly(rollouts, tied_pair, tmp_path):
     _train_and_check(_rloo(rollouts, tied_pair[1], tmp_path), rollouts, tied_pair, False)
+
+
+# ---------------------------------------------------------------------------- TRL's own seams, on the engines
+
+
+def _pi_theta(hf_student, request, sample) -> torch.Tensor:
+    """log π_θ of each of ``sample``'s tokens under ``hf_student`` (float64, temperature 1)."""
+    rows = rescore(hf_student, list(request.theta_prompt_token_ids), list(sample.token_ids), hf_student.vocab_size)
+    return rows.gather(-1, torch.tensor(sample.token_ids).unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.engine
+def test_grpo_through_its_rollout_func_holds_log_q_and_corrects_by_pi_theta_over_q(
+    rollouts, tied_pair, tmp_path, monkeypatch
+):
+    """GRPO's ``rollout_func`` seam, two steps. TRL's own ``VLLMGeneration`` (built because ``use_vllm=True``, which
+    TRL 1.16 needs to run its correction at all) is replaced by one that draws nothing; every rollout comes from
+    q. Judged on TRL's own tensors: its sampling log-probabilities are the records' log q bit for bit (and those
+    re-score in float64), its log π_θ re-scores, and its ratio is min(π_θ/q, cap)."""
+    from trl.trainer import grpo_trainer
+
+    from dual_sampling.integrations.trl_rollout_func import MixtureRolloutFunc
+    from tests.test_trl_seams import _grpo as _grpo_with_rollout_func
+    from tests.test_trl_seams import _held
+
+    class DrawsNothing:
+        def __init__(self, **fields):
+            pass
+
+        def sync_weights(self):
+            pass
+
+    monkeypatch.setattr(grpo_trainer, "VLLMGeneration", DrawsNothing)
+    cap = 3.0
+    func = MixtureRolloutFunc(rollouts)
+    trainer = _grpo_with_rollout_func(
+        func,
+        tied_pair[1],
+        tmp_path,
+        use_vllm=True,
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_max=cap,
+    )
+    recorder, held = Recorder(func.backend(trainer)), _held(trainer)
+    trainer.train()
+    teacher, student = tied_pair
+    assert _check_rollouts(recorder, teacher, student, rollouts.dual.vocab, logprobs_returned=True) > 0
+    assert len(held) == len(recorder.calls) == 2
+    hf_student = _hf(student)
+    for out, (index, _, records, _) in zip(held, recorder.calls, strict=True):
+        samples = [(r, s) for r in records.requests for s in r.samples]
+        hf_student.load_state_dict(recorder.snapshots[index])  # the trainer's weights when it scored the batch
+        mask = out["completion_mask"].bool()
+        for row, (request, sample) in enumerate(samples):
+            tokens = mask[row]
+            assert out["completion_ids"][row][tokens].tolist() == sample.token_ids
+            held_q = out["sampling_per_token_logps"][row][tokens]
+            assert torch.equal(held_q, torch.tensor(sample.logq, dtype=torch.float32))
+            pi_theta = _pi_theta(hf_student, request, sample)
+            torch.testing.assert_close(
+                out["old_per_token_logps"][row][tokens].double(), pi_theta, atol=RESCORE_ATOL, rtol=0
+            )
+            expected = torch.exp(pi_theta - torch.tensor(sample.logq, dtype=torch.float64)).clamp(max=cap)
+            ratio = out["importance_sampling_ratio"][row][tokens].double()
+            torch.testing.assert_close(ratio, expected, rtol=3 * RESCORE_ATOL, atol=0)
+    _losses(trainer)
+
+
+@pytest.mark.engine
+def test_async_grpo_through_its_protocols_trains_on_log_q_with_ratio_pi_theta_over_q(
+    rollouts, tied_pair, tmp_path, monkeypatch
+):
+    """AsyncGRPOTrainer with the mixture's rollout worker and weight transfer, two steps, a sync after each. Judged
+    on the trainer's own tensors inside its loss: each trained token's ``old_log_probs`` is its record's log q bit
+    for bit (the records re-score in float64 against the weights that drew them), the trainer's log π_θ re-scores
+    against its weights at that step, so PPO's ratio exp(log π_θ − old_log_probs) is π_θ/q; the clip is TRL's."""
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    from dual_sampling.integrations.trl_async import mixture_async_seams
+    from tests.async_grpo_on_cpu import train_async_grpo_on_cpu
+
+    train_async_grpo_on_cpu(monkeypatch)
+    teacher, student = tied_pair
+    settings = {k: v for k, v in _common(tmp_path).items() if k != "use_vllm"}  # no such field: no vLLM here
+    args = AsyncGRPOConfig(num_generations=4, token_budget=0, weight_sync_steps=1, **settings)
+    reward = lambda completions, **_: [len(c) / 10 for c in completions]
+    worker, transfer = mixture_async_seams(rollouts, str(student), args, train_dataset=_dataset(), reward_funcs=reward)
+    trainer = AsyncGRPOTrainer(
+        model=str(student),
+        args=args,
+        train_dataset=_dataset(),
+        reward_funcs=reward,
+        rollout_worker=worker,
+        weight_transfer=transfer,
+    )
+    sent: dict[str, dict[str, torch.Tensor]] = {}  # theta version label → the weights pushed under it
+    send = transfer.send_weights
+
+    def recorded_send(iterator):
+        pairs = [(name, tensor.detach().clone()) for name, tensor in iterator]
+        send(iter(pairs))
+        sent[rollouts.dual.weight_versions["theta"]] = dict(pairs)
+
+    monkeypatch.setattr(transfer, "send_weights", recorded_send)
+    drawn: list = []
+    monkeypatch.setattr(rollouts.config, "on_rollouts", drawn.append)
+    losses: list[tuple[dict, dict, torch.Tensor]] = []  # (inputs, the trainer's weights, its log π_θ per term)
+    compute_loss, outputs = trainer.compute_loss, []
+    hook = trainer.model.register_forward_hook(lambda module, args, output: outputs.append(output.log_probs.detach()))
+
+    def recorded_loss(model, inputs, *rest, **kwargs):
+        weights = copy.deepcopy(model.state_dict())
+        loss = compute_loss(model, inputs, *rest, **kwargs)
+        losses.append((inputs, weights, outputs[-1].flatten()[inputs["token_index"][inputs["token_index"] >= 0]]))
+        return loss
+
+    monkeypatch.setattr(trainer, "compute_loss", recorded_loss)
+    try:
+        trainer.train()
+    finally:
+        hook.remove()
+        worker.stop()
+    assert trainer.state.global_step == 2 and len(losses) == 2
+    _losses(trainer)
+
+    hf_teacher, hf_student = _hf(teacher), _hf(student)
+    vocab = rollouts.dual.vocab
+    records = {}  # (completion tokens, log q as float32) → (request, sample)
+    for out in drawn:
+        for request in out.requests:
+            (version,) = {s.theta_version for s in request.samples}
+            _, unexpected = hf_student.load_state_dict(sent[version], strict=False)  # trainable parameters only
+            assert not unexpected, unexpected
+            assert assert_records_match_rescoring(request, hf_teacher, hf_student, vocab, "kl_symmetry") > 0
+            for sample in request.samples:
+                key = (tuple(sample.token_ids), tuple(torch.tensor(sample.logq, dtype=torch.float32).tolist()))
+                records[key] = (request, sample)
+    trained_versions = set()
+    for inputs, weights, pi_theta_trl in losses:
+        hf_student.load_state_dict(weights)
+        selected = inputs["token_index"] >= 0
+        labels = inputs["shift_labels"][inputs["attention_mask"].bool()]
+        tokens, old, segment = (
+            labels[inputs["token_index"][selected]],
+            inputs["old_log_probs"][selected],
+            inputs["segment_id"][selected],
+        )
+        for i in segment.unique().tolist():
+            terms = segment == i
+            request, sample = records[(tuple(tokens[terms].tolist()), tuple(old[terms].tolist()))]
+            trained_versions.add(sample.theta_version)
+            pi_theta = _pi_theta(hf_student, request, sample)
+            torch.testing.assert_close(pi_theta_trl[terms].double(), pi_theta, atol=RESCORE_ATOL, rtol=0)
+            ratio = torch.exp(pi_theta_trl[terms].double() - old[terms].double())
+            expected = torch.exp(pi_theta - torch.tensor(sample.logq, dtype=torch.float64))
+            torch.testing.assert_close(ratio, expected, rtol=3 * RESCORE_ATOL, atol=0)
+    assert trained_versions, "no trained sample was matched to its record"
 
 
 @pytest.mark.engine
