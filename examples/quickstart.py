@@ -7,7 +7,9 @@ For the same prompts and seeds it draws three times from one engine pair and pri
 - **the mixture** q ∝ π_θ^(1−α)·π_t^α with α chosen per token (kl_symmetry).
 
 The last question's teacher sees a hint the student does not (a privileged field, as self-distillation rows carry).
-α is the teacher weight; log w sums log π_θ − log q over a sample's tokens (the trainer's importance weight).
+α is the teacher weight; log w sums log π_θ − log q over a sample's tokens (the trainer's importance weight). The
+draws are at temperature 1, so that log w prices q against π_θ itself (at another temperature q is the tempered law
+and θ alone has log w ≠ 0).
 
     python examples/quickstart.py
 """
@@ -36,7 +38,9 @@ LAWS = [
 
 
 def chat(tokenizer, text: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
 
 
 def main() -> None:
@@ -48,11 +52,13 @@ def main() -> None:
     with OptimalSamplingDual(teacher, theta, max_num_seqs=4, max_model_len=512) as sampler:
         for label, method, settings in LAWS:
             sampler.update_alpha(method, **settings)
-            out = sampler.generate(prompts, teacher_prompts, max_tokens=48, temperature=0.8, seed=0)
+            out = sampler.generate(prompts, teacher_prompts, max_tokens=48, seed=0)
             answers[label] = [request.samples[0] for request in out.requests]
         sync = sampler.get_sync_statistics()
     for i, question in enumerate(QUESTIONS):
-        print(f"\nQ: {question}" + ("   (the teacher was told: " + HINT.strip() + ")" if i == len(QUESTIONS) - 1 else ""))
+        print(
+            f"\nQ: {question}" + ("   (the teacher was told: " + HINT.strip() + ")" if i == len(QUESTIONS) - 1 else "")
+        )
         for label, _, _ in LAWS:
             sample = answers[label][i]
             mean_alpha = sum(sample.alpha) / max(len(sample.alpha), 1)

@@ -21,6 +21,7 @@ __all__ = [
     "engine_shm_files",
     "environment",
     "reap",
+    "remove_engine_file",
     "semaphore_files",
     "spawned_children",
     "split_cpu_binding",
@@ -36,6 +37,27 @@ def engine_shm_files(pids: list[int]) -> set[str]:
     the name has gone).
     """
     return {name for name in mapped_shm_files(pids) if not name.startswith((SESSION_PREFIX, "sem."))}
+
+
+SHARED_MEMORY_PREFIX = "psm_"
+"""How multiprocessing names a ``SharedMemory`` segment it names itself (vLLM's message queues between an EngineCore
+and its worker are such segments)."""
+
+
+def remove_engine_file(name: str) -> None:
+    """Remove an engine's /dev/shm file left after its processes died. A ``SharedMemory`` segment an engine created is
+    registered with this process's resource tracker (an engine's processes start from this one, spawned or forked
+    from its fork server, and share its tracker) until its creator unlinks it; one whose creator died holding it
+    stays registered, so once its file is removed here the tracker must forget it, or at exit it warns of leaked
+    shared_memory objects and fails to unlink files that are gone."""
+    path = SHM_DIR / name
+    if not path.exists():
+        return
+    path.unlink(missing_ok=True)
+    if name.startswith(SHARED_MEMORY_PREFIX):
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister("/" + name, "shared_memory")
 
 
 def semaphore_files() -> set[str]:

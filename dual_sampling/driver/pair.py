@@ -20,7 +20,6 @@ from typing import Any
 
 from dual_sampling.driver import engine_processes, engine_start, placement
 from dual_sampling.lockstep import (
-    SHM_DIR,
     LockstepConfig,
     Role,
     segments_listing,
@@ -455,7 +454,7 @@ class EnginePair:
             t.join(timeout=_EXIT_WAIT_S + 5)
         engine_processes.reap(pids, _EXIT_WAIT_S)
         for name in self._segments:
-            (SHM_DIR / name).unlink(missing_ok=True)
+            engine_processes.remove_engine_file(name)
         segments_listing(self.session_name).unlink(missing_ok=True)
         if self.ipc_dir is not None:  # vLLM leaves its ipc:// socket files behind; they are ours to remove
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
