@@ -67,6 +67,7 @@ import torch
 from alpha import get_alpha_computer
 from dual_sampling import OptimalSamplingDual, models
 from dual_sampling.decision.pipeline import RowSampling, decide
+from dual_sampling.driver import engine_start
 from dual_sampling.driver.engine_processes import engine_cpus, split_cpu_binding
 from dual_sampling.options import default_kv_cache_bytes
 from dual_sampling.testing import tiny_models
@@ -193,7 +194,8 @@ def vllm_engine(path: str, s: Settings, max_len: int, role: str, prefill_budget:
     """One plain engine, its model threads bound to the CPUs that the dual engine gives ``role``."""
     from vllm import LLM
 
-    with engine_cpus(split_cpu_binding().get(role)):
+    # Started as the dual engine's are (from the fork server where they are), so no design pays a slower start.
+    with engine_cpus(split_cpu_binding().get(role)), engine_start.vllm_engines():
         return LLM(
             model=path,
             dtype="float32",

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from dual_sampling import OptimalSamplingDual
+from dual_sampling.driver import engine_start
 from tests.tolerances import two_engines_penalised_atol
 
 pytestmark = pytest.mark.engine
@@ -66,16 +67,17 @@ def side(request, tiny_same, dual_engine):
     alpha, folder = (0.0, theta) if request.param == "theta" else (1.0, teacher)
     before = dual_engine.alpha_settings
     dual_engine.update_alpha("fixed", alpha=alpha)
-    llm = LLM(
-        model=str(folder),
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=2,
-        enforce_eager=True,
-        logprobs_mode="processed_logprobs",
-        kv_cache_memory_bytes=64 << 20,
-        seed=0,
-    )
+    with engine_start.vllm_engines():  # as fast as the pair's
+        llm = LLM(
+            model=str(folder),
+            dtype="float32",
+            max_model_len=128,
+            max_num_seqs=2,
+            enforce_eager=True,
+            logprobs_mode="processed_logprobs",
+            kv_cache_memory_bytes=64 << 20,
+            seed=0,
+        )
     try:
         yield request.param, dual_engine, llm
     finally:

@@ -68,12 +68,13 @@ def records_by_key(path: Path) -> dict:
 
 
 def find_replicas(driver: int) -> list[psutil.Process]:
-    """Ray worker processes that hold a dual engine (their children include vLLM EngineCores)."""
+    """Ray worker processes that hold a dual engine (their descendants include vLLM EngineCores: children when
+    spawned, the children of the replica's fork server when forked)."""
     out = []
     for p in psutil.Process(driver).children(recursive=True):
         try:
-            children = [" ".join(c.cmdline()) for c in p.children()]
-            engines = any("VLLM" in c or "spawn_main" in c for c in children)
+            below = [" ".join(c.cmdline()) for c in p.children(recursive=True)]
+            engines = any("VLLM" in c or "spawn_main" in c for c in below)
             if engines and ("ray::" in " ".join(p.cmdline()) or "default_worker" in " ".join(p.cmdline())):
                 out.append(p)
         except psutil.Error:

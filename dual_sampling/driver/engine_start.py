@@ -22,8 +22,13 @@ vLLM and torch again, about 9 s on a core, which is most of a pair's 30 s start.
    count.
 
 The EngineCore is the fork server's child, not the driver's: the pair learns its pids from :func:`engine_start`
-instead of from its own children. Kept on ``spawn``: CUDA (a forked process must not inherit a CUDA context), Ray
-actors (vLLM forces spawn there), and ``DUAL_SAMPLING_ENGINE_START=spawn``.
+instead of from its own children. Kept on ``spawn``: CUDA (a forked process must not inherit a CUDA context) and
+``DUAL_SAMPLING_ENGINE_START=spawn``. A Ray actor starts its engines from its own fork server too: vLLM forces spawn
+there because forking the actor would copy Ray's threads into the child, but the fork server is a fresh interpreter
+that never joined Ray, and its children see no Ray actor (so their workers fork as everywhere else).
+
+vLLM's own ``LLM`` built inside :func:`vllm_engines` starts from the fork server as well (a baseline beside the
+pair that starts as fast as it does).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import os
 import threading
 from collections.abc import Iterator
 
-__all__ = ["ENGINE_START_VARIABLE", "PRELOAD", "engine_start", "forkserver_available", "warm"]
+__all__ = ["ENGINE_START_VARIABLE", "PRELOAD", "engine_start", "forkserver_available", "vllm_engines", "warm"]
 
 ENGINE_START_VARIABLE = "DUAL_SAMPLING_ENGINE_START"
 """``forkserver`` (the default where it applies) or ``spawn``: how engine processes start."""
@@ -62,7 +67,7 @@ _INSTALLED = False
 
 
 def forkserver_available() -> bool:
-    """Whether engines start from the fork server here: vLLM's CPU platform, outside a Ray actor, not opted out."""
+    """Whether engines start from the fork server here: vLLM's CPU platform, not opted out."""
     if os.environ.get(ENGINE_START_VARIABLE, "forkserver") == "spawn":
         return False
     if os.environ.get(ENGINE_START_VARIABLE, "forkserver") != "forkserver":
@@ -70,9 +75,8 @@ def forkserver_available() -> bool:
             f"{ENGINE_START_VARIABLE} must be 'forkserver' or 'spawn', got {os.environ[ENGINE_START_VARIABLE]!r}"
         )
     from vllm.platforms import current_platform
-    from vllm.utils.system_utils import is_in_ray_actor
 
-    return current_platform.is_cpu() and not is_in_ray_actor()
+    return current_platform.is_cpu()
 
 
 def warm() -> bool:
@@ -104,6 +108,19 @@ def engine_start(environment: dict[str, str], pids: list[int]) -> Iterator[None]
         yield
     finally:
         del _STARTS.environment, _STARTS.pids
+
+
+@contextlib.contextmanager
+def vllm_engines(environment: dict[str, str] | None = None) -> Iterator[list[int]]:
+    """vLLM's own engines (``vllm.LLM``) built in this block start from the fork server where the pair's do, with
+    ``environment`` on top of this process's; elsewhere vLLM starts them its own way. Yields the list their
+    EngineCores' pids are appended to."""
+    pids: list[int] = []
+    if not warm():
+        yield pids
+        return
+    with engine_start(dict(environment or {}), pids):
+        yield pids
 
 
 def _install() -> None:
