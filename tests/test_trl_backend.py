@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dual_sampling.distill.mismatch import SamplerMismatchError, sampler_trainer_mismatch
-from dual_sampling.integrations.trl import MixtureGeneration, MixtureRollouts, MixtureRolloutsConfig
+from dual_sampling.integrations.trl import MixtureGeneration, MixtureRollouts, MixtureRolloutsConfig, sampling_options
 from dual_sampling.options import EngineOptions
 from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleRecord
 from dual_sampling.testing.tiny_models import tiny_pair
@@ -700,7 +700,7 @@ def test_trainer_hooks_that_generate_by_other_means_are_refused_by_name(tied_pai
     ],
 )
 def test_trl_sampling_fields_map_to_sampling_options_as_trl_applies_them(fields, expected):
-    options, _ = MixtureGeneration._sampling_options(fields)
+    options, _ = sampling_options(fields)
     assert {name: getattr(options, name) for name in expected} == expected
 
 
@@ -709,7 +709,7 @@ def test_trl_sampling_fields_map_to_sampling_options_as_trl_applies_them(fields,
 )
 def test_generation_kwargs_whose_results_never_reach_trl_are_refused_by_name(key, value):
     with pytest.raises(ValueError, match=rf"generation_kwargs \['{key}'\]: .*TRL receives"):
-        MixtureGeneration._sampling_options({"generation_kwargs": {key: value}})
+        sampling_options({"generation_kwargs": {key: value}})
 
 
 @pytest.mark.parametrize(

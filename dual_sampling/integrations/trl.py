@@ -25,8 +25,9 @@ the mixture, where a student-only sampler's log-probabilities would make it wron
 α is the teacher weight throughout.
 
 The module is over 500 lines: it is one backend (its config, the engines' owner, and the generation object TRL calls,
-with the batch grouping and the checks each batch needs). TRL's own seams (``rollout_func``, the async trainer's
-protocols) are to come beside it as modules of their own, and this one becomes a package then.
+with the batch grouping and the checks each batch needs). TRL's own seams live beside it
+(:mod:`~dual_sampling.integrations.trl_rollout_func`, :mod:`~dual_sampling.integrations.trl_async`) and share its
+engines' owner and its public helpers (:func:`sampling_options`, :func:`teacher_prompts`, :func:`check_room`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,15 @@ from dual_sampling.driver.requests import generation_room
 from dual_sampling.options import EngineOptions, SamplingOptions
 from dual_sampling.records import DualGenerationOutput
 
-__all__ = ["MixtureGeneration", "MixtureRollouts", "MixtureRolloutsConfig", "RolloutFailed"]
+__all__ = [
+    "MixtureGeneration",
+    "MixtureRollouts",
+    "MixtureRolloutsConfig",
+    "RolloutFailed",
+    "check_room",
+    "sampling_options",
+    "teacher_prompts",
+]
 
 
 @dataclass
@@ -170,7 +179,8 @@ class MixtureRollouts:
 
         return context_length(self.config.teacher, student, self.config.engine.max_model_len)
 
-    def _start(self, student: str) -> Any:
+    def start(self, student: str) -> Any:
+        """The engines, started for ``student`` (a model folder) if none run; refused by name for another student."""
         if self._dual is None:
             from dual_sampling.api import OptimalSamplingDual
 
@@ -184,7 +194,7 @@ class MixtureRollouts:
             )
         return self._dual
 
-    def _next_sync(self, step: int) -> tuple[int, str]:
+    def next_sync(self, step: int) -> tuple[int, str]:
         """The next weight sync's number (1, 2, … counting the syncs of every trainer built here) and its theta
         version label ``sync-{number}-step-{step}`` (``step``: the syncing trainer's global step). A label names one
         set of weights: two trainers that each sync at step 0 get two labels."""
@@ -249,7 +259,7 @@ _SAMPLING_FIELDS = (
     "logprobs",
     "generation_kwargs",
 )
-"""Mapped to SamplingOptions (:meth:`MixtureGeneration._sampling_options`)."""
+"""Mapped to SamplingOptions (:func:`sampling_options`)."""
 _ENGINE_FIELDS = {
     "mode": (
         "vllm_mode",
@@ -276,6 +286,100 @@ _TRAINER_SETS = ("max_tokens", "n", "best_of", "best_of_score")
 _NOT_RETURNED = ("score", "top_logprobs", "dense_logprobs")
 """SamplingOptions fields whose results a rollout's record holds but TRL never receives: refused, as they would
 only cost time (and a score that raises fails its rollout)."""
+
+
+def sampling_options(fields: dict[str, Any]) -> tuple[SamplingOptions, int | None]:
+    """The :class:`SamplingOptions` of a trainer's sampling ``fields`` (the keyword arguments TRL hands its vLLM
+    backend: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``max_completion_length``,
+    ``logprobs``, ``generation_kwargs``) as TRL applies them, and the seed ``generation_kwargs`` set (None: none);
+    what q cannot serve is refused by name."""
+    logprobs = fields.get("logprobs")
+    if logprobs not in (None, 0):
+        raise ValueError(
+            f"logprobs={logprobs!r}: mixture rollouts return the sampled token's log q only (logprobs 0 or None)"
+        )
+    extra = dict(fields.get("generation_kwargs") or {})
+    searched = sorted(set(extra) & {"use_beam_search", "length_penalty"})
+    if searched:
+        raise ValueError(
+            f"generation_kwargs {searched}: rollouts must be samples of q, whose log q is their behaviour "
+            "log-probability; a beam search returns no samples"
+        )
+    unseen = sorted(set(extra) & set(_NOT_RETURNED))
+    if unseen:
+        raise ValueError(
+            f"generation_kwargs {unseen}: TRL receives each rollout's tokens and their log q only, so these "
+            "would only cost time (and a score that raises would fail its rollout)"
+        )
+    allowed = {f.name for f in dataclasses.fields(SamplingOptions)} - {*_TRAINER_SETS, *_NOT_RETURNED}
+    refused = sorted(set(extra) - allowed)
+    if refused:
+        raise ValueError(
+            f"generation_kwargs {refused}: not served on q (the keys served are SamplingOptions fields: "
+            f"{sorted(allowed)})"
+        )
+    seed = extra.pop("seed", None)
+    if seed is not None:
+        need_int("generation_kwargs['seed']", seed, 0)
+    length = fields.get("max_completion_length", 16)
+    if length is None:
+        raise ValueError("max_completion_length=None: mixture rollouts need a token cap")
+    # generation_kwargs override the named fields, as TRL's own backend applies them.
+    named = {k: fields[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in fields}
+    settings = {**named, **extra}
+    top_p, top_k, min_p = settings.get("top_p"), settings.get("top_k"), settings.get("min_p")
+    penalty = settings.get("repetition_penalty")
+    settings.update(
+        top_p=1.0 if top_p is None else top_p,
+        top_k=-1 if top_k in (None, 0) else top_k,
+        min_p=0.0 if min_p is None else min_p,
+        repetition_penalty=1.0 if penalty is None else penalty,
+    )
+    return SamplingOptions(max_tokens=length, **settings), seed
+
+
+def teacher_prompts(rollouts: MixtureRollouts, tokenizer: Any, prompts: list[list[int]]) -> list[Any] | None:
+    """Each prompt's teacher prompt (token ids) under ``rollouts``' :attr:`MixtureRolloutsConfig.teacher_prompt`, asked
+    with the student's prompt decoded by ``tokenizer``; None where no hint is configured."""
+    hint = rollouts.config.teacher_prompt
+    if hint is None:
+        return None
+    out = []
+    for prompt in prompts:
+        chosen = hint(tokenizer.decode(prompt, skip_special_tokens=False))
+        if isinstance(chosen, str):
+            # The decoded prompt kept its special tokens (a BOS, the chat template's): none is added again.
+            chosen = tokenizer(chosen, add_special_tokens=False).input_ids
+        out.append(prompt if chosen is None else list(chosen))
+    return out
+
+
+def check_room(
+    limit: int, wanted: int, prompts: list[list[int]], groups: list[tuple[int, int]], teachers: list | None
+) -> None:
+    """Refuse, naming the first, the groups of ``prompts`` ((start, size) each, ``teachers`` one per group) whose longer
+    prompt leaves less than ``wanted`` tokens (max_completion_length) of the engines' ``limit`` (max_model_len): such
+    rollouts would stop early and the trainer would take them as truncated."""
+    first, rollouts = None, 0  # the first group short of room (start, theta's prompt, the teacher's, room)
+    for k, (start, size) in enumerate(groups):
+        theta = prompts[start]
+        teacher = theta if teachers is None else teachers[k]
+        room = generation_room(limit, teacher, theta)
+        if room < wanted:
+            rollouts += size
+            first = first or (start, theta, teacher, room)
+    if first is None:
+        return
+    start, theta, teacher, room = first
+    side, length = (
+        ("the teacher's hinted prompt", len(teacher)) if len(teacher) > len(theta) else ("theta's prompt", len(theta))
+    )
+    raise ValueError(
+        f"prompt {start}: {side} has {length} tokens, which leaves {room} of max_model_len={limit} for its "
+        f"completion, short of max_completion_length={wanted} ({rollouts} of {len(prompts)} "
+        "rollouts of this batch are): they would stop early and the trainer would take them as truncated; drop "
+        "or shorten such prompts (or hints), or raise EngineOptions.max_model_len"
+    )
 
 
 class MixtureGeneration:
@@ -311,7 +415,7 @@ class MixtureGeneration:
 
         if is_peft_model(model):
             raise ValueError("model: a PEFT model's adapters are not pushed to the theta engine; merge them first")
-        self.sampling, seed = self._sampling_options(fields)
+        self.sampling, seed = sampling_options(fields)
         context = rollouts._context(str(model.name_or_path))
         if trainer_context is not None and trainer_context > context:
             raise ValueError(
@@ -328,59 +432,13 @@ class MixtureGeneration:
         self._rollouts = rollouts
         self._trainer = trainer
         self._seeds = itertools.count(rollouts.config.seed if seed is None else seed)
-        self._sync = 0  # the number of this trainer's latest sync (MixtureRollouts._next_sync); 0 before any
+        self._sync = 0  # the number of this trainer's latest sync (MixtureRollouts.next_sync); 0 before any
         self._check_next = True  # the engine loaded the folder; the trainer's model may already differ
         self.logprobs = fields.get("logprobs", 0)  # VLLMGeneration's default
         self.last_output: Any = None
         """The latest ``generate`` call's :class:`~dual_sampling.DualGenerationOutput` (its records, as
         :attr:`MixtureRolloutsConfig.on_rollouts` receives them)."""
-        self.dual = rollouts._start(str(model.name_or_path))
-
-    @staticmethod
-    def _sampling_options(fields: dict[str, Any]) -> tuple[SamplingOptions, int | None]:
-        logprobs = fields.get("logprobs")
-        if logprobs not in (None, 0):
-            raise ValueError(
-                f"logprobs={logprobs!r}: mixture rollouts return the sampled token's log q only (logprobs 0 or None)"
-            )
-        extra = dict(fields.get("generation_kwargs") or {})
-        searched = sorted(set(extra) & {"use_beam_search", "length_penalty"})
-        if searched:
-            raise ValueError(
-                f"generation_kwargs {searched}: rollouts must be samples of q, whose log q is their behaviour "
-                "log-probability; a beam search returns no samples"
-            )
-        unseen = sorted(set(extra) & set(_NOT_RETURNED))
-        if unseen:
-            raise ValueError(
-                f"generation_kwargs {unseen}: TRL receives each rollout's tokens and their log q only, so these "
-                "would only cost time (and a score that raises would fail its rollout)"
-            )
-        allowed = {f.name for f in dataclasses.fields(SamplingOptions)} - {*_TRAINER_SETS, *_NOT_RETURNED}
-        refused = sorted(set(extra) - allowed)
-        if refused:
-            raise ValueError(
-                f"generation_kwargs {refused}: not served on q (the keys served are SamplingOptions fields: "
-                f"{sorted(allowed)})"
-            )
-        seed = extra.pop("seed", None)
-        if seed is not None:
-            need_int("generation_kwargs['seed']", seed, 0)
-        length = fields.get("max_completion_length", 16)
-        if length is None:
-            raise ValueError("max_completion_length=None: mixture rollouts need a token cap")
-        # generation_kwargs override the named fields, as TRL's own backend applies them.
-        named = {k: fields[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in fields}
-        settings = {**named, **extra}
-        top_p, top_k, min_p = settings.get("top_p"), settings.get("top_k"), settings.get("min_p")
-        penalty = settings.get("repetition_penalty")
-        settings.update(
-            top_p=1.0 if top_p is None else top_p,
-            top_k=-1 if top_k in (None, 0) else top_k,
-            min_p=0.0 if min_p is None else min_p,
-            repetition_penalty=1.0 if penalty is None else penalty,
-        )
-        return SamplingOptions(max_tokens=length, **settings), seed
+        self.dual = rollouts.start(str(model.name_or_path))
 
     # ------------------------------------------------------------------ VLLMGeneration's interface
 
@@ -391,9 +449,9 @@ class MixtureGeneration:
 
     def sync_weights(self) -> None:
         """Push the trainer's current weights into the theta engine under a new version label
-        (:meth:`MixtureRollouts._next_sync`); the first batch with tokens after it is checked against the trainer's
+        (:meth:`MixtureRollouts.next_sync`); the first batch with tokens after it is checked against the trainer's
         model (:attr:`MixtureRolloutsConfig.max_sampler_mismatch`)."""
-        self._sync, version = self._rollouts._next_sync(self._trainer.state.global_step)
+        self._sync, version = self._rollouts.next_sync(self._trainer.state.global_step)
         state = {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
         self.dual.update_theta(state, version=version)
         self._check_next = True
@@ -426,8 +484,8 @@ class MixtureGeneration:
         prompts = [list(map(int, p)) for p in prompts]
         groups = _prompt_groups(prompts, num_generations)
         firsts = [prompts[start] for start, _ in groups]
-        teachers = self._teacher_prompts(firsts)
-        self._check_room(prompts, groups, teachers)
+        teachers = teacher_prompts(self._rollouts, self.dual.tokenizer, firsts)
+        check_room(self.dual.max_model_len, self.sampling.max_tokens, prompts, groups, teachers)
         seed = next(self._seeds)
         requests: list[Any] = [None] * len(groups)
         with profiler or nullcontext():
@@ -463,47 +521,6 @@ class MixtureGeneration:
         return prompt_ids, completion_ids, logprobs, token_ids
 
     # ------------------------------------------------------------------ helpers
-
-    def _teacher_prompts(self, prompts: list[list[int]]) -> list[Any] | None:
-        hint = self._rollouts.config.teacher_prompt
-        if hint is None:
-            return None
-        tokenizer = self.dual.tokenizer
-        out = []
-        for prompt in prompts:
-            chosen = hint(tokenizer.decode(prompt, skip_special_tokens=False))
-            if isinstance(chosen, str):
-                # The decoded prompt kept its special tokens (a BOS, the chat template's): none is added again.
-                chosen = tokenizer(chosen, add_special_tokens=False).input_ids
-            out.append(prompt if chosen is None else list(chosen))
-        return out
-
-    def _check_room(self, prompts: list[list[int]], groups: list[tuple[int, int]], teachers: list | None) -> None:
-        """Refuse, naming the first, the groups whose longer prompt leaves less than max_completion_length
-        (:meth:`generate` says why)."""
-        limit, wanted = self.dual.max_model_len, self.sampling.max_tokens
-        first, rollouts = None, 0  # the first group short of room (start, theta's prompt, the teacher's, room)
-        for k, (start, size) in enumerate(groups):
-            theta = prompts[start]
-            teacher = theta if teachers is None else teachers[k]
-            room = generation_room(limit, teacher, theta)
-            if room < wanted:
-                rollouts += size
-                first = first or (start, theta, teacher, room)
-        if first is None:
-            return
-        start, theta, teacher, room = first
-        side, length = (
-            ("the teacher's hinted prompt", len(teacher))
-            if len(teacher) > len(theta)
-            else ("theta's prompt", len(theta))
-        )
-        raise ValueError(
-            f"prompt {start}: {side} has {length} tokens, which leaves {room} of max_model_len={limit} for its "
-            f"completion, short of max_completion_length={wanted} ({rollouts} of {len(prompts)} "
-            "rollouts of this batch are): they would stop early and the trainer would take them as truncated; drop "
-            "or shorten such prompts (or hints), or raise EngineOptions.max_model_len"
-        )
 
     def _check(self, requests: list[Any]) -> Any:
         from dual_sampling.distill.mismatch import SamplerMismatchError, sampler_trainer_mismatch

@@ -44,7 +44,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dual_sampling.checks import need_int
-from dual_sampling.integrations.trl import MixtureGeneration, MixtureRollouts, RolloutFailed
+from dual_sampling.integrations.trl import (
+    MixtureRollouts,
+    RolloutFailed,
+    check_room,
+    sampling_options,
+    teacher_prompts,
+)
 
 __all__ = ["MixtureRolloutWorker", "MixtureWeightTransfer", "MixtureWorkerConfig", "mixture_async_seams"]
 
@@ -75,7 +81,7 @@ class MixtureWeightTransfer:
 
     def init_weight_transfer(self) -> None:
         """Start the engines (the theta engine from ``student``); its starting weights are version 0."""
-        dual = self.rollouts._start(self.student)
+        dual = self.rollouts.start(self.student)
         with self._lock:
             self.versions.setdefault(dual.weight_versions["theta"], 0)
 
@@ -90,7 +96,7 @@ class MixtureWeightTransfer:
         state = {name: tensor.detach() for name, tensor in iterator}
         with self._lock:
             version = self._sent + 1
-            n, _ = self.rollouts._next_sync(version)
+            n, _ = self.rollouts.next_sync(version)
             label = f"sync-{n}-version-{version}"
             self.versions[label] = version
         self.dual.update_theta(state, version=label)
@@ -174,7 +180,7 @@ class MixtureRolloutWorker:
         self.reward_func_names = [getattr(f, "__name__", type(f).__name__) for f in funcs]
         self.tokenizer = tokenizer
         self.config = config or MixtureWorkerConfig()
-        self.sampling, seed = MixtureGeneration._sampling_options(
+        self.sampling, seed = sampling_options(
             dict(
                 temperature=self.config.temperature,
                 top_p=self.config.top_p,
@@ -235,11 +241,6 @@ class MixtureRolloutWorker:
         """The running engines (the transfer's)."""
         return self.transfer.dual
 
-    @property
-    def _rollouts(self) -> MixtureRollouts:
-        # MixtureGeneration._teacher_prompts reads the settings here.
-        return self.rollouts
-
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
@@ -282,8 +283,8 @@ class MixtureRolloutWorker:
             raise ValueError("images: mixture rollouts serve text prompts only")
         prompt_ids = self._prompt_ids(prompt)
         n = self.config.num_generations
-        teachers = MixtureGeneration._teacher_prompts(self, [prompt_ids])
-        MixtureGeneration._check_room(self, [prompt_ids] * n, [(0, n)], teachers)
+        teachers = teacher_prompts(self.rollouts, self.dual.tokenizer, [prompt_ids])
+        check_room(self.dual.max_model_len, self.sampling.max_tokens, [prompt_ids] * n, [(0, n)], teachers)
         group_id = next(self._group_ids)
         out = self.dual.generate(
             [prompt_ids],
