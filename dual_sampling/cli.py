@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from dual_sampling.driver import engine_start
 from dual_sampling.run_settings import composed_parts
 
 __all__ = ["build_parser", "main"]
@@ -153,7 +154,6 @@ def _run_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from dual_sampling.datagen.run import run_generation
     from dual_sampling.datagen.run_config import RunConfig
 
     settings = _run_settings(args)
@@ -161,7 +161,12 @@ def _generate(args: argparse.Namespace) -> int:
     missing = [name for name in required if name not in settings]
     if missing:
         raise SystemExit(f"dual-sampling generate: missing {', '.join('--' + m for m in missing)} (flag or config key)")
-    summary = run_generation(RunConfig.from_settings(settings))
+    config = RunConfig.from_settings(settings)
+    if not config.ray:  # with Ray, the replicas start the engines
+        _start_engine_server_early()
+    from dual_sampling.datagen.run import run_generation
+
+    summary = run_generation(config)
     print(json.dumps(summary, indent=1))
     return 0 if summary["failed_samples"] == 0 else 3
 
@@ -179,6 +184,13 @@ def _distill(args: argparse.Namespace) -> int:
     rows = run_distillation(DistillConfig.from_settings(settings))
     print(json.dumps(rows[-1], indent=1))
     return 0
+
+
+def _start_engine_server_early() -> None:
+    """Once a command's settings are checked and before it imports vLLM: the engines' fork server starts now, so its
+    imports run beside this process's (``driver.engine_start.start_early``). Not before the checks: the server holds
+    this process's output streams until its imports end, so a refused command's caller would wait for them."""
+    engine_start.start_early()
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -200,9 +212,7 @@ def _models(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from dual_sampling import models
-    from dual_sampling.api import OptimalSamplingDual
     from dual_sampling.options import EngineOptions
-    from dual_sampling.server.app import serve
     from dual_sampling.server.serve_options import ServeOptions
 
     settings = {k: v for k, v in vars(args).items() if k not in ("run", "command")}
@@ -210,6 +220,10 @@ def _serve(args: argparse.Namespace) -> int:
     serve_keys = {f.name for f in dataclasses.fields(ServeOptions)}
     options = ServeOptions(**{k: v for k, v in settings.items() if k in serve_keys})
     engine = EngineOptions(**{k: v for k, v in settings.items() if k not in serve_keys})
+    _start_engine_server_early()
+    from dual_sampling.api import OptimalSamplingDual
+    from dual_sampling.server.app import serve
+
     with OptimalSamplingDual(teacher, theta, **{**dataclasses.asdict(engine), "use_tqdm": False}) as dual:
         serve(dual, options)
     return 0

@@ -15,9 +15,12 @@ import sys
 import threading
 import time
 
-from dual_sampling import OptimalSamplingDual, SyncError
+from dual_sampling.driver import engine_start
 
 if __name__ == "__main__":
+    engine_start.start_early()  # as the command line does: the engines' imports run beside this process's
+    from dual_sampling import OptimalSamplingDual, SyncError
+
     mode, teacher, theta, sync_timeout = sys.argv[1:5]
     s = OptimalSamplingDual(
         teacher, theta, max_num_seqs=2, max_model_len=256, sync_timeout=float(sync_timeout), use_tqdm=False

@@ -26,7 +26,14 @@ from dual_sampling.api import derive_seed
 from dual_sampling.datagen.ray_stage import DualSamplingStage, _run_config
 from dual_sampling.datagen.run import run_generation
 from dual_sampling.datagen.sinks import read_records
-from dual_sampling.lockstep import SESSION_PREFIX, SyncError, SyncSession, cleanup_stale_sessions, listing_dir
+from dual_sampling.lockstep import (
+    SESSION_PREFIX,
+    SyncError,
+    SyncSession,
+    cleanup_stale_sessions,
+    listing_dir,
+    session_owners,
+)
 from tests import processes
 from tests.budget import SLOW_MACHINE
 from tests.oracles import assert_written_records_match_rescoring
@@ -68,18 +75,14 @@ def records_by_key(path: Path) -> dict:
 
 
 def find_replicas(driver: int) -> list[psutil.Process]:
-    """Ray worker processes that hold a dual engine (their descendants include vLLM EngineCores: children when
-    spawned, the children of the replica's fork server when forked)."""
-    out = []
-    for p in psutil.Process(driver).children(recursive=True):
-        try:
-            below = [" ".join(c.cmdline()) for c in p.children(recursive=True)]
-            engines = any("VLLM" in c or "spawn_main" in c for c in below)
-            if engines and ("ray::" in " ".join(p.cmdline()) or "default_worker" in " ".join(p.cmdline())):
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
+    """The processes under ``driver`` that drive a dual engine: each has a lockstep session in /dev/shm named by its
+    pid (whatever Ray titles them, and however their engines started)."""
+    drivers = session_owners()
+    try:
+        below = psutil.Process(driver).children(recursive=True)
+    except psutil.Error:
+        return []
+    return [p for p in below if p.pid in drivers]
 
 
 @pytest.mark.budget(

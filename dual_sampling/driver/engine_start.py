@@ -41,7 +41,15 @@ import os
 import threading
 from collections.abc import Iterator
 
-__all__ = ["ENGINE_START_VARIABLE", "PRELOAD", "engine_start", "forkserver_available", "vllm_engines", "warm"]
+__all__ = [
+    "ENGINE_START_VARIABLE",
+    "PRELOAD",
+    "engine_start",
+    "forkserver_available",
+    "start_early",
+    "vllm_engines",
+    "warm",
+]
 
 ENGINE_START_VARIABLE = "DUAL_SAMPLING_ENGINE_START"
 """``forkserver`` (the default where it applies) or ``spawn``: how engine processes start."""
@@ -85,15 +93,45 @@ def warm() -> bool:
     if not forkserver_available():
         return False
     with _LOCK:
+        _start_server()  # first: its imports overlap this process's import of vLLM's launcher below
         _install()
-        # The server's environment is this process's now: nothing engine-specific may be in it (each engine's own
-        # variables are carried by _EngineProcess). TorchInductor's thread settings are read once, at its import.
-        with contextlib.ExitStack() as stack:
-            for name, value in (("TORCHINDUCTOR_COMPILE_THREADS", "1"), ("TORCHINDUCTOR_CPP_DYNAMIC_THREADS", "1")):
-                if name not in os.environ:
-                    stack.enter_context(_variable(name, value))
-            multiprocessing.forkserver.ensure_running()
     return True
+
+
+def start_early() -> None:
+    """Start the fork server now, before this program imports torch and vLLM itself, so that both imports run at once
+    (a program's first lines: the command line calls it before it builds any engine). Only on vLLM's CPU build, told
+    as vLLM's platform plugin tells it but without importing vLLM, and not opted out; :func:`warm` still decides
+    whether engines start from it."""
+    if os.environ.get(ENGINE_START_VARIABLE, "forkserver") != "forkserver" or not _vllm_cpu_build():
+        return
+    with _LOCK:
+        _start_server()
+
+
+def _vllm_cpu_build() -> bool:
+    """vLLM's own test for its CPU platform (``vllm.platforms.cpu_platform_plugin``), Linux part: the target device
+    set to cpu, or an installed vLLM whose version names cpu (the ``vllm-cpu`` package's does)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+        return True
+    for name, suffix in (("vllm", ""), ("vllm-cpu", "+cpu")):
+        with contextlib.suppress(PackageNotFoundError):
+            return "cpu" in version(name) + suffix
+    return False
+
+
+def _start_server() -> None:
+    """Start the fork server with :data:`PRELOAD` (idempotent; under :data:`_LOCK`)."""
+    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    # The server's environment is this process's now: nothing engine-specific may be in it (each engine's own
+    # variables are carried by _EngineProcess). TorchInductor's thread settings are read once, at its import.
+    with contextlib.ExitStack() as stack:
+        for name, value in (("TORCHINDUCTOR_COMPILE_THREADS", "1"), ("TORCHINDUCTOR_CPP_DYNAMIC_THREADS", "1")):
+            if name not in os.environ:
+                stack.enter_context(_variable(name, value))
+        multiprocessing.forkserver.ensure_running()
 
 
 @contextlib.contextmanager
@@ -124,7 +162,7 @@ def vllm_engines(environment: dict[str, str] | None = None) -> Iterator[list[int
 
 
 def _install() -> None:
-    """Replace the name vLLM's EngineCore launcher takes its multiprocessing context from, and preload our modules."""
+    """Replace the name vLLM's EngineCore launcher takes its multiprocessing context from."""
     global _INSTALLED
     if _INSTALLED:
         return
@@ -136,7 +174,6 @@ def _install() -> None:
         return _EngineContext() if hasattr(_STARTS, "pids") else original()
 
     launcher.get_mp_context = get_mp_context
-    multiprocessing.set_forkserver_preload(list(PRELOAD))
     _INSTALLED = True
 
 
