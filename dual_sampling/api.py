@@ -37,6 +37,7 @@ from dual_sampling.beams import (
 )
 from dual_sampling.checks import require
 from dual_sampling.decision.pipeline import RowSampling
+from dual_sampling.driver.engine_start import start_early as start_engine_server_early
 from dual_sampling.driver.lockstep_driver import LockstepDriver
 from dual_sampling.driver.loop_thread import as_coroutine
 from dual_sampling.driver.requests import DualRequest, PromptPair, prompt_pairs
@@ -49,7 +50,7 @@ from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleDel
 from dual_sampling.text import sample_text
 from dual_sampling.vocab import check_embedding_rows, check_tokenizers_match, embedding_rows, eos_token_ids
 
-__all__ = ["OptimalSamplingDual", "context_length", "derive_seed"]
+__all__ = ["OptimalSamplingDual", "context_length", "derive_seed", "start_engine_server_early"]
 
 T = TypeVar("T")
 

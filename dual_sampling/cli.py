@@ -21,7 +21,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dual_sampling.driver import engine_start
 from dual_sampling.run_settings import composed_parts
 
 __all__ = ["build_parser", "main"]
@@ -188,9 +187,11 @@ def _distill(args: argparse.Namespace) -> int:
 
 def _start_engine_server_early() -> None:
     """Once a command's settings are checked and before it imports vLLM: the engines' fork server starts now, so its
-    imports run beside this process's (``driver.engine_start.start_early``). Not before the checks: the server holds
-    this process's output streams until its imports end, so a refused command's caller would wait for them."""
-    engine_start.start_early()
+    imports run beside this process's. Not before the checks: the server holds this process's output streams until
+    its imports end, so a refused command's caller would wait for them."""
+    from dual_sampling.api import start_engine_server_early
+
+    start_engine_server_early()
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -52,14 +52,25 @@ class LoopThread:
         A KeyboardInterrupt (or a SystemExit from SIGTERM) while waiting cancels it: its
         requests are aborted on both engines, and it is raised again once they are released.
         """
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        started, finished = threading.Event(), threading.Event()
+
+        async def tracked() -> T:
+            started.set()
+            try:
+                return await coro
+            finally:
+                finished.set()
+
+        future = asyncio.run_coroutine_threadsafe(tracked(), self.loop)
         try:
             return future.result(timeout)
         except (KeyboardInterrupt, SystemExit):
+            # cancel() marks the future cancelled at once, before the coroutine has even seen it: its own end (its
+            # requests released) is waited out on the event its finally sets, if it began. A second interrupt
+            # meanwhile propagates at once.
             future.cancel()
-            # Only the coroutine's own end is waited out: a second interrupt meanwhile propagates at once.
-            with contextlib.suppress(Exception):
-                future.result(self.interrupt_wait)
+            if started.is_set():
+                finished.wait(self.interrupt_wait)
             raise
 
     def submit(self, function: Callable[..., T], *args: Any, default: T) -> T:

@@ -24,7 +24,8 @@ pulled q far from π_θ, can be most of them (TRL logs ``clip_ratio/*``).
 
 Not served: tools, environments, image prompts (text and chat prompts only), and the sampler–trainer check of the
 synchronous backends (the trainer's model moves on while the worker samples, so there is no single θ to compare).
-``AsyncGRPOTrainer`` itself runs only where its tree-attention kernel does (not on CPU).
+``AsyncGRPOTrainer`` itself runs its attention through FA3's kernel (GPUs only); the tests train it on CPU with that
+kernel's function in plain torch (``tests/async_grpo_on_cpu.py``).
 
 α is the teacher weight throughout.
 """
