@@ -994,34 +994,53 @@ def test_engines_are_closed_once_when_a_failure_and_close_race():
     assert not closer.is_alive() and engines.closes == 1
 
 
-def test_a_second_interrupt_while_a_call_winds_down_propagates(monkeypatch):
-    """Ctrl-C cancels the call and waits for its requests to end; a second Ctrl-C meanwhile must not be swallowed."""
-    import dual_sampling.driver.loop_thread as loop_thread
+def test_ctrl_c_waits_for_the_call_to_wind_down_and_a_second_one_propagates():
+    """Ctrl-C cancels a blocking call and waits for its coroutine's own end (where its requests are released), not
+    only for the future's cancellation, which returns at once; a second Ctrl-C meanwhile is not swallowed."""
+    import signal
 
-    class Interrupted:
-        def __init__(self) -> None:
-            self.calls = 0
+    from dual_sampling.driver.loop_thread import LoopThread
 
-        def result(self, timeout=None):
-            self.calls += 1
-            raise KeyboardInterrupt(f"interrupt {self.calls}")
+    wait_s = 60.0
+    loop = LoopThread("interrupted-call", interrupt_wait=wait_s)
+    began, winding, ended = threading.Event(), threading.Event(), threading.Event()
 
-        def cancel(self) -> None:
-            pass
+    async def slow_to_end(wind_down_s: float) -> None:
+        began.set()
+        try:
+            await asyncio.sleep(wait_s)
+        finally:
+            winding.set()
+            await asyncio.sleep(wind_down_s)  # releasing its requests takes a while
+            ended.set()
 
-    def submit(coro, loop):
-        coro.close()
-        return Interrupted()
+    main = threading.main_thread().ident
 
-    monkeypatch.setattr(loop_thread.asyncio, "run_coroutine_threadsafe", submit)
-    thread = object.__new__(loop_thread.LoopThread)  # call() needs only a loop and interrupt_wait
-    thread.loop, thread.interrupt_wait = None, 1.0
+    def interrupt(*events: threading.Event) -> None:
+        for event in events:
+            assert event.wait(10)
+            time.sleep(0.05)
+            # A real SIGINT to the main thread, as a terminal's Ctrl-C: it wakes a blocked wait, which
+            # _thread.interrupt_main() does not.
+            signal.pthread_kill(main, signal.SIGINT)
 
-    async def nothing():
-        pass
-
-    with pytest.raises(KeyboardInterrupt, match="interrupt 2"):
-        thread.call(nothing())
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job may ignore SIGINT
+    try:
+        # One Ctrl-C: the call returns only once the coroutine has ended.
+        threading.Thread(target=interrupt, args=(began,), daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            loop.call(slow_to_end(0.5))
+        assert ended.is_set()
+        # A second Ctrl-C while it winds down: raised at once, not after interrupt_wait.
+        began.clear(), winding.clear(), ended.clear()
+        threading.Thread(target=interrupt, args=(began, winding), daemon=True).start()
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            loop.call(slow_to_end(wait_s))
+        assert time.monotonic() - start < wait_s / 2 and not ended.is_set()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        loop.stop()
 
 
 def test_a_sample_with_a_non_finite_record_fails_by_name():
