@@ -50,10 +50,10 @@ def remove_engine_file(name: str) -> None:
     from its fork server, and share its tracker) until its creator unlinks it; one whose creator died holding it
     stays registered, so once its file is removed here the tracker must forget it, or at exit it warns of leaked
     shared_memory objects and fails to unlink files that are gone."""
-    try:
-        (SHM_DIR / name).unlink()
-    except FileNotFoundError:
-        return  # its creator unlinked it, and unregistered it, on its way out
+    path = SHM_DIR / name
+    if not path.exists():
+        return
+    path.unlink(missing_ok=True)
     if name.startswith(SHARED_MEMORY_PREFIX):
         from multiprocessing import resource_tracker
 
