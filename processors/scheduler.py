@@ -46,9 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import signal
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -62,8 +59,6 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 from dual_sampling.lockstep import (
-    SESSION_PREFIX,
-    SHM_DIR,
     Bell,
     ErrorCode,
     Finish,
@@ -74,8 +69,7 @@ from dual_sampling.lockstep import (
     Stat,
     SyncSession,
     Writer,
-    mapped_shm_files,
-    pid_alive,
+    watch_driver,
 )
 from dual_sampling.text import StopStringWatch
 from processors.base import WAIT_CAP_S, request_pairing
@@ -98,8 +92,6 @@ GROUP_WAIT_S = 0.25
 MAX_TRACKED_GROUPS = 4096
 """Diverse groups whose admitted members the leader counts at once (the oldest go first: a group whose members were
 aborted never completes)."""
-PARENT_POLL_S = 1.0
-"""How often an engine checks that the driver process is still alive."""
 
 _STATUS_OF_REASON = {
     "stop": RequestStatus.FINISHED_STOPPED,
@@ -166,7 +158,10 @@ class LockstepScheduler(Scheduler):
         self._ending_outputs: list[tuple[int, EngineCoreOutput]] = []
         """Outputs of requests ended outside update_from_output, sent with the next step's outputs."""
         self._budget = min(self.max_num_scheduled_tokens, self.scheduler_config.max_num_batched_tokens)
-        _watch_parent(self.session)
+        # Exit this engine if the driver dies, instead of waiting on it for ever (a forked engine watches from its
+        # start already, a spawned one from here).
+        session = self.session
+        watch_driver(int(session.header[Header.OWNER_PID]), needed=lambda: not session.closed)
 
     # ------------------------------------------------------------------ vLLM interface
 
@@ -633,39 +628,3 @@ class ThetaLockstepScheduler(LockstepScheduler):
         if error != ErrorCode.NONE:
             self.session.fail_slot(ticket.slot, ticket.key, error, request.num_output_tokens, self.writer)
         self._end_in_vllm(request, ticket, finish, stop_index)
-
-
-def _watch_parent(session: SyncSession) -> None:
-    """Exit this engine (and its workers) if the driver dies, instead of waiting on it for ever."""
-
-    owner = int(session.header[Header.OWNER_PID])
-
-    def run() -> None:
-        while not session.closed:
-            time.sleep(PARENT_POLL_S)
-            if not session.closed and not pid_alive(owner):
-                logger.error("the dual-sampling driver (pid %d) is gone; stopping this engine", owner)
-                _exit_orphaned()
-
-    threading.Thread(target=run, name="dual-sampling-parent-watch", daemon=True).start()
-
-
-def _exit_orphaned() -> None:
-    """Remove the /dev/shm files this engine's processes map, SIGKILL its children, then exit at once.
-
-    The driver is gone, so nothing else uses those files, and files made after its death
-    (an engine still starting keeps making them) are in no listing a later session could read.
-    The session file itself is left to the next session's cleanup, which knows its owner is dead.
-    """
-    try:
-        import psutil
-
-        children = psutil.Process().children(recursive=True)
-        for name in mapped_shm_files([os.getpid(), *(c.pid for c in children)]):
-            if not name.startswith(SESSION_PREFIX):
-                (SHM_DIR / name).unlink(missing_ok=True)
-        for child in children:
-            with contextlib.suppress(psutil.Error):
-                child.kill()
-    finally:
-        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,7 +1,8 @@
 """A driver process for the fault matrix (tests/test_faults.py): starts a dual engine, then misbehaves as told.
 
-Usage: python -m tests.fault_driver MODE TEACHER THETA SYNC_TIMEOUT. It prints one line ``READY {json}``
-(the session name and the engines' pids) once the engines run, then:
+Usage: ``python -m tests.fault_driver stuck`` starts two engine-like processes forked as engines are, that never
+finish starting (:func:`stand_in_engine`). ``python -m tests.fault_driver MODE TEACHER THETA SYNC_TIMEOUT`` prints one
+line ``READY {json}`` (the session name and the engines' pids) once the engines run, then:
 
 - ``normal``: generates and exits through the context manager;
 - ``exception``: generates, then raises out of the program without closing anything;
@@ -11,11 +12,33 @@ Usage: python -m tests.fault_driver MODE TEACHER THETA SYNC_TIMEOUT. It prints o
 """
 
 import json
+import os
 import sys
 import threading
 import time
 
 from dual_sampling.driver import engine_start
+
+
+def stand_in_engine() -> None:
+    """An engine that never finishes starting (stuck in vLLM's handshake, say), with a worker forked from it: prints
+    both pids, then sleeps."""
+    worker = os.fork()
+    if worker == 0:
+        time.sleep(3600)
+        os._exit(0)
+    print(f"STARTED {os.getpid()} {worker}", flush=True)
+    time.sleep(3600)
+
+
+if __name__ == "__main__" and sys.argv[1] == "stuck":
+    # Forked from the fork server as the pair's EngineCores are, but with no engine to build.
+    import vllm.v1.engine.utils as launcher
+
+    with engine_start.engine_start({}, []):
+        for _ in range(2):
+            launcher.get_mp_context().Process(target=stand_in_engine, daemon=False).start()
+    time.sleep(3600)
 
 if __name__ == "__main__":
     engine_start.start_early()  # as the command line does: the engines' imports run beside this process's

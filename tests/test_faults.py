@@ -124,11 +124,9 @@ def test_engine_killed_fails_fast_names_it_and_leaves_nothing(tiny_same, victim)
 def test_driver_killed_while_engines_start_leaves_nothing_after_the_next_session(tiny_same, tmp_path):
     """A cluster manager kills the driver and its resource trackers before both engines are up (Ray does).
 
-    The kill lands once both EngineCores map shared-memory files the driver has listed, so
-    both are past vLLM's start-up handshake: an engine still waiting in it when its driver
-    dies waits out vLLM's own handshake timeout (minutes) before exiting, having made nothing.
-    What the engines made before the kill only the driver's start-up listing names; what
-    they make after it, each engine removes itself when it sees its driver gone.
+    The kill lands once both EngineCores map shared-memory files the driver has listed. What the engines made before
+    the kill only the driver's start-up listing names; what they make after it, each engine removes itself when it
+    sees its driver gone (a forked one watches from its first line: the next test).
     """
     teacher, theta = tiny_same
     before = processes.snapshot()
@@ -157,11 +155,39 @@ def test_driver_killed_while_engines_start_leaves_nothing_after_the_next_session
         p.kill()
     proc.wait()
     assert "READY" not in out.read_text(), "the engines were up before the kill: nothing was tested"
-    # Killed mid-start, an engine sees its driver gone only once its own start has gone far enough to look.
     _, alive = psutil.wait_procs(tree, timeout=ENGINE_PAIR_START_S)
     assert not alive, f"engine processes outlived their driver: {alive}"
     SyncSession.create(SessionLayout(8, 2, 4, 1)).close()  # a new session removes what dead drivers left
     assert settled(before) == (set(), set())
+
+
+def test_forked_engines_whose_driver_dies_mid_start_exit_with_their_workers():
+    """An EngineCore forked from the fork server is not its driver's child: wherever its start is when the driver dies
+    (vLLM's handshake, loading, before our scheduler exists), it and its worker exit within seconds.
+
+    Two stand-in engines that never finish starting (``tests/fault_driver.py stuck``), forked as the pair's are, each
+    with a forked worker. The second's EngineCore is killed first, so its worker must see the driver's death itself.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.fault_driver", "stuck"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        engines = []
+        for _ in range(2):
+            line = proc.stdout.readline()
+            assert line.startswith("STARTED "), proc.stderr.read()[-3000:] if proc.poll() is not None else line
+            engines.append([psutil.Process(int(pid)) for pid in line.split()[1:]])
+        (core, worker), (orphaned_core, orphaned_worker) = engines
+        orphaned_core.kill()
+        orphaned_core.wait(10)
+        proc.kill()
+        proc.wait()
+        assert orphaned_worker.is_running(), "the worker ended with its EngineCore: its own watch was not tested"
+        _, alive = psutil.wait_procs([core, worker, orphaned_worker], timeout=20)
+        assert not alive, f"forked engine processes outlived their driver: {alive}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
 
 
 def test_an_exception_inside_a_live_engine_core_fails_everything_at_once(tiny_same):

@@ -72,6 +72,8 @@ EngineCores' pids are appended to)."""
 
 _LOCK = threading.Lock()
 _INSTALLED = False
+_DRIVER = 0
+"""In an EngineCore forked from the fork server and its worker: the pid of the driver that started it."""
 
 
 def forkserver_available() -> bool:
@@ -184,6 +186,7 @@ class _EngineProcess(multiprocessing.context.ForkServerProcess):
         # In the driver: its environment now (VLLM_RPC_BASE_PATH, what vLLM's platform set), the engine's own
         # settings, and the worker forked, not spawned.
         self._carried = {**os.environ, **_STARTS.environment, "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+        self._driver = os.getpid()
         super().start()
         _STARTS.pids.append(self.pid)
 
@@ -196,6 +199,12 @@ class _EngineProcess(multiprocessing.context.ForkServerProcess):
             setproctitle.getproctitle()
         os.environ.clear()
         os.environ.update(self._carried)
+        from dual_sampling.lockstep import watch_driver  # in the fork server's imports, unlike this module's
+
+        global _DRIVER
+        _DRIVER = self._driver
+        # The fork server's child is not the driver's: nothing ends it when the driver dies, at any point of its start.
+        watch_driver(_DRIVER)
         os.register_at_fork(after_in_child=_bind_forked_worker)
         super().run()
 
@@ -206,7 +215,11 @@ class _EngineContext(multiprocessing.context.ForkServerContext):
 
 def _bind_forked_worker() -> None:
     """In a process forked from an EngineCore (its worker): the CPUs and thread count vLLM's OpenMP variables name,
-    applied by hand, as libgomp read its variables long before, in the fork server."""
+    applied by hand, as libgomp read its variables long before, in the fork server. It watches the driver too, should
+    its EngineCore end without ending it."""
+    from dual_sampling.lockstep import watch_driver
+
+    watch_driver(_DRIVER)
     threads = os.environ.get("OMP_NUM_THREADS")
     cpus = _omp_cpus()
     if cpus:

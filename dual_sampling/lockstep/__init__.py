@@ -19,6 +19,7 @@ from dual_sampling.lockstep.janitor import (
     process_start_time,
     segments_listing,
     session_owners,
+    watch_driver,
     write_listing,
 )
 from dual_sampling.lockstep.layout import (
@@ -76,5 +77,6 @@ __all__ = [
     "process_start_time",
     "segments_listing",
     "session_owners",
+    "watch_driver",
     "write_listing",
 ]
