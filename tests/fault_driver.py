@@ -32,9 +32,11 @@ def stand_in_engine() -> None:
 
 
 if __name__ == "__main__" and sys.argv[1] == "stuck":
-    # Forked from the fork server as the pair's EngineCores are, but with no engine to build.
+    # Forked from the fork server as the pair's EngineCores are, but with no engine to build: the server imports
+    # only what the stand-ins use (vLLM's engine modules would add 10 s here).
     import vllm.v1.engine.utils as launcher
 
+    engine_start.PRELOAD = ("dual_sampling.lockstep", engine_start.__name__)
     with engine_start.engine_start({}, []):
         for _ in range(2):
             launcher.get_mp_context().Process(target=stand_in_engine, daemon=False).start()

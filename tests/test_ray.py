@@ -244,6 +244,25 @@ def test_bad_input_and_an_unreachable_cluster_are_named(tiny_same, tmp_path):
     assert settle(before) == (set(), set())
 
 
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """One local Ray cluster for the tests that run Ray inside this process (the last of the module, after every
+    command-line run, which starts its own): its workers find this repository and, as $CRASH_LOG, the file where
+    :class:`DyingSampler` logs its deaths."""
+    crash_log = tmp_path_factory.mktemp("ray") / "crashes.log"
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=128 << 20,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"CRASH_LOG": str(crash_log), "PYTHONPATH": str(ROOT)}},
+    )
+    try:
+        yield crash_log
+    finally:
+        ray.shutdown()
+
+
 def run_users_pipeline(tiny_same, tmp_path: Path, rows: list[dict], **settings) -> list[dict]:
     """``map_batches(DualSamplingStage, ...)`` on raw ``rows`` with the run ``settings`` (over the tiny pair's), one
     replica, batches of 3, written by Ray as Parquet; the rows it wrote."""
@@ -259,18 +278,14 @@ def run_users_pipeline(tiny_same, tmp_path: Path, rows: list[dict], **settings) 
         "max_model_len": 256,
         "sync_timeout": 30,
     }
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
-    try:
-        out = ray.data.from_items(rows).map_batches(
-            DualSamplingStage,
-            fn_constructor_kwargs={"settings": {**base, **settings}},
-            concurrency=1,
-            batch_size=3,
-            num_cpus=1,
-        )
-        out.write_parquet(str(tmp_path / "runs"))
-    finally:
-        ray.shutdown()
+    out = ray.data.from_items(rows).map_batches(
+        DualSamplingStage,
+        fn_constructor_kwargs={"settings": {**base, **settings}},
+        concurrency=1,
+        batch_size=3,
+        num_cpus=1,
+    )
+    out.write_parquet(str(tmp_path / "runs"))
     return pq.read_table(tmp_path / "runs").to_pylist()
 
 
@@ -278,7 +293,7 @@ def times_three(count: int) -> list[dict]:
     return [{"id": f"q{i}", "problem": f"What is {i} times 3?", "solution": f"{3 * i}"} for i in range(count)]
 
 
-def test_the_stage_in_a_users_own_pipeline(tiny_same, tmp_path):
+def test_the_stage_in_a_users_own_pipeline(ray_cluster, tiny_same, tmp_path):
     """``map_batches(DualSamplingStage, ...)`` on raw rows, written by Ray: one record per sample, seeds as locally."""
     written = run_users_pipeline(tiny_same, tmp_path, times_three(6), n=2, max_tokens=8, seed=3)
     assert sorted((r["id"], r["sample_index"]) for r in written) == [(f"q{i}", j) for i in range(6) for j in range(2)]
@@ -287,7 +302,7 @@ def test_the_stage_in_a_users_own_pipeline(tiny_same, tmp_path):
 
 
 def test_a_beam_search_in_a_users_own_pipeline_writes_each_problems_ranked_beams(
-    dual_engine, hf_models, tiny_same, tmp_path
+    ray_cluster, dual_engine, hf_models, tiny_same, tmp_path
 ):
     """The stage with ``use_beam_search``: per problem its n beams (sample j the (j+1)-th best), distinct and ranked
     by cum log q / length^length_penalty, each record right for its own tokens by re-scoring."""
@@ -326,25 +341,14 @@ class DyingStage(DualSamplingStage):
         self.sampler = DyingSampler((self.cfg.source.teacher, self.cfg.source.theta))
 
 
-def test_a_batch_that_always_kills_its_replica_fails_after_ray_max_retries(tiny_same, tmp_path, monkeypatch):
+def test_a_batch_that_always_kills_its_replica_fails_after_ray_max_retries(
+    ray_cluster, tiny_same, tmp_path, monkeypatch
+):
     """No engines: the replicas draw scripted samples, and the one given p3 dies each time."""
-    crash_log = tmp_path / "crashes.log"
+    crash_log = ray_cluster
     monkeypatch.setattr(dual_sampling.datagen.ray_stage, "DualSamplingStage", DyingStage)
-    env = {"CRASH_LOG": str(crash_log), "PYTHONPATH": str(ROOT)}
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=128 << 20,
-        log_to_driver=False,
-        runtime_env={"env_vars": env},
-    )
-    try:
-        cfg = tiny_config(
-            tiny_same, tmp_path, ray=True, replicas=1, cpus_per_replica=1, batch_size=1, ray_max_retries=2
-        )
-        summary = run_generation(cfg)
-    finally:
-        ray.shutdown()
+    cfg = tiny_config(tiny_same, tmp_path, ray=True, replicas=1, cpus_per_replica=1, batch_size=1, ray_max_retries=2)
+    summary = run_generation(cfg)
     assert crash_log.read_text().count("\n") == 3  # the first attempt and two retries
     failed = [json.loads(line) for line in (tmp_path / "out.failed.jsonl").read_text().splitlines()]
     assert {(f["id"], f["sample_index"]) for f in failed} == {("p3", 0), ("p3", 1)}

@@ -7,9 +7,11 @@ standard library):
   and error codes;
 - :mod:`~dual_sampling.lockstep.session`: one session mapped (slots, doorbells, plans, records);
 - :mod:`~dual_sampling.lockstep.engine_config`: the typed settings that cross to each engine;
-- :mod:`~dual_sampling.lockstep.janitor`: cleanup of what a crashed driver left in /dev/shm.
+- :mod:`~dual_sampling.lockstep.janitor`: cleanup of what a crashed driver left in /dev/shm;
+- :mod:`~dual_sampling.lockstep.driver_watch`: an engine process's watch on its driver.
 """
 
+from dual_sampling.lockstep.driver_watch import watch_driver
 from dual_sampling.lockstep.engine_config import CONFIG_KEY, LockstepConfig
 from dual_sampling.lockstep.janitor import (
     cleanup_stale_sessions,
@@ -19,7 +21,6 @@ from dual_sampling.lockstep.janitor import (
     process_start_time,
     segments_listing,
     session_owners,
-    watch_driver,
     write_listing,
 )
 from dual_sampling.lockstep.layout import (

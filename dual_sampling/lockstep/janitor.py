@@ -18,10 +18,8 @@ import os
 import re
 import secrets
 import shutil
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from stat import S_IMODE, S_ISDIR, S_ISLNK, S_ISREG
 
@@ -356,46 +354,6 @@ def mapped_shm_files(pids: list[int] | None = None) -> set[str]:
                 if entry.inode() in inodes:
                     names.add(entry.name)
     return names
-
-
-DRIVER_POLL_S = 1.0
-"""How often an engine process checks that its driver is still alive (seconds)."""
-
-
-def watch_driver(pid: int, needed: Callable[[], bool] = lambda: True) -> None:
-    """In an engine process: exit it (and its children) once driver ``pid`` is gone, from a daemon thread polling
-    every :data:`DRIVER_POLL_S`, unless ``needed()`` says the watch is over. An engine whose driver was killed would
-    otherwise wait on it for ever, or until vLLM's start-up handshake times out (minutes)."""
-
-    def run() -> None:
-        while needed():
-            time.sleep(DRIVER_POLL_S)
-            if needed() and not pid_alive(pid):
-                logger.error("the dual-sampling driver (pid %d) is gone; stopping this engine process", pid)
-                exit_orphaned()
-
-    threading.Thread(target=run, name="dual-sampling-driver-watch", daemon=True).start()
-
-
-def exit_orphaned() -> None:
-    """Remove the /dev/shm files this process and its children map, SIGKILL the children, then this process.
-
-    The driver is gone, so nothing else uses those files, and files made after its death (an engine still starting
-    keeps making them) are in no listing a later session could read. Session files are left to the next session's
-    cleanup, which knows their owner is dead.
-    """
-    try:
-        import psutil
-
-        children = psutil.Process().children(recursive=True)
-        for name in mapped_shm_files([os.getpid(), *(c.pid for c in children)]):
-            if not name.startswith(SESSION_PREFIX):
-                (SHM_DIR / name).unlink(missing_ok=True)
-        for child in children:
-            with contextlib.suppress(psutil.Error):
-                child.kill()
-    finally:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def listing_dir(shm_dir: Path = SHM_DIR) -> Path:
