@@ -38,13 +38,13 @@ from dual_sampling.beams import (
 from dual_sampling.checks import require
 from dual_sampling.decision.pipeline import RowSampling
 from dual_sampling.driver.engine_start import start_early as start_engine_server_early
-from dual_sampling.driver.lockstep_driver import LockstepDriver
 from dual_sampling.driver.loop_thread import as_coroutine
 from dual_sampling.driver.requests import DualRequest, PromptPair, prompt_pairs
 from dual_sampling.driver.speculative_engine import check_draft_model
 from dual_sampling.driver.versions import check_update
 from dual_sampling.driver.weights import WeightsCheck, prepared_weights, reload_from
 from dual_sampling.lockstep import Role, SyncError
+from dual_sampling.modes import mode_of, modes_with
 from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, SamplingOptions, model_config
 from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleDelta, SampleRecord, best_of, scored
 from dual_sampling.text import sample_text
@@ -93,8 +93,6 @@ class OptimalSamplingDual:
         self.config = cfg = DualEngineConfig(str(model_teacher), str(model_theta), **settings)
         from transformers import AutoTokenizer
 
-        from dual_sampling.driver.pair import EnginePair
-
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_teacher)
         check_tokenizers_match(self.tokenizer, AutoTokenizer.from_pretrained(cfg.model_theta))
         self.vocab = len(self.tokenizer)
@@ -105,7 +103,8 @@ class OptimalSamplingDual:
         vLLM drafts for a batch only while its longest sequence has γ positions to spare beyond a round's γ drafts
         (else no request in it gets θ rows), so every request keeps 2γ free."""
         engine_len = self.max_model_len
-        if cfg.mode == "speculative":
+        self.mode = mode_of(cfg.mode)
+        if not self.mode.theta_engine:  # theta is the teacher engine's draft model
             check_draft_model(th_cfg)
             self.max_model_len -= 2 * cfg.num_speculative_tokens
             if self.max_model_len < 2:
@@ -123,23 +122,7 @@ class OptimalSamplingDual:
             sync_timeout=cfg.sync_timeout,
             max_dense_logprobs=cfg.max_dense_logprobs,
         )
-        if cfg.mode == "speculative":
-            from dual_sampling.driver.speculative_driver import SpeculativeDriver
-            from dual_sampling.driver.speculative_engine import SpeculativeEngine
-
-            self.driver = SpeculativeDriver(
-                lambda session_name: SpeculativeEngine(cfg, session_name, engine_len),
-                self.tokenizer,
-                alpha=(cfg.alpha_method, cfg.alpha_kwargs),
-                gamma=cfg.num_speculative_tokens,
-                **driver_settings,
-            )
-        else:
-            self.driver = LockstepDriver(
-                lambda session_name: EnginePair(cfg, session_name, self.max_model_len),
-                self.tokenizer,
-                **driver_settings,
-            )
+        self.driver = self.mode.build_driver(cfg, self.tokenizer, engine_len, **driver_settings)
 
     # ------------------------------------------------------------------ blocking API
 
@@ -218,7 +201,7 @@ class OptimalSamplingDual:
         The length counts the beam's generated tokens without a final EOS; vLLM's also counts the prompt's, so the
         two rankings can differ wherever length_penalty is not 0."""
         self._check_open()
-        self._require_lockstep("beam_search")
+        self._require_beam_search("beam_search")
         options = BeamSearchOptions(
             beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty, ignore_eos=ignore_eos
         )
@@ -242,7 +225,7 @@ class OptimalSamplingDual:
         """The beam search ``opts`` asks for (``use_beam_search``) on one prepared prompt pair, from any asyncio loop:
         its n best beams as samples, best first, labelled with ``seeds``; at most the pair's room of tokens each. A
         search that fails fails its own beams only (``dual_sampling.beams.beam_samples``)."""
-        self._require_lockstep("use_beam_search")
+        self._require_beam_search("use_beam_search")
         options = dataclasses.replace(opts.beam_search(), max_tokens=min(opts.max_tokens, pair.room))
         row = self._beam_step_row(options)
         search = beam_samples(
@@ -261,8 +244,8 @@ class OptimalSamplingDual:
         step = SamplingOptions(max_tokens=1, temperature=0.0, top_logprobs=2 * options.beam_width)
         return step.row(0, self.eos_token_ids)
 
-    def _require_lockstep(self, what: str) -> None:
-        require(self.config.mode == "lockstep", f"{what} is served in mode='lockstep' only")
+    def _require_beam_search(self, what: str) -> None:
+        require(self.mode.beam_search, f"{what} is served in {modes_with('beam_search')} only")
 
     async def _search_all(
         self, pairs: Sequence[PromptPair], opts: SamplingOptions, seeds: Sequence[Sequence[int]]
@@ -488,7 +471,7 @@ class OptimalSamplingDual:
         """Refuse, with a ValueError that begins with the field's name, a prompt pair and options this engine cannot
         serve: the checks a sample's start runs, for callers that answer before starting (the server)."""
         if opts.use_beam_search:
-            self._require_lockstep("use_beam_search")
+            self._require_beam_search("use_beam_search")
         self.driver.check(self.request(pair, opts, opts.seed))
 
     def prepare(self, prompt: str | Sequence[int], teacher_prompt: str | Sequence[int] | None = None) -> PromptPair:

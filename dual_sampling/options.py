@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from alpha import get_alpha_computer
+from dual_sampling import modes
 from dual_sampling.beams import MAX_BEAM_WIDTH, BeamSearchOptions
 from dual_sampling.checks import MAX_COUNT, is_count, is_int, is_number, need_int, require
 from dual_sampling.decision.pipeline import RowSampling
@@ -29,7 +30,6 @@ __all__ = [
     "MAX_COUNT",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_CHARS",
-    "MODES",
     "RUNTIME_ONLY",
     "UNSUPPORTED_SAMPLING",
     "DualEngineConfig",
@@ -48,8 +48,6 @@ MAX_STOP_STRING_CHARS = 256
 """Characters per stop string at most."""
 UNSUPPORTED_SAMPLING = ("bad_words",)
 """vLLM options that would act after the token is forced; refused by name."""
-MODES = ("lockstep", "speculative")
-"""How a dual engine draws tokens from q (:attr:`EngineOptions.mode`)."""
 BEAM_SEARCH = {"beam_search": True}
 """Field metadata of a sampling setting that a beam search reads (:attr:`SamplingOptions.use_beam_search`); every
 other setting must keep its default there."""
@@ -370,11 +368,12 @@ class EngineOptions:
             )
         for name in ("teacher_engine_kwargs", "theta_engine_kwargs"):
             require(isinstance(getattr(self, name), dict), f"{name} must be a dict of vLLM engine arguments")
-        require(self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}")
+        mode = modes.mode_of(self.mode)
         need_int("num_speculative_tokens", self.num_speculative_tokens, 1, most=32)
         require(
-            self.mode == "lockstep" or not self.theta_engine_kwargs,
-            "theta_engine_kwargs: in mode='speculative' theta runs in the teacher's engine (use teacher_engine_kwargs)",
+            mode.theta_engine or not self.theta_engine_kwargs,
+            f"theta_engine_kwargs: in mode={self.mode!r} theta runs in the teacher's engine (use "
+            "teacher_engine_kwargs)",
         )
 
 

@@ -7,6 +7,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from dual_sampling.modes import mode_of, modes_with
+
 __all__ = ["check_embedding_rows", "check_tokenizers_match", "embedding_rows", "eos_token_ids"]
 
 
@@ -46,17 +48,18 @@ def embedding_rows(config: dict) -> int | None:
 
 def check_embedding_rows(teacher_rows: int | None, theta_rows: int | None, vocab: int, mode: str) -> None:
     """Raise ValueError unless both models' embeddings (``vocab_size`` in their configs; None: not stated) cover the
-    tokenizer's ``vocab`` ids, and, in ``mode="speculative"``, have equally many rows."""
+    tokenizer's ``vocab`` ids, and, in a ``mode`` where theta is the teacher engine's draft model, have equally many
+    rows."""
     for role, rows in (("teacher", teacher_rows), ("theta", theta_rows)):
         if rows is not None and rows < vocab:
             raise ValueError(f"the {role} model has {rows} embedding rows, fewer than the tokenizer's {vocab} tokens")
-    if mode == "speculative" and teacher_rows != theta_rows:
+    if not mode_of(mode).theta_engine and teacher_rows != theta_rows:
         # vLLM's draft-model speculation needs equal embedding sizes (its SpeculativeConfig refuses the pair seconds
         # into the engine's start); refused here first, by name.
         raise ValueError(
-            f"mode='speculative': the teacher has {teacher_rows} embedding rows (config vocab_size) and theta "
-            f"{theta_rows}; vLLM's draft model must have as many rows as its target. mode='lockstep' serves "
-            "models with unequal padding"
+            f"mode={mode!r}: the teacher has {teacher_rows} embedding rows (config vocab_size) and theta "
+            f"{theta_rows}; vLLM's draft model must have as many rows as its target. {modes_with('theta_engine')} "
+            "serves models with unequal padding"
         )
 
 

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("alpha", "processors", "dual_sampling")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("dual_sampling.checks",),  # value checks of single settings: they import nothing of ours; anything may use them
+    # Value checks of single settings, and the modes as data: they import nothing of ours; anything may use them.
+    ("dual_sampling.checks", "dual_sampling.modes"),
     # Leaves: pure math, text, vocabularies, model folders, records, prompts, run outputs on disk.
     (
         "alpha",

@@ -12,6 +12,7 @@ import torch
 from alpha import get_alpha_computer
 from dual_sampling.checks import need_int, need_number
 from dual_sampling.distill.loss import LOSSES, WEIGHTINGS
+from dual_sampling.modes import mode_of, modes_with
 from dual_sampling.options import RUNTIME_ONLY, EngineOptions, SamplingOptions
 from dual_sampling.run_settings import ModelsAndPrompts, compose_settings, flat_settings, runtime_only
 
@@ -158,10 +159,10 @@ class DistillConfig:
             raise ValueError(
                 f"trainer_device must be a torch device (cpu, cuda, cuda:1), got {self.trainer_device!r}"
             ) from None
-        if self.engine.mode != "lockstep":
+        if not mode_of(self.engine.mode).takes_new_theta:
             raise ValueError(
                 f"mode={self.engine.mode!r}: distillation pushes new θ weights into the theta engine every round, and "
-                "only mode='lockstep' takes them (the speculative mode's draft model is loaded once)"
+                f"only {modes_with('takes_new_theta')} takes them (the speculative mode's draft model is loaded once)"
             )
         if self.weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")

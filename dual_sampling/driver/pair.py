@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dual_sampling.driver import engine_processes, engine_start, placement
+from dual_sampling.driver.lockstep_driver import LockstepDriver
 from dual_sampling.lockstep import (
     LockstepConfig,
     Role,
@@ -29,7 +30,7 @@ from dual_sampling.lockstep.janitor import scratch_dir
 from dual_sampling.lockstep.row_channel import resolve_transport
 from dual_sampling.options import DualEngineConfig, default_kv_cache_bytes, kv_cache_bytes_needed
 
-__all__ = ["LOCKSTEP_SETTINGS", "EnginePair"]
+__all__ = ["LOCKSTEP_SETTINGS", "EnginePair", "start_lockstep"]
 
 logger = logging.getLogger(__name__)
 
@@ -492,3 +493,8 @@ def _resolve_row_transport(requested: str, places: dict[Role, placement.EnginePl
 
     devices = {place.visible_devices for place in places.values()}
     return resolve_transport(requested, current_platform.device_type, same_device=len(devices) <= 1)
+
+
+def start_lockstep(config: DualEngineConfig, tokenizer: Any, engine_len: int, **settings: Any) -> LockstepDriver:
+    """``mode="lockstep"`` (``dual_sampling.modes``): a teacher and a theta engine of ``engine_len`` positions."""
+    return LockstepDriver(lambda session_name: EnginePair(config, session_name, engine_len), tokenizer, **settings)

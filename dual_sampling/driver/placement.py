@@ -34,6 +34,7 @@ from typing import Any
 
 from dual_sampling.driver import weights
 from dual_sampling.lockstep.layout import Role
+from dual_sampling.modes import mode_of
 from dual_sampling.options import ENGINE_DTYPE_BYTES, EngineOptions
 
 __all__ = [
@@ -167,7 +168,7 @@ def check_placement_settings(cfg: EngineOptions, device_type: str) -> None:
                 raise ValueError(
                     f"{name}={value!r} places an engine on a CUDA device; these engines run on {device_type!r}"
                 )
-            if role == Role.THETA and cfg.mode != "lockstep":
+            if role == Role.THETA and not mode_of(cfg.mode).theta_engine:
                 raise ValueError(
                     f"{name}: in mode={cfg.mode!r} theta runs in the teacher's engine (use teacher_{name[6:]})"
                 )

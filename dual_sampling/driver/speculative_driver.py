@@ -26,7 +26,7 @@ from dual_sampling.lockstep import RequestFailed, Role, Slot
 from dual_sampling.records import SampleRecord
 from dual_sampling.text import sample_text
 
-__all__ = ["SpeculativeDriver", "check_speculative"]
+__all__ = ["SpeculativeDriver", "check_speculative", "start_speculative"]
 
 SERVED = ("seed", "stop_token_ids")
 """RowSampling fields the speculative mode serves at any value; every other field must keep its default."""
@@ -162,3 +162,17 @@ class SpeculativeDriver(LockstepDriver):
             sample.stop_reason = string if string is not None else flight.tokens[-1]
             sample.text = sample_text(self.tokenizer, flight.tokens, string, stop_token=string is None)
         return sample
+
+
+def start_speculative(config: Any, tokenizer: Any, engine_len: int, **settings: Any) -> SpeculativeDriver:
+    """The driver of ``mode="speculative"`` (``dual_sampling.modes``): the teacher's engine, of ``engine_len``
+    positions, with theta as its draft model; ``settings`` are the driver's (its ``max_model_len`` keeps 2γ free)."""
+    from dual_sampling.driver.speculative_engine import SpeculativeEngine
+
+    return SpeculativeDriver(
+        lambda session_name: SpeculativeEngine(config, session_name, engine_len),
+        tokenizer,
+        alpha=(config.alpha_method, config.alpha_kwargs),
+        gamma=config.num_speculative_tokens,
+        **settings,
+    )

@@ -43,6 +43,7 @@ from typing import Any
 
 from dual_sampling.checks import need_int, need_number
 from dual_sampling.driver.requests import generation_room
+from dual_sampling.modes import mode_of, modes_with
 from dual_sampling.options import EngineOptions, SamplingOptions
 from dual_sampling.records import DualGenerationOutput
 
@@ -91,10 +92,10 @@ class MixtureRolloutsConfig:
     the trainer's repeated prompt, whose samples, taken in order, are the trainer's rollouts in its order."""
 
     def __post_init__(self) -> None:
-        if self.engine.mode != "lockstep":
+        if not mode_of(self.engine.mode).takes_new_theta:
             raise ValueError(
-                f"engine.mode={self.engine.mode!r}: a trainer's rollouts need mode='lockstep' (the speculative mode's "
-                "theta engine cannot take new weights)"
+                f"engine.mode={self.engine.mode!r}: a trainer's rollouts need {modes_with('takes_new_theta')} (the "
+                "speculative mode's theta engine cannot take new weights)"
             )
         need_number("max_sampler_mismatch", self.max_sampler_mismatch, finite=False)
         need_int("mismatch_samples", self.mismatch_samples, 1)

@@ -1,0 +1,90 @@
+"""Modes as data (``dual_sampling.modes``): a mode is checked by name once, and everything that serves a feature in some
+modes only asks the mode for the capability, so a new mode is one module plus its registration."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from dual_sampling import OptimalSamplingDual
+from dual_sampling.distill.config import DistillConfig
+from dual_sampling.modes import MODES, Mode, mode_of, modes_with, register_mode
+from dual_sampling.options import EngineOptions
+from dual_sampling.run_settings import ModelsAndPrompts
+from dual_sampling.testing import tiny_models
+from dual_sampling.testing.sim_engines import VOCAB, Adversity, sim_driver
+from dual_sampling.vocab import check_embedding_rows
+
+BUILT: list = []
+"""The drivers :func:`start_simulated` built."""
+
+
+def start_simulated(config, tokenizer, engine_len, **settings):
+    """A mode's driver in a module of its own: the lockstep driver over the simulated engines (no vLLM process)."""
+    driver = sim_driver(random.Random(0), Adversity(), settings["max_num_seqs"], engine_len)
+    BUILT.append(driver)
+    return driver
+
+
+def distill_config(tmp_path, mode: str) -> DistillConfig:
+    """A distillation's settings in ``mode`` (the model folders are never opened: the checks run first)."""
+    source = ModelsAndPrompts("t", "s")
+    return DistillConfig(prompts="p.jsonl", output=str(tmp_path), source=source, engine=EngineOptions(mode=mode))
+
+
+SIMULATED = Mode("simulated", f"{__name__}:start_simulated", theta_engine=True, takes_new_theta=True, beam_search=False)
+
+
+def test_a_mode_is_checked_by_its_field_and_registered_once():
+    assert tuple(MODES) == ("lockstep", "speculative")
+    for bad in ("fast", None, ["lockstep"]):
+        with pytest.raises(ValueError, match=r"^mode must be one of \('lockstep', 'speculative'\), got "):
+            mode_of(bad)
+        with pytest.raises(ValueError, match=r"^mode must be one of"):
+            EngineOptions(mode=bad)
+    with pytest.raises(ValueError, match="'lockstep' is registered already"):
+        register_mode(Mode("lockstep", "x:y", theta_engine=True, takes_new_theta=True, beam_search=True))
+    assert tuple(MODES) == ("lockstep", "speculative")
+
+
+def test_refusals_ask_for_the_capability_and_name_the_modes_that_have_it(monkeypatch, tmp_path):
+    assert modes_with("takes_new_theta") == "mode='lockstep'"
+    with pytest.raises(ValueError, match="only mode='lockstep' takes them"):
+        distill_config(tmp_path, "speculative")
+    with pytest.raises(ValueError, match="theta_engine_kwargs: in mode='speculative'"):
+        EngineOptions(mode="speculative", theta_engine_kwargs={"dtype": "bfloat16"})
+    with pytest.raises(ValueError, match="mode='lockstep' serves models with unequal padding"):
+        check_embedding_rows(152_064, 151_936, 151_665, "speculative")
+
+    monkeypatch.setitem(MODES, SIMULATED.name, SIMULATED)
+    assert modes_with("takes_new_theta") == "mode='lockstep' or mode='simulated'"
+    assert modes_with("beam_search") == "mode='lockstep'"
+    # Its capabilities, not its name, decide: it has an engine for theta and takes new θ.
+    check_embedding_rows(152_064, 151_936, 151_665, "simulated")
+    EngineOptions(mode="simulated", theta_engine_kwargs={"dtype": "bfloat16"})
+    distill_config(tmp_path, "simulated")
+
+
+def test_a_new_mode_is_one_module_plus_its_registration(monkeypatch):
+    """Registered from this test module alone, a mode serves the front door: its driver draws, and what it lacks is
+    refused by capability."""
+    monkeypatch.setitem(MODES, SIMULATED.name, SIMULATED)
+    teacher, theta = tiny_models.tiny_pair("same")
+    BUILT.clear()
+    with OptimalSamplingDual(teacher, theta, mode="simulated", max_num_seqs=4, max_model_len=96, use_tqdm=False) as s:
+        assert [s.driver] == BUILT
+        prompts = [[17 + i, 18 + i, 19 + i] for i in range(3)]
+        out = s.generate(prompts, max_tokens=6, seed=5)
+        samples = [sample for request in out.requests for sample in request.samples]
+        assert len(samples) == 3
+        for sample in samples:
+            assert sample.ok and 1 <= len(sample.token_ids) <= 6
+            assert all(0 <= t < VOCAB for t in sample.token_ids)
+            columns = (sample.alpha, sample.logp_teacher, sample.logp_theta, sample.logq)
+            assert all(len(c) == len(sample.token_ids) for c in columns)
+            assert all(math.isfinite(x) and x <= 0 for c in columns[1:] for x in c)
+            assert all(0 <= a <= 1 for a in sample.alpha)
+        with pytest.raises(ValueError, match="beam_search is served in mode='lockstep' only"):
+            s.beam_search([[17, 18]], beam_width=2, max_tokens=2)
