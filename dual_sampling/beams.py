@@ -23,6 +23,7 @@ from typing import Any
 
 from dual_sampling.checks import is_count, is_number, need_int, require
 from dual_sampling.records import SampleRecord
+from dual_sampling.roster import TOKEN_COLUMNS
 from dual_sampling.text import sample_text
 
 __all__ = [
@@ -98,12 +99,9 @@ class BeamSequence:
             list(self.tokens),
             self.finish_reason,
             seed,
-            list(self.alpha),
-            list(self.logp_teacher),
-            list(self.logp_theta),
-            list(self.logq),
-            list(self.tokens),
-            list(self.tokens),
+            **{name: list(getattr(self, name)) for name in TOKEN_COLUMNS},
+            teacher_token_ids=list(self.tokens),
+            theta_token_ids=list(self.tokens),
             stop_reason=stop,
             teacher_version=versions[0],
             theta_version=versions[1],

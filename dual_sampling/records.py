@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from dual_sampling.roster import PAIR
+
 __all__ = [
     "BEST_OF_SCORES",
     "USER_SCORE",
@@ -36,7 +38,7 @@ def effective_sample_size(log_weights: list[float]) -> float:
     return math.fsum(w) ** 2 / math.fsum(x * x for x in w)
 
 
-DENSE_ROLES = ("teacher", "theta")
+DENSE_ROLES = PAIR.names
 """The order of the role axis of :attr:`SampleRecord.dense_ids` and :attr:`SampleRecord.dense_logp`."""
 
 DENSE_FIELDS: dict[str, tuple[int, int]] = {

@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("alpha", "processors", "dual_sampling")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # Value checks of single settings, and the modes as data: they import nothing of ours; anything may use them.
-    ("dual_sampling.checks", "dual_sampling.modes"),
+    # Value checks of single settings, the modes as data and the roster's record schema: they import nothing of
+    # ours; anything may use them.
+    ("dual_sampling.checks", "dual_sampling.modes", "dual_sampling.roster"),
     # Leaves: pure math, text, vocabularies, model folders, records, prompts, run outputs on disk.
     (
         "alpha",

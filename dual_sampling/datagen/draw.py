@@ -16,6 +16,7 @@ from dual_sampling.datagen.inputs import batched
 from dual_sampling.datagen.plan import WorkItem
 from dual_sampling.datagen.run_config import RunConfig
 from dual_sampling.datagen.schema import Message, MessagesRecord, Record
+from dual_sampling.roster import PAIR, TOKEN_COLUMNS
 
 __all__ = ["Outcome", "sample_here", "sample_items"]
 
@@ -78,7 +79,7 @@ def sample_items(sampler: Any, cfg: RunConfig, items: list[WorkItem], models: di
 
 def _non_finite(sample: Any) -> str | None:
     """The error of a sample with a non-finite α, log π or log q (JSON cannot hold one, and it is no data); None."""
-    for name in ("alpha", "logp_teacher", "logp_theta", "logq"):
+    for name in TOKEN_COLUMNS:
         for position, value in enumerate(getattr(sample, name)):
             if not math.isfinite(value):
                 return f"non_finite_record at token {position}: {name} is {value}"
@@ -105,16 +106,9 @@ def _record(cfg: RunConfig, item: WorkItem, j: int, sample, models: dict) -> dic
         stop_token_id=None if by_string or sample.stop_reason is None else int(sample.stop_reason),
         error=sample.error,
         num_tokens=len(sample.token_ids),
-        alpha=sample.alpha,
-        logp_teacher=sample.logp_teacher,
-        logp_theta=sample.logp_theta,
-        logq=sample.logq,
-        sum_alpha=math.fsum(sample.alpha),
-        sum_logp_teacher=math.fsum(sample.logp_teacher),
-        sum_logp_theta=math.fsum(sample.logp_theta),
-        sum_logq=math.fsum(sample.logq),
-        log_w_theta=sample.log_w_theta,
-        log_w_teacher=sample.log_w_teacher,
+        **{name: getattr(sample, name) for name in PAIR.token_columns},
+        **{total: math.fsum(getattr(sample, name)) for total, name in zip(PAIR.sum_columns, PAIR.token_columns)},
+        **{name: getattr(sample, name) for name in PAIR.weight_columns},
         teacher_version=sample.teacher_version,
         theta_version=sample.theta_version,
         score=sample.score,

@@ -23,10 +23,9 @@ vLLM's own stages (min_tokens, logit_bias, penalties, bad words) are never hande
 engines: a token forced after them could be masked to -inf. The supported ones run here.
 
 :func:`decide` hands the rows that use no stage the kernels lack (``dual_sampling.decision.fusable``) to a fused
-kernel, one pass per α evaluation and no V-sized temporaries: ``dual_sampling.decision.kernel`` on the
-CPU, ``dual_sampling.decision.gpu_kernel`` on CUDA devices (a decided batch then comes back to the
-host in one copy). The torch code below stays the reference for every other row and device, and in
-the tests.
+kernel, one pass per α evaluation and no V-sized temporaries: ``dual_sampling.decision.kernel`` on the CPU,
+``dual_sampling.decision.gpu_kernel`` on CUDA devices (a decided batch then comes back to the host in one copy). The
+torch code below stays the reference for every other row and device, and in the tests.
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ from alpha import AlphaComputer, geometric_log_weights
 from alpha.base import check_log_prob_pair
 from dual_sampling.decision.fusable import kernel_device, kernel_rows
 from dual_sampling.decision.stages import STAGES, DecisionOptions, StageBatch, clamped_logit_bias, needs_logit_offset
+from dual_sampling.roster import TOKEN_COLUMNS
 
 __all__ = [
     "Decision",
@@ -399,7 +399,7 @@ def decide(
     result.handed_back[handed_back] = True
     # Both kernels flag an unconverged solve in column 7 (and hand the row back with status 1).
     result.unconverged[index] = decided[:, 7] != 0
-    for column, name in enumerate(("tokens", "alpha", "logp_teacher", "logp_theta", "logq")):
+    for column, name in enumerate(("tokens", *TOKEN_COLUMNS)):  # the kernels' output columns
         getattr(result, name)[index] = decided[:, column].to(getattr(result, name).dtype)
     if slow:
         slow = sorted(slow)
@@ -416,7 +416,7 @@ def decide(
             theta_log_normalisers=None if theta_log_normalisers is None else theta_log_normalisers[part],
             diversity=None if diversity is None else [diversity[i] for i in slow],
         )
-        for name in ("tokens", "alpha", "logp_teacher", "logp_theta", "logq", "ok"):
+        for name in ("tokens", *TOKEN_COLUMNS, "ok"):
             getattr(result, name)[part] = getattr(reference, name).to("cpu", getattr(result, name).dtype)
     return result
 

@@ -88,9 +88,8 @@ def collect_sample(
         sample.finish_reason = "error"
         sample.error = f"{code.label} at step {step}"
     else:
-        sample.alpha, sample.logp_teacher, sample.logp_theta, sample.logq = (
-            records[:, k].tolist() for k in range(len(RECORD_FIELDS))
-        )
+        for name, column in zip(RECORD_FIELDS, records.T):
+            setattr(sample, name, column.tolist())
         dense = dense_copies(session, slot, 0, len(tokens), flight.request.sampling.dense_logprobs)
         if dense is not None:
             sample.dense_ids, sample.dense_logp, sample.dense_other_logp = dense

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from dual_sampling.checks import need_int
+from dual_sampling.roster import TOKEN_COLUMNS
 
 T = TypeVar("T")
 SHM_DIR = Path("/dev/shm")
@@ -50,8 +51,8 @@ MiB = 1 << 20
 MAGIC = 0x44554133  # "DUA3"; a session written by an older layout is refused, never misread
 PLAN_RING = 4
 """Plans kept at once. The leader is at most one plan ahead of the follower (its step needs theta's rows)."""
-RECORD_FIELDS = ("alpha", "logp_teacher", "logp_theta", "logq")
-"""Columns of the per-token records (float32), in order."""
+RECORD_FIELDS = TOKEN_COLUMNS
+"""Columns of the per-token records (float32), in order: the roster's (:mod:`dual_sampling.roster`)."""
 TOP_LOGPROBS_MAX = 20
 """Most likely tokens of q recorded per token at most, for requests that ask (OpenAI's limit)."""
 

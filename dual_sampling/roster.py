@@ -1,0 +1,76 @@
+"""The models of a run by name, and the record schema that follows from them.
+
+Every generated token is recorded with the weight of each teacher, the log-probability of each model and log q; a
+sample adds the sums of those and one log importance weight per model. Those column names are derived here, from
+the roster, and from nowhere else: the shared-memory records (``lockstep.layout.RECORD_FIELDS``), a sample's record
+(:class:`~dual_sampling.records.SampleRecord`), a beam's, a data run's JSONL/Parquet record
+(``datagen.schema.Record``) and the server's payload follow it (``tests/test_roster.py`` holds each declaration to
+it). The two-model roster :data:`PAIR` gives today's names, so old runs resume and old files read:
+
+    alpha, logp_teacher, logp_theta, logq; sum_alpha, ..., sum_logq; log_w_theta, log_w_teacher
+
+Convention: α is a teacher's weight. With one teacher its column is ``alpha``; with several, ``alpha_<name>`` per
+teacher, in roster order, and q ∝ π_θ^(1−Σα)·Π π_i^α_i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PAIR", "THETA", "TOKEN_COLUMNS", "Roster"]
+
+THETA = "theta"
+"""The student's name in every roster: the model whose π_θ the importance weights w = π_θ/q refer to."""
+
+
+@dataclass(frozen=True)
+class Roster:
+    """The models of a run, by name: the one that decides first (its engine leads), then the ones that follow."""
+
+    names: tuple[str, ...]
+    """Model names, unique, each a Python identifier (they name record columns); :data:`THETA` among them."""
+
+    def __post_init__(self) -> None:
+        names = self.names
+        if not isinstance(names, tuple) or len(names) < 2:
+            raise ValueError(f"names must be a tuple of at least two model names, got {names!r}")
+        for name in names:
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"names: {name!r} is not a model name (a Python identifier)")
+        if len(set(names)) != len(names):
+            raise ValueError(f"names must be unique, got {names!r}")
+        if THETA not in names:
+            raise ValueError(f"names must include {THETA!r} (the student), got {names!r}")
+
+    @property
+    def teachers(self) -> tuple[str, ...]:
+        """Every model but θ, in roster order: each has a weight α."""
+        return tuple(n for n in self.names if n != THETA)
+
+    @property
+    def alpha_columns(self) -> tuple[str, ...]:
+        """Per-token α columns: ``alpha`` for one teacher, else ``alpha_<teacher>`` per teacher."""
+        teachers = self.teachers
+        return ("alpha",) if len(teachers) == 1 else tuple(f"alpha_{t}" for t in teachers)
+
+    @property
+    def token_columns(self) -> tuple[str, ...]:
+        """The per-token record columns, in order: α per teacher, log π of each model (``logp_<name>``), log q."""
+        return (*self.alpha_columns, *(f"logp_{n}" for n in self.names), "logq")
+
+    @property
+    def sum_columns(self) -> tuple[str, ...]:
+        """A sample's sums of its token columns (``sum_<column>``), in their order."""
+        return tuple(f"sum_{c}" for c in self.token_columns)
+
+    @property
+    def weight_columns(self) -> tuple[str, ...]:
+        """A sample's log importance weights, Σ (log π_<name> − log q): θ's first, then each teacher's."""
+        return tuple(f"log_w_{n}" for n in (THETA, *self.teachers))
+
+
+PAIR = Roster(("teacher", THETA))
+"""The two-model roster of every run today: the teacher decides, θ follows."""
+
+TOKEN_COLUMNS = PAIR.token_columns
+"""The per-token record columns of :data:`PAIR`: ``("alpha", "logp_teacher", "logp_theta", "logq")``."""

@@ -1,0 +1,67 @@
+"""The roster's record schema (``dual_sampling.roster``): one derivation of every record column, which each record
+declaration follows, and today's two-model names kept (old runs resume, old files read)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dual_sampling.beams import BeamSequence
+from dual_sampling.datagen.schema import Record, record_schema
+from dual_sampling.decision.pipeline import Decision
+from dual_sampling.lockstep import RECORD_FIELDS
+from dual_sampling.records import DENSE_ROLES, SampleRecord
+from dual_sampling.roster import PAIR, THETA, TOKEN_COLUMNS, Roster
+from dual_sampling.server.protocol import DualRecords
+
+
+def per_token_columns(cls: type) -> list[str]:
+    """The fields of a record class that hold one float per token (annotated ``list[float]``), in order."""
+    return [f.name for f in dataclasses.fields(cls) if str(f.type) == "list[float]"]
+
+
+def test_the_pair_keeps_todays_column_names():
+    assert PAIR.names == ("teacher", "theta") == DENSE_ROLES
+    assert TOKEN_COLUMNS == ("alpha", "logp_teacher", "logp_theta", "logq") == RECORD_FIELDS
+    assert PAIR.sum_columns == ("sum_alpha", "sum_logp_teacher", "sum_logp_theta", "sum_logq")
+    assert PAIR.weight_columns == ("log_w_theta", "log_w_teacher")
+
+
+def test_every_record_declaration_follows_the_roster():
+    assert per_token_columns(SampleRecord) == list(TOKEN_COLUMNS)
+    assert per_token_columns(BeamSequence) == list(TOKEN_COLUMNS)
+    assert [f.name for f in dataclasses.fields(Decision)][1 : 1 + len(TOKEN_COLUMNS)] == list(TOKEN_COLUMNS)
+    record = [f.name for f in dataclasses.fields(Record)]
+    assert per_token_columns(Record) == list(TOKEN_COLUMNS)
+    assert [n for n in record if n.startswith("sum_")] == list(PAIR.sum_columns)
+    assert [n for n in record if n.startswith("log_w_")] == list(PAIR.weight_columns)
+    parquet = record_schema("records").names
+    assert all(name in parquet for name in (*TOKEN_COLUMNS, *PAIR.sum_columns, *PAIR.weight_columns))
+    assert all(name in DualRecords.model_fields for name in TOKEN_COLUMNS)
+    # Each sample's weights are properties of its record, one per model.
+    assert all(isinstance(getattr(SampleRecord, name), property) for name in PAIR.weight_columns)
+
+
+def test_several_teachers_get_a_weight_each_and_theta_stays_the_student():
+    roster = Roster(("math", "general", THETA))
+    assert roster.teachers == ("math", "general")
+    assert roster.token_columns == ("alpha_math", "alpha_general", "logp_math", "logp_general", "logp_theta", "logq")
+    assert roster.sum_columns == tuple(f"sum_{c}" for c in roster.token_columns)
+    assert roster.weight_columns == ("log_w_theta", "log_w_math", "log_w_general")
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [
+        (("teacher",), "at least two"),
+        (["teacher", "theta"], "a tuple"),
+        (("teacher", "teacher", "theta"), "unique"),
+        (("teacher", "student"), "must include 'theta'"),
+        (("math-teacher", "theta"), "'math-teacher' is not a model name"),
+        ((1, "theta"), "1 is not a model name"),
+    ],
+)
+def test_a_bad_roster_is_refused_by_its_field(names, message):
+    with pytest.raises(ValueError, match=rf"^names.*{message}"):
+        Roster(names)
