@@ -109,7 +109,7 @@ class OptimalSamplingDual:
             self.max_model_len -= 2 * cfg.num_speculative_tokens
             if self.max_model_len < 2:
                 raise ValueError(
-                    f"num_speculative_tokens={cfg.num_speculative_tokens}: mode='speculative' keeps 2γ of "
+                    f"num_speculative_tokens={cfg.num_speculative_tokens}: mode={cfg.mode!r} keeps 2γ of "
                     f"max_model_len={engine_len} free, which leaves no room for a request"
                 )
         self.eos_token_ids = eos_token_ids((cfg.model_teacher, cfg.model_theta), self.tokenizer)

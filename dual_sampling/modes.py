@@ -27,7 +27,8 @@ class Mode:
     """The value of :attr:`~dual_sampling.options.EngineOptions.mode` that picks it."""
     start: str
     """``"module:function"`` building the driver: called with the engine's ``DualEngineConfig``, its tokenizer, the
-    request room (``max_model_len`` of a request, less what the mode keeps free) and the driver's settings."""
+    engine's context length in positions and the driver's settings (whose ``max_model_len`` is a request's room: the
+    engine's context less what the mode keeps free)."""
     theta_engine: bool
     """Theta runs in an engine of its own (its own settings and placement); False: it is the teacher engine's draft
     model, which must have as many embedding rows as its target and keeps 2γ positions of the context free."""

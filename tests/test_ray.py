@@ -346,6 +346,7 @@ def test_a_batch_that_always_kills_its_replica_fails_after_ray_max_retries(
 ):
     """No engines: the replicas draw scripted samples, and the one given p3 dies each time."""
     crash_log = ray_cluster
+    crash_log.unlink(missing_ok=True)  # this test's deaths alone
     monkeypatch.setattr(dual_sampling.datagen.ray_stage, "DualSamplingStage", DyingStage)
     cfg = tiny_config(tiny_same, tmp_path, ray=True, replicas=1, cpus_per_replica=1, batch_size=1, ray_max_retries=2)
     summary = run_generation(cfg)
