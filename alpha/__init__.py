@@ -10,8 +10,14 @@ Pure tensor math, with no vLLM import. α is always the teacher weight.
 
 from alpha.base import AlphaComputer, AlphaResult
 from alpha.methods import EntropyAlpha, ESSBalanceAlpha, FixedAlpha, KLSymmetryAlpha, TrustRegionAlpha
-from alpha.mixing import geometric_log_weights, geometric_mix
-from alpha.registry import ENTRY_POINT_GROUP, available_alpha_methods, get_alpha_computer, register_alpha_computer
+from alpha.mixing import geometric_log_weights, geometric_mix, geometric_mix_teachers
+from alpha.registry import (
+    ENTRY_POINT_GROUP,
+    alpha_methods_for_several_teachers,
+    available_alpha_methods,
+    get_alpha_computer,
+    register_alpha_computer,
+)
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -22,9 +28,11 @@ __all__ = [
     "FixedAlpha",
     "KLSymmetryAlpha",
     "TrustRegionAlpha",
+    "alpha_methods_for_several_teachers",
     "available_alpha_methods",
     "geometric_log_weights",
     "geometric_mix",
+    "geometric_mix_teachers",
     "get_alpha_computer",
     "register_alpha_computer",
 ]

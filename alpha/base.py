@@ -22,18 +22,31 @@ accepted and gives a 0-d result. Results are clamped to ``[alpha_min, alpha_max]
 the solver made, for benchmarks; ``alpha_init`` lets a caller warm-start
 iterative methods from the previous step's α, and ``normalized=True`` skips the
 renormalisation for callers that just took a log-softmax themselves.
+
+Several teachers
+----------------
+With K teachers the mixture is q ∝ π_θ^(1−Σα_i) · Π_i π_i^α_i, one α per teacher::
+
+    ac.compute_teachers(logp_theta: Tensor[B, V], logp_teachers: Tensor[K, B, V]) -> AlphaResult  # alpha [B, K]
+
+K = 1 is the pair call above, to the bit. For K > 1, ``alpha_min`` and ``alpha_max`` clamp
+the teachers' *total* weight Σα_i, and each α_i is at least 0. A method with no sound
+K-teacher form keeps ``several_teachers = False`` and is refused by name
+(:meth:`AlphaComputer.check_teacher_count`), which a run calls before any engine starts.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-__all__ = ["AlphaComputer", "AlphaResult", "check_log_prob_pair", "validate_unit_interval"]
+__all__ = ["AlphaComputer", "AlphaResult", "check_log_prob_pair", "check_log_prob_rows", "validate_unit_interval"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +54,7 @@ class AlphaResult:
     """What one call of an alpha computer produced."""
 
     alpha: Tensor
-    """Teacher weight per row, shape ``[B]`` (or 0-d for a 1-D input)."""
+    """Teacher weight per row, shape ``[B]`` (0-d for a 1-D input); from ``compute_teachers``, ``[B, K]`` (``[K]``)."""
     passes: int
     """Passes over the vocabulary the solver made (0 for closed-form methods)."""
 
@@ -93,6 +106,29 @@ def check_log_prob_pair(logp_theta: Tensor, logp_teacher: Tensor) -> tuple[Tenso
     return pair[0], pair[1]
 
 
+def check_log_prob_rows(logp_theta: Tensor, logp_teachers: Tensor | Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """Validate θ's rows and K teachers' rows; return (θ ``[B, V]``, teachers ``[K, B, V]``), one dtype.
+
+    ``logp_teachers`` is a ``[K, V]``/``[K, B, V]`` tensor or a sequence of K ``[V]``/``[B, V]`` tensors. Errors
+    name the teacher by its index (``logp_teachers[1]``).
+    """
+    if isinstance(logp_teachers, Tensor):
+        if logp_teachers.dim() not in (2, 3):
+            raise ValueError(f"logp_teachers must have shape [K, V] or [K, B, V], got {tuple(logp_teachers.shape)}")
+        logp_teachers = list(logp_teachers.unbind(0))
+    if len(logp_teachers) == 0:
+        raise ValueError("logp_teachers must hold at least one teacher's rows")
+    checked = []
+    for index, teacher in enumerate(logp_teachers):
+        try:
+            theta, row = check_log_prob_pair(logp_theta, teacher)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(str(exc).replace("logp_teacher", f"logp_teachers[{index}]")) from None
+        checked.append(row)
+    dtype = functools.reduce(torch.promote_types, (row.dtype for row in checked), theta.dtype)
+    return theta.to(dtype), torch.stack([row.to(dtype) for row in checked])
+
+
 def _rows(mask: Tensor, limit: int = 8) -> str:
     rows = mask.nonzero().flatten().tolist()
     shown = ", ".join(str(r) for r in rows[:limit])
@@ -110,6 +146,8 @@ class AlphaComputer:
 
     name: ClassVar[str] = ""
     """Registry name, set by :func:`alpha.register_alpha_computer`."""
+    several_teachers: ClassVar[bool] = False
+    """Whether the method has a K-teacher form (:meth:`solve_teachers`); False refuses K > 1 by name."""
 
     def __post_init__(self) -> None:
         self.alpha_min = validate_unit_interval("alpha_min", self.alpha_min)
@@ -148,3 +186,61 @@ class AlphaComputer:
     def solve(self, logp_theta: Tensor, logp_teacher: Tensor, alpha_init: Tensor | None) -> tuple[Tensor, int]:
         """Return (α ``[B]``, vocabulary passes) for validated, normalised ``[B, V]`` inputs."""
         raise NotImplementedError
+
+    def check_teacher_count(self, teachers: int) -> None:
+        """Raise ValueError naming the method (or the field) if this computer cannot weight ``teachers`` teachers."""
+        if isinstance(teachers, bool) or not isinstance(teachers, int) or teachers < 1:
+            raise ValueError(f"the number of teachers must be an integer >= 1, got {teachers!r}")
+        if teachers > 1 and not self.several_teachers:
+            from alpha.registry import alpha_methods_for_several_teachers
+
+            raise ValueError(
+                f"alpha method {self.name!r} has no form for {teachers} teachers; "
+                f"methods that weight several: {', '.join(alpha_methods_for_several_teachers())}"
+            )
+
+    def compute_teachers(
+        self,
+        logp_theta: Tensor,
+        logp_teachers: Tensor | Sequence[Tensor],
+        alpha_init: Tensor | None = None,
+        normalized: bool = False,
+    ) -> AlphaResult:
+        """One α per teacher: ``alpha`` is ``[B, K]`` (``[K]`` for 1-D rows); see "Several teachers" above.
+
+        ``alpha_init`` (``[B, K]`` or ``[K]``) warm-starts iterative methods. K = 1 returns :meth:`compute`'s α.
+        """
+        one_row = logp_theta.dim() == 1
+        theta, teachers = check_log_prob_rows(logp_theta, logp_teachers)
+        count = teachers.shape[0]
+        self.check_teacher_count(count)
+        if alpha_init is not None:
+            alpha_init = torch.as_tensor(alpha_init, dtype=theta.dtype, device=theta.device).reshape(-1, count)
+            alpha_init = alpha_init.expand(theta.shape[0], count)
+        if count == 1:
+            pair = self.compute(theta, teachers[0], None if alpha_init is None else alpha_init[:, 0], normalized)
+            alpha, passes = pair.alpha.unsqueeze(-1), pair.passes
+        else:
+            if not normalized:
+                theta, teachers = torch.log_softmax(theta, dim=-1), torch.log_softmax(teachers, dim=-1)
+            alpha, passes = self.solve_teachers(theta, teachers, alpha_init)
+            alpha = clamp_total(alpha, self.alpha_min, self.alpha_max)
+        return AlphaResult(alpha[0] if one_row else alpha, passes)
+
+    def solve_teachers(
+        self, logp_theta: Tensor, logp_teachers: Tensor, alpha_init: Tensor | None
+    ) -> tuple[Tensor, int]:
+        """(α ``[B, K]``, vocabulary passes) for validated, normalised θ ``[B, V]`` and teachers ``[K, B, V]``."""
+        raise NotImplementedError
+
+
+def clamp_total(alpha: Tensor, low: float, high: float) -> Tensor:
+    """Teacher weights ``[B, K]`` made non-negative with their total in [low, high], by scaling.
+
+    A row of zeros that must reach ``low`` > 0 takes equal shares.
+    """
+    alpha = alpha.clamp_min(0.0)
+    total = alpha.sum(-1, keepdim=True)
+    target = total.clamp(low, high)
+    scaled = alpha * (target / torch.where(total > 0, total, torch.ones_like(total)))
+    return torch.where(total > 0, scaled, target / alpha.shape[-1])

@@ -9,12 +9,18 @@ S = {y : π_θ(y) > 0 and π_t(y) > 0}; the iterative methods solve their equati
 Rows whose supports are disjoint have no mixture at any interior α; there the
 methods return 0.5, the limit of both equations when the masked entries are lifted
 to a common floor ε → 0 (the problem is then symmetric in the two models).
+
+Several teachers (``compute_teachers``): ``fixed`` takes one weight per teacher,
+``kl_symmetry`` minimises the family's log-normaliser over the teachers' weights
+(``alpha.simplex``), and ``trust_region`` scales the teachers' given shares by one root.
+``ess_balance`` and ``entropy`` have no K-teacher form and are refused for K > 1.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -22,6 +28,7 @@ from torch import Tensor
 from alpha.base import AlphaComputer, validate_unit_interval
 from alpha.registry import register_alpha_computer
 from alpha.root import solve_monotone_root
+from alpha.simplex import minimize_log_partition
 
 __all__ = ["ESSBalanceAlpha", "EntropyAlpha", "FixedAlpha", "KLSymmetryAlpha", "TrustRegionAlpha"]
 
@@ -29,17 +36,42 @@ __all__ = ["ESSBalanceAlpha", "EntropyAlpha", "FixedAlpha", "KLSymmetryAlpha", "
 @register_alpha_computer("fixed")
 @dataclass
 class FixedAlpha(AlphaComputer):
-    """A constant teacher weight for every token."""
+    """A constant teacher weight for every token; with several teachers, a constant weight per teacher."""
 
-    alpha: float = 0.5
-    """The teacher weight, in [0, 1]; clamped to [alpha_min, alpha_max]."""
+    alpha: float | tuple[float, ...] = 0.5
+    """The teacher weight, in [0, 1], clamped to [alpha_min, alpha_max]. With K teachers, a list of K weights in
+    [0, 1] whose sum is at most 1 (the total is clamped, the shares kept)."""
+
+    several_teachers: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.alpha = validate_unit_interval("alpha", self.alpha)
+        if isinstance(self.alpha, (list, tuple)):
+            weights = tuple(validate_unit_interval(f"alpha[{i}]", value) for i, value in enumerate(self.alpha))
+            if not weights or sum(weights) > 1.0 + 1e-12:
+                raise ValueError(f"alpha must list one weight per teacher, summing to at most 1, got {list(weights)}")
+            self.alpha = weights[0] if len(weights) == 1 else weights
+        else:
+            self.alpha = validate_unit_interval("alpha", self.alpha)
+
+    def check_teacher_count(self, teachers: int) -> None:
+        super().check_teacher_count(teachers)
+        listed = len(self.alpha) if isinstance(self.alpha, tuple) else 1
+        if listed != teachers:
+            raise ValueError(
+                f"alpha must list one weight per teacher ({teachers}), got {self.alpha!r}"
+                + (" (a list of one weight per teacher)" if teachers > 1 else "")
+            )
 
     def solve(self, logp_theta: Tensor, logp_teacher: Tensor, alpha_init: Tensor | None) -> tuple[Tensor, int]:
+        self.check_teacher_count(1)
         return torch.full(logp_theta.shape[:1], self.alpha, dtype=logp_theta.dtype, device=logp_theta.device), 0
+
+    def solve_teachers(
+        self, logp_theta: Tensor, logp_teachers: Tensor, alpha_init: Tensor | None
+    ) -> tuple[Tensor, int]:
+        weights = torch.tensor(self.alpha, dtype=logp_theta.dtype, device=logp_theta.device)
+        return weights.expand(logp_theta.shape[0], -1).clone(), 0
 
 
 @dataclass
@@ -124,11 +156,39 @@ class KLSymmetryAlpha(_MonotoneRootAlpha):
 
     Δ is non-decreasing with Δ′(α) = Var_{q_α}(d), Δ(0) = −KL(π_θ‖π_t) ≤ 0 and
     Δ(1) = KL(π_t‖π_θ) ≥ 0, so the root exists and Newton converges in a few passes.
+
+    With K teachers: the weights that minimise log Z(α) = log Σ π_θ·Π_i e^(α_i·d_i) over
+    α_i ≥ 0 with Σα_i in [alpha_min, alpha_max], on the joint support of all K+1 models. Its
+    KKT point is where E_q[log π_j] is equal for every model of positive weight (so are the
+    KLs of q to them) and no larger for a model of weight 0; q there minimises the largest
+    KL(q‖π_j) (docs/theory.md). K = 1 is the root above. Rows with no joint support take
+    equal weights, 1/(K+1) each.
     """
+
+    several_teachers: ClassVar[bool] = True
 
     def residual(self, base: Tensor, diff: Tensor, alpha: Tensor) -> tuple[Tensor, Tensor]:
         _, mean, second = _tilted_moments(base, diff, alpha)
         return mean, (second - mean * mean).clamp_min(0.0)
+
+    def solve_teachers(
+        self, logp_theta: Tensor, logp_teachers: Tensor, alpha_init: Tensor | None
+    ) -> tuple[Tensor, int]:
+        count = logp_teachers.shape[0]
+        teachers = logp_teachers.transpose(0, 1)  # [B, K, V]
+        joint = torch.isfinite(logp_theta) & torch.isfinite(teachers).all(dim=1)
+        base = torch.where(joint, logp_theta, torch.full_like(logp_theta, -math.inf))
+        diffs = torch.where(joint.unsqueeze(1), teachers - logp_theta.unsqueeze(1), torch.zeros_like(teachers))
+        equal = torch.full((logp_theta.shape[0], count), 1.0 / (count + 1), dtype=base.dtype, device=base.device)
+        overlap = joint.any(dim=-1)
+        start = equal if alpha_init is None else alpha_init
+        keep = overlap.nonzero().flatten()
+        tol, xtol = self.tolerances(base.dtype)
+        solved, passes = minimize_log_partition(
+            base[keep], diffs[keep], start[keep], self.alpha_min, self.alpha_max, tol, xtol
+        )
+        equal[keep] = solved
+        return equal, passes
 
 
 @register_alpha_computer("ess_balance")
@@ -162,10 +222,19 @@ class TrustRegionAlpha(_MonotoneRootAlpha):
     alpha_max; one that even alpha_min exceeds (a masked row's K(0) = −log π_θ(S) can)
     gives alpha_min. K is flat only when d is constant on S (then K is constant, and the
     answer is alpha_max or alpha_min by that constant); ε = 0 gives alpha_min unless it is.
+
+    With K teachers, the teachers keep the proportions ``teacher_shares`` p, so the mixture is
+    today's with the teacher Π π_i^(p_i) (its normaliser cancels in q and K): one root gives
+    the total weight s, and α_i = s·p_i.
     """
 
     kl_budget: float = 0.1
     """ε, in nats: the most KL(q_α‖π_θ) a row may reach; >= 0."""
+    teacher_shares: tuple[float, ...] | None = None
+    """With several teachers: each teacher's share of the total teacher weight, non-negative, one per teacher,
+    rescaled to sum to 1; None gives equal shares."""
+
+    several_teachers: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -173,6 +242,38 @@ class TrustRegionAlpha(_MonotoneRootAlpha):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < math.inf):
             raise ValueError(f"kl_budget must be a finite number >= 0 (nats), got {value!r}")
         self.kl_budget = float(value)
+        if self.teacher_shares is not None:
+            shares = self.teacher_shares
+            if not isinstance(shares, (list, tuple)) or not shares:
+                raise ValueError(f"teacher_shares must be a list of one share per teacher, got {shares!r}")
+            for i, share in enumerate(shares):
+                if isinstance(share, bool) or not isinstance(share, (int, float)) or not (0 <= share < math.inf):
+                    raise ValueError(f"teacher_shares[{i}] must be a finite number >= 0, got {share!r}")
+            if sum(shares) <= 0:
+                raise ValueError(f"teacher_shares must have a positive sum, got {list(shares)}")
+            self.teacher_shares = tuple(float(share) for share in shares)
+
+    def check_teacher_count(self, teachers: int) -> None:
+        super().check_teacher_count(teachers)
+        if self.teacher_shares is not None and len(self.teacher_shares) != teachers:
+            raise ValueError(f"teacher_shares must list one share per teacher ({teachers}), got {self.teacher_shares}")
+
+    def solve_teachers(
+        self, logp_theta: Tensor, logp_teachers: Tensor, alpha_init: Tensor | None
+    ) -> tuple[Tensor, int]:
+        count = logp_teachers.shape[0]
+        shares = torch.tensor(self.teacher_shares or (1.0,) * count, dtype=logp_theta.dtype, device=logp_theta.device)
+        shares = shares / shares.sum()
+        # The teachers' geometric mixture at the shares; a teacher of share 0 takes no part (0·(−inf) is NaN).
+        weighted = torch.where(shares.view(-1, 1, 1) > 0, shares.view(-1, 1, 1) * logp_teachers, 0.0).sum(0)
+        alpha = torch.full(logp_theta.shape[:1], self.alpha_min, dtype=logp_theta.dtype, device=logp_theta.device)
+        # Teachers with no token in common leave no mixture at any positive total: those rows keep alpha_min.
+        mixable = (weighted > -math.inf).any(dim=-1)
+        keep = mixable.nonzero().flatten()
+        start = None if alpha_init is None else alpha_init[keep].sum(-1)
+        total, passes = self.solve(logp_theta[keep], torch.log_softmax(weighted[keep], dim=-1), start)
+        alpha[keep] = total.clamp(self.alpha_min, self.alpha_max)
+        return alpha.unsqueeze(-1) * shares, passes
 
     def residual(self, base: Tensor, diff: Tensor, alpha: Tensor) -> tuple[Tensor, Tensor]:
         log_z, mean, second = _tilted_moments(base, diff, alpha)

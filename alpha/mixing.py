@@ -1,8 +1,11 @@
-"""The geometric mixture q_α ∝ π_θ^(1−α) · π_t^α, in log space.
+"""The geometric mixture q_α ∝ π_θ^(1−α) · π_t^α, in log space, and its K-teacher form.
 
 α is the teacher weight: α = 0 returns π_θ exactly and α = 1 returns π_t exactly,
 even where the other model masks tokens. For 0 < α < 1 the mixture lives on the joint
 support; a row whose supports are disjoint has no mixture and raises ValueError.
+
+With K teachers, q ∝ π_θ^(1−Σα_i) · Π_i π_i^α_i: a model of weight 0 takes no part (its
+masks included), and the mixture lives on the joint support of the models of positive weight.
 """
 
 from __future__ import annotations
@@ -12,9 +15,9 @@ import math
 import torch
 from torch import Tensor
 
-from alpha.base import _rows, check_log_prob_pair
+from alpha.base import _rows, check_log_prob_pair, check_log_prob_rows
 
-__all__ = ["geometric_log_weights", "geometric_mix"]
+__all__ = ["geometric_log_weights", "geometric_mix", "geometric_mix_teachers"]
 
 
 def geometric_mix(logp_theta: Tensor, logp_teacher: Tensor, alpha: Tensor | float) -> Tensor:
@@ -61,3 +64,35 @@ def geometric_log_weights(logp_theta: Tensor, logp_teacher: Tensor, alpha: Tenso
 def _mix_with_masks(theta: Tensor, teacher: Tensor, a: Tensor) -> Tensor:
     # 0·(−inf) is NaN, so the end points select a model instead of weighting it by zero.
     return torch.where(a == 0, theta, torch.where(a == 1, teacher, (1 - a) * theta + a * teacher))
+
+
+def geometric_mix_teachers(logp_theta: Tensor, logp_teachers: Tensor, alpha: Tensor) -> Tensor:
+    """Normalised log q, shape ``[B, V]`` (``[V]`` for 1-D rows), for θ's rows and K teachers' ``[K, B, V]``.
+
+    ``alpha`` holds the teacher weights, ``[B, K]`` or ``[K]`` (the same for every row), each in [0, 1] and
+    summing to at most 1. K = 1 is :func:`geometric_mix`, to the bit.
+    """
+    one_row = logp_theta.dim() == 1
+    theta, teachers = check_log_prob_rows(logp_theta, logp_teachers)
+    count, batch = teachers.shape[0], theta.shape[0]
+    a = torch.as_tensor(alpha, dtype=theta.dtype, device=theta.device)
+    if a.dim() == 1 and a.numel() == count:
+        a = a.expand(batch, count)
+    if a.shape != (batch, count):
+        raise ValueError(f"alpha must have shape [K] or [B, K] = [{batch}, {count}], got {tuple(a.shape)}")
+    total = a.sum(-1)
+    if torch.isnan(a).any() or (a < 0).any() or (a > 1).any() or (total > 1 + 1e-6).any():
+        raise ValueError("alpha must hold weights in [0, 1] whose sum per row is at most 1")
+    if count == 1:
+        logq = geometric_mix(theta, teachers[0], a[:, 0])
+        return logq[0] if one_row else logq
+    weights = torch.cat([(1 - total).clamp_min(0.0).unsqueeze(0), a.T], dim=0).unsqueeze(-1)  # [K+1, B, 1]
+    rows = torch.cat([theta.unsqueeze(0), teachers], dim=0)
+    mixed = torch.where(weights > 0, weights * rows, torch.zeros_like(rows)).sum(0)
+    empty = mixed.amax(dim=-1) == -math.inf
+    if empty.any():
+        raise ValueError(
+            f"the models of positive weight share no token in rows {_rows(empty)}: the geometric mixture is undefined"
+        )
+    logq = torch.log_softmax(mixed, dim=-1)
+    return logq[0] if one_row else logq

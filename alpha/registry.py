@@ -19,7 +19,13 @@ from typing import Any, TypeVar
 
 from alpha.base import AlphaComputer
 
-__all__ = ["ENTRY_POINT_GROUP", "available_alpha_methods", "get_alpha_computer", "register_alpha_computer"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "alpha_methods_for_several_teachers",
+    "available_alpha_methods",
+    "get_alpha_computer",
+    "register_alpha_computer",
+]
 
 ENTRY_POINT_GROUP = "dual_sampling.alpha_computers"
 
@@ -62,6 +68,12 @@ def available_alpha_methods() -> list[str]:
     """Sorted names of every registered method, including third-party entry points."""
     _load_entry_points()
     return sorted(_REGISTRY)
+
+
+def alpha_methods_for_several_teachers() -> list[str]:
+    """Sorted names of the registered methods that weight more than one teacher."""
+    _load_entry_points()
+    return sorted(name for name, cls in _REGISTRY.items() if cls.several_teachers)
 
 
 def get_alpha_computer(method: str, **config: Any) -> AlphaComputer:
