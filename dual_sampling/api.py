@@ -47,6 +47,7 @@ from dual_sampling.lockstep import Role, SyncError
 from dual_sampling.modes import mode_of, modes_with
 from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, SamplingOptions, model_config
 from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleDelta, SampleRecord, best_of, scored
+from dual_sampling.roster import PAIR
 from dual_sampling.text import sample_text
 from dual_sampling.vocab import check_embedding_rows, check_tokenizers_match, embedding_rows, eos_token_ids
 
@@ -369,7 +370,7 @@ class OptimalSamplingDual:
         current, _ = self.alpha_settings
         method = current if method is None else method
         config = {"alpha_min": self.config.alpha_min, "alpha_max": self.config.alpha_max, **alpha_config}
-        get_alpha_computer(method, **config)
+        get_alpha_computer(method, **config).check_teacher_count(len(PAIR.teachers))
         self.driver.call(self.driver.update_alpha(method, config))
         return self.alpha_settings
 

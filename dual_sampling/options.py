@@ -23,6 +23,7 @@ from dual_sampling.decision.stages import LOGIT_BIAS_LIMIT, STAGES, DecisionOpti
 from dual_sampling.lockstep import TOP_LOGPROBS_MAX
 from dual_sampling.lockstep.row_channel import ROW_TRANSPORTS
 from dual_sampling.records import BEST_OF_SCORES, USER_SCORE, ScoreFunction, score_function
+from dual_sampling.roster import PAIR
 
 __all__ = [
     "BEST_OF_SCORES",
@@ -322,8 +323,8 @@ class EngineOptions:
         for name in ("alpha_min", "alpha_max", "sync_timeout"):  # 30 and 30.0 configure (and hash) the same run
             if is_int(getattr(self, name)):
                 setattr(self, name, float(getattr(self, name)))
-        # Building the computer validates the method name and its bounds, naming the bad value.
-        get_alpha_computer(self.alpha_method, **self.alpha_kwargs)
+        # Building the computer validates the method name and its bounds, naming the bad value; a run has one teacher.
+        get_alpha_computer(self.alpha_method, **self.alpha_kwargs).check_teacher_count(len(PAIR.teachers))
         require(
             is_number(self.sync_timeout) and self.sync_timeout > 0,
             f"sync_timeout must be a positive number of seconds, got {self.sync_timeout!r}",

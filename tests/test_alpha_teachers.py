@@ -219,3 +219,13 @@ def test_several_teachers_are_refused_by_name_where_a_method_has_no_form_for_the
         geometric_mix_teachers(theta, teachers, torch.tensor([0.5]))
     with pytest.raises(ValueError, match="sum per row is at most 1"):
         geometric_mix_teachers(theta, teachers, torch.tensor([0.6, 0.6]))
+
+
+def test_a_run_of_one_teacher_refuses_weights_for_two_before_any_engine_starts():
+    from dual_sampling.options import EngineOptions
+
+    with pytest.raises(ValueError, match=r"alpha must list one weight per teacher \(1\)"):
+        EngineOptions(alpha_method="fixed", alpha_config={"alpha": [0.2, 0.3]})
+    with pytest.raises(ValueError, match=r"teacher_shares must list one share per teacher \(1\)"):
+        EngineOptions(alpha_method="trust_region", alpha_config={"teacher_shares": [1.0, 1.0]})
+    assert EngineOptions(alpha_method="fixed", alpha_config={"alpha": [0.2]}).alpha_method == "fixed"
