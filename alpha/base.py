@@ -192,11 +192,16 @@ class AlphaComputer:
         if isinstance(teachers, bool) or not isinstance(teachers, int) or teachers < 1:
             raise ValueError(f"the number of teachers must be an integer >= 1, got {teachers!r}")
         if teachers > 1 and not self.several_teachers:
-            from alpha.registry import alpha_methods_for_several_teachers
-
+            # The registered classes, read off the class tree: the registry imports this module, not the reverse.
+            classes, known = [AlphaComputer], set()
+            while classes:
+                cls = classes.pop()
+                classes += cls.__subclasses__()
+                if cls.name and cls.several_teachers:
+                    known.add(cls.name)
             raise ValueError(
                 f"alpha method {self.name!r} has no form for {teachers} teachers; "
-                f"methods that weight several: {', '.join(alpha_methods_for_several_teachers())}"
+                f"methods that weight several: {', '.join(sorted(known))}"
             )
 
     def compute_teachers(
