@@ -88,3 +88,25 @@ def test_a_new_mode_is_one_module_plus_its_registration(monkeypatch):
             assert all(0 <= a <= 1 for a in sample.alpha)
         with pytest.raises(ValueError, match="beam_search is served in mode='lockstep' only"):
             s.beam_search([[17, 18]], beam_width=2, max_tokens=2)
+
+
+def test_every_modes_driver_replaces_only_the_lockstep_drivers_public_hooks():
+    """A mode's driver may replace the documented hooks (public methods), never a private method of the lockstep
+    driver: its slots, queueing and failure handling are shared, not re-implemented per mode."""
+    import importlib
+    import inspect
+    import typing
+
+    from dual_sampling.driver.lockstep_driver import LockstepDriver
+
+    private = {name for name in vars(LockstepDriver) if name.startswith("_") and not name.startswith("__")}
+    assert {"_fly", "_abort", "_launch"} <= private  # the walk sees the driver's private methods
+    for mode in MODES.values():
+        module, function = mode.start.split(":")
+        driver = typing.get_type_hints(getattr(importlib.import_module(module), function))["return"]
+        assert issubclass(driver, LockstepDriver), mode.name
+        for cls in inspect.getmro(driver):
+            if cls is LockstepDriver or not issubclass(cls, LockstepDriver):
+                continue
+            overridden = sorted(private & set(vars(cls)))
+            assert overridden == [], f"mode {mode.name!r}: {cls.__name__} overrides {overridden}"

@@ -26,6 +26,14 @@ lockstep: no slot is handed out meanwhile, the requests in flight finish on the 
 weights (vLLM's pause, ``reload_weights`` and ``reset_prefix_cache``, then resume). So every
 sample is drawn from one version of each model, and it records which
 (:mod:`~dual_sampling.driver.versions`).
+
+Another mode's driver (``dual_sampling.modes``) is this class with its public *mode hooks* replaced:
+:meth:`~LockstepDriver.start_engines`, :meth:`~LockstepDriver.relay`, :meth:`~LockstepDriver.abort_launched`,
+:meth:`~LockstepDriver.check`, :meth:`~LockstepDriver.update_weights` and :meth:`~LockstepDriver.statistics`; slots,
+queueing, failure handling and records stay here. No mode overrides a private method (``tests/test_modes.py``).
+
+The module is over 500 lines because a request's life (queued, launched, relayed, aborted, paused for an update,
+closed) is one state machine on one loop, whose invariants are easier to hold in one place.
 """
 
 from __future__ import annotations
@@ -119,12 +127,13 @@ class LockstepDriver:
         self.thread = LoopThread("dual-sampling-loop", interrupt_wait=sync_timeout)
         atexit.register(self.close)  # an exception or a signal that ends the program still stops the engines
         try:
-            self.engines = self.thread.call(self._start(engine_factory))
+            self.engines = self.thread.call(self.start_engines(engine_factory))
         except BaseException:
             self.close()
             raise
 
-    async def _start(self, engine_factory: Callable[[str], Any]) -> Any:
+    async def start_engines(self, engine_factory: Callable[[str], Any]) -> Any:
+        """Mode hook: build the engines on the driver's loop and start watching their health; returns them."""
         self._update_lock = asyncio.Lock()
         engines = engine_factory(self.session.name)
         watch = HealthWatch(
@@ -213,9 +222,9 @@ class LockstepDriver:
         return flight
 
     async def _fly(self, flight: Flight) -> None:
-        """Run one request (:meth:`_relay`); its end, however it comes, reaches the caller's stream."""
+        """Run one request (:meth:`relay`); its end, however it comes, reaches the caller's stream."""
         try:
-            await self._relay(flight)
+            await self.relay(flight)
         except asyncio.CancelledError:
             flight.outbox.put_nowait(self.failure or EnginePairDead("the dual engine was closed"))
             raise
@@ -226,8 +235,10 @@ class LockstepDriver:
             self.slots.release(flight.slot)
             self._flights.pop(flight.request_id, None)
 
-    async def _relay(self, flight: Flight) -> None:
-        """Submit one request to both engines, relay the teacher's tokens, and verify the end."""
+    async def relay(self, flight: Flight) -> None:
+        """Mode hook: submit one request to the engines, put its deltas and its final sample in ``flight.outbox``.
+
+        Here: to both engines; the teacher's tokens are relayed and the end verified against theta's."""
         request = flight.request
         teacher_params, theta_params = engine_sampling_params(flight)
         theta = self.engines.theta.generate(
@@ -243,7 +254,7 @@ class LockstepDriver:
                 flight.tokens += completion.token_ids
                 if out.finished:
                     theta_out = await theta_task
-                    sample = self._finish(flight, list(theta_out.outputs[0].token_ids), completion.finish_reason)
+                    sample = self.finish(flight, list(theta_out.outputs[0].token_ids), completion.finish_reason)
                     flight.outbox.put_nowait(delta_of(self.session, flight, start, sample))
                     return
                 if len(flight.tokens) > start:
@@ -254,8 +265,8 @@ class LockstepDriver:
                 theta_task.cancel()
             await _settle(theta_task)
 
-    def _finish(self, flight: Flight, theta_tokens: list[int], teacher_finish: str | None) -> SampleRecord:
-        """The verified sample of a request both engines have ended, counted."""
+    def finish(self, flight: Flight, theta_tokens: list[int], teacher_finish: str | None) -> SampleRecord:
+        """The verified sample of a request the engines have ended, counted (for :meth:`relay`)."""
         sample, code = collect_sample(self.session, flight, theta_tokens, teacher_finish, self.tokenizer)
         if code != ErrorCode.NONE:
             self.counters[f"failed_{code.label}"] += 1
@@ -282,7 +293,7 @@ class LockstepDriver:
     def _abort(self, request_id: str) -> bool:
         flight = self._flights.get(request_id)
         if flight is not None:
-            self.session.request_abort(flight.slot, flight.key, Writer.DRIVER)
+            self.abort_launched(flight)
             return True
         waiter = self._queued.get(request_id)
         if waiter is None:
@@ -292,6 +303,11 @@ class LockstepDriver:
         else:
             waiter.set_result(None)
         return True
+
+    def abort_launched(self, flight: Flight) -> None:
+        """Mode hook: end a request that reached the engines (on the loop; no await). Here: the session's abort
+        word, which both engines' schedulers read at the next step boundary."""
+        self.session.request_abort(flight.slot, flight.key, Writer.DRIVER)
 
     @property
     def alive(self) -> bool:

@@ -67,8 +67,8 @@ class SpeculativeDriver(LockstepDriver):
         self._aborting: set[asyncio.Future] = set()
         super().__init__(*args, **kwargs)
 
-    async def _start(self, engine_factory: Any) -> Any:
-        engines = await super()._start(engine_factory)
+    async def start_engines(self, engine_factory: Any) -> Any:
+        engines = await super().start_engines(engine_factory)
         method, config = self._alpha_start
         vocab = self.session.layout.vocab
         gammas = await engines.teacher.collective_rpc(
@@ -82,14 +82,10 @@ class SpeculativeDriver(LockstepDriver):
         super().check(request)
         check_speculative(request)
 
-    def _abort(self, request_id: str) -> bool:
-        flight = self._flights.get(request_id)
-        if flight is None:
-            return super()._abort(request_id)
-        task = asyncio.ensure_future(self.engines.teacher.abort(request_id))
+    def abort_launched(self, flight: Flight) -> None:
+        task = asyncio.ensure_future(self.engines.teacher.abort(flight.request_id))
         self._aborting.add(task)  # held until done: the loop keeps only weak references to tasks
         task.add_done_callback(self._aborting.discard)
-        return True
 
     async def update_weights(self, role: Role | str, *args: Any, **kwargs: Any) -> str:
         if Role(role) == Role.THETA:
@@ -107,7 +103,7 @@ class SpeculativeDriver(LockstepDriver):
         stats["acceptance"] = stats.get("accepted", 0) / drafted if drafted else float("nan")
         return stats
 
-    async def _relay(self, flight: Flight) -> None:
+    async def relay(self, flight: Flight) -> None:
         """Submit one request to the engine, its prompt less the last token; relay the tokens after that one."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -154,7 +150,7 @@ class SpeculativeDriver(LockstepDriver):
 
     def _finish_speculative(self, flight: Flight, completion: Any) -> SampleRecord:
         """The verified sample (the tokens the engine emitted, each with its record), ended as vLLM ended it."""
-        sample = self._finish(flight, list(flight.tokens), completion.finish_reason)
+        sample = self.finish(flight, list(flight.tokens), completion.finish_reason)
         if sample.finish_reason == "stop" and flight.tokens:
             # A stop string (vLLM names it), else a stop token: EOS (vLLM names none) or one of stop_token_ids.
             stop = completion.stop_reason
