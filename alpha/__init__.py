@@ -10,7 +10,7 @@ Pure tensor math, with no vLLM import. α is always the teacher weight.
 
 from alpha.base import AlphaComputer, AlphaResult
 from alpha.methods import EntropyAlpha, ESSBalanceAlpha, FixedAlpha, KLSymmetryAlpha, TrustRegionAlpha
-from alpha.mixing import geometric_log_weights, geometric_mix, geometric_mix_teachers
+from alpha.mixing import geometric_log_weights, geometric_log_weights_teachers, geometric_mix, geometric_mix_teachers
 from alpha.registry import (
     ENTRY_POINT_GROUP,
     alpha_methods_for_several_teachers,
@@ -31,6 +31,7 @@ __all__ = [
     "alpha_methods_for_several_teachers",
     "available_alpha_methods",
     "geometric_log_weights",
+    "geometric_log_weights_teachers",
     "geometric_mix",
     "geometric_mix_teachers",
     "get_alpha_computer",

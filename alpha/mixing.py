@@ -17,7 +17,7 @@ from torch import Tensor
 
 from alpha.base import _rows, check_log_prob_pair, check_log_prob_rows
 
-__all__ = ["geometric_log_weights", "geometric_mix", "geometric_mix_teachers"]
+__all__ = ["geometric_log_weights", "geometric_log_weights_teachers", "geometric_mix", "geometric_mix_teachers"]
 
 
 def geometric_mix(logp_theta: Tensor, logp_teacher: Tensor, alpha: Tensor | float) -> Tensor:
@@ -86,9 +86,7 @@ def geometric_mix_teachers(logp_theta: Tensor, logp_teachers: Tensor, alpha: Ten
     if count == 1:
         logq = geometric_mix(theta, teachers[0], a[:, 0])
         return logq[0] if one_row else logq
-    weights = torch.cat([(1 - total).clamp_min(0.0).unsqueeze(0), a.T], dim=0).unsqueeze(-1)  # [K+1, B, 1]
-    rows = torch.cat([theta.unsqueeze(0), teachers], dim=0)
-    mixed = torch.where(weights > 0, weights * rows, torch.zeros_like(rows)).sum(0)
+    mixed = geometric_log_weights_teachers(theta, teachers, a)
     empty = mixed.amax(dim=-1) == -math.inf
     if empty.any():
         raise ValueError(
@@ -96,3 +94,12 @@ def geometric_mix_teachers(logp_theta: Tensor, logp_teachers: Tensor, alpha: Ten
         )
     logq = torch.log_softmax(mixed, dim=-1)
     return logq[0] if one_row else logq
+
+
+def geometric_log_weights_teachers(logp_theta: Tensor, logp_teachers: Tensor, alpha: Tensor) -> Tensor:
+    """log q up to a per-row constant, ``[B, V]``, for θ ``[B, V]``, K teachers ``[K, B, V]`` and α ``[B, K]``: no
+    checks and no normalisation (as :func:`geometric_log_weights`). A model of weight 0 takes no part, masks included
+    (0·(−inf) would be NaN)."""
+    weights = torch.cat([(1 - alpha.sum(-1)).clamp_min(0.0).unsqueeze(0), alpha.T], dim=0).unsqueeze(-1)  # [K+1, B, 1]
+    rows = torch.cat([logp_theta.unsqueeze(0), logp_teachers], dim=0)
+    return torch.where(weights > 0, weights * rows, torch.zeros_like(rows)).sum(0)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from alpha import get_alpha_computer
-from dual_sampling.decision.pipeline import RowSampling, decide
+from dual_sampling.decision.pipeline import ModelRows, RowSampling, decide
 
 WARM_OFFSET = 0.07
 """How far a warm start is from the root: the median change of α between consecutive tokens
@@ -107,7 +107,9 @@ def decision_cost(
     warm = (computer.compute(theta, teacher).alpha + warm_offset).clamp(0, 1)
 
     def run(fused: bool):
-        return decide(teacher, theta, [1] * batch, rows, computer, warm, theta_normalized=True, fused=fused)
+        return decide(
+            ModelRows.pair(teacher, theta, theta_normalized=True), [1] * batch, rows, computer, warm, fused=fused
+        )
 
     kernel_s, _ = timed(lambda: run(True), repeats)
     reference_s, _ = timed(lambda: run(False), repeats)
@@ -164,7 +166,8 @@ def main() -> None:
         rows_cfg = [RowSampling(seed=i) for i in range(args.batch)]
         ac = get_alpha_computer("kl_symmetry")
         decide_s, _ = timed(
-            lambda t=teacher, th=theta, r=rows_cfg, a=ac: decide(t, th, [1] * args.batch, r, a), args.repeats
+            lambda t=teacher, th=theta, r=rows_cfg, a=ac: decide(ModelRows.pair(t, th), [1] * args.batch, r, a),
+            args.repeats,
         )
         rows.append({"vocab": vocab, "method": "decide(kl_symmetry)", "cold_ms": 1e3 * decide_s})
         print(f"V={vocab:6d} decide       {1e3 * decide_s:7.1f} ms (log-softmax, kl_symmetry, mix, draw)")

@@ -172,7 +172,7 @@ def check_transports(device: torch.device) -> dict:
 
 def bench_decision(device: torch.device, b: int, vocab: int, repeats: int) -> dict:
     from alpha import get_alpha_computer
-    from dual_sampling.decision.pipeline import RowSampling, decide
+    from dual_sampling.decision.pipeline import ModelRows, RowSampling, decide
 
     teacher, theta = rows(b, vocab, device)
     sampling = [RowSampling(seed=i) for i in range(b)]
@@ -183,10 +183,10 @@ def bench_decision(device: torch.device, b: int, vocab: int, repeats: int) -> di
         computer = get_alpha_computer(name)
 
         def fused(computer=computer):
-            decide(teacher, theta, steps, sampling, computer, warm, theta_normalized=True)
+            decide(ModelRows.pair(teacher, theta, theta_normalized=True), steps, sampling, computer, warm)
 
         def reference(computer=computer):
-            decide(teacher, theta, steps, sampling, computer, warm, theta_normalized=True, fused=False)
+            decide(ModelRows.pair(teacher, theta, theta_normalized=True), steps, sampling, computer, warm, fused=False)
 
         out[f"decide_{name}_ms"] = median_ms(fused, device, repeats)
         out[f"reference_{name}_ms"] = median_ms(reference, device, max(1, repeats // 4))

@@ -158,14 +158,16 @@ def _median_ms(fn, device: torch.device, repeats: int) -> float:
 def decision_ms(rows: int, vocab: int, device: torch.device, repeats: int) -> float:
     """``decide()`` (fused, kl_symmetry) on ``rows`` rows of ``vocab``: lockstep's per-step decision."""
     from alpha import get_alpha_computer
-    from dual_sampling.decision.pipeline import RowSampling, decide
+    from dual_sampling.decision.pipeline import ModelRows, RowSampling, decide
 
     teacher, theta = _rows(rows, vocab, device)
     sampling = [RowSampling(seed=i) for i in range(rows)]
     computer = get_alpha_computer("kl_symmetry")
     warm = torch.full((rows,), 0.45, device=device)
     return _median_ms(
-        lambda: decide(teacher, theta, [1] * rows, sampling, computer, warm, theta_normalized=True), device, repeats
+        lambda: decide(ModelRows.pair(teacher, theta, theta_normalized=True), [1] * rows, sampling, computer, warm),
+        device,
+        repeats,
     )
 
 

@@ -66,7 +66,7 @@ import torch
 
 from alpha import get_alpha_computer
 from dual_sampling import OptimalSamplingDual, models
-from dual_sampling.decision.pipeline import RowSampling, decide
+from dual_sampling.decision.pipeline import ModelRows, RowSampling, decide
 from dual_sampling.driver import engine_start
 from dual_sampling.driver.engine_processes import engine_cpus, split_cpu_binding
 from dual_sampling.options import default_kv_cache_bytes
@@ -279,7 +279,7 @@ class HFMixture:
         prev = torch.full((b,), 0.5)
         last = time.perf_counter()
         for step in range(max_tokens):
-            decision = decide(logits_t, logits_th, [step] * b, rows, self.alpha, prev)
+            decision = decide(ModelRows.pair(logits_t, logits_th), [step] * b, rows, self.alpha, prev)
             prev, tokens = decision.alpha, decision.tokens
             generated += int((~done).sum())
             done |= tokens == self.eos if stop_at_eos else done

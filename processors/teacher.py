@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from alpha import get_alpha_computer
-from dual_sampling.decision.pipeline import Decision, decide, dense_top
+from dual_sampling.decision.pipeline import Decision, ModelRows, decide, dense_top
 from dual_sampling.lockstep import Bell, ErrorCode, Header, Slot, Stat, Writer
 from dual_sampling.lockstep.row_channel import RowGatherer
 from processors.base import BaseSyncLogitsProcessor, TrackedRow
@@ -91,23 +91,24 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
             part = ready[lo:hi]
             warm = torch.tensor([row.alpha for _, row in part], dtype=torch.float32, device=teacher.device)
             slots = [row.slot for _, row in part]
-            d = decide(
+            models = ModelRows.pair(
                 teacher[lo:hi],
                 theta[lo:hi],
+                theta_normalized=True,
+                theta_log_normalisers=torch.from_numpy(self.session.theta_log_normalisers[slots]),
+            )
+            d = decide(
+                models,
                 [row.step for _, row in part],
                 [row.sampling for _, row in part],
                 self.alpha_computer,
                 warm,
-                theta_normalized=True,
                 top_logprobs=top_logprobs,
                 outputs=[row.output_token_ids for _, row in part],
-                theta_log_normalisers=torch.from_numpy(self.session.theta_log_normalisers[slots]),
                 diversity=diversity,
             )
             if dense_k:
-                d.dense_ids, d.dense_logp, d.dense_other_logp = dense_top(
-                    teacher[lo:hi], theta[lo:hi], dense_k, d, theta_normalized=True
-                )
+                d.dense_ids, d.dense_logp, d.dense_other_logp = dense_top(models, dense_k, d)
             return d
 
         n = len(ready)

@@ -17,7 +17,7 @@ import torch
 from alpha import get_alpha_computer
 from dual_sampling.decision import pipeline
 from dual_sampling.decision.kernel import decide_fused
-from dual_sampling.decision.pipeline import RowSampling, counter_uniform, decide
+from dual_sampling.decision.pipeline import ModelRows, RowSampling, counter_uniform, decide
 from tests.oracles import np_alpha_kl, np_log_softmax, rows_sent_to_the_reference
 from tests.test_draw_boundaries import boundary_cases, pair, reference_cdf
 from tests.test_gpu_kernel import LEVEL, masked_draw_p_values, masked_edits
@@ -154,8 +154,8 @@ def test_decide_on_a_kernel_device_mixes_kernel_and_reference_rows(interpreted, 
         RowSampling(seed=4, temperature=0.7),
     ]
     computer = get_alpha_computer("kl_symmetry")
-    mixed = decide(teacher, theta, [1] * 5, rows, computer)
-    reference = decide(teacher, theta, [1] * 5, rows, computer, fused=False)
+    mixed = decide(ModelRows.pair(teacher, theta), [1] * 5, rows, computer)
+    reference = decide(ModelRows.pair(teacher, theta), [1] * 5, rows, computer, fused=False)
     assert mixed.tokens.tolist() == reference.tokens.tolist()
     atol = {
         "alpha": ALPHA_TWO_SOLVES_ATOL,
@@ -201,10 +201,12 @@ def test_penalised_and_diverse_rows_are_the_references(interpreted, monkeypatch,
         interpreted, "decide_gpu", lambda t, *a, **k: taken.append(len(t)) or kernel(t, *a, **{**k, "block": 64})
     )
     computer = get_alpha_computer("kl_symmetry")
-    shared = dict(theta_normalized=normalized, outputs=outputs, diversity=diversity)
-    shared["theta_log_normalisers"] = lse if normalized else None
-    fused = decide(teacher, theta, [len(o) for o in outputs], rows, computer, **shared)
-    reference = decide(teacher, theta, [len(o) for o in outputs], rows, computer, fused=False, **shared)
+    models = ModelRows.pair(
+        teacher, theta, theta_normalized=normalized, theta_log_normalisers=lse if normalized else None
+    )
+    shared = dict(outputs=outputs, diversity=diversity)
+    fused = decide(models, [len(o) for o in outputs], rows, computer, **shared)
+    reference = decide(models, [len(o) for o in outputs], rows, computer, fused=False, **shared)
     assert taken == [b] and not fused.handed_back.any()  # the kernel decided every row
     assert fused.tokens.tolist() == reference.tokens.tolist()
     atol = {
@@ -219,12 +221,16 @@ def test_penalised_and_diverse_rows_are_the_references(interpreted, monkeypatch,
     # logit) or past float64's (400 times: +800) comes back, and the reference draws that token.
     for times in (50, 400):
         big = [RowSampling(seed=1, frequency_penalty=-2.0)]
-        over = decide(teacher[:1], theta[:1], [times], big, computer, theta_normalized=normalized,
-                      outputs=[[5] * times], theta_log_normalisers=lse[:1] if normalized else None)  # fmt: skip
+        one = ModelRows.pair(
+            teacher[:1], theta[:1], theta_normalized=normalized, theta_log_normalisers=lse[:1] if normalized else None
+        )
+        over = decide(one, [times], big, computer, outputs=[[5] * times])
         assert over.handed_back.tolist() == [True] and over.tokens.tolist() == [5], times
     # The edits moved the law: without them, other tokens come out of the same uniforms.
     plain = [RowSampling(seed=r) for r in range(b)]
-    unedited = decide(teacher, theta, [len(o) for o in outputs], plain, computer, theta_normalized=normalized)
+    unedited = decide(
+        ModelRows.pair(teacher, theta, theta_normalized=normalized), [len(o) for o in outputs], plain, computer
+    )
     assert fused.tokens.tolist() != unedited.tokens.tolist()
 
 
@@ -265,8 +271,8 @@ def test_decide_gives_an_unconverged_row_to_the_reference(interpreted, monkeypat
     rows = [RowSampling(seed=0), RowSampling(seed=1)]
     warm = torch.tensor([root, 0.0])  # row 0 converges in its one pass, row 1 does not
     computer = get_alpha_computer("kl_symmetry")
-    mixed = decide(teacher, theta, [1, 1], rows, computer, alpha_init=warm)
+    mixed = decide(ModelRows.pair(teacher, theta), [1, 1], rows, computer, alpha_init=warm)
     assert reference_rows == [1], "the unconverged row (and only it) goes to the reference"
-    full = decide(teacher, theta, [1, 1], rows, computer, alpha_init=warm, fused=False)
+    full = decide(ModelRows.pair(teacher, theta), [1, 1], rows, computer, alpha_init=warm, fused=False)
     assert mixed.tokens.tolist() == full.tokens.tolist()
     torch.testing.assert_close(mixed.alpha, full.alpha.float(), atol=ALPHA_TWO_SOLVES_ATOL, rtol=0)

@@ -394,9 +394,9 @@ def rows_sent_to_the_reference(monkeypatch) -> list[int]:
     counts: list[int] = []
     reference = pipeline._decide_reference
 
-    def recorded(teacher_logits, *args, **kwargs):
-        counts.append(teacher_logits.shape[0])
-        return reference(teacher_logits, *args, **kwargs)
+    def recorded(models, *args, **kwargs):
+        counts.append(len(models))
+        return reference(models, *args, **kwargs)
 
     monkeypatch.setattr(pipeline, "_decide_reference", recorded)
     return counts

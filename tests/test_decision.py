@@ -12,6 +12,7 @@ import torch
 
 from alpha import get_alpha_computer
 from dual_sampling.decision.pipeline import (
+    ModelRows,
     RowSampling,
     counter_uniform,
     decide,
@@ -144,7 +145,7 @@ def test_decide_records_match_float64_references():
     g = torch.Generator().manual_seed(0)
     teacher, theta = torch.randn(3, 50, generator=g) * 3, torch.randn(3, 50, generator=g)
     rows = [RowSampling(seed=i, force_first_token=(i == 0)) for i in range(3)]
-    d = decide(teacher, theta, [0, 0, 4], rows, get_alpha_computer("kl_symmetry"))
+    d = decide(ModelRows.pair(teacher, theta), [0, 0, 4], rows, get_alpha_computer("kl_symmetry"))
     lt, lth = torch.log_softmax(teacher.double(), -1).numpy(), torch.log_softmax(theta.double(), -1).numpy()
     # α: the forced first step's is 1; the others are the float64 bisection's root (not the alpha package).
     root = [1.0] + [np_alpha_kl(lth[i], lt[i]) for i in (1, 2)]
@@ -182,7 +183,7 @@ def test_a_huge_logit_bias_is_clamped_and_draws_its_token_with_a_finite_logq():
     rows = [RowSampling(seed=1, logit_bias={7: 1e39}), RowSampling(seed=2, logit_bias={7: -1e39, 8: float("inf")})]
     assert rows[0].logit_bias == {7: 100.0} and rows[1].logit_bias == {7: -100.0, 8: 100.0}
     assert RowSampling.from_dict(rows[1].to_dict()) == rows[1]
-    d = decide(teacher, theta, [0, 0], rows, get_alpha_computer("kl_symmetry"))
+    d = decide(ModelRows.pair(teacher, theta), [0, 0], rows, get_alpha_computer("kl_symmetry"))
     assert d.tokens.tolist() == [7, 8] and bool(d.ok.all())
     assert torch.isfinite(d.logq).all() and d.logq.tolist() == pytest.approx([0.0, 0.0], abs=1e-6)
     with pytest.raises(ValueError, match=r"logit_bias\[3\] is NaN"):
@@ -212,8 +213,8 @@ def test_dense_top_k_values_are_the_records_at_the_drawn_token(vocab):
     theta[:, :8] += 15
     theta = torch.log_softmax(theta, -1)
     rows = [RowSampling(seed=i, top_k=50 if i % 2 else 0) for i in range(6)]
-    d = decide(teacher, theta, [1] * 6, rows, get_alpha_computer("kl_symmetry"), theta_normalized=True)
-    ids, values, other = dense_top(teacher, theta, 16, d, theta_normalized=True)
+    d = decide(ModelRows.pair(teacher, theta, theta_normalized=True), [1] * 6, rows, get_alpha_computer("kl_symmetry"))
+    ids, values, other = dense_top(ModelRows.pair(teacher, theta, theta_normalized=True), 16, d)
     teacher_exact = torch.log_softmax(teacher.double(), -1)
     assert torch.equal(values[:, 1], theta.gather(-1, ids[:, 1]))  # theta at its own top k
     assert torch.equal(other[:, 0], theta.gather(-1, ids[:, 0]))  # and at the teacher's

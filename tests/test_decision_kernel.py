@@ -13,7 +13,7 @@ from dual_sampling.decision import kernel
 from dual_sampling.decision.edits import row_edits
 from dual_sampling.decision.fusable import kernel_rows
 from dual_sampling.decision.kernel import decide_fused
-from dual_sampling.decision.pipeline import Decision, RowSampling, counter_uniform, decide
+from dual_sampling.decision.pipeline import Decision, ModelRows, RowSampling, counter_uniform, decide
 from tests.oracles import rows_sent_to_the_reference
 from tests.tolerances import (
     ALPHA_ATOL,
@@ -103,7 +103,7 @@ def test_kernel_matches_float64_and_the_reference(vocab, method):
         torch.testing.assert_close(
             torch.from_numpy(out[:, column]), full.gather(-1, tokens).squeeze(-1), rtol=0, atol=ONE_NORMALISATION_ATOL
         )
-    reference = decide(teacher, theta, steps, rows, computer, warm, theta_normalized=True, fused=False)
+    reference = decide(ModelRows.pair(teacher, theta, theta_normalized=True), steps, rows, computer, warm, fused=False)
     assert torch.equal(reference.tokens, tokens.squeeze(-1)), "the same uniform must pick the same token"
 
 
@@ -161,8 +161,8 @@ def test_stop_tokens_before_min_tokens_are_masked_after_alpha():
         assert tokens[r] not in ((7, 9, vocab - 1) if masked[r] else ())
         assert abs(out[r, 4] - float(logq[tokens[r]])) < ONE_NORMALISATION_ATOL
     # Through decide(): the kernel's rows and the handed-back row agree with the reference.
-    via_kernel = decide(teacher, theta, steps, rows, computer, theta_normalized=True)
-    reference = decide(teacher, theta, steps, rows, computer, theta_normalized=True, fused=False)
+    via_kernel = decide(ModelRows.pair(teacher, theta, theta_normalized=True), steps, rows, computer)
+    reference = decide(ModelRows.pair(teacher, theta, theta_normalized=True), steps, rows, computer, fused=False)
     assert torch.equal(via_kernel.tokens, reference.tokens)
     torch.testing.assert_close(via_kernel.alpha, reference.alpha, rtol=0, atol=ALPHA_TWO_SOLVES_ATOL)
     stopped = [((7, 9, vocab - 1) if s < r.min_tokens else ()) for r, s in zip(rows, steps)]
@@ -219,8 +219,8 @@ def test_rows_with_filters_go_to_the_reference_and_the_batch_stays_in_order():
     assert kernel_rows(rows, computer, torch.device("cpu")) == [True, False, True, False, True, False]
     assert not any(kernel_rows(rows, get_alpha_computer("ess_balance"), torch.device("cpu")))
     assert not any(kernel_rows(rows, computer, torch.device("meta")))
-    mixed = decide(teacher, theta, steps, rows, computer, theta_normalized=True)
-    reference = decide(teacher, theta, steps, rows, computer, theta_normalized=True, fused=False)
+    mixed = decide(ModelRows.pair(teacher, theta, theta_normalized=True), steps, rows, computer)
+    reference = decide(ModelRows.pair(teacher, theta, theta_normalized=True), steps, rows, computer, fused=False)
     assert torch.equal(mixed.tokens, reference.tokens)
     assert mixed.ok.all()
     # Two float32 computations of each: the kernel's and torch's (at V = 3000, past SMALL_VOCAB), log q at two α.
@@ -245,8 +245,8 @@ def test_rows_outside_the_kernels_domain_are_handed_back():
     out, _ = decide_fused(teacher, theta, [0.3, 0.6, 0.9], [False] * 3, computer, None, theta_normalized=True)
     assert out[:, 5].tolist() == [1, 0, 0] or out[:, 5].tolist() == [1, 1, 0]
     rows = [RowSampling(seed=i) for i in range(3)]
-    via_kernel = decide(teacher, theta, [1] * 3, rows, computer, theta_normalized=True)
-    reference = decide(teacher, theta, [1] * 3, rows, computer, theta_normalized=True, fused=False)
+    via_kernel = decide(ModelRows.pair(teacher, theta, theta_normalized=True), [1] * 3, rows, computer)
+    reference = decide(ModelRows.pair(teacher, theta, theta_normalized=True), [1] * 3, rows, computer, fused=False)
     assert torch.equal(via_kernel.tokens, reference.tokens)
     # A fixed α: the kernel's normalisation and torch's at V = 600 (≤ SMALL_VOCAB).
     torch.testing.assert_close(via_kernel.logq, reference.logq, rtol=0, atol=TWO_NORMALISATIONS_ATOL)
@@ -284,11 +284,13 @@ def test_decide_gives_an_unconverged_row_to_the_reference_and_counts_it(monkeypa
     teacher, theta, warm = unconverged_case(seed=14)
     rows = [RowSampling(seed=0), RowSampling(seed=1)]
     computer = get_alpha_computer("kl_symmetry")
-    mixed = decide(teacher, theta, [1, 1], rows, computer, alpha_init=warm, theta_normalized=True)
+    mixed = decide(ModelRows.pair(teacher, theta, theta_normalized=True), [1, 1], rows, computer, alpha_init=warm)
     assert reference_rows == [1], "the unconverged row (and only it) goes to the reference"
     assert mixed.handed_back.tolist() == [False, True] and mixed.unconverged.tolist() == [False, True]
     assert Decision.concatenate([mixed, mixed]).unconverged.tolist() == [False, True, False, True]
-    full = decide(teacher, theta, [1, 1], rows, computer, alpha_init=warm, theta_normalized=True, fused=False)
+    full = decide(
+        ModelRows.pair(teacher, theta, theta_normalized=True), [1, 1], rows, computer, alpha_init=warm, fused=False
+    )
     assert mixed.tokens.tolist() == full.tokens.tolist()
     torch.testing.assert_close(mixed.alpha, full.alpha, atol=ALPHA_TWO_SOLVES_ATOL, rtol=0)  # row 1: two solves
     assert not full.handed_back.any() and not full.unconverged.any()
@@ -324,7 +326,9 @@ def test_bad_rows_still_raise_a_named_error():
     teacher, theta = pair(2, 300, seed=5)
     teacher[1, 3] = math.nan
     with pytest.raises(ValueError, match="NaN in rows 1"):
-        decide(teacher, theta, [1, 1], [RowSampling(), RowSampling()], get_alpha_computer("kl_symmetry"))
+        decide(
+            ModelRows.pair(teacher, theta), [1, 1], [RowSampling(), RowSampling()], get_alpha_computer("kl_symmetry")
+        )
 
 
 def test_exp_polynomial_is_within_float32_resolution():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from alpha import get_alpha_computer
-from dual_sampling.decision.pipeline import RowSampling, decide
+from dual_sampling.decision.pipeline import ModelRows, RowSampling, decide
 from dual_sampling.options import SamplingOptions
 from tests.draws import _chi_square_p, pits
 from tests.oracles import rescore
@@ -31,7 +31,7 @@ def test_a_members_law_is_q_divided_by_exp_lambda_per_earlier_member():
     rows = [RowSampling(seed=r, diversity_penalty=1.5, group=9, member=r, temperature=0.8) for r in range(b)]
     rows[1].temperature = 1.0  # the kernel takes this row; the others (tempered) go to the reference
     computer = get_alpha_computer("fixed", alpha=0.4)
-    d = decide(teacher, theta, [3] * b, rows, computer, diversity=taken)
+    d = decide(ModelRows.pair(teacher, theta), [3] * b, rows, computer, diversity=taken)
     assert bool(d.handed_back.sum() == 0)
     # Two float32 log-softmaxes feed the mixture and one more normalises it, at V = 5000 (past SMALL_VOCAB); the
     # mixture's row constants cancel, so twice one normalisation's bound.

@@ -23,7 +23,7 @@ from alpha import get_alpha_computer
 from dual_sampling.decision import pipeline
 from dual_sampling.decision.edits import row_edits
 from dual_sampling.decision.kernel import decide_fused
-from dual_sampling.decision.pipeline import RowSampling, decide
+from dual_sampling.decision.pipeline import ModelRows, RowSampling, decide
 from tests.oracles import np_alpha_kl, np_log_softmax
 from tests.tolerances import ALPHA_ATOL
 
@@ -134,8 +134,9 @@ def test_reference_draw_with_masks_and_logit_bias(monkeypatch):
             for i in range(len(us))
         ]
         d = decide(
-            torch.from_numpy(np.tile(teacher, (len(us), 1))),
-            torch.from_numpy(np.tile(theta, (len(us), 1))),
+            ModelRows.pair(
+                torch.from_numpy(np.tile(teacher, (len(us), 1))), torch.from_numpy(np.tile(theta, (len(us), 1)))
+            ),
             [0] * len(us),
             rows,
             get_alpha_computer("fixed", alpha=alpha),

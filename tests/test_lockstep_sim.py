@@ -596,16 +596,16 @@ def test_a_row_whose_decision_raises_fails_alone_and_the_others_get_their_tokens
 
 def decide_one(teacher, logits: torch.Tensor, theta_logprobs: np.ndarray, sampling: RowSampling) -> list[float]:
     """(token, α, log π_t, log π_θ, log q) of one row decided alone at step 0."""
-    from dual_sampling.decision.pipeline import decide
+    from dual_sampling.decision.pipeline import ModelRows, decide
 
     d = decide(
-        logits.unsqueeze(0),
-        torch.from_numpy(theta_logprobs.copy()).unsqueeze(0),
+        ModelRows.pair(
+            logits.unsqueeze(0), torch.from_numpy(theta_logprobs.copy()).unsqueeze(0), theta_normalized=True
+        ),
         [0],
         [sampling],
         teacher.alpha_computer,
         torch.tensor([0.5]),
-        theta_normalized=True,
     )
     return [t.item() for t in (d.tokens, d.alpha, d.logp_teacher, d.logp_theta, d.logq)]
 

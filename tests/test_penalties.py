@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from alpha import get_alpha_computer
-from dual_sampling.decision.pipeline import RowSampling, decide
+from dual_sampling.decision.pipeline import ModelRows, RowSampling, decide
 from dual_sampling.options import SamplingOptions
 from tests.draws import _chi_square_p
 from tests.tolerances import ONE_NORMALISATION_ATOL, TWO_NORMALISATIONS_ATOL, one_normalisation_atol
@@ -80,8 +80,7 @@ def test_penalised_q_is_vllms_penalised_mixture_logits(alpha, penalty):
     histories = [history(10 * penalty + i) for i in range(3)]
     rows = [penalised_row(p, prompt, temperature=0.0) for prompt, _ in histories]
     d = decide(
-        teacher,
-        theta,
+        ModelRows.pair(teacher, theta),
         [len(out) for _, out in histories],
         rows,
         get_alpha_computer("fixed", alpha=alpha),
@@ -113,20 +112,22 @@ def test_theta_normalised_rows_take_thetas_log_normaliser():
     rows = [penalised_row(p, prompt, temperature=0.0) for prompt, _ in histories]
     args = ([len(o) for _, o in histories], rows, get_alpha_computer("fixed", alpha=0.4))
     kw = dict(top_logprobs=8, outputs=[o for _, o in histories])
-    raw = decide(teacher, theta, *args, **kw)
+    raw = decide(ModelRows.pair(teacher, theta), *args, **kw)
     normalised = decide(
-        teacher,
-        torch.log_softmax(theta, -1),
+        ModelRows.pair(
+            teacher,
+            torch.log_softmax(theta, -1),
+            theta_normalized=True,
+            theta_log_normalisers=theta.double().logsumexp(-1),
+        ),
         *args,
-        theta_normalized=True,
-        theta_log_normalisers=theta.double().logsumexp(-1),
         **kw,
     )
     assert torch.equal(raw.top_ids, normalised.top_ids)
     # Two float32 computations of one row (theta normalised here and by the test's log_softmax): V = 300.
     torch.testing.assert_close(raw.top_logq, normalised.top_logq, rtol=0, atol=TWO_NORMALISATIONS_ATOL)
     with pytest.raises(ValueError, match="theta_log_normalisers"):
-        decide(teacher, torch.log_softmax(theta, -1), *args, theta_normalized=True, **kw)
+        decide(ModelRows.pair(teacher, torch.log_softmax(theta, -1), theta_normalized=True), *args, **kw)
 
 
 def test_penalised_draws_follow_the_penalised_law():
@@ -141,8 +142,7 @@ def test_penalised_draws_follow_the_penalised_law():
     rows = [SamplingOptions(max_tokens=16, **p).row(s, prompt_token_ids=prompt) for s in range(draws)]
     alpha = 0.6
     d = decide(
-        teacher.expand(draws, -1).contiguous(),
-        theta.expand(draws, -1).contiguous(),
+        ModelRows.pair(teacher.expand(draws, -1).contiguous(), theta.expand(draws, -1).contiguous()),
         [len(output)] * draws,
         rows,
         get_alpha_computer("fixed", alpha=alpha),
@@ -205,10 +205,14 @@ def test_the_cpu_kernel_decides_penalised_rows_as_the_reference_does():
     rows = [penalised_row(settings[r], prompt, seed=r, min_tokens=50, stop_token_ids=(0, 5)) for r in range(b)]
     steps = [len(o) for o in outputs]
     computer = get_alpha_computer("kl_symmetry")
-    args = (teacher, torch.log_softmax(theta_raw, -1), steps, rows, computer)
-    kw = dict(theta_normalized=True, outputs=outputs, theta_log_normalisers=theta_raw.double().logsumexp(-1))
-    fused = decide(*args, **kw)
-    reference = decide(*args, fused=False, **kw)
+    models = ModelRows.pair(
+        teacher,
+        torch.log_softmax(theta_raw, -1),
+        theta_normalized=True,
+        theta_log_normalisers=theta_raw.double().logsumexp(-1),
+    )
+    fused = decide(models, steps, rows, computer, outputs=outputs)
+    reference = decide(models, steps, rows, computer, outputs=outputs, fused=False)
     assert not fused.handed_back.any()
     assert torch.equal(fused.tokens, reference.tokens)
     # log q against float64 at the kernel's α: the mixture's logits penalised as vLLM does, the stop ids masked.
@@ -233,7 +237,7 @@ def test_a_penalty_whose_weight_overflows_goes_to_the_reference():
     teacher, theta = torch.randn(2, 500, generator=g), torch.randn(2, 500, generator=g)
     rows = [RowSampling(seed=1, frequency_penalty=-2.0), RowSampling(seed=2, presence_penalty=-2.0)]
     outputs = [[5] * 400, [7] * 3]
-    args = (teacher, theta, [400, 3], rows, get_alpha_computer("kl_symmetry"))
+    args = (ModelRows.pair(teacher, theta), [400, 3], rows, get_alpha_computer("kl_symmetry"))
     fused = decide(*args, outputs=outputs)
     reference = decide(*args, outputs=outputs, fused=False)
     assert fused.handed_back.tolist() == [True, False]

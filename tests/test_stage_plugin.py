@@ -64,7 +64,7 @@ import numpy as np, torch
 import dual_sampling
 from alpha import FixedAlpha
 from dual_sampling.decision.fusable import kernel_rows
-from dual_sampling.decision.pipeline import RowSampling, decide
+from dual_sampling.decision.pipeline import ModelRows, RowSampling, decide
 from dual_sampling.decision.stages import STAGES
 from dual_sampling.driver.requests import DualRequest
 from dual_sampling.driver.speculative_driver import check_speculative
@@ -92,8 +92,8 @@ V, draws, alpha, last = 12, 6000, 0.4, 3
 g = torch.Generator().manual_seed(0)
 teacher, theta = torch.randn(1, V, generator=g), torch.randn(1, V, generator=g)
 rows = [dataclasses.replace(row, seed=s) for s in range(draws)]
-d = decide(teacher.expand(draws, V), theta.expand(draws, V), [4] * draws, rows, FixedAlpha(alpha=alpha),
-           outputs=[[1, 2, last]] * draws)
+d = decide(ModelRows.pair(teacher.expand(draws, V), theta.expand(draws, V)), [4] * draws, rows,
+           FixedAlpha(alpha=alpha), outputs=[[1, 2, last]] * draws)
 lt = torch.log_softmax(teacher.double(), -1)[0].numpy()
 lth = torch.log_softmax(theta.double(), -1)[0].numpy()
 z = (1 - alpha) * lth + alpha * lt

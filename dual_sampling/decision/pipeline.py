@@ -1,14 +1,15 @@
-"""From two models' logits to one token: the decision made once per token.
+"""From the models' logits to one token: the decision made once per token.
 
-Order of operations (per row; α is the teacher weight):
+The models' rows arrive as one :class:`~dual_sampling.decision.rows.ModelRows` (the roster names them). Order of
+operations (per row; α is the teacher weight, one per teacher with several):
 
 1. log π_θ and log π_t: log-softmax of each model's untempered logits over the shared
    tokenizer's vocabulary (embedding rows beyond it are never sampled).
-2. α from the alpha computer, on those untempered distributions, clamped to
-   [alpha_min, alpha_max]; α = 1 at step 0 when ``force_first_token`` is set.
-3. log q = geometric_mix(log π_θ, log π_t, α), kept unnormalised until the draw.
+2. α from the alpha computer, on those untempered distributions, clamped to [alpha_min, alpha_max]; α = 1 at step 0
+   when ``force_first_token`` is set (several teachers: θ's weight 0, the teachers' in their proportions).
+3. log q = geometric_mix(log π_θ, log π_t, α) (several: ∝ π_θ^(1−Σα)·Π π_i^α_i), unnormalised until the draw.
 4–10. The stages of :mod:`dual_sampling.decision.stages`, in this order:
-   4. teacher support: tokens outside the teacher's top-k / top-p set are removed;
+   4. teacher support: tokens outside the teacher's top-k / top-p set are removed (refused with several teachers);
    5. min_tokens: the stop tokens are removed while fewer than min_tokens were generated;
    6. logit_bias is added (each value clamped to ±100, as vLLM does);
    7. the repetition, frequency and presence penalties act on the mixture's logits, as vLLM's on one model's;
@@ -39,14 +40,16 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from alpha import AlphaComputer, geometric_log_weights
-from alpha.base import check_log_prob_pair
+from alpha import AlphaComputer, geometric_log_weights, geometric_log_weights_teachers
+from alpha.base import check_log_prob_pair, clamp_total
 from dual_sampling.decision.fusable import kernel_device, kernel_rows
+from dual_sampling.decision.rows import ModelRows
 from dual_sampling.decision.stages import STAGES, DecisionOptions, StageBatch, clamped_logit_bias, needs_logit_offset
 from dual_sampling.roster import TOKEN_COLUMNS
 
 __all__ = [
     "Decision",
+    "ModelRows",
     "RowSampling",
     "counter_uniform",
     "decide",
@@ -162,7 +165,7 @@ class Draw(NamedTuple):
 
 def draw_tokens(
     logq: Tensor,
-    logp_teacher: Tensor,
+    logp_teacher: Tensor | None,
     steps: Sequence[int],
     rows: Sequence[RowSampling],
     overwrite: bool = False,
@@ -221,13 +224,14 @@ def draw_tokens(
 
 @dataclass
 class Decision:
-    """One decided token per row, with what the records need. Every field has shape ``[b]``."""
+    """One decided token per row, with what the records need. Every field has shape ``[b]``; with several teachers,
+    ``alpha``, ``logp_teacher`` and ``top_logp_teacher`` gain a trailing teacher axis (K, in roster order)."""
 
     tokens: Tensor
     alpha: Tensor
-    """Teacher weight used (after clamps and first-token forcing)."""
+    """Teacher weight used (after clamps and first-token forcing); ``[b, K]`` with several teachers."""
     logp_teacher: Tensor
-    """log π_t at the token (untempered)."""
+    """log π_t at the token (untempered); ``[b, K]``, each teacher's, with several."""
     logp_theta: Tensor
     """log π_θ at the token (untempered)."""
     logq: Tensor
@@ -239,7 +243,7 @@ class Decision:
     top_logq: Tensor | None = None
     """``[b, k]``: their log-probabilities."""
     top_logp_teacher: Tensor | None = None
-    """``[b, k]``: log π_t at the same ids (untempered)."""
+    """``[b, k]``: log π_t at the same ids (untempered); ``[b, k, K]`` with several teachers."""
     top_logp_theta: Tensor | None = None
     """``[b, k]``: log π_θ at the same ids (untempered)."""
     dense_ids: Tensor | None = None
@@ -266,9 +270,7 @@ class Decision:
         )
 
 
-def dense_top(
-    teacher_logits: Tensor, theta_logits: Tensor, k: int, decision: Decision, theta_normalized: bool = False
-) -> tuple[Tensor, Tensor, Tensor]:
+def dense_top(models: ModelRows, k: int, decision: Decision) -> tuple[Tensor, Tensor, Tensor]:
     """Each model's own k most likely tokens, and both models' log-probabilities at them: (ids ``[b, 2, k]`` int64,
     own ``[b, 2, k]``, other ``[b, 2, k]``). Role ``[:, 0]`` is the teacher's top k (own: log π_t, other: log π_θ),
     ``[:, 1]`` theta's (own: log π_θ, other: log π_t), most likely first. Untempered and unfiltered: the loss of a
@@ -280,7 +282,10 @@ def dense_top(
     among the k, its dense value equals its record bit for bit, and every dense value orders as its logit does. A
     computation of its own (a float32 logsumexp) would differ from the decision's by float32 rounding, about 1e-5 nats
     at SmolLM2's vocabulary. Rows without a usable token (``decision.ok`` False) use the row's own logsumexp.
+
+    One teacher: the payload's shape has a place for two models (ValueError naming the count for several).
     """
+    teacher_logits, theta_logits, theta_normalized = models.teacher, models.theta, models.theta_normalized
     k = min(k, teacher_logits.shape[-1])
     pick = decision.tokens.to(teacher_logits.device).unsqueeze(-1)
     ok = decision.ok.to(teacher_logits.device)
@@ -306,60 +311,46 @@ def dense_top(
 
 
 def decide(
-    teacher_logits: Tensor,
-    theta_logits: Tensor,
+    models: ModelRows,
     steps: Sequence[int],
     rows: Sequence[RowSampling],
     alpha_computer: AlphaComputer,
     alpha_init: Tensor | None = None,
-    theta_normalized: bool = False,
     top_logprobs: int = 0,
     fused: bool = True,
     outputs: Sequence[Sequence[int]] | None = None,
-    theta_log_normalisers: Tensor | None = None,
     diversity: Sequence[dict[int, int]] | None = None,
 ) -> Decision:
     """Steps 1–11 of the module docstring for a batch of rows: the whole per-token decision.
 
-    ``teacher_logits`` and ``theta_logits`` are ``[b, V]`` over the shared vocabulary (padding
-    rows already cut off). ``theta_normalized=True`` says theta's rows are log-softmax
-    outputs already (the theta engine normalises them on its own cores). ``alpha_init``
-    ``[b]`` warm-starts the α solve. ``top_logprobs`` > 0 also returns that many of the final
+    ``models`` holds each model's ``[b, V]`` rows over the shared vocabulary (:class:`ModelRows`; θ's may be
+    normalised already, with their log-normalisers for the repetition penalty). ``alpha_init`` ``[b]`` (``[b, K]``
+    with K teachers) warm-starts the α solve. ``top_logprobs`` > 0 also returns that many of the final
     distribution's most likely tokens for every row. ``outputs`` are each row's generated tokens (the penalties
-    count them); ``theta_log_normalisers`` ``[b]`` are log Σ exp of theta's raw logits, which the repetition penalty
-    needs where ``theta_normalized`` (the teacher's it computes). ``diversity``: per row, the tokens the earlier
-    members of its group took at this step, with their counts (the caller decides a group's members in order).
+    count them). ``diversity``: per row, the tokens the earlier members of its group took at this step, with their
+    counts (the caller decides a group's members in order).
 
-    Rows that need no filter are decided by a fused kernel (numba's on the CPU, Triton's on CUDA
-    devices), the rest by the torch reference; ``fused=False`` sends every row to the reference.
-    The rows a kernel handed back, and those of them whose α solve did not converge, are flagged in
-    ``handed_back`` and ``unconverged``.
+    With one teacher, rows that need no filter are decided by a fused kernel (numba's on the CPU, Triton's on CUDA
+    devices), the rest by the torch reference; ``fused=False`` sends every row to the reference. The rows a kernel
+    handed back, and those of them whose α solve did not converge, are flagged in ``handed_back`` and
+    ``unconverged``. With several teachers every row takes the reference: q ∝ π_θ^(1−Σα)·Π π_i^α_i with one α per
+    teacher (``AlphaComputer.compute_teachers``).
     """
     eligible = [False] * len(rows)
-    if fused and top_logprobs == 0:
-        eligible = kernel_rows(rows, alpha_computer, teacher_logits.device)
+    if fused and top_logprobs == 0 and len(models.roster.teachers) == 1:
+        eligible = kernel_rows(rows, alpha_computer, models.device)
     b = len(rows)
     if not any(eligible):
-        result = _decide_reference(
-            teacher_logits,
-            theta_logits,
-            steps,
-            rows,
-            alpha_computer,
-            alpha_init,
-            theta_normalized,
-            top_logprobs,
-            outputs,
-            theta_log_normalisers,
-            diversity,
-        )
+        result = _decide_reference(models, steps, rows, alpha_computer, alpha_init, top_logprobs, outputs, diversity)
         result.handed_back, result.unconverged = torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool)
         return result
+    teacher_logits, theta_logits = models.teacher, models.theta
+    theta_normalized = models.theta_normalized
     fast = [i for i, e in enumerate(eligible) if e]
     index = torch.tensor(fast)
     every = len(fast) == len(rows)  # then no V-sized copy of the inputs is made
-    teacher_part = teacher_logits if every else teacher_logits[index.to(teacher_logits.device)]
-    theta_part = theta_logits if every else theta_logits[index.to(theta_logits.device)]
+    part = models if every else models.take(index)
+    teacher_part, theta_part = part.teacher, part.theta
     warm = alpha_init if alpha_init is None or every else alpha_init[index.to(alpha_init.device)]
     uniforms = [counter_uniform(rows[i].seed, steps[i]) for i in fast]
     forced = [rows[i].force_first_token and steps[i] == 0 for i in fast]
@@ -372,7 +363,7 @@ def decide(
         [steps[i] for i in fast],
         None if outputs is None else [outputs[i] for i in fast],
         teacher_logits.shape[-1],
-        _theta_shift(theta_normalized, theta_log_normalisers, fast),
+        _theta_shift(theta_normalized, models.theta_log_normalisers, fast),
         None if diversity is None else [diversity[i] for i in fast],
     )
     if kernel_device(teacher_logits.device) == "cpu":
@@ -405,15 +396,12 @@ def decide(
         slow = sorted(slow)
         part = torch.tensor(slow)
         reference = _decide_reference(
-            teacher_logits[part],
-            theta_logits[part],
+            models.take(part),
             [steps[i] for i in slow],
             [rows[i] for i in slow],
             alpha_computer,
             None if alpha_init is None else alpha_init[part],
-            theta_normalized,
             outputs=None if outputs is None else [outputs[i] for i in slow],
-            theta_log_normalisers=None if theta_log_normalisers is None else theta_log_normalisers[part],
             diversity=None if diversity is None else [diversity[i] for i in slow],
         )
         for name in ("tokens", *TOKEN_COLUMNS, "ok"):
@@ -422,32 +410,38 @@ def decide(
 
 
 def _decide_reference(
-    teacher_logits: Tensor,
-    theta_logits: Tensor,
+    models: ModelRows,
     steps: Sequence[int],
     rows: Sequence[RowSampling],
     alpha_computer: AlphaComputer,
     alpha_init: Tensor | None = None,
-    theta_normalized: bool = False,
     top_logprobs: int = 0,
     outputs: Sequence[Sequence[int]] | None = None,
-    theta_log_normalisers: Tensor | None = None,
     diversity: Sequence[dict[int, int]] | None = None,
 ) -> Decision:
-    """:func:`decide` in torch operations, for any row and on any device: the reference."""
-    logp_teacher = torch.log_softmax(teacher_logits.float(), dim=-1)
-    logp_theta = theta_logits.float() if theta_normalized else torch.log_softmax(theta_logits.float(), dim=-1)
-    alpha = alpha_computer(logp_theta, logp_teacher, alpha_init=alpha_init, normalized=True)
-    first = torch.tensor([r.force_first_token and s == 0 for r, s in zip(rows, steps)], device=alpha.device)
-    alpha = torch.where(first, torch.ones_like(alpha), alpha)
-    # Unnormalised: the draw normalises with the sums it computes anyway.
-    log_weights = geometric_log_weights(logp_theta, logp_teacher, alpha)
+    """:func:`decide` in torch operations, for any row, any number of teachers and any device: the reference."""
+    several = len(models.roster.teachers) > 1
+    logp_teachers = torch.stack([torch.log_softmax(t.float(), dim=-1) for t in models.teachers])  # [K, b, V]
+    theta_rows = models.theta.float()
+    logp_theta = theta_rows if models.theta_normalized else torch.log_softmax(theta_rows, dim=-1)
+    first = torch.tensor([r.force_first_token and s == 0 for r, s in zip(rows, steps)], device=logp_theta.device)
+    if several:
+        _check_several_teachers(rows, len(logp_teachers))
+        alpha = alpha_computer.compute_teachers(logp_theta, logp_teachers, alpha_init, normalized=True).alpha
+        # A forced first token is the teachers' alone: θ's weight goes to them, in their proportions.
+        alpha = torch.where(first.unsqueeze(-1), clamp_total(alpha, 1.0, 1.0), alpha)
+        log_weights = geometric_log_weights_teachers(logp_theta, logp_teachers, alpha)
+    else:
+        alpha = alpha_computer(logp_theta, logp_teachers[0], alpha_init=alpha_init, normalized=True)
+        alpha = torch.where(first, torch.ones_like(alpha), alpha)
+        # Unnormalised: the draw normalises with the sums it computes anyway.
+        log_weights = geometric_log_weights(logp_theta, logp_teachers[0], alpha)
     offset = None
     if any(needs_logit_offset(r) for r in rows):
-        offset = _logit_offset(teacher_logits, theta_logits, alpha, theta_normalized, theta_log_normalisers)
+        offset = _logit_offset(models, alpha)
     drawn = draw_tokens(
         log_weights,
-        logp_teacher,
+        None if several else logp_teachers[0],
         steps,
         rows,
         True,
@@ -460,16 +454,25 @@ def _decide_reference(
     top = (None,) * 4
     if drawn.top is not None:
         ids = drawn.top[0]
-        top = (ids, drawn.top[1], logp_teacher.gather(-1, ids), logp_theta.gather(-1, ids))
+        at_ids = torch.stack([t.gather(-1, ids) for t in logp_teachers], dim=-1)
+        top = (ids, drawn.top[1], at_ids if several else at_ids[..., 0], logp_theta.gather(-1, ids))
+    at_token = torch.stack([t.gather(-1, pick).squeeze(-1) for t in logp_teachers], dim=-1)
     return Decision(
         drawn.tokens,
         alpha,
-        logp_teacher.gather(-1, pick).squeeze(-1),
+        at_token if several else at_token[:, 0],
         logp_theta.gather(-1, pick).squeeze(-1),
         drawn.logq,
         drawn.ok,
         *top,
     )
+
+
+def _check_several_teachers(rows: Sequence[RowSampling], teachers: int) -> None:
+    """Refuse, naming its fields, a stage a row uses that has no meaning with several teachers."""
+    for stage in STAGES:
+        if not stage.several_teachers and any(stage.used(row) for row in rows):
+            raise ValueError(f"{' / '.join(stage.fields)}: {stage.name} has no meaning with {teachers} teachers")
 
 
 def _theta_shift(theta_normalized: bool, log_normalisers: Tensor | None, rows: list[int]) -> list[float] | None:
@@ -480,21 +483,17 @@ def _theta_shift(theta_normalized: bool, log_normalisers: Tensor | None, rows: l
     return None if log_normalisers is None else log_normalisers[rows].tolist()
 
 
-def _logit_offset(
-    teacher_logits: Tensor,
-    theta_logits: Tensor,
-    alpha: Tensor,
-    theta_normalized: bool,
-    theta_log_normalisers: Tensor | None,
-) -> Tensor:
-    """``[b]`` float64 (1 − α)·L_θ + α·L_t, L being each model's log Σ exp of its raw logits: added to the mixture's
-    log-weights it gives the mixture's logits, whose sign the repetition penalty reads."""
-    lse_t = teacher_logits.double().logsumexp(-1)
-    if not theta_normalized:
-        lse_h = theta_logits.double().logsumexp(-1)
-    elif theta_log_normalisers is None:
-        raise ValueError("the repetition penalty needs theta's log-normalisers (theta_log_normalisers)")
+def _logit_offset(models: ModelRows, alpha: Tensor) -> Tensor:
+    """``[b]`` float64 (1 − Σα_i)·L_θ + Σ α_i·L_i, L being each model's log Σ exp of its raw logits: added to the
+    mixture's log-weights it gives the mixture's logits, whose sign the repetition penalty reads. ``alpha`` is
+    ``[b]`` (one teacher) or ``[b, K]``."""
+    device = models.device
+    if not models.theta_normalized:
+        lse_theta = models.theta.double().logsumexp(-1)
+    elif models.theta_log_normalisers is None:
+        raise ValueError("the repetition penalty needs theta's log-normalisers (ModelRows.theta_log_normalisers)")
     else:
-        lse_h = theta_log_normalisers.to(teacher_logits.device, torch.float64)
-    a = alpha.to(teacher_logits.device, torch.float64)
-    return (1 - a) * lse_h + a * lse_t
+        lse_theta = models.theta_log_normalisers.to(device, torch.float64)
+    lse_teachers = torch.stack([t.double().logsumexp(-1) for t in models.teachers], dim=-1)  # [b, K]
+    a = alpha.to(device, torch.float64).reshape(lse_teachers.shape)
+    return (1 - a.sum(-1)) * lse_theta + (a * lse_teachers).sum(-1)

@@ -33,8 +33,9 @@ class CoreSettings:
 class StageBatch:
     """What the stages of one batch see. Every sequence has one entry per row of log q."""
 
-    logp_teacher: Tensor
-    """``[b, V]`` log π_t (untempered): the teacher-support constraint reads it."""
+    logp_teacher: Tensor | None
+    """``[b, V]`` log π_t (untempered): the teacher-support constraint reads it. None with several teachers (no
+    stage that reads it runs there)."""
     steps: Sequence[int]
     """Tokens each row's sample has generated so far."""
     rows: Sequence[Any]
@@ -66,6 +67,8 @@ class Stage:
     fused_on: ClassVar[frozenset[str]] = frozenset()
     """The kernel devices ("cpu", "cuda") whose fused kernel implements this stage; a row that uses a stage its
     device's kernel does not goes to the reference."""
+    several_teachers: ClassVar[bool] = True
+    """Whether the stage has a meaning with several teachers; False refuses a row that uses it there, by its fields."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -28,6 +28,7 @@ class TeacherSupport(Stage):
 
     order = 10
     settings = TeacherSupportSettings
+    several_teachers = False  # with several teachers there is no one set to restrict q to
 
     def check(self, options: Any) -> None:
         require(
