@@ -112,9 +112,11 @@ def check_log_prob_rows(logp_theta: Tensor, logp_teachers: Tensor | Sequence[Ten
     ``logp_teachers`` is a ``[K, V]``/``[K, B, V]`` tensor or a sequence of K ``[V]``/``[B, V]`` tensors. Errors
     name the teacher by its index (``logp_teachers[1]``).
     """
+    stacked = None
     if isinstance(logp_teachers, Tensor):
         if logp_teachers.dim() not in (2, 3):
             raise ValueError(f"logp_teachers must have shape [K, V] or [K, B, V], got {tuple(logp_teachers.shape)}")
+        stacked = logp_teachers
         logp_teachers = list(logp_teachers.unbind(0))
     if len(logp_teachers) == 0:
         raise ValueError("logp_teachers must hold at least one teacher's rows")
@@ -126,6 +128,8 @@ def check_log_prob_rows(logp_theta: Tensor, logp_teachers: Tensor | Sequence[Ten
             raise type(exc)(str(exc).replace("logp_teacher", f"logp_teachers[{index}]")) from None
         checked.append(row)
     dtype = functools.reduce(torch.promote_types, (row.dtype for row in checked), theta.dtype)
+    if stacked is not None and stacked.dtype == dtype:  # no copy of a stacked input
+        return theta.to(dtype), stacked.reshape(len(checked), *theta.shape)
     return theta.to(dtype), torch.stack([row.to(dtype) for row in checked])
 
 

@@ -176,14 +176,17 @@ class KLSymmetryAlpha(_MonotoneRootAlpha):
     ) -> tuple[Tensor, int]:
         count = logp_teachers.shape[0]
         teachers = logp_teachers.transpose(0, 1)  # [B, K, V]
+        diffs = teachers - logp_theta.unsqueeze(1)
+        equal = torch.full((logp_theta.shape[0], count), 1.0 / (count + 1), dtype=diffs.dtype, device=diffs.device)
+        start = equal if alpha_init is None else alpha_init
+        tol, xtol = self.tolerances(diffs.dtype)
+        if bool(logp_theta.amin() > -math.inf) and bool(logp_teachers.amin() > -math.inf):
+            # Nothing masked (the usual case for model outputs): every row's joint support is the vocabulary.
+            return minimize_log_partition(logp_theta, diffs, start, self.alpha_min, self.alpha_max, tol, xtol)
         joint = torch.isfinite(logp_theta) & torch.isfinite(teachers).all(dim=1)
         base = torch.where(joint, logp_theta, torch.full_like(logp_theta, -math.inf))
-        diffs = torch.where(joint.unsqueeze(1), teachers - logp_theta.unsqueeze(1), torch.zeros_like(teachers))
-        equal = torch.full((logp_theta.shape[0], count), 1.0 / (count + 1), dtype=base.dtype, device=base.device)
-        overlap = joint.any(dim=-1)
-        start = equal if alpha_init is None else alpha_init
-        keep = overlap.nonzero().flatten()
-        tol, xtol = self.tolerances(base.dtype)
+        diffs = torch.where(joint.unsqueeze(1), diffs, torch.zeros_like(diffs))
+        keep = joint.any(dim=-1).nonzero().flatten()
         solved, passes = minimize_log_partition(
             base[keep], diffs[keep], start[keep], self.alpha_min, self.alpha_max, tol, xtol
         )

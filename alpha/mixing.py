@@ -100,6 +100,8 @@ def geometric_log_weights_teachers(logp_theta: Tensor, logp_teachers: Tensor, al
     """log q up to a per-row constant, ``[B, V]``, for θ ``[B, V]``, K teachers ``[K, B, V]`` and α ``[B, K]``: no
     checks and no normalisation (as :func:`geometric_log_weights`). A model of weight 0 takes no part, masks included
     (0·(−inf) would be NaN)."""
-    weights = torch.cat([(1 - alpha.sum(-1)).clamp_min(0.0).unsqueeze(0), alpha.T], dim=0).unsqueeze(-1)  # [K+1, B, 1]
-    rows = torch.cat([logp_theta.unsqueeze(0), logp_teachers], dim=0)
-    return torch.where(weights > 0, weights * rows, torch.zeros_like(rows)).sum(0)
+    total = torch.zeros_like(logp_theta)
+    for weight, rows in ((1 - alpha.sum(-1)).clamp_min(0.0), logp_theta), *zip(alpha.T, logp_teachers, strict=True):
+        w = weight.unsqueeze(-1)
+        total += torch.where(w > 0, w * rows, 0.0)
+    return total

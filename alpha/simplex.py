@@ -49,14 +49,16 @@ _MAX_HALVINGS = 40
 
 def _moments(base: Tensor, diffs: Tensor, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(f ``[b]``, m ``[b, K]``, C ``[b, K, K]``) at weights ``a`` ``[b, K]``; ``diffs`` is ``[b, K, V]``."""
-    work = base + torch.einsum("bk,bkv->bv", a, diffs)
+    # Batched matrix products, each one read of the K rows (an einsum of three can form a [b, K, K, V] temporary).
+    work = torch.bmm(a.unsqueeze(1), diffs).squeeze(1).add_(base)
     top = work.amax(dim=-1, keepdim=True)
-    weights = (work - top).exp_()
+    weights = work.sub_(top).exp_()
     total = weights.sum(-1, keepdim=True)
     weights /= total
-    mean = torch.einsum("bv,bkv->bk", weights, diffs)
-    centred = diffs - mean.unsqueeze(-1)
-    cov = torch.einsum("bv,biv,bjv->bij", weights, centred, centred)
+    weighted = diffs * weights.unsqueeze(1)
+    mean = weighted.sum(-1)
+    second = torch.bmm(weighted, diffs.transpose(1, 2))
+    cov = second - mean.unsqueeze(-1) * mean.unsqueeze(-2)
     return top.squeeze(-1) + torch.log(total.squeeze(-1)), mean, cov
 
 
@@ -171,7 +173,10 @@ def minimize_log_partition(
             if sel.numel() == 0:
                 break
             trial = (ra[sel] + t[sel].unsqueeze(-1) * step[sel]).clamp_min(0.0)
-            tf, tm, tc = _moments(base[rows[sel]], diffs[rows[sel]], trial)
+            if sel.numel() == batch:  # every row: no copy of the rows
+                tf, tm, tc = _moments(base, diffs, trial)
+            else:
+                tf, tm, tc = _moments(base[rows[sel]], diffs[rows[sel]], trial)
             passes += 1
             # Near the optimum f moves less than its rounding; there a step that shrinks the face's gradient counts too.
             noise = 8 * torch.finfo(tf.dtype).eps * (1.0 + rf[sel].abs())

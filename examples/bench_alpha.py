@@ -10,7 +10,9 @@ The decision's cost is also given per row (µs/row, warm, theta already normalis
 theta engine delivers it) against its physical floor measured in the same run: one pass
 reading both rows (a sum over 2·V float32 values). ``decide_vs_floor`` is their ratio.
 The decision runs through the compiled kernel (``dual_sampling.decision.kernel``); the same call
-through the torch reference (``fused=False``) is timed beside it.
+through the torch reference (``fused=False``) is timed beside it. With two teachers (one more teacher row of the
+same kind), kl_symmetry's K-teacher solve and the decision (the torch reference: the kernels take one teacher) are
+timed beside one teacher's, as ratios.
 
     python examples/bench_alpha.py [--repeats 7] [--warm-offset 0.07] [--output docs/alpha_benchmark.json]
 """
@@ -28,6 +30,7 @@ import torch
 
 from alpha import get_alpha_computer
 from dual_sampling.decision.pipeline import ModelRows, RowSampling, decide
+from dual_sampling.roster import Roster
 
 WARM_OFFSET = 0.07
 """How far a warm start is from the root: the median change of α between consecutive tokens
@@ -44,9 +47,9 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), result
 
 
-def synthetic_pair(batch: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_pair(batch: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(teacher, theta) ``[batch, vocab]`` float32 log-probabilities with entropies of a few nats, as models give."""
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     theta = torch.log_softmax(torch.randn(batch, vocab, generator=g) * 2.5, -1)
     teacher = torch.log_softmax(torch.randn(batch, vocab, generator=g) * 2.5, -1)
     return teacher, theta
@@ -162,6 +165,32 @@ def main() -> None:
                 f"V={vocab:6d} {method:12s} cold {1e3 * cold_s:7.1f} ms ({cold.passes} passes)"
                 f"  warm {1e3 * warm_s:7.1f} ms ({warm.passes} passes)"
             )
+        # Two teachers: kl_symmetry's K-teacher form (alpha/simplex.py) on one more teacher row of the same kind.
+        teachers = torch.stack([teacher, synthetic_pair(args.batch, vocab, seed=1)[0]])
+        ac = get_alpha_computer("kl_symmetry")
+        cold_s, cold = timed(lambda ac=ac, th=theta, ts=teachers: ac.compute_teachers(th, ts), args.repeats)
+        init = (cold.alpha + args.warm_offset / 2).clamp(0, 1)  # the total moved by the offset, shared
+        warm_s, warm = timed(
+            lambda ac=ac, th=theta, ts=teachers, i=init: ac.compute_teachers(th, ts, alpha_init=i), args.repeats
+        )
+        pair = next(r for r in rows if r["vocab"] == vocab and r["method"] == "kl_symmetry")
+        rows.append(
+            {
+                "vocab": vocab,
+                "method": "kl_symmetry, 2 teachers",
+                "cold_ms": 1e3 * cold_s,
+                "cold_passes": cold.passes,
+                "warm_ms": 1e3 * warm_s,
+                "warm_passes": warm.passes,
+                "cold_vs_one_teacher": 1e3 * cold_s / pair["cold_ms"],
+                "warm_vs_one_teacher": 1e3 * warm_s / pair["warm_ms"],
+            }
+        )
+        print(
+            f"V={vocab:6d} kl_sym, 2 t. cold {1e3 * cold_s:7.1f} ms ({cold.passes} passes)"
+            f"  warm {1e3 * warm_s:7.1f} ms ({warm.passes} passes)"
+            f"  ({rows[-1]['cold_vs_one_teacher']:.1f}x / {rows[-1]['warm_vs_one_teacher']:.1f}x one teacher's)"
+        )
         # The whole per-token decision the teacher processor makes (log-softmax, α, mix, draw).
         rows_cfg = [RowSampling(seed=i) for i in range(args.batch)]
         ac = get_alpha_computer("kl_symmetry")
@@ -171,6 +200,17 @@ def main() -> None:
         )
         rows.append({"vocab": vocab, "method": "decide(kl_symmetry)", "cold_ms": 1e3 * decide_s})
         print(f"V={vocab:6d} decide       {1e3 * decide_s:7.1f} ms (log-softmax, kl_symmetry, mix, draw)")
+        trio = ModelRows((teachers[0], teachers[1], theta), Roster(("teacher", "second", "theta")))
+        trio_s, _ = timed(lambda m=trio, r=rows_cfg, a=ac: decide(m, [1] * args.batch, r, a), args.repeats)
+        rows.append(
+            {
+                "vocab": vocab,
+                "method": "decide(kl_symmetry, 2 teachers), torch reference",
+                "cold_ms": 1e3 * trio_s,
+                "vs_one_teacher": trio_s / decide_s,
+            }
+        )
+        print(f"V={vocab:6d} decide, 2 t. {1e3 * trio_s:7.1f} ms ({trio_s / decide_s:.1f}x one teacher's decide)")
         figures = decision_cost(teacher, theta, args.repeats, args.warm_offset)
         rows.append({"vocab": vocab, "method": "decide per row (warm, theta normalised)", **figures})
         print(
