@@ -224,7 +224,10 @@ class AlphaComputer:
         count = teachers.shape[0]
         self.check_teacher_count(count)
         if alpha_init is not None:
-            alpha_init = torch.as_tensor(alpha_init, dtype=theta.dtype, device=theta.device).reshape(-1, count)
+            alpha_init = torch.as_tensor(alpha_init, dtype=theta.dtype, device=theta.device)
+            if alpha_init.shape not in ((count,), (theta.shape[0], count)):
+                expected = f"[K] or [B, K] = [{theta.shape[0]}, {count}]"
+                raise ValueError(f"alpha_init must have shape {expected}, got {tuple(alpha_init.shape)}")
             alpha_init = alpha_init.expand(theta.shape[0], count)
         if count == 1:
             pair = self.compute(theta, teachers[0], None if alpha_init is None else alpha_init[:, 0], normalized)

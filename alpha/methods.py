@@ -160,7 +160,7 @@ class KLSymmetryAlpha(_MonotoneRootAlpha):
     With K teachers: the weights that minimise log Z(α) = log Σ π_θ·Π_i e^(α_i·d_i) over
     α_i ≥ 0 with Σα_i in [alpha_min, alpha_max], on the joint support of all K+1 models. Its
     KKT point is where E_q[log π_j] is equal for every model of positive weight (so are the
-    KLs of q to them) and no larger for a model of weight 0; q there minimises the largest
+    KLs of q to them) and no smaller for a model of weight 0 (it is no farther from q); q there minimises the largest
     KL(q‖π_j) (docs/theory.md). K = 1 is the root above. Rows with no joint support take
     equal weights, 1/(K+1) each.
     """
@@ -172,6 +172,18 @@ class KLSymmetryAlpha(_MonotoneRootAlpha):
         return mean, (second - mean * mean).clamp_min(0.0)
 
     def solve_teachers(
+        self, logp_theta: Tensor, logp_teachers: Tensor, alpha_init: Tensor | None
+    ) -> tuple[Tensor, int]:
+        # Solved in float64 whatever the rows' dtype: where q sits on a few tokens, float32's rounding of f and of
+        # the K×K covariance leaves no usable descent (logits of spread 50: optimality gaps of nats, measured), and
+        # this path is the torch reference's, not a kernel's.
+        dtype = logp_theta.dtype
+        logp_theta, logp_teachers = logp_theta.double(), logp_teachers.double()
+        alpha_init = None if alpha_init is None else alpha_init.double()
+        alpha, passes = self._solve_teachers_float64(logp_theta, logp_teachers, alpha_init)
+        return alpha.to(dtype), passes
+
+    def _solve_teachers_float64(
         self, logp_theta: Tensor, logp_teachers: Tensor, alpha_init: Tensor | None
     ) -> tuple[Tensor, int]:
         count = logp_teachers.shape[0]
@@ -273,6 +285,8 @@ class TrustRegionAlpha(_MonotoneRootAlpha):
         # Teachers with no token in common leave no mixture at any positive total: those rows keep alpha_min.
         mixable = (weighted > -math.inf).any(dim=-1)
         keep = mixable.nonzero().flatten()
+        if keep.numel() == 0:
+            return alpha.unsqueeze(-1) * shares, 0
         start = None if alpha_init is None else alpha_init[keep].sum(-1)
         total, passes = self.solve(logp_theta[keep], torch.log_softmax(weighted[keep], dim=-1), start)
         alpha[keep] = total.clamp(self.alpha_min, self.alpha_max)

@@ -17,7 +17,13 @@ from torch import Tensor
 
 from alpha.base import _rows, check_log_prob_pair, check_log_prob_rows
 
-__all__ = ["geometric_log_weights", "geometric_log_weights_teachers", "geometric_mix", "geometric_mix_teachers"]
+__all__ = [
+    "geometric_log_weights",
+    "geometric_log_weights_teachers",
+    "geometric_mix",
+    "geometric_mix_teachers",
+    "theta_weight",
+]
 
 
 def geometric_mix(logp_theta: Tensor, logp_teacher: Tensor, alpha: Tensor | float) -> Tensor:
@@ -101,7 +107,14 @@ def geometric_log_weights_teachers(logp_theta: Tensor, logp_teachers: Tensor, al
     checks and no normalisation (as :func:`geometric_log_weights`). A model of weight 0 takes no part, masks included
     (0·(−inf) would be NaN)."""
     total = torch.zeros_like(logp_theta)
-    for weight, rows in ((1 - alpha.sum(-1)).clamp_min(0.0), logp_theta), *zip(alpha.T, logp_teachers, strict=True):
+    for weight, rows in (theta_weight(alpha), logp_theta), *zip(alpha.T, logp_teachers, strict=True):
         w = weight.unsqueeze(-1)
         total += torch.where(w > 0, w * rows, 0.0)
     return total
+
+
+def theta_weight(alpha: Tensor) -> Tensor:
+    """θ's weight 1 − Σα_i per row, ``[B]``, for teacher weights ``[B, K]``: exactly 0 where the teachers' total is
+    within rounding of 1 (K roundings of the dtype), so that such a row does not take θ's masks into q."""
+    rest = 1 - alpha.sum(-1)
+    return torch.where(rest <= alpha.shape[-1] * torch.finfo(alpha.dtype).eps, torch.zeros_like(rest), rest)

@@ -55,10 +55,10 @@ def _moments(base: Tensor, diffs: Tensor, a: Tensor) -> tuple[Tensor, Tensor, Te
     weights = work.sub_(top).exp_()
     total = weights.sum(-1, keepdim=True)
     weights /= total
-    weighted = diffs * weights.unsqueeze(1)
-    mean = weighted.sum(-1)
-    second = torch.bmm(weighted, diffs.transpose(1, 2))
-    cov = second - mean.unsqueeze(-1) * mean.unsqueeze(-2)
+    mean = torch.bmm(diffs, weights.unsqueeze(-1)).squeeze(-1)
+    # Centred before the product: E[d·dᵀ] − m·mᵀ cancels to noise where q sits on one token.
+    centred = diffs - mean.unsqueeze(-1)
+    cov = torch.bmm(centred * weights.unsqueeze(1), centred.transpose(1, 2))
     return top.squeeze(-1) + torch.log(total.squeeze(-1)), mean, cov
 
 
@@ -84,12 +84,12 @@ def _face_step(mean: Tensor, cov: Tensor, fixed: Tensor, sum_fixed: Tensor) -> t
 
 
 def _face_gradient(mean: Tensor, fixed: Tensor, sum_fixed: Tensor) -> Tensor:
-    """Largest entry of the gradient on the face, ``[b]``: free teachers' m, less their mean if Σa is fixed."""
+    """The gradient projected on each row's face, ``[b, K]``: free teachers' m, less their mean if Σa is fixed."""
     free = ~fixed
     count = free.sum(-1, keepdim=True).clamp_min(1)
     centre = torch.where(free, mean, torch.zeros_like(mean)).sum(-1, keepdim=True) / count
     projected = mean - torch.where(sum_fixed.unsqueeze(-1), centre, torch.zeros_like(centre))
-    return torch.where(free, projected, torch.zeros_like(mean)).abs().amax(-1)
+    return torch.where(free, projected, torch.zeros_like(mean))
 
 
 def minimize_log_partition(
@@ -117,8 +117,10 @@ def minimize_log_partition(
     # Scale into P; an all-zero start that must grow takes equal shares.
     a = torch.where(total > 0, a * target / torch.where(total > 0, total, 1.0), target / k)
     fixed = a <= 0.0
-    sum_at_hi = a.sum(-1) >= hi
-    sum_at_lo = (a.sum(-1) <= lo) & (lo > 0.0) & ~sum_at_hi
+    eps = torch.finfo(a.dtype).eps
+    # lo == hi holds the sum for good; otherwise a start on a bound of the sum holds it until released.
+    sum_at_hi = (a.sum(-1) >= hi * (1 - 4 * eps)) | (lo == hi)
+    sum_at_lo = (a.sum(-1) <= lo * (1 + 4 * eps)) & (lo > 0.0) & ~sum_at_hi
     active = torch.ones(batch, dtype=torch.bool, device=a.device)
     f, mean, cov = _moments(base, diffs, a)
     passes = 1
@@ -130,19 +132,29 @@ def minimize_log_partition(
             raise RuntimeError(f"alpha solver did not converge in {max_passes} passes (rows {rows.tolist()})")
         ra, rf, rmean, rcov = a[rows], f[rows], mean[rows], cov[rows]
         rfixed, rhi, rlo = fixed[rows], sum_at_hi[rows], sum_at_lo[rows]
+        # f's rounding, and the gradient's: below them no step can be told from noise.
+        noise = 8 * eps * (1.0 + rf.abs())
+        gtol = tol + 16 * eps * (1.0 + rmean.abs().amax(-1))
         # Solve each row's face; release bounds whose multipliers are wrong until a step moves or the row is done.
         done = torch.zeros_like(rows, dtype=torch.bool)
         for _ in range(k + 2):
             sum_fixed = rhi | rlo
             step, nu = _face_step(rmean, rcov, rfixed, sum_fixed)
             nu = torch.where(sum_fixed, nu, torch.zeros_like(nu))
-            gradient = torch.where(rfixed, torch.zeros_like(rmean), rmean + nu.unsqueeze(-1))
-            still = (step.abs().amax(-1) <= xtol) | (gradient.abs().amax(-1) <= tol)
+            gradient = _face_gradient(rmean, rfixed, sum_fixed)
+            # On the face exactly (the solve leaves Σδ off zero by its rounding, which m ≈ ν·1 would multiply), and
+            # slopes from the face's gradient, not m: along the face they are equal, and only the first is accurate.
+            step = _face_gradient(step, rfixed, sum_fixed)
+            # A Newton step that is not a descent direction (a near-singular C) gives way to the projected gradient.
+            uphill = ~((gradient * step).sum(-1) < 0) | ~torch.isfinite(step).all(-1)
+            step = torch.where(uphill.unsqueeze(-1), -gradient, step)
+            slope = (gradient * step).sum(-1)
+            still = (step.abs().amax(-1) <= xtol) | (gradient.abs().amax(-1) <= gtol)
             lam = torch.where(rfixed, rmean + nu.unsqueeze(-1), torch.full_like(rmean, math.inf))
             worst_teacher = lam.min(-1)
             sum_violation = torch.where(rhi & (lo != hi), -nu, torch.where(rlo, nu, torch.full_like(nu, -math.inf)))
             teacher_violation = -worst_teacher.values
-            violated = still & (torch.maximum(teacher_violation, sum_violation) > tol)
+            violated = still & (torch.maximum(teacher_violation, sum_violation) > gtol)
             done |= still & ~violated
             if not bool(violated.any()):
                 break
@@ -158,19 +170,19 @@ def minimize_log_partition(
         falling = (step < 0) & ~rfixed
         limit = torch.where(falling, ra / torch.where(falling, -step, 1.0), math.inf)
         t_max, blocker = limit.min(-1)
-        rise = step.sum(-1)
-        room_hi = torch.where((rise > 0) & ~rhi, (hi - ra.sum(-1)) / torch.where(rise > 0, rise, 1.0), math.inf)
-        room_lo = torch.where((rise < 0) & ~rlo, (ra.sum(-1) - lo) / torch.where(rise < 0, -rise, 1.0), math.inf)
+        rise = torch.where(sum_fixed, 0.0, step.sum(-1))  # a held sum moves by rounding only
+        room_hi = torch.where(rise > 0, (hi - ra.sum(-1)) / torch.where(rise > 0, rise, 1.0), math.inf)
+        room_lo = torch.where(rise < 0, (ra.sum(-1) - lo) / torch.where(rise < 0, -rise, 1.0), math.inf)
         room_hi, room_lo = room_hi.clamp_min(0.0), room_lo.clamp_min(0.0)
         t = torch.minimum(torch.minimum(t_max, torch.minimum(room_hi, room_lo)), torch.ones_like(t_max))
-        slope = (rmean * step).sum(-1)
-        current = _face_gradient(rmean, rfixed, sum_fixed)
+        current = _face_gradient(rmean, rfixed, sum_fixed).abs().amax(-1)
         pending = moving.clone()
+        stuck = torch.zeros_like(moving)
         accepted = torch.zeros_like(moving)
         new_f, new_mean, new_cov = rf.clone(), rmean.clone(), rcov.clone()
         for _ in range(_MAX_HALVINGS):
             sel = pending.nonzero().flatten()
-            if sel.numel() == 0:
+            if sel.numel() == 0 or passes >= max_passes:
                 break
             trial = (ra[sel] + t[sel].unsqueeze(-1) * step[sel]).clamp_min(0.0)
             if sel.numel() == batch:  # every row: no copy of the rows
@@ -178,18 +190,29 @@ def minimize_log_partition(
             else:
                 tf, tm, tc = _moments(base[rows[sel]], diffs[rows[sel]], trial)
             passes += 1
-            # Near the optimum f moves less than its rounding; there a step that shrinks the face's gradient counts too.
-            noise = 8 * torch.finfo(tf.dtype).eps * (1.0 + rf[sel].abs())
-            ok = (tf <= rf[sel] + _ARMIJO * t[sel] * slope[sel]) | (
-                (tf <= rf[sel] + noise) & (_face_gradient(tm, rfixed[sel], sum_fixed[sel]) < current[sel])
-            )
+            # Near the optimum f moves less than its rounding: there a step that shrinks the face's gradient counts,
+            # and one that does not ends the search (the row is at the precision's floor, judged below).
+            within = tf <= rf[sel] + noise[sel]
+            shrinks = _face_gradient(tm, rfixed[sel], sum_fixed[sel]).abs().amax(-1) < current[sel]
+            # f is convex, so a trial where the derivative along δ is still ≤ 0 lies below the start: that test reads
+            # gradients, which stay accurate where f's differences are lost in its rounding.
+            descending = (_face_gradient(tm, rfixed[sel], sum_fixed[sel]) * step[sel]).sum(-1) <= 0
+            ok = (tf <= rf[sel] + _ARMIJO * t[sel] * slope[sel]) | descending | (within & shrinks)
+            stuck[sel[~ok & ((tf - rf[sel]).abs() <= noise[sel])]] = True
+            pending[sel[~ok]] &= ~stuck[sel[~ok]]
             good = sel[ok]
             new_f[good], new_mean[good], new_cov[good] = tf[ok], tm[ok], tc[ok]
             accepted[good] = True
             pending[good] = False
             t[sel[~ok]] *= 0.5
-        # A step that cannot lower f even when tiny is at the precision's floor: the row is done.
-        done |= pending
+        # A row no step lowers: at the precision's floor if its gradient is near it, else a failure, named.
+        failed = pending | stuck
+        # The floor: the gradient within a few roundings, or the step's first-order decrease within f's rounding.
+        floor = failed & ((current <= 10 * gtol) | (-slope <= 4 * noise))
+        if bool((failed & ~floor).any()) and passes < max_passes:
+            bad = rows[failed & ~floor].tolist()
+            raise RuntimeError(f"alpha solver found no descent for rows {bad} (face gradients {current.tolist()})")
+        done |= floor
         full = t.unsqueeze(-1) * step
         new_a = torch.where(accepted.unsqueeze(-1), (ra + full).clamp_min(0.0), ra)
         # Bounds the accepted step stopped at join the working set, snapped exactly.
@@ -201,7 +224,7 @@ def minimize_log_partition(
         hit_lo = accepted & (t == room_lo) & (lo > 0.0)
         sums = new_a.sum(-1, keepdim=True)
         fix_sum = (hit_hi | hit_lo).unsqueeze(-1) & (sums > 0)
-        bound = torch.where(hit_hi, hi, lo).to(new_a.dtype).unsqueeze(-1)
+        bound = torch.where(hit_hi, torch.full_like(sums[:, 0], hi), torch.full_like(sums[:, 0], lo)).unsqueeze(-1)
         new_a = torch.where(fix_sum, new_a * bound / torch.where(sums > 0, sums, 1.0), new_a)
         a[rows], f[rows], mean[rows], cov[rows] = new_a, new_f, new_mean, new_cov
         fixed[rows] = rfixed

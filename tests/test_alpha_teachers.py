@@ -229,3 +229,57 @@ def test_a_run_of_one_teacher_refuses_weights_for_two_before_any_engine_starts()
     with pytest.raises(ValueError, match=r"teacher_shares must list one share per teacher \(1\)"):
         EngineOptions(alpha_method="trust_region", alpha_config={"teacher_shares": [1.0, 1.0]})
     assert EngineOptions(alpha_method="fixed", alpha_config={"alpha": [0.2]}).alpha_method == "fixed"
+
+
+def frank_wolfe_gap(theta: np.ndarray, teachers: np.ndarray, a: np.ndarray, lo: float, hi: float) -> float:
+    """m·a − min over the polytope's vertices of m·s (m = ∇ log Z at a): an upper bound on log Z(a) − its minimum."""
+    d = teachers - theta
+    x = theta + a @ d
+    w = np.exp(x - x.max())
+    m = d @ (w / w.sum())
+    vertices = [bound * np.eye(len(a))[i] for i in range(len(a)) for bound in (lo, hi)]
+    return float(m @ a - min(m @ v for v in vertices))
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(0.0, 1.0), (0.0, 0.4), (0.6, 0.6), (1.0, 1.0), (0.2, 0.9)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_confident_disagreeing_models_reach_the_optimum_within_every_kind_of_bound(lo, hi, dtype):
+    # Logits of spread 10-50 put q on a token or two: C is tiny and near rank 1, f's differences vanish in rounding.
+    # The Newton step then pointed uphill (a row was returned at its start, 8 nats from the optimum), float32 rows
+    # went on until the solver raised, and a fixed total (lo == hi) never moved.
+    for scale, teachers, vocab in ((10.0, 2, 32), (20.0, 3, 8), (50.0, 2, 64)):
+        g = torch.Generator().manual_seed(int(scale) + teachers)
+        rows = torch.log_softmax(torch.randn(teachers + 1, 64, vocab, generator=g, dtype=torch.float64) * scale, -1)
+        computer = get_alpha_computer("kl_symmetry", alpha_min=lo, alpha_max=hi)
+        alpha = computer.compute_teachers(rows[0].to(dtype), rows[1:].to(dtype), normalized=True).alpha
+        assert alpha.dtype == dtype
+        for b in range(64):
+            a = alpha[b].double().numpy()
+            assert lo - 1e-6 <= a.sum() <= hi + 1e-6 and (a >= 0).all()
+            gap = frank_wolfe_gap(rows[0, b].numpy(), rows[1:, b].numpy(), a, lo, hi)
+            # float64: the solver's own tolerance; float32: α rounded to float32 moves log Z by |m|·6e-8 at most.
+            assert gap <= (1e-8 if dtype == torch.float64 else 1e-3), (scale, b, a, gap)
+
+
+def test_the_reviewed_row_that_stopped_at_its_start_now_reaches_the_optimum():
+    theta = torch.log_softmax(torch.tensor([-66.7, -57.0, 0.0], dtype=torch.float64), -1)
+    teachers = torch.log_softmax(torch.tensor([[-57.2, -82.6, 0.0], [0.0, -23.6, -20.5]], dtype=torch.float64), -1)
+    for dtype in (torch.float64, torch.float32):
+        a = get_alpha_computer("kl_symmetry").compute_teachers(theta.to(dtype), teachers.to(dtype)).alpha
+        np.testing.assert_allclose(a.double().numpy(), scipy_optimum(theta.numpy(), teachers.numpy()), atol=1e-4)
+
+
+def test_a_bounded_total_is_exact_in_float64_and_unmixable_rows_keep_trust_regions_floor():
+    theta, teachers = random_rows(3, 6, 100, seed=12, scale=4.0)
+    alpha = get_alpha_computer("kl_symmetry", alpha_max=0.7).compute_teachers(theta, teachers).alpha
+    at_bound = alpha.sum(-1) > 0.7 - 1e-6
+    assert at_bound.any() and (alpha.sum(-1)[at_bound] == 0.7).all()
+    apart = teachers.clone()
+    apart[0, :, :50], apart[1, :, 50:] = -torch.inf, -torch.inf  # the teachers share no token in any row
+    computer = get_alpha_computer("trust_region", alpha_min=0.1, teacher_shares=[1.0, 3.0])
+    result = computer.compute_teachers(theta, torch.log_softmax(apart, -1))
+    expected = torch.tensor([[0.025, 0.075]] * 6, dtype=torch.float64)
+    torch.testing.assert_close(result.alpha, expected, atol=1e-15, rtol=0)
+    assert result.passes == 0
+    with pytest.raises(ValueError, match=r"alpha_init must have shape \[K\] or \[B, K\] = \[6, 2\], got \(6,\)"):
+        get_alpha_computer("kl_symmetry").compute_teachers(theta, teachers, alpha_init=torch.zeros(6))

@@ -103,3 +103,14 @@ def test_a_forced_first_token_gives_theta_no_weight_and_teacher_support_is_refus
         dense_top(models, 4, d)
     with pytest.raises(ValueError, match=r"logits of 'general' have shape \(2, 49\)"):
         ModelRows((math_, general[:, :49], theta), TRIO)
+
+
+def test_a_forced_first_token_takes_none_of_thetas_masks_in_float32():
+    # The teachers' shares scaled to a total of 1 round to 1 − 6e-8 in float32: θ kept that weight, and its masks.
+    math_, general, theta = trio_logits(64, 30, seed=5)
+    theta[:, :10] = -torch.inf
+    rows = [RowSampling(seed=s, force_first_token=True, temperature=0.0) for s in range(64)]
+    computer = get_alpha_computer("kl_symmetry")  # weights of every kind, whose scaled sum rounds either way
+    d = decide(ModelRows((math_, general, theta), TRIO), [0] * 64, rows, computer, top_logprobs=30)
+    assert torch.isfinite(d.top_logq).all()
+    torch.testing.assert_close(d.alpha.sum(-1), torch.ones(64), atol=2e-7, rtol=0)

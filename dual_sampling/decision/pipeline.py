@@ -42,6 +42,7 @@ from torch import Tensor
 
 from alpha import AlphaComputer, geometric_log_weights, geometric_log_weights_teachers
 from alpha.base import check_log_prob_pair, clamp_total
+from alpha.mixing import theta_weight
 from dual_sampling.decision.fusable import kernel_device, kernel_rows
 from dual_sampling.decision.rows import ModelRows
 from dual_sampling.decision.stages import STAGES, DecisionOptions, StageBatch, clamped_logit_bias, needs_logit_offset
@@ -484,9 +485,8 @@ def _theta_shift(theta_normalized: bool, log_normalisers: Tensor | None, rows: l
 
 
 def _logit_offset(models: ModelRows, alpha: Tensor) -> Tensor:
-    """``[b]`` float64 (1 − Σα_i)·L_θ + Σ α_i·L_i, L being each model's log Σ exp of its raw logits: added to the
-    mixture's log-weights it gives the mixture's logits, whose sign the repetition penalty reads. ``alpha`` is
-    ``[b]`` (one teacher) or ``[b, K]``."""
+    """``[b]`` float64 (1 − Σα_i)·L_θ + Σ α_i·L_i (α ``[b]`` or ``[b, K]``; L: each model's log Σ exp of its logits):
+    added to the mixture's log-weights it gives the mixture's logits, whose sign the repetition penalty reads."""
     device = models.device
     if not models.theta_normalized:
         lse_theta = models.theta.double().logsumexp(-1)
@@ -496,4 +496,5 @@ def _logit_offset(models: ModelRows, alpha: Tensor) -> Tensor:
         lse_theta = models.theta_log_normalisers.to(device, torch.float64)
     lse_teachers = torch.stack([t.double().logsumexp(-1) for t in models.teachers], dim=-1)  # [b, K]
     a = alpha.to(device, torch.float64).reshape(lse_teachers.shape)
-    return (1 - a.sum(-1)) * lse_theta + (a * lse_teachers).sum(-1)
+    rest = theta_weight(a) if a.shape[-1] > 1 else 1 - a[:, 0]  # one teacher: the pair's arithmetic, unchanged
+    return rest * lse_theta + (a * lse_teachers).sum(-1)
