@@ -76,38 +76,13 @@ def check_log_prob_pair(logp_theta: Tensor, logp_teacher: Tensor) -> tuple[Tenso
     Raises ValueError naming the problem for mismatched shapes, NaN, +inf, or a row
     with no finite entry (nothing could be sampled from it).
     """
-    for name, x in (("logp_theta", logp_theta), ("logp_teacher", logp_teacher)):
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
-        if x.dim() not in (1, 2):
-            raise ValueError(f"{name} must have shape [V] or [B, V], got {tuple(x.shape)}")
-    if logp_theta.shape != logp_teacher.shape:
-        raise ValueError(
-            f"logp_theta and logp_teacher must have the same shape, got "
-            f"{tuple(logp_theta.shape)} and {tuple(logp_teacher.shape)}"
-        )
-    dtype = torch.promote_types(torch.promote_types(logp_theta.dtype, logp_teacher.dtype), torch.float32)
-    pair = []
-    for name, x in (("logp_theta", logp_theta), ("logp_teacher", logp_teacher)):
-        x = x.to(dtype).reshape(-1, x.shape[-1])
-        # One reduction finds every bad row: the row max is NaN, +inf, or -inf (all masked).
-        top = x.amax(dim=-1)
-        if not bool(torch.isfinite(top).all()):
-            for bad, what in (
-                (torch.isnan(x).any(dim=-1), "contains NaN"),
-                ((x == math.inf).any(dim=-1), "contains +inf"),
-                (top == -math.inf, "has no finite entry (every token masked)"),
-            ):
-                if bad.any():
-                    raise ValueError(f"{name} {what} in rows {_rows(bad)}")
-        pair.append(x)
-    return pair[0], pair[1]
+    theta, teacher = _check_log_probs([("logp_theta", logp_theta), ("logp_teacher", logp_teacher)])
+    return theta, teacher
 
 
 def check_log_prob_rows(logp_theta: Tensor, logp_teachers: Tensor | Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """Validate θ's rows and K teachers' rows; return (θ ``[B, V]``, teachers ``[K, B, V]``), one dtype.
+    """Validate θ's rows and K teachers' rows as :func:`check_log_prob_pair` does; return (θ ``[B, V]``, teachers
+    ``[K, B, V]``), one dtype.
 
     ``logp_teachers`` is a ``[K, V]``/``[K, B, V]`` tensor or a sequence of K ``[V]``/``[B, V]`` tensors. Errors
     name the teacher by its index (``logp_teachers[1]``).
@@ -120,17 +95,44 @@ def check_log_prob_rows(logp_theta: Tensor, logp_teachers: Tensor | Sequence[Ten
         logp_teachers = list(logp_teachers.unbind(0))
     if len(logp_teachers) == 0:
         raise ValueError("logp_teachers must hold at least one teacher's rows")
+    named = [(f"logp_teachers[{i}]", teacher) for i, teacher in enumerate(logp_teachers)]
+    theta, *teachers = _check_log_probs([("logp_theta", logp_theta), *named])
+    if stacked is not None and stacked.dtype == theta.dtype:  # no copy of a stacked input
+        return theta, stacked.reshape(len(teachers), *theta.shape)
+    return theta, torch.stack(teachers)
+
+
+def _check_log_probs(named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
+    """The named log-probability tensors, each checked once, as 2-D tensors of one dtype (at least float32)."""
+    for name, x in named:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+        if x.dim() not in (1, 2):
+            raise ValueError(f"{name} must have shape [V] or [B, V], got {tuple(x.shape)}")
+    first_name, first = named[0]
+    for name, x in named[1:]:
+        if x.shape != first.shape:
+            raise ValueError(
+                f"{first_name} and {name} must have the same shape, got {tuple(first.shape)} and {tuple(x.shape)}"
+            )
+    dtype = functools.reduce(torch.promote_types, (x.dtype for _, x in named), torch.float32)
     checked = []
-    for index, teacher in enumerate(logp_teachers):
-        try:
-            theta, row = check_log_prob_pair(logp_theta, teacher)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(str(exc).replace("logp_teacher", f"logp_teachers[{index}]")) from None
-        checked.append(row)
-    dtype = functools.reduce(torch.promote_types, (row.dtype for row in checked), theta.dtype)
-    if stacked is not None and stacked.dtype == dtype:  # no copy of a stacked input
-        return theta.to(dtype), stacked.reshape(len(checked), *theta.shape)
-    return theta.to(dtype), torch.stack([row.to(dtype) for row in checked])
+    for name, x in named:
+        x = x.to(dtype).reshape(-1, x.shape[-1])
+        # One reduction finds every bad row: the row max is NaN, +inf, or -inf (all masked).
+        top = x.amax(dim=-1)
+        if not bool(torch.isfinite(top).all()):
+            for bad, what in (
+                (torch.isnan(x).any(dim=-1), "contains NaN"),
+                ((x == math.inf).any(dim=-1), "contains +inf"),
+                (top == -math.inf, "has no finite entry (every token masked)"),
+            ):
+                if bad.any():
+                    raise ValueError(f"{name} {what} in rows {_rows(bad)}")
+        checked.append(x)
+    return checked
 
 
 def _rows(mask: Tensor, limit: int = 8) -> str:
@@ -196,16 +198,9 @@ class AlphaComputer:
         if isinstance(teachers, bool) or not isinstance(teachers, int) or teachers < 1:
             raise ValueError(f"the number of teachers must be an integer >= 1, got {teachers!r}")
         if teachers > 1 and not self.several_teachers:
-            # The registered classes, read off the class tree: the registry imports this module, not the reverse.
-            classes, known = [AlphaComputer], set()
-            while classes:
-                cls = classes.pop()
-                classes += cls.__subclasses__()
-                if cls.name and cls.several_teachers:
-                    known.add(cls.name)
             raise ValueError(
                 f"alpha method {self.name!r} has no form for {teachers} teachers; "
-                f"methods that weight several: {', '.join(sorted(known))}"
+                f"methods that weight several: {', '.join(several_teacher_methods())}"
             )
 
     def compute_teachers(
@@ -256,3 +251,15 @@ def clamp_total(alpha: Tensor, low: float, high: float) -> Tensor:
     target = total.clamp(low, high)
     scaled = alpha * (target / torch.where(total > 0, total, torch.ones_like(total)))
     return torch.where(total > 0, scaled, target / alpha.shape[-1])
+
+
+def several_teacher_methods() -> list[str]:
+    """Sorted names of the registered methods (every named subclass) that weight more than one teacher, read off the
+    class tree: the registry imports this module, not the reverse."""
+    classes, known = [AlphaComputer], set()
+    while classes:
+        cls = classes.pop()
+        classes += cls.__subclasses__()
+        if cls.name and cls.several_teachers:
+            known.add(cls.name)
+    return sorted(known)

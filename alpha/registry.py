@@ -17,7 +17,7 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
-from alpha.base import AlphaComputer
+from alpha.base import AlphaComputer, several_teacher_methods
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -73,7 +73,7 @@ def available_alpha_methods() -> list[str]:
 def alpha_methods_for_several_teachers() -> list[str]:
     """Sorted names of the registered methods that weight more than one teacher."""
     _load_entry_points()
-    return sorted(name for name, cls in _REGISTRY.items() if cls.several_teachers)
+    return several_teacher_methods()
 
 
 def get_alpha_computer(method: str, **config: Any) -> AlphaComputer:

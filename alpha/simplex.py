@@ -193,10 +193,11 @@ def minimize_log_partition(
             # Near the optimum f moves less than its rounding: there a step that shrinks the face's gradient counts,
             # and one that does not ends the search (the row is at the precision's floor, judged below).
             within = tf <= rf[sel] + noise[sel]
-            shrinks = _face_gradient(tm, rfixed[sel], sum_fixed[sel]).abs().amax(-1) < current[sel]
+            trial_gradient = _face_gradient(tm, rfixed[sel], sum_fixed[sel])
+            shrinks = trial_gradient.abs().amax(-1) < current[sel]
             # f is convex, so a trial where the derivative along δ is still ≤ 0 lies below the start: that test reads
             # gradients, which stay accurate where f's differences are lost in its rounding.
-            descending = (_face_gradient(tm, rfixed[sel], sum_fixed[sel]) * step[sel]).sum(-1) <= 0
+            descending = (trial_gradient * step[sel]).sum(-1) <= 0
             ok = (tf <= rf[sel] + _ARMIJO * t[sel] * slope[sel]) | descending | (within & shrinks)
             stuck[sel[~ok & ((tf - rf[sel]).abs() <= noise[sel])]] = True
             pending[sel[~ok]] &= ~stuck[sel[~ok]]

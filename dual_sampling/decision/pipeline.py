@@ -421,22 +421,21 @@ def _decide_reference(
     diversity: Sequence[dict[int, int]] | None = None,
 ) -> Decision:
     """:func:`decide` in torch operations, for any row, any number of teachers and any device: the reference."""
-    several = len(models.roster.teachers) > 1
-    logp_teachers = torch.stack([torch.log_softmax(t.float(), dim=-1) for t in models.teachers])  # [K, b, V]
+    several = _check_several_teachers(rows, len(models.roster.teachers))
+    logp_teachers = [torch.log_softmax(t.float(), dim=-1) for t in models.teachers]
     theta_rows = models.theta.float()
     logp_theta = theta_rows if models.theta_normalized else torch.log_softmax(theta_rows, dim=-1)
     first = torch.tensor([r.force_first_token and s == 0 for r, s in zip(rows, steps)], device=logp_theta.device)
     if several:
-        _check_several_teachers(rows, len(logp_teachers))
-        alpha = alpha_computer.compute_teachers(logp_theta, logp_teachers, alpha_init, normalized=True).alpha
+        stacked = torch.stack(logp_teachers)  # [K, b, V]
+        alpha = alpha_computer.compute_teachers(logp_theta, stacked, alpha_init, normalized=True).alpha
         # A forced first token is the teachers' alone: θ's weight goes to them, in their proportions.
         alpha = torch.where(first.unsqueeze(-1), clamp_total(alpha, 1.0, 1.0), alpha)
-        log_weights = geometric_log_weights_teachers(logp_theta, logp_teachers, alpha)
+        log_weights = geometric_log_weights_teachers(logp_theta, stacked, alpha)
     else:
         alpha = alpha_computer(logp_theta, logp_teachers[0], alpha_init=alpha_init, normalized=True)
         alpha = torch.where(first, torch.ones_like(alpha), alpha)
-        # Unnormalised: the draw normalises with the sums it computes anyway.
-        log_weights = geometric_log_weights(logp_theta, logp_teachers[0], alpha)
+        log_weights = geometric_log_weights(logp_theta, logp_teachers[0], alpha)  # unnormalised: the draw normalises
     offset = None
     if any(needs_logit_offset(r) for r in rows):
         offset = _logit_offset(models, alpha)
@@ -469,11 +468,12 @@ def _decide_reference(
     )
 
 
-def _check_several_teachers(rows: Sequence[RowSampling], teachers: int) -> None:
-    """Refuse, naming its fields, a stage a row uses that has no meaning with several teachers."""
-    for stage in STAGES:
+def _check_several_teachers(rows: Sequence[RowSampling], teachers: int) -> bool:
+    """Whether there are several teachers; then refuse, naming its fields, a stage a row uses that has no meaning."""
+    for stage in STAGES if teachers > 1 else ():
         if not stage.several_teachers and any(stage.used(row) for row in rows):
             raise ValueError(f"{' / '.join(stage.fields)}: {stage.name} has no meaning with {teachers} teachers")
+    return teachers > 1
 
 
 def _theta_shift(theta_normalized: bool, log_normalisers: Tensor | None, rows: list[int]) -> list[float] | None:
