@@ -4,6 +4,8 @@
   the same requests at every step;
 - ``processors.teacher`` / ``processors.theta``: logits processors that move one logits row
   and one decided token per request per step;
+- ``processors.model_runner``: the one module that speaks vLLM's model-runner interface (V1's); a port to
+  Model Runner V2 changes it alone;
 - ``processors.worker_extension``: the worker extension (``worker_extension_cls``) the driver
   calls between requests: a weight reload that also refreshes tied output projections
   (``processors.weights_reload``), and a new alpha computer for the teacher's processor.

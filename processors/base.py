@@ -1,4 +1,4 @@
-"""The vLLM (V1 model runner) logits-processor plugins: one logits row and one token per request per step.
+"""The lockstep logits processors' common part: one logits row and one token per request per step.
 
 Each engine loads one subclass of :class:`BaseSyncLogitsProcessor`: the teacher engine
 :class:`processors.TeacherSyncLogitsProcessor`, the theta engine
@@ -8,11 +8,11 @@ requests at every step. The processors only move data for those requests.
 
 Every request carries its pairing in ``SamplingParams.extra_args["dual_sampling"]``
 (:class:`dual_sampling.lockstep` has the slot words). The batch index of a request is
-tracked through vLLM's ``BatchUpdate`` (removed, then added, then moved, SWAPs included);
+tracked by the model runner's seam (:class:`processors.model_runner.BatchRowsProcessor`);
 it is never used to pair requests across engines.
 
-At each ``apply(logits)`` a processor handles every tracked row at step
-s = len(output_token_ids) (the list in the added tuple is a live reference) and returns
+At each step a processor handles every tracked row at step
+s = len(output_token_ids) (the runner's live list of the request's tokens) and returns
 logits in which each row allows exactly the one token decided for it. Both engines run
 greedy, so both emit that token.
 
@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from dual_sampling.decision.pipeline import RowSampling
 from dual_sampling.lockstep import CONFIG_KEY, Bell, ErrorCode, LockstepConfig, Slot, SyncError, SyncSession, Writer
 from dual_sampling.lockstep.row_channel import RowChannel, open_row_channel
+from processors.model_runner import BatchRowsProcessor
 
 __all__ = ["WAIT_CAP_S", "BaseSyncLogitsProcessor", "TrackedRow", "request_pairing"]
 
@@ -78,20 +78,20 @@ class TrackedRow:
         return len(self.output_token_ids)
 
 
-class BaseSyncLogitsProcessor(LogitsProcessor):
-    """Shared bookkeeping: session attach, BatchUpdate tracking, blocking waits, forcing tokens."""
+class BaseSyncLogitsProcessor(BatchRowsProcessor[TrackedRow]):
+    """Shared bookkeeping: session attach, the batch's rows, blocking waits, forcing tokens."""
 
     role: ClassVar[str] = ""
     writer: ClassVar[Writer]
     released_word: ClassVar[Slot]
     """Slot word this side sets (to the key) when a request leaves its batch."""
+    argmax_invariant = False  # forcing a token changes the argmax: it must run for greedy requests too
 
-    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+    def attach(self, vllm_config: Any, device: torch.device) -> None:
         self.config = LockstepConfig.from_vllm(vllm_config, self.role, type(self).__name__)
         self.session = SyncSession.attach(self.config.session)
         self.vocab = self.session.layout.vocab
         self.sync_timeout = self.config.sync_timeout
-        self.rows: dict[int, TrackedRow] = {}
         s = self.session
         # Opened as the engine starts, so a transport that cannot work fails the start, not the first step: the
         # teacher's side of the device transport makes the buffer, theta's waits (up to sync_timeout) to open it.
@@ -100,40 +100,18 @@ class BaseSyncLogitsProcessor(LogitsProcessor):
         )
         """How theta's rows reach the teacher (``lockstep.row_channel``)."""
 
-    # ------------------------------------------------------------------ vLLM interface
+    # ------------------------------------------------------------------ the model runner's seam
 
-    def is_argmax_invariant(self) -> bool:
-        # Forcing a token changes the argmax: this processor must run for greedy requests too.
-        return False
+    def track(self, params: Any, output_token_ids: list[int]) -> TrackedRow:
+        pairing = request_pairing(params, self.role)
+        return TrackedRow(
+            int(pairing["slot"]), int(pairing["key"]), output_token_ids, RowSampling.from_dict(pairing["sampling"])
+        )
 
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        for index in batch_update.removed:
-            self._release(self.rows.pop(index, None))
-        for index, params, _prompt_ids, output_ids in batch_update.added:
-            self._release(self.rows.pop(index, None))
-            pairing = request_pairing(params, self.role)
-            self.rows[index] = TrackedRow(
-                int(pairing["slot"]), int(pairing["key"]), output_ids, RowSampling.from_dict(pairing["sampling"])
-            )
-        for a, b, direction in batch_update.moved:
-            row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)
-            if direction == MoveDirectionality.SWAP:
-                if row_a is not None:
-                    self.rows[b] = row_a
-                if row_b is not None:
-                    self.rows[a] = row_b
-            else:
-                # One-way move a -> b; whatever sat at b was already removed.
-                self._release(row_b)
-                if row_a is not None:
-                    self.rows[b] = row_a
+    def untrack(self, row: TrackedRow) -> None:
+        self.session.release(row.slot, row.key, self.released_word)
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        batch = [(i, row) for i, row in sorted(self.rows.items()) if i < logits.shape[0]]
-        if not batch:
-            return logits
+    def process(self, logits: torch.Tensor, batch: list[tuple[int, TrackedRow]]) -> torch.Tensor:
         try:
             decided = self.synchronise(logits, batch)
         except Exception:
@@ -180,10 +158,6 @@ class BaseSyncLogitsProcessor(LogitsProcessor):
         self.session.wait_bell(bell, seen, min(deadline - time.monotonic(), WAIT_CAP_S))
 
     # ------------------------------------------------------------------ helpers
-
-    def _release(self, row: TrackedRow | None) -> None:
-        if row is not None:
-            self.session.release(row.slot, row.key, self.released_word)
 
     def _force(self, logits: torch.Tensor, decided: dict[int, int]) -> torch.Tensor:
         index = torch.tensor(list(decided), dtype=torch.long, device=logits.device)

@@ -2,7 +2,8 @@
 
 In ``mode="speculative"`` one vLLM engine runs the teacher with theta as its draft model (vLLM's ``draft_model``
 speculation: theta's KV cache, its γ draft steps and the rollback of rejected drafts are vLLM's). Two of the model
-runner's steps are replaced, on the runner object, by the worker extension (``dual_sampling_install_speculative``):
+runner's steps are replaced (through :class:`processors.model_runner.SpeculativeRunner`, the one module that touches
+the runner) by the worker extension (``dual_sampling_install_speculative``):
 
 - ``runner._sample`` (the step that turns the teacher's logits into tokens): for every request, theta's drafts are
   checked against q with :func:`dual_sampling.decision.speculative.verify_drafts`, and the emitted tokens and their
@@ -40,6 +41,7 @@ from dual_sampling.decision.pipeline import inverse_cdf
 from dual_sampling.decision.speculative import Span, send, stream_uniform, verify_drafts
 from dual_sampling.lockstep import ErrorCode, Slot, Stat, SyncSession, Writer
 from processors.base import request_pairing
+from processors.model_runner import SpeculativeRunner
 
 __all__ = ["SpeculativeSampler"]
 
@@ -49,7 +51,9 @@ logger = logging.getLogger(__name__)
 class SpeculativeSampler:
     """Replaces a model runner's sampling step and its drafter's draws; see the module docstring."""
 
-    def __init__(self, runner: Any, session: str, alpha_method: str, alpha_config: dict, vocab: int) -> None:
+    def __init__(
+        self, runner: SpeculativeRunner, session: str, alpha_method: str, alpha_config: dict, vocab: int
+    ) -> None:
         self.runner = runner
         self.session = SyncSession.attach(session)
         self.alpha_computer = get_alpha_computer(alpha_method, **alpha_config)
@@ -60,54 +64,46 @@ class SpeculativeSampler:
         self._warned = False
 
     def install(self) -> None:
-        self.runner._sample = self.sample
-        self.runner.drafter._sample_from_logits = self.draft
-        self.runner.dual_sampling_speculative = self
+        self.runner.install(self, self.sample, self.draft)
 
     # ------------------------------------------------------------------ the teacher's step
 
     def sample(self, logits: torch.Tensor, metadata: Any) -> Any:
-        from vllm.v1.outputs import SamplerOutput
-
         runner, vocab = self.runner, self.vocab
-        req_ids = list(runner.input_batch.req_ids)
-        b = len(req_ids)
-        # With speculation on, vLLM builds the metadata at every step (a request without drafts has n = 0).
-        # The logits hold, per request, its n drafted positions then its bonus position (vLLM's layout in
-        # _calc_spec_decode_metadata), so the indices are derived on the host from the counts; only the draft ids
-        # are read back from the device (one wait, the other being the decision's result).
-        num_draft = list(metadata.num_draft_tokens)
+        batch = runner.batch()
+        b = len(batch)
+        # The logits hold, per request, its n drafted positions then its bonus position, so the indices are derived
+        # on the host from the counts; only the draft ids are read back from the device (one wait, the other being
+        # the decision's result).
+        num_draft, draft_ids = runner.drafts(metadata)
         cu = list(itertools.accumulate(num_draft))
         bonus = [c - 1 for c in itertools.accumulate(n + 1 for n in num_draft)]
         target = [i for n, last in zip(num_draft, bonus) for i in range(last - n, last)]
-        draft_ids = metadata.draft_token_ids.tolist()
-        gamma = int(runner.num_spec_tokens)
-        probs_row = {rid: i for i, rid in enumerate(runner._draft_prob_req_ids or ())}
+        gamma = runner.gamma
         out = torch.full((b, max(num_draft, default=0) + 1), -1, dtype=torch.int32)
         teacher_index, theta_rows, spans, owners = [], [], [], []
         rows_so_far = 0
         self._plan = []
-        for i, rid in enumerate(req_ids):
-            state = runner.requests[rid]
-            pairing = request_pairing(state.sampling_params, "teacher")
-            seed, done = int(pairing["sampling"]["seed"]), len(state.output_token_ids)
+        for i, (params, done, drafted) in enumerate(batch):
+            pairing = request_pairing(params, "teacher")
+            seed = int(pairing["sampling"]["seed"])
             self._plan.append((seed, max(done - 1, 0)))
             if done == 0:  # the prompt's last token, held back by the driver: theta drafts from the whole prompt
                 out[i, 0] = int(pairing["force"])
                 continue
-            n, row = num_draft[i], probs_row.get(rid)
-            if row is None or runner._draft_probs is None:
-                self._fail(i, pairing, ErrorCode.DECISION_ERROR, done - 1, out, "no draft rows")
-                continue
+            n = num_draft[i]
             # The drafter computed γ rows; when vLLM scheduled fewer drafts (n < γ), theta's row after the last one
             # is at hand, and the teacher's bonus row beside it: the round may end with a draw from q there.
             extra = int(n < gamma)
+            if drafted is None:
+                self._fail(i, pairing, ErrorCode.DECISION_ERROR, done - 1, out, "no draft rows")
+                continue
             teacher_index += target[cu[i] - n : cu[i]] + [bonus[i]] * extra
-            theta_rows.append(runner._draft_probs[row, : n + extra, :vocab])  # log π_θ: what draft() returned
+            theta_rows.append(drafted[: n + extra, :vocab])  # log π_θ: what draft() returned
             spans.append(Span(rows_so_far, tuple(draft_ids[cu[i] - n : cu[i]]), seed, done - 1, bool(extra)))
             rows_so_far += n + extra
             # Generated tokens this request may still take: vLLM cuts a row at max_tokens, the slot must hold it.
-            owners.append((i, pairing, int(state.sampling_params.max_tokens) - done))
+            owners.append((i, pairing, int(params.max_tokens) - done))
         if spans:
             # One index for every request's teacher rows, sent as the uniforms are (a list index would be copied
             # from pageable memory once per request, each copy a wait).
@@ -117,7 +113,7 @@ class SpeculativeSampler:
         self.session.add_stat(Stat.TEACHER_ROWS, b)  # the health watch reads rows served as progress
         self._draft_calls = 0
         sampled = out.pin_memory() if logits.device.type == "cuda" else out
-        return SamplerOutput(sampled_token_ids=sampled.to(logits.device, non_blocking=True), logprobs_tensors=None)
+        return runner.output(sampled.to(logits.device, non_blocking=True))
 
     def _verify(self, teacher: torch.Tensor, theta: torch.Tensor, spans: list[Span], owners: list, out) -> None:
         try:  # one wait on the device for the whole batch (verify_drafts)

@@ -55,8 +55,8 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
     writer = Writer.TEACHER_PROCESSOR
     released_word = Slot.TEACHER_RELEASED
 
-    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        super().__init__(vllm_config, device, is_pin_memory)
+    def attach(self, vllm_config, device: torch.device) -> None:
+        super().attach(vllm_config, device)
         self._teacher_rows = RowGatherer(self.vocab)
         self.alpha_computer = get_alpha_computer(self.config.alpha_method, **self.config.alpha_config)
         self._taken: dict[int, dict[int, int]] = {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from processors.model_runner import installed_speculative, logits_processors, runner_model, speculative_runner
 from processors.weights_reload import refresh_tied_layers
 
 __all__ = ["DualSamplingWorkerExtension"]
@@ -28,7 +29,7 @@ class DualSamplingWorkerExtension:
         """
         worker: Any = self
         worker.reload_weights(weights_path=weights_path)
-        return refresh_tied_layers(worker.model_runner.get_model())
+        return refresh_tied_layers(runner_model(worker))
 
     def dual_sampling_set_alpha(self, method: str, config: dict[str, Any]) -> int:
         """Give this worker's teacher processor the alpha computer ``get_alpha_computer(method, **config)``.
@@ -41,11 +42,11 @@ class DualSamplingWorkerExtension:
         worker: Any = self
         computer = get_alpha_computer(method, **config)
         taken = 0
-        speculative = getattr(worker.model_runner, "dual_sampling_speculative", None)
+        speculative = installed_speculative(worker)
         if speculative is not None:
             speculative.alpha_computer = computer
             taken += 1
-        for processor in worker.model_runner.input_batch.logitsprocs.all:
+        for processor in logits_processors(worker):
             if isinstance(processor, TeacherSyncLogitsProcessor):
                 processor.alpha_computer = computer
                 taken += 1
@@ -56,9 +57,6 @@ class DualSamplingWorkerExtension:
         ``get_alpha_computer(method, **config)`` over the first ``vocab`` ids. Returns γ, the runner's draft length."""
         from processors.speculative import SpeculativeSampler
 
-        worker: Any = self
-        runner = worker.model_runner
-        if getattr(runner, "drafter", None) is None:
-            raise RuntimeError("this engine runs no draft model: mode='speculative' needs speculative_config")
+        runner = speculative_runner(self)
         SpeculativeSampler(runner, session, method, config, vocab).install()
-        return int(runner.num_spec_tokens)
+        return runner.gamma

@@ -260,3 +260,73 @@ def test_modules_over_500_lines_say_why():
             ):
                 long.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
     assert long == []
+
+
+RUNNER_MODULES = {"processors.model_runner", "dual_sampling.testing.sim_engines"}
+"""The modules that may speak vLLM's Model Runner V1 interface: the plugins' one seam, and the simulated engines,
+which play V1's runner in tests (a port to V2 changes these two)."""
+RUNNER_IMPORTS = ("vllm.v1.sample", "vllm.v1.worker")
+RUNNER_ATTRIBUTES = {
+    "model_runner",
+    "input_batch",
+    "logitsprocs",
+    "drafter",
+    "num_spec_tokens",
+    "use_v2_model_runner",
+    "_draft_probs",
+    "_draft_prob_req_ids",
+    "_sample_from_logits",
+}
+RUNNER_NAMES = {"BatchUpdate", "MoveDirectionality", "SamplerOutput", "LogitsProcessor", "VLLM_USE_V2_MODEL_RUNNER"}
+
+
+def runner_seam_errors(root: Path, packages: tuple[str, ...]) -> list[str]:
+    """Uses of V1's model-runner interface (its modules, its runner's attributes, its names) outside
+    :data:`RUNNER_MODULES`, read from the code with ``ast`` (docstrings and comments may name them)."""
+    errors = []
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            name = module_name(path, root)
+            if name in RUNNER_MODULES:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                found = None
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(RUNNER_IMPORTS):
+                    found = node.module
+                elif isinstance(node, ast.Import):
+                    found = next((a.name for a in node.names if a.name.startswith(RUNNER_IMPORTS)), None)
+                elif isinstance(node, ast.Attribute) and node.attr in RUNNER_ATTRIBUTES:
+                    found = node.attr
+                elif isinstance(node, ast.Name) and node.id in RUNNER_NAMES:
+                    found = node.id
+                elif isinstance(node, ast.Constant) and node.value in RUNNER_NAMES:
+                    found = node.value
+                if found is not None:
+                    errors.append(f"{name}:{node.lineno} uses {found}")
+    return errors
+
+
+def test_only_the_runner_seam_speaks_vllms_model_runner_interface():
+    assert runner_seam_errors(ROOT, PACKAGES) == []
+
+
+def test_the_runner_seam_check_sees_each_kind_of_use(tmp_path):
+    files = {
+        "processors/__init__.py": "",
+        "processors/model_runner.py": "from vllm.v1.sample.logits_processor import BatchUpdate\n",
+        "processors/sampler.py": (
+            "import os\n"
+            "from vllm.v1.outputs import SamplerOutput\n"
+            "def f(worker):\n"
+            "    os.environ['VLLM_USE_V2_MODEL_RUNNER'] = '0'\n"
+            "    return worker.model_runner, SamplerOutput\n"
+        ),
+        "processors/tracker.py": '"""Follows BatchUpdate and the drafter."""\nimport vllm.v1.worker.gpu_worker\n',
+    }
+    _write(tmp_path, files)
+    assert runner_seam_errors(tmp_path, ("processors",)) == [
+        "processors.sampler:4 uses VLLM_USE_V2_MODEL_RUNNER",
+        "processors.sampler:5 uses model_runner",
+        "processors.sampler:5 uses SamplerOutput",
+        "processors.tracker:2 uses vllm.v1.worker.gpu_worker",
+    ]

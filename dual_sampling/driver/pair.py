@@ -247,8 +247,9 @@ class EnginePair:
             lister.join()
 
     def _start_engines(self) -> None:
-        # The V1 logits-processor interface: GPUs default to Model Runner V2, which has another one.
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        from processors.model_runner import prefer_v1_runner
+
+        prefer_v1_runner()
         if "VLLM_RPC_BASE_PATH" not in os.environ:
             self.ipc_dir = scratch_dir("ipc")
         # On CUDA vLLM forks its engine processes unless told otherwise; a placed engine's environment is switched
@@ -298,6 +299,7 @@ class EnginePair:
     def verify(self) -> None:
         """Read both engines' effective settings and refuse any that would break lockstep, naming it."""
         from processors import DualSamplingWorkerExtension, TeacherLockstepScheduler, ThetaLockstepScheduler
+        from processors.model_runner import runner_problem
 
         problems = []
         cfgs = {role: engine.vllm_config for role, engine in self.engines.items()}
@@ -328,11 +330,8 @@ class EnginePair:
                     )
             if vc.speculative_config is not None:
                 problems.append(f"{role}: speculative decoding is on (tokens would be proposed outside the mixture)")
-            if vc.use_v2_model_runner:
-                problems.append(
-                    f"{role}: Model Runner V2 is on; the processors implement V1's interface "
-                    "(set VLLM_USE_V2_MODEL_RUNNER=0)"
-                )
+            if problem := runner_problem(vc):
+                problems.append(f"{role}: {problem}")
             if str(sc.policy) not in ("fcfs", "SchedulingPolicy.FCFS"):
                 problems.append(f"{role}: scheduling_policy is {sc.policy}, not fcfs")
             problems += self._kv_problems(role, vc)

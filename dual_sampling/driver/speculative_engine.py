@@ -99,6 +99,7 @@ class SpeculativeEngine(EnginePair):
     def verify(self) -> None:
         """Read the engine's effective settings and refuse any the speculative mixture cannot run with, naming it."""
         from processors import DualSamplingWorkerExtension
+        from processors.model_runner import runner_problem
 
         vc = self.teacher.vllm_config
         sc, pc, spec = vc.scheduler_config, vc.parallel_config, vc.speculative_config
@@ -127,8 +128,8 @@ class SpeculativeEngine(EnginePair):
             )
         if sc.async_scheduling:
             problems.append("async_scheduling is on (a step would be scheduled before its tokens exist)")
-        if vc.use_v2_model_runner:
-            problems.append("Model Runner V2 is on; the mixture's step replaces V1's (set VLLM_USE_V2_MODEL_RUNNER=0)")
+        if problem := runner_problem(vc):
+            problems.append(problem)
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(pc, name) != 1:
                 problems.append(f"{name}={getattr(pc, name)}; only 1 is supported")
