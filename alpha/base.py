@@ -46,7 +46,14 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-__all__ = ["AlphaComputer", "AlphaResult", "check_log_prob_pair", "check_log_prob_rows", "validate_unit_interval"]
+__all__ = [
+    "AlphaComputer",
+    "AlphaResult",
+    "check_log_prob_pair",
+    "check_log_prob_rows",
+    "row_list",
+    "validate_unit_interval",
+]
 
 
 @dataclass(frozen=True)
@@ -130,12 +137,13 @@ def _check_log_probs(named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
                 (top == -math.inf, "has no finite entry (every token masked)"),
             ):
                 if bad.any():
-                    raise ValueError(f"{name} {what} in rows {_rows(bad)}")
+                    raise ValueError(f"{name} {what} in rows {row_list(bad)}")
         checked.append(x)
     return checked
 
 
-def _rows(mask: Tensor, limit: int = 8) -> str:
+def row_list(mask: Tensor, limit: int = 8) -> str:
+    """The rows where ``mask`` ([B] bool) holds, as an error message names them: the first ``limit`` and a count."""
     rows = mask.nonzero().flatten().tolist()
     shown = ", ".join(str(r) for r in rows[:limit])
     return shown + (f", ... ({len(rows)} rows)" if len(rows) > limit else "")

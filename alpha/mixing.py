@@ -15,7 +15,7 @@ import math
 import torch
 from torch import Tensor
 
-from alpha.base import _rows, check_log_prob_pair, check_log_prob_rows
+from alpha.base import check_log_prob_pair, check_log_prob_rows, row_list
 
 __all__ = [
     "geometric_log_weights",
@@ -45,7 +45,7 @@ def geometric_mix(logp_theta: Tensor, logp_teacher: Tensor, alpha: Tensor | floa
     empty = mixed.amax(dim=-1) == -math.inf
     if empty.any():
         raise ValueError(
-            f"theta and teacher supports are disjoint in rows {_rows(empty)}: "
+            f"theta and teacher supports are disjoint in rows {row_list(empty)}: "
             "the geometric mixture is undefined for 0 < alpha < 1"
         )
     logq = torch.log_softmax(mixed, dim=-1)
@@ -96,7 +96,8 @@ def geometric_mix_teachers(logp_theta: Tensor, logp_teachers: Tensor, alpha: Ten
     empty = mixed.amax(dim=-1) == -math.inf
     if empty.any():
         raise ValueError(
-            f"the models of positive weight share no token in rows {_rows(empty)}: the geometric mixture is undefined"
+            f"the models of positive weight share no token in rows {row_list(empty)}: "
+            "the geometric mixture is undefined"
         )
     logq = torch.log_softmax(mixed, dim=-1)
     return logq[0] if one_row else logq

@@ -330,3 +330,38 @@ def test_the_runner_seam_check_sees_each_kind_of_use(tmp_path):
         "processors.sampler:5 uses SamplerOutput",
         "processors.tracker:2 uses vllm.v1.worker.gpu_worker",
     ]
+
+
+def private_import_errors(root: Path, packages: tuple[str, ...]) -> list[str]:
+    """Imports of another module's private name (``from ours.x import _name``): what one module keeps to itself,
+    another mode's driver included, is never reached from outside it."""
+    errors = []
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in packages:
+                    errors += [
+                        f"{module_name(path, root)}:{node.lineno} imports {node.module}.{a.name}"
+                        for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")
+                    ]
+    return errors
+
+
+def test_no_module_imports_another_modules_private_names():
+    assert private_import_errors(ROOT, PACKAGES) == []
+
+
+def test_the_private_import_check_sees_one_mode_reaching_into_another(tmp_path):
+    files = {
+        "dual_sampling/__init__.py": "",
+        "dual_sampling/driver/__init__.py": "",
+        "dual_sampling/driver/pair.py": "def _qualname(cls):\n    return cls.__name__\n",
+        "dual_sampling/driver/speculative_engine.py": (
+            "from dual_sampling.driver.pair import EnginePair, _qualname\nfrom os import _exit\n"
+        ),
+    }
+    _write(tmp_path, files)
+    assert private_import_errors(tmp_path, ("dual_sampling",)) == [
+        "dual_sampling.driver.speculative_engine:1 imports dual_sampling.driver.pair._qualname"
+    ]

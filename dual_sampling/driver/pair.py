@@ -30,7 +30,7 @@ from dual_sampling.lockstep.janitor import scratch_dir
 from dual_sampling.lockstep.row_channel import resolve_transport
 from dual_sampling.options import DualEngineConfig, default_kv_cache_bytes, kv_cache_bytes_needed
 
-__all__ = ["LOCKSTEP_SETTINGS", "EnginePair", "start_lockstep"]
+__all__ = ["LOCKSTEP_SETTINGS", "EnginePair", "qualified_name", "start_lockstep"]
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class EnginePair:
             disable_log_stats=True,
             # Weight and alpha updates go through it: vLLM's reload alone leaves a tied output projection stale on
             # the CPU.
-            worker_extension_cls=_qualname(DualSamplingWorkerExtension),
+            worker_extension_cls=qualified_name(DualSamplingWorkerExtension),
         )
 
     def engine_kwargs(self, role: str) -> dict[str, Any]:
@@ -308,10 +308,10 @@ class EnginePair:
             want = Role(role).pick(TeacherLockstepScheduler, ThetaLockstepScheduler)
             if sc.get_scheduler_cls() is not want:
                 problems.append(f"{role}: scheduler_cls is {sc.get_scheduler_cls().__name__}, not {want.__name__}")
-            if pc.worker_extension_cls != _qualname(DualSamplingWorkerExtension):
+            if pc.worker_extension_cls != qualified_name(DualSamplingWorkerExtension):
                 problems.append(
                     f"{role}: worker_extension_cls is {pc.worker_extension_cls!r}, not "
-                    f"{_qualname(DualSamplingWorkerExtension)!r} (weight and alpha updates need it)"
+                    f"{qualified_name(DualSamplingWorkerExtension)!r} (weight and alpha updates need it)"
                 )
             if sc.async_scheduling:
                 problems.append(f"{role}: async_scheduling is on (a step would be scheduled before its tokens exist)")
@@ -460,7 +460,7 @@ class EnginePair:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-def _qualname(cls: type) -> str:
+def qualified_name(cls: type) -> str:
     """The dotted path vLLM resolves a class setting from (``module.Class``)."""
     return f"{cls.__module__}.{cls.__qualname__}"
 

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from dual_sampling.driver import engine_processes, engine_start, placement
-from dual_sampling.driver.pair import EnginePair, _qualname
+from dual_sampling.driver.pair import EnginePair, qualified_name
 from dual_sampling.lockstep import Role
 from dual_sampling.options import default_kv_cache_bytes
 
@@ -116,7 +116,7 @@ class SpeculativeEngine(EnginePair):
                 )
             if spec.num_speculative_tokens_per_batch_size:
                 problems.append("num_speculative_tokens_per_batch_size: γ must not change with the batch")
-        if pc.worker_extension_cls != _qualname(DualSamplingWorkerExtension):
+        if pc.worker_extension_cls != qualified_name(DualSamplingWorkerExtension):
             problems.append(
                 f"worker_extension_cls is {pc.worker_extension_cls!r} (the mixture's step is installed by it)"
             )

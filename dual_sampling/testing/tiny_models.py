@@ -21,7 +21,7 @@ from typing import Literal
 
 from dual_sampling.models import provision, smollm2_gguf_path
 
-__all__ = ["TINY_PADDED_EXTRA_ROWS", "tiny_pair"]
+__all__ = ["TINY_PADDED_EXTRA_ROWS", "smollm2_tokenizer", "tiny_pair"]
 
 TINY_PADDED_EXTRA_ROWS = 128
 """Rows the padded tiny teacher's embedding has beyond the tokenizer's vocabulary."""
@@ -39,7 +39,7 @@ def tiny_pair(kind: TinyKind = "same", tied: bool = False) -> tuple[Path, Path]:
     """
     if kind not in ("same", "padded", "foreign"):
         raise ValueError(f"tiny_pair kind must be 'same', 'padded' or 'foreign', got {kind!r}")
-    tokenizer_dir = _smollm2_tokenizer()
+    tokenizer_dir = smollm2_tokenizer()
     extra = TINY_PADDED_EXTRA_ROWS if kind == "padded" else 0
     suffix = "-tied" if tied else ""
     teacher = _tiny_model(
@@ -51,7 +51,7 @@ def tiny_pair(kind: TinyKind = "same", tied: bool = False) -> tuple[Path, Path]:
     return teacher, theta
 
 
-def _smollm2_tokenizer() -> Path:
+def smollm2_tokenizer() -> Path:
     """The SmolLM2 tokenizer alone, saved from the GGUF (no weights are dequantised)."""
 
     def build(out: Path) -> None:

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Literal
 
 from dual_sampling.models import provision
-from dual_sampling.testing.tiny_models import _smollm2_tokenizer
+from dual_sampling.testing.tiny_models import smollm2_tokenizer
 
 __all__ = ["PADDING_MASS_PROMPT", "TWIN_PAIRS", "TwinModel", "twin_pair"]
 
@@ -136,7 +136,7 @@ class TwinModel:
     def folder(self) -> Path:
         """Build (once) and return this twin's folder, named by its spec so that a changed spec builds anew."""
         digest = hashlib.sha256(repr(self).encode()).hexdigest()[:10]
-        tokenizer_dir = _bos_tokenizer() if self.adds_bos else _smollm2_tokenizer()
+        tokenizer_dir = _bos_tokenizer() if self.adds_bos else smollm2_tokenizer()
         return provision(f"twin-{self.stands_for}-{digest}", lambda out: _build(self, tokenizer_dir, out))
 
 
@@ -207,7 +207,7 @@ def _bos_tokenizer() -> Path:
     def build(out: Path) -> None:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(_smollm2_tokenizer())
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer())
         tokenizer.add_bos_token = True
         tokenizer.save_pretrained(out)
 
