@@ -265,19 +265,62 @@ def test_modules_over_500_lines_say_why():
 RUNNER_MODULES = {"processors.model_runner", "dual_sampling.testing.sim_engines"}
 """The modules that may speak vLLM's Model Runner V1 interface: the plugins' one seam, and the simulated engines,
 which play V1's runner in tests (a port to V2 changes these two)."""
-RUNNER_IMPORTS = ("vllm.v1.sample", "vllm.v1.worker")
+CPU_WORKER_PRELOAD = "dual_sampling.driver.engine_start"
+"""May name V1's CPU worker modules as strings: the fork server preloads them, on the CPU only, where V2 (which needs
+Triton) never runs."""
+RUNNER_IMPORTS = ("vllm.v1.sample", "vllm.v1.worker", "vllm.v1.outputs")
+ENGINE_CORE_NAMES = {"ModelRunnerOutput"}
+"""Names from those modules that belong to the EngineCore's contract with any runner (the schedulers read them)."""
 RUNNER_ATTRIBUTES = {
     "model_runner",
     "input_batch",
     "logitsprocs",
     "drafter",
+    "req_ids",
     "num_spec_tokens",
+    "num_draft_tokens",
+    "draft_token_ids",
     "use_v2_model_runner",
+    "dual_sampling_speculative",
     "_draft_probs",
     "_draft_prob_req_ids",
+    "_sample",
     "_sample_from_logits",
 }
+"""Attributes of V1's worker, runner, drafter and speculation metadata; flagged on any receiver but ``self``/``cls``
+(a class of ours may have an attribute of the same name), and as ``getattr``/``setattr``/``hasattr`` strings."""
+_ATTRIBUTE_CALLS = ("getattr", "setattr", "hasattr")
 RUNNER_NAMES = {"BatchUpdate", "MoveDirectionality", "SamplerOutput", "LogitsProcessor", "VLLM_USE_V2_MODEL_RUNNER"}
+
+
+def _runner_use(node: ast.AST, module: str) -> str | None:
+    """What V1 runner interface ``node`` uses, if any."""
+    if isinstance(node, ast.ImportFrom):
+        source = node.module or ""
+        if source == "vllm.v1":
+            return next(
+                (f"vllm.v1.{a.name}" for a in node.names if f"vllm.v1.{a.name}".startswith(RUNNER_IMPORTS)), None
+            )
+        if source.startswith(RUNNER_IMPORTS):
+            return next((f"{source}.{a.name}" for a in node.names if a.name not in ENGINE_CORE_NAMES), None)
+    elif isinstance(node, ast.Import):
+        return next((a.name for a in node.names if a.name.startswith(RUNNER_IMPORTS)), None)
+    elif isinstance(node, ast.Attribute) and node.attr in RUNNER_ATTRIBUTES:
+        receiver = node.value
+        if not (isinstance(receiver, ast.Name) and receiver.id in ("self", "cls")):
+            return node.attr
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _ATTRIBUTE_CALLS:
+        name = node.args[1] if len(node.args) > 1 else None
+        if isinstance(name, ast.Constant) and name.value in RUNNER_ATTRIBUTES:
+            return name.value
+    elif isinstance(node, ast.Name) and node.id in RUNNER_NAMES:
+        return node.id
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+        if node.value in RUNNER_NAMES:
+            return node.value
+        if node.value.startswith(RUNNER_IMPORTS) and module != CPU_WORKER_PRELOAD:
+            return node.value
+    return None
 
 
 def runner_seam_errors(root: Path, packages: tuple[str, ...]) -> list[str]:
@@ -289,21 +332,22 @@ def runner_seam_errors(root: Path, packages: tuple[str, ...]) -> list[str]:
             name = module_name(path, root)
             if name in RUNNER_MODULES:
                 continue
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                found = None
-                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(RUNNER_IMPORTS):
-                    found = node.module
-                elif isinstance(node, ast.Import):
-                    found = next((a.name for a in node.names if a.name.startswith(RUNNER_IMPORTS)), None)
-                elif isinstance(node, ast.Attribute) and node.attr in RUNNER_ATTRIBUTES:
-                    found = node.attr
-                elif isinstance(node, ast.Name) and node.id in RUNNER_NAMES:
-                    found = node.id
-                elif isinstance(node, ast.Constant) and node.value in RUNNER_NAMES:
-                    found = node.value
+            tree = ast.parse(path.read_text(), str(path))
+            docstrings = {
+                id(n.body[0].value)
+                for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and n.body
+                and isinstance(n.body[0], ast.Expr)
+                and isinstance(n.body[0].value, ast.Constant)
+            }
+            for node in ast.walk(tree):
+                if id(node) in docstrings:
+                    continue
+                found = _runner_use(node, name)
                 if found is not None:
                     errors.append(f"{name}:{node.lineno} uses {found}")
-    return errors
+    return sorted(set(errors), key=lambda e: (e.split(":")[0], int(e.split(":")[1].split()[0]), e))
 
 
 def test_only_the_runner_seam_speaks_vllms_model_runner_interface():
@@ -316,19 +360,35 @@ def test_the_runner_seam_check_sees_each_kind_of_use(tmp_path):
         "processors/model_runner.py": "from vllm.v1.sample.logits_processor import BatchUpdate\n",
         "processors/sampler.py": (
             "import os\n"
-            "from vllm.v1.outputs import SamplerOutput\n"
-            "def f(worker):\n"
+            "from vllm.v1.outputs import SamplerOutput as Out, ModelRunnerOutput\n"
+            "def f(worker, runner, sample):\n"
             "    os.environ['VLLM_USE_V2_MODEL_RUNNER'] = '0'\n"
-            "    return worker.model_runner, SamplerOutput\n"
+            "    runner._sample = sample\n"
+            "    return getattr(worker, 'model_runner'), hasattr(runner, 'drafter')\n"
         ),
-        "processors/tracker.py": '"""Follows BatchUpdate and the drafter."""\nimport vllm.v1.worker.gpu_worker\n',
+        "processors/tracker.py": (
+            '"""Follows BatchUpdate and the drafter."""\n'
+            "import vllm.v1.worker.gpu_worker as gw\n"
+            "from vllm.v1 import outputs\n"
+            "from vllm.v1.sample.logits_processor import MoveDirectionality as Move\n"
+            "class Tracker:\n"
+            "    def __init__(self):\n"
+            "        self.drafter = None\n"
+            "        self.modules = __import__('importlib').import_module('vllm.v1.worker.cpu_worker')\n"
+        ),
+        "processors/scheduler.py": "from vllm.v1.outputs import ModelRunnerOutput\n",
     }
     _write(tmp_path, files)
     assert runner_seam_errors(tmp_path, ("processors",)) == [
+        "processors.sampler:2 uses vllm.v1.outputs.SamplerOutput",
         "processors.sampler:4 uses VLLM_USE_V2_MODEL_RUNNER",
-        "processors.sampler:5 uses model_runner",
-        "processors.sampler:5 uses SamplerOutput",
+        "processors.sampler:5 uses _sample",
+        "processors.sampler:6 uses drafter",
+        "processors.sampler:6 uses model_runner",
         "processors.tracker:2 uses vllm.v1.worker.gpu_worker",
+        "processors.tracker:3 uses vllm.v1.outputs",
+        "processors.tracker:4 uses vllm.v1.sample.logits_processor.MoveDirectionality",
+        "processors.tracker:8 uses vllm.v1.worker.cpu_worker",
     ]
 
 
