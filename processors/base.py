@@ -85,7 +85,6 @@ class BaseSyncLogitsProcessor(BatchRowsProcessor[TrackedRow]):
     writer: ClassVar[Writer]
     released_word: ClassVar[Slot]
     """Slot word this side sets (to the key) when a request leaves its batch."""
-    argmax_invariant = False  # forcing a token changes the argmax: it must run for greedy requests too
 
     def attach(self, vllm_config: Any, device: torch.device) -> None:
         self.config = LockstepConfig.from_vllm(vllm_config, self.role, type(self).__name__)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
@@ -65,9 +65,6 @@ class BatchRowsProcessor(LogitsProcessor, Generic[Row]):
     a step does with the logits of the rows it holds (:meth:`process`).
     """
 
-    argmax_invariant: ClassVar[bool] = False
-    """Whether the processor leaves every row's argmax as it is (vLLM then skips it for greedy requests)."""
-
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         self.rows: dict[int, Row] = {}
         """The batch's rows by batch index."""
@@ -92,7 +89,8 @@ class BatchRowsProcessor(LogitsProcessor, Generic[Row]):
     # ------------------------------------------------------------------ V1's interface
 
     def is_argmax_invariant(self) -> bool:
-        return self.argmax_invariant
+        # Ours force tokens, which changes the argmax: vLLM must run them for greedy requests too.
+        return False
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:

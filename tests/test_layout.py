@@ -9,6 +9,7 @@ or a component of a lower layer, never a higher layer nor a sibling on its layer
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -323,31 +324,33 @@ def _runner_use(node: ast.AST, module: str) -> str | None:
     return None
 
 
+def parsed_modules(root: Path, packages: tuple[str, ...]) -> Iterator[tuple[str, ast.Module]]:
+    """(module name, its syntax tree) of every module of ``packages`` under ``root``, in path order."""
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            yield module_name(path, root), ast.parse(path.read_text(), str(path))
+
+
 def runner_seam_errors(root: Path, packages: tuple[str, ...]) -> list[str]:
     """Uses of V1's model-runner interface (its modules, its runner's attributes, its names) outside
     :data:`RUNNER_MODULES`, read from the code with ``ast`` (docstrings and comments may name them)."""
-    errors = []
-    for pkg in packages:
-        for path in sorted((root / pkg).rglob("*.py")):
-            name = module_name(path, root)
-            if name in RUNNER_MODULES:
-                continue
-            tree = ast.parse(path.read_text(), str(path))
-            docstrings = {
-                id(n.body[0].value)
-                for n in ast.walk(tree)
-                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                and n.body
-                and isinstance(n.body[0], ast.Expr)
-                and isinstance(n.body[0].value, ast.Constant)
-            }
-            for node in ast.walk(tree):
-                if id(node) in docstrings:
-                    continue
-                found = _runner_use(node, name)
-                if found is not None:
-                    errors.append(f"{name}:{node.lineno} uses {found}")
-    return sorted(set(errors), key=lambda e: (e.split(":")[0], int(e.split(":")[1].split()[0]), e))
+    found = set()
+    for name, tree in parsed_modules(root, packages):
+        if name in RUNNER_MODULES:
+            continue
+        docstrings = {
+            id(n.body[0].value)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body
+            and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)
+        }
+        for node in ast.walk(tree):
+            use = None if id(node) in docstrings else _runner_use(node, name)
+            if use is not None:
+                found.add((name, node.lineno, use))
+    return [f"{name}:{line} uses {use}" for name, line, use in sorted(found)]
 
 
 def test_only_the_runner_seam_speaks_vllms_model_runner_interface():
@@ -396,15 +399,14 @@ def private_import_errors(root: Path, packages: tuple[str, ...]) -> list[str]:
     """Imports of another module's private name (``from ours.x import _name``): what one module keeps to itself,
     another mode's driver included, is never reached from outside it."""
     errors = []
-    for pkg in packages:
-        for path in sorted((root / pkg).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in packages:
-                    errors += [
-                        f"{module_name(path, root)}:{node.lineno} imports {node.module}.{a.name}"
-                        for a in node.names
-                        if a.name.startswith("_") and not a.name.startswith("__")
-                    ]
+    for name, tree in parsed_modules(root, packages):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in packages:
+                errors += [
+                    f"{name}:{node.lineno} imports {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
     return errors
 
 
