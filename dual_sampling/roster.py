@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PAIR", "THETA", "TOKEN_COLUMNS", "Roster"]
+__all__ = ["PAIR", "THETA", "TOKEN_COLUMNS", "Roster", "token_column_count"]
 
 THETA = "theta"
 """The student's name in every roster: the model whose π_θ the importance weights w = π_θ/q refer to."""
@@ -41,6 +41,12 @@ class Roster:
             raise ValueError(f"names must be unique, got {names!r}")
         if THETA not in names:
             raise ValueError(f"names must include {THETA!r} (the student), got {names!r}")
+
+    def position(self, name: str) -> int:
+        """The roster position of the model named ``name`` (0 leads); ValueError naming the roster otherwise."""
+        if name not in self.names:
+            raise ValueError(f"{name!r} is not a model of the roster {self.names}")
+        return self.names.index(name)
 
     @property
     def teachers(self) -> tuple[str, ...]:
@@ -67,6 +73,13 @@ class Roster:
     def weight_columns(self) -> tuple[str, ...]:
         """A sample's log importance weights, Σ (log π_<name> − log q): θ's first, then each teacher's."""
         return tuple(f"log_w_{n}" for n in (THETA, *self.teachers))
+
+
+def token_column_count(models: int) -> int:
+    """Per-token record columns of any roster of ``models`` models: α per teacher (one column for one teacher), log π
+    per model, log q."""
+    teachers = models - 1
+    return (1 if teachers == 1 else teachers) + models + 1
 
 
 PAIR = Roster(("teacher", THETA))

@@ -1,9 +1,9 @@
 """The lockstep logits processors' common part: one logits row and one token per request per step.
 
-Each engine loads one subclass of :class:`BaseSyncLogitsProcessor`: the teacher engine
-:class:`processors.TeacherSyncLogitsProcessor`, the theta engine
+Each engine loads one subclass of :class:`BaseSyncLogitsProcessor`: the leader's engine
+:class:`processors.TeacherSyncLogitsProcessor`, each follower's
 :class:`processors.ThetaSyncLogitsProcessor`. Which requests run at each step is not
-their business: the schedulers (``processors.scheduler``) make both engines run the same
+their business: the schedulers (``processors.scheduler``) make every engine run the same
 requests at every step. The processors only move data for those requests.
 
 Every request carries its pairing in ``SamplingParams.extra_args["dual_sampling"]``
@@ -14,12 +14,12 @@ it is never used to pair requests across engines.
 At each step a processor handles every tracked row at step
 s = len(output_token_ids) (the runner's live list of the request's tokens) and returns
 logits in which each row allows exactly the one token decided for it. Both engines run
-greedy, so both emit that token.
+greedy, so every engine emits that token.
 
-A row whose request has failed (an error in its slot, from either side) or whose session
+A row whose request has failed (an error in its slot, from any engine) or whose session
 shut down is *abandoned*: the processor stops waiting and forces a filler token, one that
 is no stop token of the request, so the engine does not end the request on its own. The
-teacher scheduler ends failed requests on both engines at the next step boundary; the
+leader scheduler ends failed requests on every engine at the next step boundary; the
 driver marks their samples failed. Nothing ever falls back to one model's logits. An
 exception in the work for one row fails that row's request alone (``decision_error``,
 logged once): an exception escaping ``apply`` would kill the EngineCore with every request.
@@ -47,11 +47,11 @@ WAIT_CAP_S = 0.05
 """Longest single futex wait: shutdowns and errors without a wake are seen within it."""
 
 
-def request_pairing(params: Any, role: str) -> dict:
+def request_pairing(params: Any, model: str) -> dict:
     """The ``extra_args`` pairing of one request; raise SyncError if it has none (it was not built by the driver)."""
     args = (getattr(params, "extra_args", None) or {}).get(CONFIG_KEY)
     if args is None or "slot" not in args or "key" not in args:
-        raise SyncError(f"a request reached the {role} engine without a dual_sampling pairing (slot and key)")
+        raise SyncError(f"a request reached the {model} engine without a dual_sampling pairing (slot and key)")
     return args
 
 
@@ -64,8 +64,9 @@ class TrackedRow:
     output_token_ids: list[int]
     """Live reference to the request's generated tokens; its length is the current step."""
     sampling: RowSampling
-    alpha: float = 0.5
-    """Last α of this request (teacher side), the warm start of the next solve."""
+    alpha: Any = 0.5
+    """Last α of this request (the leader's side; a list of one per teacher with several), the warm start of the
+    next solve."""
     filler: int = field(init=False)
     """Token forced when the row is abandoned: never one of the request's stop tokens."""
 
@@ -81,23 +82,41 @@ class TrackedRow:
 class BaseSyncLogitsProcessor(BatchRowsProcessor[TrackedRow]):
     """Shared bookkeeping: session attach, the batch's rows, blocking waits, forcing tokens."""
 
-    role: ClassVar[str] = ""
-    writer: ClassVar[Writer]
-    released_word: ClassVar[Slot]
-    """Slot word this side sets (to the key) when a request leaves its batch."""
+    leads: ClassVar[bool]
+    """The leader's processor (it decides), or a follower's."""
 
     def attach(self, vllm_config: Any, device: torch.device) -> None:
-        self.config = LockstepConfig.from_vllm(vllm_config, self.role, type(self).__name__)
+        self.config = LockstepConfig.from_vllm(vllm_config, self.leads, type(self).__name__)
+        self.role = self.config.role
+        self.position = self.config.position
+        self.writer = Writer.PROCESSOR.at(self.position)
         self.session = SyncSession.attach(self.config.session)
+        self.session.names = self.config.roster
         self.vocab = self.session.layout.vocab
         self.sync_timeout = self.config.sync_timeout
         s = self.session
+        if self.config.row_transport == "device" and s.layout.followers > 1:
+            raise ValueError(
+                f"row_transport='device' shares one follower's rows buffer; this session has {s.layout.followers} "
+                "followers: use 'pinned'"
+            )
         # Opened as the engine starts, so a transport that cannot work fails the start, not the first step: the
-        # teacher's side of the device transport makes the buffer, theta's waits (up to sync_timeout) to open it.
-        self.row_channel: RowChannel = open_row_channel(
-            self.config.row_transport, self.role, s.theta_logprobs, device, s.rows_handle_path, self.sync_timeout
-        )
-        """How theta's rows reach the teacher (``lockstep.row_channel``)."""
+        # leader's side of the device transport makes the buffer, the follower's waits (up to sync_timeout) for it.
+        followers = range(s.layout.followers) if self.leads else [self.position - 1]
+        self.row_channels: list[RowChannel] = [
+            open_row_channel(
+                self.config.row_transport,
+                self.role,
+                s.follower_logprobs[f],
+                device,
+                s.rows_handle_path,
+                self.sync_timeout,
+                leads=self.leads,
+            )
+            for f in followers
+        ]
+        """How each follower's rows reach the leader (``lockstep.row_channel``): the leader's, one per follower; a
+        follower's, its own alone."""
 
     # ------------------------------------------------------------------ the model runner's seam
 
@@ -108,7 +127,7 @@ class BaseSyncLogitsProcessor(BatchRowsProcessor[TrackedRow]):
         )
 
     def untrack(self, row: TrackedRow) -> None:
-        self.session.release(row.slot, row.key, self.released_word)
+        self.session.release(row.slot, row.key, self.position)
 
     def process(self, logits: torch.Tensor, batch: list[tuple[int, TrackedRow]]) -> torch.Tensor:
         try:

@@ -1,15 +1,16 @@
-"""vLLM scheduler plugins that make the two engines run the same requests at every step, by construction.
+"""vLLM scheduler plugins that make every engine of a roster run the same requests at every step, by construction.
 
 Each engine runs one subclass of vLLM's ``Scheduler`` inside its EngineCore process
-(``LLM(scheduler_cls=...)``): the teacher engine :class:`TeacherLockstepScheduler`, the
-leader, and the theta engine :class:`ThetaLockstepScheduler`, the follower. They agree
-through the session's shared memory (``dual_sampling.lockstep``):
+(``LLM(scheduler_cls=...)``): the leader's engine (roster position 0; the teacher's in a pair)
+:class:`TeacherLockstepScheduler`, each follower's (θ's in a pair)
+:class:`ThetaLockstepScheduler`. They agree through the session's shared memory
+(``dual_sampling.lockstep``):
 
-- **Arrival.** Each scheduler marks a request arrived (its key in the slot) once it sits
-  in its queue. The leader admits only requests that have arrived on both sides, so the
-  follower always holds what a plan names. Nothing is timed but the wait for a diverse group (below).
+- **Arrival.** Each scheduler marks a request arrived (its key in its model's slot word) once
+  it sits in its queue. The leader admits only requests that have arrived on every engine, so
+  each follower always holds what a plan names. Nothing is timed but the wait for a diverse group (below).
 - **Admission.** Before each step the leader picks the requests to admit, first come first
-  served, within the seats left and the token budget of *both* engines (each prompt counted
+  served, within the seats left and the token budget of *every* engine (each prompt counted
   in full, as if nothing were cached). It shows vLLM's scheduler only those, then publishes
   the step's *plan*: the keys of every request in the batch.
 - **Groups.** The members of a diverse group (``RowSampling.diverse``: n samples of one prompt with a
@@ -17,12 +18,12 @@ through the session's shared memory (``dual_sampling.lockstep``):
   the leader holds a group's first member for that at most :data:`GROUP_WAIT_S` after it arrived, then admits the
   members as they come (a member aborted before admission never arrives). The only timed rule: it changes which
   members share a step, never a record (each member's log q is the law it drew from).
-- **Following.** The follower waits for each plan (it never runs a step without one), ends
+- **Following.** Each follower waits for each plan (it never runs a step without one), ends
   what the leader ended, admits exactly the plan's new requests, and checks that its batch
   equals the plan. A plan entry it cannot run fails that request alone (``diverged``).
-- **Ending.** EOS, stop token ids and max_tokens end a request on both sides at the same
-  step, because both engines see the same tokens and the same stop criteria. Everything
-  else is decided by the leader alone and reaches the follower as an ending before the
+- **Ending.** EOS, stop token ids and max_tokens end a request on every engine at the same
+  step, because every engine sees the same tokens and the same stop criteria. Everything
+  else is decided by the leader alone and reaches the followers as an ending before the
   next plan: aborts (from the driver, or vLLM's own aborts, which are turned into lockstep
   ones instead of ending one engine early), stop strings, and failed requests. Stop strings
   are watched per request (``dual_sampling.text.StopStringWatch``, dropped with the request);
@@ -35,7 +36,7 @@ through the session's shared memory (``dual_sampling.lockstep``):
   anyway, the request fails (``preempted``) instead of silently diverging.
 
 Waits block on futex doorbells. With requests running, the follower waits for the next
-plan until ``sync_timeout`` (then fails them); otherwise both wait at most
+plan until ``sync_timeout`` (then fails them); otherwise every scheduler waits at most
 :data:`IDLE_WAIT_S` so that the EngineCore keeps reading its input.
 
 One module over 500 lines: the leader and the follower share their ending of a request and
@@ -64,11 +65,14 @@ from dual_sampling.lockstep import (
     Finish,
     Header,
     LockstepConfig,
+    ModelSlot,
+    ModelWord,
     Phase,
     Slot,
     Stat,
     SyncSession,
     Writer,
+    slot_word,
     watch_driver,
 )
 from dual_sampling.text import StopStringWatch
@@ -142,17 +146,19 @@ class _Ticket:
 
 
 class LockstepScheduler(Scheduler):
-    """What both sides share: tickets, arrival, finishing requests in vLLM, queue masking, the parent watch."""
+    """What the leader and the followers share: tickets, arrival, finishing requests in vLLM, queue masking, the
+    parent watch."""
 
-    role: ClassVar[str] = ""
-    writer: ClassVar[Writer]
-    arrived_word: ClassVar[Slot]
-    released_word: ClassVar[Slot]
+    leads: ClassVar[bool]
+    """The leader's scheduler (it plans), or a follower's."""
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
-        config = LockstepConfig.from_vllm(vllm_config, self.role, type(self).__name__)
+        config = LockstepConfig.from_vllm(vllm_config, self.leads, type(self).__name__)
+        self.role, self.position = config.role, config.position
+        self.writer = Writer.SCHEDULER.at(self.position)
         self.session = SyncSession.attach(config.session)
+        self.session.names = config.roster
         self.sync_timeout = config.sync_timeout
         self.tickets: dict[str, _Ticket] = {}
         self._ending_outputs: list[tuple[int, EngineCoreOutput]] = []
@@ -180,12 +186,12 @@ class LockstepScheduler(Scheduler):
         )
         super().add_request(request)
         self.tickets[request.request_id] = ticket
-        self.session.control[ticket.slot, self.arrived_word] = ticket.key
+        self.session.control[ticket.slot, slot_word(ModelSlot.ARRIVED, self.position)] = ticket.key
         self.on_arrival()
 
     def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus) -> list[Request]:
         # vLLM's own aborts (a client that went away, an engine shutting down a request) reach one engine
-        # only, at a step of its choosing. A lockstep request is instead ended by the leader on both engines.
+        # only, at a step of its choosing. A lockstep request is instead ended by the leader on every engine.
         if finished_status != RequestStatus.FINISHED_ABORTED or request_ids is None or self.session.is_shut_down:
             return super().finish_requests(request_ids, finished_status)
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -252,7 +258,7 @@ class LockstepScheduler(Scheduler):
         self.tickets.pop(request.request_id, None)
         Scheduler.finish_requests(self, request.request_id, status)
         if not ticket.scheduled:
-            self.session.release(ticket.slot, ticket.key, self.released_word)  # no processor ever saw it
+            self.session.release(ticket.slot, ticket.key, self.position)  # no processor ever saw it
         if output is not None:
             output.finish_reason = RequestStatus.get_finished_reason(status)
             output.stop_reason = stop_reason
@@ -312,13 +318,13 @@ class LockstepScheduler(Scheduler):
 class TeacherLockstepScheduler(LockstepScheduler):
     """The leader: decides admissions and endings, and publishes each step's plan."""
 
-    role = "teacher"
-    writer = Writer.TEACHER_SCHEDULER
-    arrived_word = Slot.TEACHER_ARRIVED
-    released_word = Slot.TEACHER_RELEASED
+    leads = True
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
+        followers = range(1, self.session.layout.models)
+        self._arrived = [slot_word(ModelSlot.ARRIVED, p) for p in followers]
+        self._prompt_lens = [slot_word(ModelSlot.PROMPT_LEN, p) for p in followers]
         self.plans_published = 0
         self._group_admitted: dict[int, int] = {}
         """Per diverse group, how many of its members were admitted so far."""
@@ -348,7 +354,7 @@ class TeacherLockstepScheduler(LockstepScheduler):
             if ticket is None:
                 continue
             if request is None or request.is_finished():
-                # vLLM's stop checks ended it; theta's identical checks end it at the same step.
+                # vLLM's stop checks ended it; the followers' identical checks end it at the same step.
                 reason = output.finish_reason if output is not None else None
                 self._end(request, ticket, (reason is not None and Finish.of_reason(str(reason))) or Finish.STOP)
             elif self.session.error(ticket.slot)[0] != ErrorCode.NONE:
@@ -367,11 +373,21 @@ class TeacherLockstepScheduler(LockstepScheduler):
 
     # ------------------------------------------------------------------ admission
 
+    def _arrived_everywhere(self, ticket: _Ticket) -> bool:
+        """The request sits in every follower's queue too."""
+        c = self.session.control[ticket.slot]
+        return all(int(c[word]) == ticket.key for word in self._arrived)
+
+    def _costs(self, request: Request, ticket: _Ticket) -> list[int]:
+        """The request's prefill on each engine, in roster order (the followers' from their prompt lengths)."""
+        c = self.session.control[ticket.slot]
+        return [request.num_prompt_tokens, *(int(c[word]) for word in self._prompt_lens)]
+
     def _admissible(self) -> list[Request]:
-        """Waiting requests to admit now: first come first served, while seats and both engines' budgets last."""
+        """Waiting requests to admit now: first come first served, while seats and every engine's budget last."""
         seats = self.max_num_running_reqs - len(self.running)
-        budget_teacher = budget_theta = self._budget - len(self.running)  # each running request decodes one token
-        control = self.session.control
+        # Each running request decodes one token on every engine.
+        budgets = [self._budget - len(self.running)] * self.session.layout.models
         admit: list[Request] = []
         waiting = list(self.waiting)
         held: set[int] = set()  # groups checked, whole or waited for long enough
@@ -379,43 +395,38 @@ class TeacherLockstepScheduler(LockstepScheduler):
             ticket = self.tickets.get(request.request_id)
             if ticket is None:
                 continue
-            c = control[ticket.slot]
-            if int(c[Slot.THETA_ARRIVED]) != ticket.key:
-                break  # strictly in arrival order: it reaches theta shortly
+            if not self._arrived_everywhere(ticket):
+                break  # strictly in arrival order: it reaches the followers shortly
             if ticket.group and ticket.group not in held:
-                if not self._group_ready(waiting[index:], ticket, seats, budget_teacher, budget_theta):
+                if not self._group_ready(waiting[index:], ticket, seats, budgets):
                     break
                 held.add(ticket.group)
-            cost_teacher, cost_theta = request.num_prompt_tokens, int(c[Slot.THETA_PROMPT_LEN])
-            if seats <= 0 or cost_teacher > budget_teacher or cost_theta > budget_theta:
+            costs = self._costs(request, ticket)
+            if seats <= 0 or any(cost > budget for cost, budget in zip(costs, budgets)):
                 break
             admit.append(request)
-            seats, budget_teacher, budget_theta = seats - 1, budget_teacher - cost_teacher, budget_theta - cost_theta
+            seats, budgets = seats - 1, [budget - cost for budget, cost in zip(budgets, costs)]
             if ticket.group:
                 self._group_admitted[ticket.group] = self._group_admitted.get(ticket.group, 0) + 1
                 while len(self._group_admitted) > MAX_TRACKED_GROUPS:
                     del self._group_admitted[next(iter(self._group_admitted))]
         return admit
 
-    def _group_ready(
-        self, waiting: list[Request], first: _Ticket, seats: int, budget_teacher: int, budget_theta: int
-    ) -> bool:
+    def _group_ready(self, waiting: list[Request], first: _Ticket, seats: int, budgets: list[int]) -> bool:
         """Whether to admit the diverse group of ``first`` (the head of ``waiting``) now: all its members not yet
-        admitted have arrived on both sides and fit together, or its first member waited :data:`GROUP_WAIT_S`."""
+        admitted have arrived on every engine and fit together, or its first member waited :data:`GROUP_WAIT_S`."""
         missing = first.group_size - self._group_admitted.get(first.group, 0)
         if time.monotonic() - first.arrived_at >= GROUP_WAIT_S or missing > self.max_num_running_reqs:
             return True  # waited long enough, or the group can never run at once
-        control = self.session.control
         members = [
             (r, t)
             for r in waiting
             if (t := self.tickets.get(r.request_id)) is not None
             and t.group == first.group
-            and int(control[t.slot, Slot.THETA_ARRIVED]) == t.key
+            and self._arrived_everywhere(t)
         ]
-        cost_teacher = sum(r.num_prompt_tokens for r, _ in members)
-        cost_theta = sum(int(control[t.slot, Slot.THETA_PROMPT_LEN]) for _, t in members)
-        fits = len(members) <= seats and cost_teacher <= budget_teacher and cost_theta <= budget_theta
+        costs = [sum(engine) for engine in zip(*(self._costs(r, t) for r, t in members))] or [0] * len(budgets)
+        fits = len(members) <= seats and all(cost <= budget for cost, budget in zip(costs, budgets))
         return len(members) >= missing and fits
 
     def _await_admissible(self) -> list[Request]:
@@ -446,7 +457,7 @@ class TeacherLockstepScheduler(LockstepScheduler):
     # ------------------------------------------------------------------ endings
 
     def _end_requested(self) -> None:
-        """End what was aborted, or failed on either side, before the next plan."""
+        """End what was aborted, or failed on any engine, before the next plan."""
         for request, ticket in self.live_requests():
             if self.session.abort_requested(ticket.slot, ticket.key):
                 self._end(request, ticket, Finish.ABORT)
@@ -454,7 +465,7 @@ class TeacherLockstepScheduler(LockstepScheduler):
                 self._end(request, ticket, Finish.ERROR)
 
     def _end_unscheduled(self, out: SchedulerOutput) -> None:
-        """A running request left out of a step would run one step behind theta's copy: fail it."""
+        """A running request left out of a step would run one step behind the followers' copies: fail it."""
         for request in list(self.running):
             ticket = self.tickets.get(request.request_id)
             if ticket is not None and request.request_id not in out.num_scheduled_tokens:
@@ -476,7 +487,7 @@ class TeacherLockstepScheduler(LockstepScheduler):
         abandon its rows. The record (FINISH, STOP_INDEX and FINISH_PLAN, announced by PHASE) is what
         the follower ends the request by, before running plan FINISH_PLAN, and what the driver reports.
         A request that vLLM's own stop checks ended (``request`` None or finished) is only recorded:
-        theta's identical checks end it there at the same step. ``output``, the request's output of
+        the followers' identical checks end it there at the same step. ``output``, the request's output of
         this step if it has one, carries the ending to the frontend.
         """
         if error != ErrorCode.NONE:
@@ -493,12 +504,9 @@ class TeacherLockstepScheduler(LockstepScheduler):
 
 
 class ThetaLockstepScheduler(LockstepScheduler):
-    """The follower: runs exactly the leader's plan at every step."""
+    """A follower: runs exactly the leader's plan at every step."""
 
-    role = "theta"
-    writer = Writer.THETA_SCHEDULER
-    arrived_word = Slot.THETA_ARRIVED
-    released_word = Slot.THETA_RELEASED
+    leads = False
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
@@ -518,7 +526,7 @@ class ThetaLockstepScheduler(LockstepScheduler):
             self.refuse_preemptions(out)
             self._check_batch(out, plan)
             self.plans_consumed = number + 1
-            self.session.header[Header.PLANS_CONSUMED] = number + 1
+            self.session.model_words[self.position, ModelWord.PLANS_CONSUMED] = number + 1
         self.mark_scheduled(out)
         return out
 
@@ -548,7 +556,7 @@ class ThetaLockstepScheduler(LockstepScheduler):
                     continue
                 if now >= deadline:
                     logger.error(
-                        "no plan %d from the teacher engine within %.0f s; failing %d running requests",
+                        "no plan %d from the leader engine within %.0f s; failing %d running requests",
                         number,
                         self.sync_timeout,
                         len(self.running),
@@ -560,7 +568,7 @@ class ThetaLockstepScheduler(LockstepScheduler):
                     return None
                 s.wait_bell(Bell.PLAN, seen, min(deadline - now, WAIT_CAP_S))
         finally:
-            s.add_stat(Stat.FOLLOWER_PLAN_WAIT_NS, int((time.monotonic() - start) * 1e9))
+            s.add_model_stat(self.position, ModelWord.PLAN_WAIT_NS, int((time.monotonic() - start) * 1e9))
 
     def _follow_endings(self, number: int) -> None:
         """End every request the leader ended before plan ``number`` (or dropped before admitting it)."""
@@ -580,7 +588,7 @@ class ThetaLockstepScheduler(LockstepScheduler):
             ticket = self.tickets.get(request.request_id)
             if ticket is not None and ticket.entry not in members:
                 # The leader ended it, but said nothing before this plan.
-                self.session.add_stat(Stat.FOLLOWER_DIVERGED, 1)
+                self.session.add_model_stat(self.position, ModelWord.DIVERGED, 1)
                 self._end(request, ticket, Finish.ERROR, error=ErrorCode.DIVERGED)
         by_entry = {t.entry: (self.requests.get(rid), t) for rid, t in self.tickets.items()}
         running = {id(r) for r in self.running}
@@ -593,7 +601,7 @@ class ThetaLockstepScheduler(LockstepScheduler):
                 # Not here, or not waiting: its slot gets the error even when this engine holds no request for it.
                 slot, key = split_plan_entry(entry)
                 self.session.fail_slot(slot, key, ErrorCode.DIVERGED, 0, self.writer)
-                self.session.add_stat(Stat.FOLLOWER_DIVERGED, 1)
+                self.session.add_model_stat(self.position, ModelWord.DIVERGED, 1)
                 if request is not None:
                     self._end(request, ticket, Finish.ERROR)
                 continue
@@ -606,7 +614,7 @@ class ThetaLockstepScheduler(LockstepScheduler):
         scheduled = {self.tickets[rid].entry for rid in out.num_scheduled_tokens if rid in self.tickets}
         for request, ticket in self.live_requests():
             if ticket.entry in members and ticket.entry not in scheduled:
-                self.session.add_stat(Stat.FOLLOWER_DIVERGED, 1)
+                self.session.add_model_stat(self.position, ModelWord.DIVERGED, 1)
                 self._end(request, ticket, Finish.ERROR, error=ErrorCode.DIVERGED)
 
     # ------------------------------------------------------------------ endings
@@ -623,7 +631,7 @@ class ThetaLockstepScheduler(LockstepScheduler):
         """The follower's one ending: end ``request`` here as the leader recorded it (``finish``, ``stop_index``).
 
         With ``error`` (and ``Finish.ERROR``) it failed on this side: the code goes to its slot first,
-        and the leader, seeing it, ends the request on the teacher engine and records the end.
+        and the leader, seeing it, ends the request on its engine and records the end.
         """
         if error != ErrorCode.NONE:
             self.session.fail_slot(ticket.slot, ticket.key, error, request.num_output_tokens, self.writer)

@@ -39,7 +39,7 @@ import torch
 from alpha import get_alpha_computer
 from dual_sampling.decision.pipeline import inverse_cdf
 from dual_sampling.decision.speculative import Span, send, stream_uniform, verify_drafts
-from dual_sampling.lockstep import ErrorCode, Slot, Stat, SyncSession, Writer
+from dual_sampling.lockstep import ErrorCode, ModelWord, Slot, Stat, SyncSession, Writer
 from processors.base import request_pairing
 from processors.model_runner import SpeculativeRunner
 
@@ -109,8 +109,8 @@ class SpeculativeSampler:
             # from pageable memory once per request, each copy a wait).
             index = send(teacher_index, logits.device).long()
             self._verify(logits.index_select(0, index)[:, :vocab], torch.cat(theta_rows), spans, owners, out)
-        self.session.add_stat(Stat.TEACHER_STEPS, 1)
-        self.session.add_stat(Stat.TEACHER_ROWS, b)  # the health watch reads rows served as progress
+        self.session.add_model_stat(0, ModelWord.STEPS, 1)
+        self.session.add_model_stat(0, ModelWord.ROWS, b)  # the health watch reads rows served as progress
         self._draft_calls = 0
         sampled = out.pin_memory() if logits.device.type == "cuda" else out
         return runner.output(sampled.to(logits.device, non_blocking=True))
@@ -153,7 +153,7 @@ class SpeculativeSampler:
     def _fail(self, i: int, pairing: dict, code: ErrorCode, step: int, out: torch.Tensor, why: str) -> None:
         """Fail one request: its slot records ``code``, and its first stop token ends it in vLLM."""
         logger.warning("dual-sampling: request in slot %s failed at step %s: %s", pairing["slot"], step, why)
-        self.session.fail_slot(int(pairing["slot"]), int(pairing["key"]), code, step, Writer.TEACHER_PROCESSOR)
+        self.session.fail_slot(int(pairing["slot"]), int(pairing["key"]), code, step, Writer.PROCESSOR.at(0))
         out[i, 0] = int(pairing["sampling"]["stop_token_ids"][0])
 
     # ------------------------------------------------------------------ theta's drafts

@@ -1,15 +1,15 @@
-"""The teacher engine's processor: the one place where each token is decided.
+"""The leader engine's processor (the teacher's in a pair): the one place where each token is decided.
 
-For every row it waits for theta's logits row of the same request and step, then, for all
-rows that are ready at once: solves α, mixes, draws (``dual_sampling.decision.pipeline``), writes
-the token and its records to shared memory, and wakes theta. Both engines run the same
-requests at every step (the schedulers see to it), so theta's rows for a step arrive in
-one round; rows are still served in whatever order they become ready.
+For every row it waits for each follower's logits row of the same request and step, then, for all
+rows that are ready at once: gathers every model's rows in roster order (``ModelRows``), solves α,
+mixes, draws (``dual_sampling.decision.pipeline``), writes the token and its records (the roster's
+columns) to shared memory, and wakes the followers. Every engine runs the same requests at every
+step (the schedulers see to it), so the followers' rows for a step arrive in one round; rows are
+still served in whatever order they become ready.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -19,8 +19,9 @@ import torch
 
 from alpha import get_alpha_computer
 from dual_sampling.decision.pipeline import Decision, ModelRows, decide, dense_top
-from dual_sampling.lockstep import Bell, ErrorCode, Header, Slot, Stat, Writer
+from dual_sampling.lockstep import Bell, ErrorCode, ModelSlot, ModelWord, Slot, Stat, slot_word
 from dual_sampling.lockstep.row_channel import RowGatherer
+from dual_sampling.roster import THETA, Roster
 from processors.base import BaseSyncLogitsProcessor, TrackedRow
 
 __all__ = ["TeacherSyncLogitsProcessor"]
@@ -48,16 +49,35 @@ def diversity_order(ready: list[tuple[int, TrackedRow]]) -> list[tuple[int, Trac
     return [item for _, item in sorted(zip(ranks, ready), key=lambda pair: pair[0])]
 
 
-class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
-    """Teacher side: reads theta's row, decides the token from q, publishes it and the records."""
+def model_columns(roster: Roster, teacher_values: torch.Tensor, theta_values: torch.Tensor) -> list:
+    """One decision field per model, in roster order: θ's from ``theta_values``, each teacher's from
+    ``teacher_values`` (all of it with one teacher, else its slice of the trailing teacher axis)."""
+    teachers = roster.teachers
+    if len(teachers) == 1:
+        return [theta_values if name == THETA else teacher_values for name in roster.names]
+    return [theta_values if name == THETA else teacher_values[..., teachers.index(name)] for name in roster.names]
 
-    role = "teacher"
-    writer = Writer.TEACHER_PROCESSOR
-    released_word = Slot.TEACHER_RELEASED
+
+def token_records(d: Decision, roster: Roster) -> torch.Tensor:
+    """``[b, columns]`` float32: each row's record in the roster's token columns (α per teacher, log π per model,
+    log q)."""
+    alpha = d.alpha.float()
+    alphas = [alpha] if alpha.dim() == 1 else list(alpha.unbind(-1))
+    logp = model_columns(roster, d.logp_teacher.float(), d.logp_theta.float())
+    return torch.stack([*alphas, *logp, d.logq.float()], dim=-1)
+
+
+class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
+    """The leader: reads each follower's row, decides the token from q, publishes it and the records."""
+
+    leads = True
 
     def attach(self, vllm_config, device: torch.device) -> None:
         super().attach(vllm_config, device)
-        self._teacher_rows = RowGatherer(self.vocab)
+        self.roster = Roster(self.config.roster)
+        self._theta = self.roster.position(THETA)
+        self._row_steps = [slot_word(ModelSlot.ROW_STEP, p) for p in range(1, len(self.roster.names))]
+        self._own_rows = RowGatherer(self.vocab)
         self.alpha_computer = get_alpha_computer(self.config.alpha_method, **self.config.alpha_config)
         self._taken: dict[int, dict[int, int]] = {}
         """Per diverse group, the tokens its members took at this step so far, with their counts."""
@@ -67,7 +87,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
             from dual_sampling.decision import kernel
 
             kernel.warm_up()
-        # While the teacher decides, theta only waits for the tokens: its CPUs can take half the rows.
+        # While the leader decides, the followers only wait for the tokens: their CPUs can take half the rows.
         helper_cpus = self.config.mix_helper_cpus
         self._helper = None
         if helper_cpus and device.type == "cpu":
@@ -78,7 +98,15 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
                 initargs=(0, set(helper_cpus)),
             )
 
-    def _decide_rows(self, teacher: torch.Tensor, theta: torch.Tensor, ready: list[tuple[int, TrackedRow]]) -> Decision:
+    def _warm_alpha(self, part: list[tuple[int, TrackedRow]], device: torch.device) -> torch.Tensor:
+        """The rows' last α, ``[b]`` (``[b, K]`` with K teachers; a row with none yet splits 0.5 among them)."""
+        k = len(self.roster.teachers)
+        if k == 1:
+            return torch.tensor([row.alpha for _, row in part], dtype=torch.float32, device=device)
+        warm = [row.alpha if isinstance(row.alpha, list) else [row.alpha / k] * k for _, row in part]
+        return torch.tensor(warm, dtype=torch.float32, device=device)
+
+    def _decide_rows(self, rows: list[torch.Tensor], ready: list[tuple[int, TrackedRow]]) -> Decision:
         """decide() for these rows; with a helper thread, its first half runs there, at the same time. Rows of
         diverse groups (``ready`` in :func:`diversity_order`) are decided rank by rank, each rank seeing the tokens
         its group's members took before it at this step."""
@@ -89,13 +117,17 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
 
         def run(lo: int, hi: int, diversity: list[dict[int, int]] | None = None) -> Decision:
             part = ready[lo:hi]
-            warm = torch.tensor([row.alpha for _, row in part], dtype=torch.float32, device=teacher.device)
+            warm = self._warm_alpha(part, rows[0].device)
             slots = [row.slot for _, row in part]
-            models = ModelRows.pair(
-                teacher[lo:hi],
-                theta[lo:hi],
-                theta_normalized=True,
-                theta_log_normalisers=torch.from_numpy(self.session.theta_log_normalisers[slots]),
+            # Every follower's rows are log-softmax outputs (its engine normalised them); the leader's are raw.
+            follows = self._theta > 0
+            models = ModelRows(
+                tuple(r[lo:hi] for r in rows),
+                self.roster,
+                theta_normalized=follows,
+                theta_log_normalisers=(
+                    torch.from_numpy(self.session.follower_log_normalisers[self._theta - 1, slots]) if follows else None
+                ),
             )
             d = decide(
                 models,
@@ -146,25 +178,25 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
         decided: dict[int, int] = {}
         pending = dict(batch)
         self._taken.clear()  # a new step: no member of any group has taken a token yet
-        s.add_stat(Stat.TEACHER_STEPS, 1)
+        s.add_model_stat(0, ModelWord.STEPS, 1)
         start = time.monotonic()
         deadline = start + self.sync_timeout
         mixing_s, rounds = 0.0, 0
         while pending:
-            seen = s.bell_value(Bell.THETA_ROWS)
-            publications = int(s.header[Header.THETA_PUBLICATIONS])
+            seen = s.bell_value(Bell.ROWS)
+            publications = self._publications()
             ready = []
             for i, row in list(pending.items()):
                 if self.abandoned(row):
                     decided[i] = row.filler
                     del pending[i]
-                    s.add_stat(Stat.TEACHER_ABANDONED, 1)
-                elif control[row.slot, Slot.THETA_STEP] == row.step:
+                    s.add_model_stat(0, ModelWord.ABANDONED, 1)
+                elif all(control[row.slot, word] == row.step for word in self._row_steps):
                     ready.append((i, row))
             if ready and len(ready) < len(pending) and self._publication_overlapped(publications):
-                # The scan raced theta's stores: the rest of this step's rows are on their way. Deciding now
-                # would still be correct, but in two rounds; wait for theta's bell and scan again.
-                self.wait(Bell.THETA_ROWS, seen, deadline)
+                # The scan raced a follower's stores: the rest of this step's rows are on their way. Deciding now
+                # would still be correct, but in two rounds; wait for the followers' bell and scan again.
+                self.wait(Bell.ROWS, seen, deadline)
                 if time.monotonic() < deadline:
                     continue
             for i, _ in ready:
@@ -179,34 +211,39 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
                 break
             if time.monotonic() >= deadline:
                 self.time_out(pending, decided)
-                s.add_stat(Stat.TEACHER_TIMEOUTS, len(pending))
+                s.add_model_stat(0, ModelWord.TIMEOUTS, len(pending))
                 break
-            self.wait(Bell.THETA_ROWS, seen, deadline)
+            self.wait(Bell.ROWS, seen, deadline)
         if rounds > 1:
             s.add_stat(Stat.SPLIT_STEPS, 1)
         s.add_stat(Stat.MIX_NS, int(mixing_s * 1e9))
-        s.add_stat(Stat.TEACHER_WAIT_NS, int((time.monotonic() - start - mixing_s) * 1e9))
+        s.add_model_stat(0, ModelWord.WAIT_NS, int((time.monotonic() - start - mixing_s) * 1e9))
         return decided
 
-    def _publication_overlapped(self, before: int) -> bool:
-        """Whether theta was storing a step's rows at some point of a scan that began with ``before`` read."""
-        return before % 2 == 1 or int(self.session.header[Header.THETA_PUBLICATIONS]) != before
+    def _publications(self) -> list[int]:
+        """Each follower's publication sequence word."""
+        return self.session.model_words[1:, ModelWord.PUBLICATIONS].tolist()
+
+    def _publication_overlapped(self, before: list[int]) -> bool:
+        """Whether a follower was storing a step's rows at some point of a scan that began with ``before`` read."""
+        return any(word % 2 == 1 for word in before) or self._publications() != before
 
     def _decide(self, logits: torch.Tensor, ready: list[tuple[int, TrackedRow]]) -> dict[int, int]:
         s = self.session
         ready = diversity_order(ready)
-        # Theta's rows are read in place from shared memory when their slots are consecutive: theta
+        # The followers' rows are read in place from shared memory when their slots are consecutive: a follower
         # rewrites a slot's row only after this step's token for it is published, below.
-        teacher = self._teacher_rows(logits, [i for i, _ in ready])
+        rows = [self._own_rows(logits, [i for i, _ in ready])]
         try:
-            theta = self.row_channel.read([row.slot for _, row in ready], teacher.device)
+            slots = [row.slot for _, row in ready]
+            rows += [channel.read(slots, rows[0].device) for channel in self.row_channels]
         except Exception:
             # The channel failed (a device error, say): these rows' requests fail by name, and the engine goes on.
             for _, row in ready:
-                self._fail_row(row, "reading theta's row")
+                self._fail_row(row, "reading a follower's row")
             return {i: row.filler for i, row in ready}
-        # One reduction per side: NaN or +inf makes the row max non-finite, and so does a row with nothing finite.
-        bad = (~torch.isfinite(teacher.amax(-1)) | ~torch.isfinite(theta.amax(-1))).tolist()
+        # One reduction per model: NaN or +inf makes the row max non-finite, and so does a row with nothing finite.
+        bad = torch.stack([~torch.isfinite(r.amax(-1)) for r in rows]).any(0).tolist()
         decided = {}
         for (i, row), is_bad in zip(ready, bad):
             if is_bad:
@@ -217,10 +254,10 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
             return decided
         if len(good) < len(ready):
             ready = [ready[k] for k in good]
-            teacher, theta = teacher[good], theta[good]
+            rows = [r[good] for r in rows]
         taken = {group: dict(tokens) for group, tokens in self._taken.items()}
         try:
-            parts = [(ready, self._decide_rows(teacher, theta, ready))]
+            parts = [(ready, self._decide_rows(rows, ready))]
         except Exception:
             self._taken = taken  # the rows are decided again one by one: no member's token may count twice
             # One row's settings (a top_k beyond int64, say) make the whole batch raise: decide each row
@@ -228,7 +265,7 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
             parts = []
             for k, (i, row) in enumerate(ready):
                 try:
-                    parts.append(([(i, row)], self._decide_rows(teacher[k : k + 1], theta[k : k + 1], [(i, row)])))
+                    parts.append(([(i, row)], self._decide_rows([r[k : k + 1] for r in rows], [(i, row)])))
                 except Exception:
                     self._fail_row(row, "deciding its token")
                     decided[i] = row.filler
@@ -237,33 +274,33 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
             for stat, flags in ((Stat.KERNEL_HANDED_BACK, d.handed_back), (Stat.KERNEL_UNCONVERGED, d.unconverged)):
                 if flags is not None:  # host tensors: counting them waits for nothing
                     s.add_stat(stat, int(flags.sum()))
-        s.ring(Bell.TEACHER_TOKENS, self.writer)
-        s.add_stat(Stat.TEACHER_ROWS, len(ready))
+        s.ring(Bell.TOKENS, self.writer)
+        s.add_model_stat(0, ModelWord.ROWS, len(ready))
         return decided
 
     def _publish(self, ready: list[tuple[int, TrackedRow]], d: Decision, decided: dict[int, int]) -> None:
         """Write each row's token and records to its slot, or fail the row; put its token in ``decided``."""
         s = self.session
-        rows_out = zip(
-            ready, *(t.cpu().tolist() for t in (d.tokens, d.alpha, d.logp_teacher, d.logp_theta, d.logq, d.ok))
-        )
+        records = token_records(d, self.roster).cpu()
+        finite = torch.isfinite(records).all(-1).tolist()
+        alphas = d.alpha.cpu().tolist()
         control = s.control
-        top = (
-            None
-            if d.top_ids is None
-            else tuple(t.cpu().numpy() for t in (d.top_ids, d.top_logq, d.top_logp_teacher, d.top_logp_theta))
-        )
+        top = None
+        if d.top_ids is not None:
+            top_logp = model_columns(self.roster, d.top_logp_teacher, d.top_logp_theta)
+            top = (d.top_ids.cpu().numpy(), d.top_logq.cpu().numpy(), torch.stack(top_logp, 1).cpu().numpy())
         dense = (
             None
             if d.dense_ids is None
             else (d.dense_ids.cpu().numpy(), d.dense_logp.cpu().numpy(), d.dense_other_logp.cpu().numpy())
         )
-        for k, ((i, row), tok, a, lt, lth, lq, row_ok) in enumerate(rows_out):
+        rows_out = zip(ready, d.tokens.cpu().tolist(), d.ok.cpu().tolist(), records.numpy(), finite, alphas)
+        for k, ((i, row), tok, row_ok, record, is_finite, a) in enumerate(rows_out):
             decided[i] = row.filler
             if not row_ok or row.step >= s.layout.max_steps:
                 s.fail_slot(row.slot, row.key, ErrorCode.BAD_LOGITS, row.step, self.writer)
                 continue
-            if not all(map(math.isfinite, (a, lt, lth, lq))) or (
+            if not is_finite or (
                 dense is not None
                 and not all(np.isfinite(v[k, :, : row.sampling.dense_logprobs]).all() for v in dense[1:])
             ):
@@ -271,13 +308,12 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
                 s.fail_slot(row.slot, row.key, ErrorCode.NON_FINITE, row.step, self.writer)
                 continue
             try:
-                s.records[row.slot, row.step] = (a, lt, lth, lq)
+                s.records[row.slot, row.step] = record
                 if top is not None and row.sampling.top_logprobs:
                     n = row.sampling.top_logprobs
                     s.top_ids[row.slot, row.step, :n] = top[0][k, :n]
                     s.top_logq[row.slot, row.step, :n] = top[1][k, :n]
-                    s.top_logp_teacher[row.slot, row.step, :n] = top[2][k, :n]
-                    s.top_logp_theta[row.slot, row.step, :n] = top[3][k, :n]
+                    s.top_logp[row.slot, row.step, :, :n] = top[2][k, :, :n]
                 if dense is not None and row.sampling.dense_logprobs:
                     n = row.sampling.dense_logprobs
                     s.dense_ids[row.slot, row.step, :, :n] = dense[0][k, :, :n]
@@ -289,6 +325,6 @@ class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
             s.tokens[row.slot, row.step] = tok
             control[row.slot, Slot.NUM_RECORDS] = row.step + 1
             control[row.slot, Slot.TOKEN] = tok
-            control[row.slot, Slot.TEACHER_STEP] = row.step  # written last: it publishes the fields above
+            control[row.slot, Slot.DECIDED_STEP] = row.step  # written last: it publishes the fields above
             row.alpha = a
             decided[i] = tok

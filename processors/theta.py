@@ -1,4 +1,5 @@
-"""The theta engine's processor: publish theta's log-probability row, then force the teacher's token."""
+"""A follower engine's processor (θ's in a pair): publish the model's log-probability row, then force the leader's
+token."""
 
 from __future__ import annotations
 
@@ -7,36 +8,34 @@ import time
 import torch
 
 from dual_sampling.decision.stages import needs_logit_offset
-from dual_sampling.lockstep import Bell, ErrorCode, Header, Slot, Stat, Writer
+from dual_sampling.lockstep import Bell, ErrorCode, ModelSlot, ModelWord, Slot, slot_word
 from processors.base import BaseSyncLogitsProcessor, TrackedRow
 
 __all__ = ["ThetaSyncLogitsProcessor"]
 
 
 class ThetaSyncLogitsProcessor(BaseSyncLogitsProcessor):
-    """Theta side: one row copy out per step, one token id in; it never samples."""
+    """A follower: one row copy out per step, one token id in; it never samples."""
 
-    role = "theta"
-    writer = Writer.THETA_PROCESSOR
-    released_word = Slot.THETA_RELEASED
+    leads = False
 
     def synchronise(self, logits: torch.Tensor, batch: list[tuple[int, TrackedRow]]) -> dict[int, int]:
         s = self.session
         control = s.control
         self._publish_rows(logits, [(i, row) for i, row in batch if not self.abandoned(row)])
-        s.add_stat(Stat.THETA_STEPS, 1)
+        s.add_model_stat(self.position, ModelWord.STEPS, 1)
         decided: dict[int, int] = {}
         pending = dict(batch)
         start = time.monotonic()
         deadline = start + self.sync_timeout
         while pending:
-            seen = s.bell_value(Bell.TEACHER_TOKENS)
+            seen = s.bell_value(Bell.TOKENS)
             for i, row in list(pending.items()):
-                if control[row.slot, Slot.TEACHER_STEP] == row.step and int(control[row.slot, Slot.KEY]) == row.key:
+                if control[row.slot, Slot.DECIDED_STEP] == row.step and int(control[row.slot, Slot.KEY]) == row.key:
                     decided[i] = int(control[row.slot, Slot.TOKEN])
                 elif self.abandoned(row):
                     decided[i] = row.filler
-                    s.add_stat(Stat.THETA_ABANDONED, 1)
+                    s.add_model_stat(self.position, ModelWord.ABANDONED, 1)
                 else:
                     continue
                 del pending[i]
@@ -44,10 +43,10 @@ class ThetaSyncLogitsProcessor(BaseSyncLogitsProcessor):
                 break
             if time.monotonic() >= deadline:
                 self.time_out(pending, decided)
-                s.add_stat(Stat.THETA_TIMEOUTS, len(pending))
+                s.add_model_stat(self.position, ModelWord.TIMEOUTS, len(pending))
                 break
-            self.wait(Bell.TEACHER_TOKENS, seen, deadline)
-        s.add_stat(Stat.THETA_WAIT_NS, int((time.monotonic() - start) * 1e9))
+            self.wait(Bell.TOKENS, seen, deadline)
+        s.add_model_stat(self.position, ModelWord.WAIT_NS, int((time.monotonic() - start) * 1e9))
         return decided
 
     def _publish_rows(self, logits: torch.Tensor, rows: list[tuple[int, TrackedRow]]) -> None:
@@ -58,8 +57,9 @@ class ThetaSyncLogitsProcessor(BaseSyncLogitsProcessor):
         if not rows:
             return
         s = self.session
-        # Odd while this step's rows are stored, so the teacher can tell a scan that saw only part of them.
-        s.header[Header.THETA_PUBLICATIONS] += 1
+        words = s.model_words[self.position]
+        # Odd while this step's rows are stored, so the leader can tell a scan that saw only part of them.
+        words[ModelWord.PUBLICATIONS] += 1
         try:
             try:
                 published = self._store_rows(logits, rows)
@@ -72,27 +72,28 @@ class ThetaSyncLogitsProcessor(BaseSyncLogitsProcessor):
                         self._fail_row(row, "publishing its row")
             if published:
                 # After the rows they announce.
-                s.control[[row.slot for row in published], Slot.THETA_STEP] = [row.step for row in published]
+                announce = slot_word(ModelSlot.ROW_STEP, self.position)
+                s.control[[row.slot for row in published], announce] = [row.step for row in published]
         finally:
-            s.header[Header.THETA_PUBLICATIONS] += 1
-        s.ring(Bell.THETA_ROWS, self.writer)
-        s.add_stat(Stat.THETA_ROWS, len(published))
+            words[ModelWord.PUBLICATIONS] += 1
+        s.ring(Bell.ROWS, self.writer)
+        s.add_model_stat(self.position, ModelWord.ROWS, len(published))
 
     def _store_rows(self, logits: torch.Tensor, rows: list[tuple[int, TrackedRow]]) -> list[TrackedRow]:
         """Store the rows' log-probabilities in their slots (not yet announced); return the rows stored."""
         s = self.session
         index = torch.tensor([i for i, _ in rows], dtype=torch.long, device=logits.device)
-        # Normalised here, on theta's cores, while the teacher is still busy with its own model.
+        # Normalised here, on this engine's cores, while the leader is still busy with its own model.
         logp = torch.log_softmax(logits[index, : self.vocab].float(), dim=-1)
         # NaN or +inf anywhere in a row makes its whole log-softmax NaN; so does a row with nothing finite.
         nan_rows = torch.isnan(logp[:, 0]).tolist()
-        self.row_channel.publish([row.slot for _, row in rows], logp)
-        # A stage on the mixture's raw logits (the repetition penalty): the teacher needs theta's log-normaliser too.
+        self.row_channels[0].publish([row.slot for _, row in rows], logp)
+        # A stage on the mixture's raw logits (the repetition penalty): the leader needs this log-normaliser too.
         penalised = [k for k, (_, row) in enumerate(rows) if needs_logit_offset(row.sampling)]
         if penalised:
             lse = torch.logsumexp(logits[index[penalised], : self.vocab].double(), dim=-1).tolist()
             for k, value in zip(penalised, lse):
-                s.theta_log_normalisers[rows[k][1].slot] = value
+                s.follower_log_normalisers[self.position - 1, rows[k][1].slot] = value
         for (_, row), has_nan in zip(rows, nan_rows):
             if has_nan:
                 s.fail_slot(row.slot, row.key, ErrorCode.BAD_LOGITS, row.step, self.writer)

@@ -22,11 +22,14 @@ from dual_sampling.driver import engine_processes
 from dual_sampling.driver.engine_processes import engine_cpus, reap, split_cpu_binding
 from dual_sampling.driver.pair import EnginePair
 from dual_sampling.lockstep import (
+    MODEL_WRITERS,
     SESSION_PREFIX,
     WRITERS,
     Bell,
     ErrorCode,
     Header,
+    ModelSlot,
+    ModelWord,
     Phase,
     SessionLayout,
     Slot,
@@ -36,8 +39,9 @@ from dual_sampling.lockstep import (
     Writer,
     cleanup_stale_sessions,
     segments_listing,
+    slot_word,
 )
-from dual_sampling.lockstep.layout import CONTROL_WORDS, HEADER_WORDS, STATS_BASE
+from dual_sampling.lockstep.layout import HEADER_WORDS, MAX_MODELS, MODEL_WORDS, SLOT_WORDS, STATS_BASE
 from dual_sampling.options import DualEngineConfig
 
 
@@ -48,10 +52,16 @@ def session():
 
 
 def test_every_slot_word_has_named_writers_and_no_words_overlap():
-    assert set(WRITERS) == set(Slot)
+    assert set(WRITERS) == set(Slot) and set(MODEL_WRITERS) == set(ModelSlot)
     # __members__ holds aliases too (iterating an IntEnum skips them): two names for one word are an overlap.
     slot_words = [int(w) for w in Slot.__members__.values()]
-    assert len(set(slot_words)) == len(slot_words) and max(slot_words) < CONTROL_WORDS
+    assert len(set(slot_words)) == len(slot_words) and max(slot_words) < SLOT_WORDS
+    for models in (2, 3, MAX_MODELS):
+        layout = SessionLayout(vocab=8, slots=1, max_steps=1, plan_width=1, models=models)
+        model_words = [slot_word(w, p) for p in range(models) for w in ModelSlot.__members__.values()]
+        assert len(set(slot_words + model_words)) == len(slot_words) + len(model_words)
+        assert max(model_words) < layout.control_words
+    assert max(int(w) for w in ModelWord.__members__.values()) < MODEL_WORDS
     header_words = [int(w) for w in Header.__members__.values()]
     stat_words = [int(w) for w in Stat.__members__.values()]
     assert len(set(header_words + stat_words)) == len(header_words) + len(stat_words)
@@ -81,7 +91,7 @@ def test_a_bell_rung_by_many_writers_at_once_never_loses_a_wake(session):
         start.wait()
         ringers = [
             threading.Thread(target=session.ring, args=(Bell.TO_LEADER, w))
-            for w in ((Writer.DRIVER, Writer.THETA_SCHEDULER) if r % 2 else (Writer.THETA_SCHEDULER, Writer.DRIVER))
+            for w in ((Writer.DRIVER, Writer.SCHEDULER.at(1)) if r % 2 else (Writer.SCHEDULER.at(1), Writer.DRIVER))
         ]
         for t in ringers:
             t.start()
@@ -102,31 +112,31 @@ def test_wait_returns_on_the_cap_without_a_ring(session):
 
 def test_slot_is_reused_only_after_both_sides_released_and_the_driver_read_it(session):
     assert session.slot_free(0)
-    session.open_slot(0, key=7, teacher_prompt_len=5, theta_prompt_len=3)
+    session.open_slot(0, key=7, prompt_lens=(5, 3))
     assert not session.slot_free(0) and session.control[0, Slot.PHASE] == Phase.SUBMITTED
     with pytest.raises(Exception, match="still in use"):
-        session.open_slot(0, key=8, teacher_prompt_len=1, theta_prompt_len=1)
-    session.release(0, 7, Slot.TEACHER_RELEASED)
-    session.release(0, 7, Slot.THETA_RELEASED)
+        session.open_slot(0, key=8, prompt_lens=(1, 1))
+    session.release(0, 7, 0)
+    session.release(0, 7, 1)
     assert not session.slot_free(0)  # the driver has not read it yet
     session.close_slot(0)
     assert session.slot_free(0)
-    session.open_slot(0, key=8, teacher_prompt_len=1, theta_prompt_len=1)
-    session.release(0, 7, Slot.THETA_RELEASED)  # a late release of the previous occupant
-    assert int(session.control[0, Slot.THETA_RELEASED]) == 0, "a stale release marked the next occupant"
+    session.open_slot(0, key=8, prompt_lens=(1, 1))
+    session.release(0, 7, 1)  # a late release of the previous occupant
+    assert int(session.control[0, slot_word(ModelSlot.RELEASED, 1)]) == 0, "a stale release marked the next occupant"
 
 
 def test_errors_are_one_store_first_wins_and_name_the_step(session):
-    session.open_slot(1, key=3, teacher_prompt_len=1, theta_prompt_len=1)
-    session.fail_slot(1, 3, ErrorCode.BAD_LOGITS, 5, Writer.THETA_PROCESSOR)
-    session.fail_slot(1, 3, ErrorCode.SYNC_TIMEOUT, 9, Writer.TEACHER_PROCESSOR)
+    session.open_slot(1, key=3, prompt_lens=(1, 1))
+    session.fail_slot(1, 3, ErrorCode.BAD_LOGITS, 5, Writer.PROCESSOR.at(1))
+    session.fail_slot(1, 3, ErrorCode.SYNC_TIMEOUT, 9, Writer.PROCESSOR.at(0))
     assert session.error(1) == (ErrorCode.BAD_LOGITS, 5)
     session.fail_slot(1, 4, ErrorCode.DIVERGED, 0, Writer.DRIVER)  # not its key: ignored
     assert session.error(1) == (ErrorCode.BAD_LOGITS, 5)
 
 
 def test_abort_requests_are_key_tagged(session):
-    session.open_slot(2, key=11, teacher_prompt_len=1, theta_prompt_len=1)
+    session.open_slot(2, key=11, prompt_lens=(1, 1))
     session.request_abort(2, 10, Writer.DRIVER)
     assert not session.abort_requested(2, 11)
     session.request_abort(2, 11, Writer.DRIVER)
@@ -528,8 +538,8 @@ def test_stale_sessions_are_judged_by_their_drivers_namespace_boot_and_start_tim
 def test_statistics_and_aborts_are_safe_while_and_after_the_session_closes():
     """/metrics and abort() run on other threads than close(): they must not read unmapped arrays."""
     session = SyncSession.create(SessionLayout(vocab=8, slots=2, max_steps=4, plan_width=2))
-    session.open_slot(0, key=5, teacher_prompt_len=1, theta_prompt_len=1)
-    session.add_stat(Stat.TEACHER_ROWS, 3)
+    session.open_slot(0, key=5, prompt_lens=(1, 1))
+    session.add_model_stat(0, ModelWord.ROWS, 3)
     errors: list[BaseException] = []
     stop = threading.Event()
 
@@ -563,7 +573,8 @@ def test_statistics_and_aborts_are_safe_while_and_after_the_session_closes():
     for t in threads:
         t.join()
     assert errors == []
-    assert session.statistics() == {s.name.lower(): 3 if s == Stat.TEACHER_ROWS else 0 for s in Stat}
+    expected = {name: 0 for name in session.statistics()}
+    assert session.statistics() == {**expected, "teacher_rows": 3}
 
 
 def test_reap_kills_an_engine_process_that_does_not_exit():
@@ -592,25 +603,32 @@ def test_reap_never_kills_a_pid_that_now_names_another_process(monkeypatch):
 def test_lockstep_config_round_trips_through_vllm_and_refuses_by_name():
     from types import SimpleNamespace
 
-    from dual_sampling.lockstep import LockstepConfig, Role
+    from dual_sampling.lockstep import LockstepConfig
 
     config = LockstepConfig("theta", "dual-sampling-x", 30, "fixed", {"alpha": 0.3}, (2, 3))
-    assert config.role is Role.THETA and config.sync_timeout == 30.0 and isinstance(config.sync_timeout, float)
+    assert config.role == "theta" and config.sync_timeout == 30.0 and isinstance(config.sync_timeout, float)
+    assert config.roster == ("teacher", "theta") and config.position == 1 and not config.leads
     engine = SimpleNamespace(additional_config=config.to_engine())
     assert json.loads(json.dumps(engine.additional_config)) == engine.additional_config  # plain JSON for vLLM
-    assert LockstepConfig.from_vllm(engine, "theta", "P") == config
-    with pytest.raises(ValueError, match="P is the teacher plugin but the engine's role is 'theta'"):
-        LockstepConfig.from_vllm(engine, Role.TEACHER, "P")
+    assert LockstepConfig.from_vllm(engine, False, "P") == config
+    with pytest.raises(ValueError, match=r"P is a leader's plugin but the engine's model 'theta' follows"):
+        LockstepConfig.from_vllm(engine, True, "P")
     with pytest.raises(ValueError, match=r"needs LLM\(\.\.\., additional_config="):
-        LockstepConfig.from_vllm(SimpleNamespace(additional_config=None), "theta", "P")
+        LockstepConfig.from_vllm(SimpleNamespace(additional_config=None), False, "P")
     engine.additional_config["dual_sampling"]["spare"] = 1
     with pytest.raises(ValueError, match=r"unknown keys \['spare'\]"):
-        LockstepConfig.from_vllm(engine, "theta", "P")
+        LockstepConfig.from_vllm(engine, False, "P")
     with pytest.raises(ValueError, match="incomplete"):
-        LockstepConfig.from_vllm(SimpleNamespace(additional_config={"dual_sampling": {"role": "theta"}}), "theta", "P")
+        LockstepConfig.from_vllm(SimpleNamespace(additional_config={"dual_sampling": {"role": "theta"}}), False, "P")
+    three = LockstepConfig("coach", "s", 1.0, roster=("teacher", "theta", "coach"))
+    assert (
+        three.position == 2
+        and LockstepConfig.from_vllm(SimpleNamespace(additional_config=three.to_engine()), False, "P") == three
+    )
     for field, value, name in (
         ("sync_timeout", 0, "sync_timeout"),
         ("role", "student", "role"),
+        ("roster", ("teacher", "coach"), "roster"),
         ("mix_helper_cpus", (-1,), "mix_helper_cpus"),
     ):
         with pytest.raises(ValueError, match=f"^{name} must"):

@@ -26,11 +26,14 @@ from dual_sampling.lockstep import (
     Bell,
     ErrorCode,
     Header,
+    ModelSlot,
+    ModelWord,
     SessionLayout,
     Slot,
     SyncError,
     SyncSession,
     Writer,
+    slot_word,
 )
 from dual_sampling.testing.sim_engines import (
     MOMENTS,
@@ -50,6 +53,9 @@ from processors import TeacherSyncLogitsProcessor
 from processors.base import TrackedRow
 from tests import processes
 from tests.tolerances import ALPHA_TWO_SOLVES_ATOL, TWO_NORMALISATIONS_ATOL
+
+THETA_ROW_STEP = slot_word(ModelSlot.ROW_STEP, 1)
+"""The control word where the pair's follower (θ, roster position 1) announces its row's step."""
 
 
 def assert_clean(run, *, allow_errors: frozenset = frozenset(), engine_aborts: bool = False) -> None:
@@ -456,15 +462,15 @@ def test_teacher_waits_out_a_theta_publication_it_saw_half_of():
         teacher = TeacherSyncLogitsProcessor(config, torch.device("cpu"), False)
         batch = []
         for slot in (0, 1):
-            session.open_slot(slot, key=slot + 1, teacher_prompt_len=3, theta_prompt_len=3)
-            session.theta_logprobs[slot] = np.log(np.full(VOCAB, 1.0 / VOCAB, dtype=np.float32))
+            session.open_slot(slot, key=slot + 1, prompt_lens=(3, 3))
+            session.follower_logprobs[0][slot] = np.log(np.full(VOCAB, 1.0 / VOCAB, dtype=np.float32))
             batch.append((slot, TrackedRow(slot, slot + 1, [], RowSampling(seed=slot))))
         logits = torch.zeros(2, VOCAB)
         decided: dict = {}
 
         # Theta is mid-publication: one step word stored, the sequence word odd.
-        session.header[Header.THETA_PUBLICATIONS] = 1
-        session.control[0, Slot.THETA_STEP] = 0
+        session.model_words[1, ModelWord.PUBLICATIONS] = 1
+        session.control[0, THETA_ROW_STEP] = 0
         waiting, wait = threading.Event(), teacher.wait
 
         def noted_wait(*args):
@@ -476,30 +482,30 @@ def test_teacher_waits_out_a_theta_publication_it_saw_half_of():
         worker.start()
         assert waiting.wait(timeout=10), "the teacher never scanned"
         worker.join(timeout=0.3)
-        assert worker.is_alive() and int(session.control[0, Slot.TEACHER_STEP]) == -1, "decided half a step"
+        assert worker.is_alive() and int(session.control[0, Slot.DECIDED_STEP]) == -1, "decided half a step"
 
         # Theta finishes: the teacher decides both rows in one round.
-        session.control[1, Slot.THETA_STEP] = 0
-        session.header[Header.THETA_PUBLICATIONS] = 2
-        session.ring(Bell.THETA_ROWS, Writer.THETA_PROCESSOR)
+        session.control[1, THETA_ROW_STEP] = 0
+        session.model_words[1, ModelWord.PUBLICATIONS] = 2
+        session.ring(Bell.ROWS, Writer.PROCESSOR.at(1))
         worker.join(timeout=10)
         assert not worker.is_alive() and set(decided) == {0, 1}
         assert session.statistics()["split_steps"] == 0
-        assert [int(session.control[s, Slot.TEACHER_STEP]) for s in (0, 1)] == [0, 0]
+        assert [int(session.control[s, Slot.DECIDED_STEP]) for s in (0, 1)] == [0, 0]
 
         # Control: a genuinely partial step (no publication in progress) is decided at once, row by row.
         for row in (r for _, r in batch):
             row.output_token_ids.append(int(session.control[row.slot, Slot.TOKEN]))
-        session.control[0, Slot.THETA_STEP] = 1
-        session.header[Header.THETA_PUBLICATIONS] = 4
+        session.control[0, THETA_ROW_STEP] = 1
+        session.model_words[1, ModelWord.PUBLICATIONS] = 4
         worker = threading.Thread(target=lambda: decided.update(teacher.synchronise(logits, batch)))
         worker.start()
         deadline = time.monotonic() + 5
-        while int(session.control[0, Slot.TEACHER_STEP]) != 1 and time.monotonic() < deadline:
+        while int(session.control[0, Slot.DECIDED_STEP]) != 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert int(session.control[0, Slot.TEACHER_STEP]) == 1 and worker.is_alive()
-        session.control[1, Slot.THETA_STEP] = 1
-        session.ring(Bell.THETA_ROWS, Writer.THETA_PROCESSOR)
+        assert int(session.control[0, Slot.DECIDED_STEP]) == 1 and worker.is_alive()
+        session.control[1, THETA_ROW_STEP] = 1
+        session.ring(Bell.ROWS, Writer.PROCESSOR.at(1))
         worker.join(timeout=10)
         assert not worker.is_alive() and session.statistics()["split_steps"] == 1
     finally:
@@ -547,7 +553,7 @@ def _processor_with_rows(role: str, settings: list[RowSampling], vocab: int = VO
     processor = cls(config, torch.device("cpu"), False)
     added = []
     for slot, sampling in enumerate(settings):
-        session.open_slot(slot, key=slot + 1, teacher_prompt_len=3, theta_prompt_len=3)
+        session.open_slot(slot, key=slot + 1, prompt_lens=(3, 3))
         pairing = {"slot": slot, "key": slot + 1, "sampling": sampling.to_dict()}
         added.append((slot, SimpleNamespace(extra_args={"dual_sampling": pairing}), [1, 2, 3], []))
     processor.update_state(BatchUpdate(len(settings), [], added, []))
@@ -556,8 +562,8 @@ def _processor_with_rows(role: str, settings: list[RowSampling], vocab: int = VO
 
 def _publish_theta_rows(session, rows: torch.Tensor) -> None:
     """Theta's side of step 0, as its processor publishes it."""
-    session.theta_logprobs[: rows.shape[0]] = torch.log_softmax(rows, -1).numpy()
-    session.control[: rows.shape[0], Slot.THETA_STEP] = 0
+    session.follower_logprobs[0][: rows.shape[0]] = torch.log_softmax(rows, -1).numpy()
+    session.control[: rows.shape[0], THETA_ROW_STEP] = 0
 
 
 def test_a_row_whose_decision_raises_fails_alone_and_the_others_get_their_tokens(caplog):
@@ -574,22 +580,22 @@ def test_a_row_whose_decision_raises_fails_alone_and_the_others_get_their_tokens
         assert next(r for r in caplog.records if r.levelname == "ERROR").exc_info is not None
         assert len([r for r in caplog.records if "slot 1" in r.getMessage()]) == 1, "logged once"
         for slot in (0, 2):  # decided in the same step, as if the bad row had not been there
-            assert session.error(slot)[0] == ErrorCode.NONE and int(session.control[slot, Slot.TEACHER_STEP]) == 0
+            assert session.error(slot)[0] == ErrorCode.NONE and int(session.control[slot, Slot.DECIDED_STEP]) == 0
             token = int(session.control[slot, Slot.TOKEN])
             assert torch.isfinite(forced[slot]).sum() == 1 and int(forced[slot].argmax()) == token
-            alone = decide_one(teacher, teacher_logits[slot], session.theta_logprobs[slot], settings[slot])
+            alone = decide_one(teacher, teacher_logits[slot], session.follower_logprobs[0][slot], settings[slot])
             assert token == alone[0]
             # α, log π_t, log π_θ, log q of one row decided in a batch and alone: two float32 computations of each.
             # log q besides moves between the two α by |Δα|·|d(y) − E_q[d]| ≤ |Δα|·2·max |d|.
             got = session.records[slot, 0]
-            d = torch.log_softmax(teacher_logits[slot].double(), -1) - torch.from_numpy(session.theta_logprobs[slot])
+            d = torch.log_softmax(teacher_logits[slot].double(), -1) - torch.from_numpy(session.follower_logprobs[0][slot])
             moved = abs(float(got[0]) - alone[1]) * 2 * float(d.abs().max())
             two = TWO_NORMALISATIONS_ATOL
             atol = np.array([ALPHA_TWO_SOLVES_ATOL, two, two, two + moved])
             off = np.abs(got - np.asarray(alone[1:]))
             assert (off <= atol).all(), (slot, off, atol)
         assert torch.isfinite(forced[1]).sum() == 1 and int(forced[1].argmax()) == teacher.rows[1].filler
-        assert int(session.control[1, Slot.TEACHER_STEP]) == -1, "no token published for the failed row"
+        assert int(session.control[1, Slot.DECIDED_STEP]) == -1, "no token published for the failed row"
     finally:
         session.close()
 
@@ -629,10 +635,10 @@ def test_a_non_finite_record_fails_its_row_and_is_never_written(monkeypatch, col
         teacher.apply(torch.randn(3, VOCAB, generator=g))
         assert session.error(1) == (ErrorCode.NON_FINITE, 0)
         assert int(session.control[1, Slot.NUM_RECORDS]) == 0 and not session.records[1, 0].any()
-        assert int(session.control[1, Slot.TEACHER_STEP]) == -1
+        assert int(session.control[1, Slot.DECIDED_STEP]) == -1
         for slot in (0, 2):
             assert session.error(slot)[0] == ErrorCode.NONE and np.isfinite(session.records[slot, 0]).all()
-            assert int(session.control[slot, Slot.TEACHER_STEP]) == 0
+            assert int(session.control[slot, Slot.DECIDED_STEP]) == 0
     finally:
         session.close()
 
@@ -643,8 +649,8 @@ def test_a_theta_publication_that_raises_fails_its_requests_not_the_engine():
     try:
         forced = theta.apply(torch.randn(2, VOCAB))
         assert [session.error(s) for s in (0, 1)] == [(ErrorCode.DECISION_ERROR, 0)] * 2
-        assert int(session.header[Header.THETA_PUBLICATIONS]) % 2 == 0, "a publication left half open"
-        assert [int(session.control[s, Slot.THETA_STEP]) for s in (0, 1)] == [-1, -1], "no row announced"
+        assert int(session.model_words[1, ModelWord.PUBLICATIONS]) % 2 == 0, "a publication left half open"
+        assert [int(session.control[s, THETA_ROW_STEP]) for s in (0, 1)] == [-1, -1], "no row announced"
         assert all(int(torch.isfinite(row).sum()) == 1 for row in forced)
     finally:
         session.close()
@@ -657,7 +663,7 @@ def test_a_row_channel_read_that_raises_fails_its_requests_not_the_engine(monkey
     try:
         g = torch.Generator().manual_seed(2)
         _publish_theta_rows(session, torch.randn(2, VOCAB, generator=g))
-        channel = teacher.row_channel
+        channel = teacher.row_channels[0]
 
         def broken(*args):
             raise RuntimeError("the device is gone")
@@ -665,7 +671,7 @@ def test_a_row_channel_read_that_raises_fails_its_requests_not_the_engine(monkey
         monkeypatch.setattr(channel, "read", broken)
         forced = teacher.apply(torch.randn(2, VOCAB, generator=g))
         assert [session.error(s) for s in (0, 1)] == [(ErrorCode.DECISION_ERROR, 0)] * 2
-        assert [int(session.control[s, Slot.TEACHER_STEP]) for s in (0, 1)] == [-1, -1], "no token published"
+        assert [int(session.control[s, Slot.DECIDED_STEP]) for s in (0, 1)] == [-1, -1], "no token published"
         assert [int(row.argmax()) for row in forced] == [teacher.rows[i].filler for i in (0, 1)]
     finally:
         session.close()
@@ -1050,7 +1056,7 @@ def test_a_sample_with_a_non_finite_record_fails_by_name():
     driver = _stub_driver(_StubEngines())
     try:
         s, slot, tokens = driver.session, 0, [20, 21, 22]
-        s.open_slot(slot, 1, 3, 3)
+        s.open_slot(slot, 1, (3, 3))
         s.tokens[slot, :3] = tokens
         s.records[slot, :3] = [[0.5, -1.0, -1.0, -1.0], [0.5, -1.0, -1.0, math.nan], [0.5, -1.0, -math.inf, -1.0]]
         s.control[slot, Slot.NUM_RECORDS] = 3

@@ -42,7 +42,7 @@ def delta_of(session: SyncSession, flight: Flight, start: int, sample: SampleRec
     top = (
         tuple(
             a[slot, start:end, :k].copy()
-            for a in (session.top_ids, session.top_logq, session.top_logp_teacher, session.top_logp_theta)
+            for a in (session.top_ids, session.top_logq, session.top_logp[:, :, 0], session.top_logp[:, :, 1])
         )
         if k
         else None

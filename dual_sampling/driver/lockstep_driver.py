@@ -217,7 +217,7 @@ class LockstepDriver:
         flight = Flight(request_id, slot, next(self._keys), request, versions=dict(self.versions.current))
         self._flights[flight.request_id] = flight
         self.counters["requests"] += 1
-        self.session.open_slot(slot, flight.key, len(request.teacher_prompt_ids), len(request.theta_prompt_ids))
+        self.session.open_slot(slot, flight.key, (len(request.teacher_prompt_ids), len(request.theta_prompt_ids)))
         flight.task = asyncio.create_task(self._fly(flight))
         return flight
 

@@ -22,7 +22,7 @@ from dual_sampling.decision.pipeline import RowSampling
 from dual_sampling.driver.collect import delta_of
 from dual_sampling.driver.lockstep_driver import LockstepDriver
 from dual_sampling.driver.requests import DualRequest, Flight
-from dual_sampling.lockstep import RequestFailed, Role, Slot
+from dual_sampling.lockstep import RequestFailed, Role
 from dual_sampling.records import SampleRecord
 from dual_sampling.text import sample_text
 
@@ -126,8 +126,8 @@ class SpeculativeDriver(LockstepDriver):
         finally:
             # No plugin on the engine says when it lets a request go; its final output (or the abort that closed
             # the stream) does. A step still running for it writes nothing once the slot is closed (its key).
-            for word in (Slot.TEACHER_RELEASED, Slot.THETA_RELEASED):
-                self.session.release(flight.slot, flight.key, word)
+            for position in range(self.session.layout.models):
+                self.session.release(flight.slot, flight.key, position)
 
     async def _run(self, flight: Flight, prompt: list[int], params: Any) -> None:
         held_back = True

@@ -1,4 +1,4 @@
-"""Lockstep: the shared memory through which the driver and the four engine plugins meet.
+"""Lockstep: the shared memory through which the driver and every engine's two plugins meet.
 
 Shared by the driver and the engines, so it imports nothing above it (only numpy and the
 standard library):
@@ -24,6 +24,7 @@ from dual_sampling.lockstep.janitor import (
     write_listing,
 )
 from dual_sampling.lockstep.layout import (
+    MODEL_WRITERS,
     PLAN_RING,
     RECORD_FIELDS,
     SESSION_PREFIX,
@@ -35,6 +36,8 @@ from dual_sampling.lockstep.layout import (
     ErrorCode,
     Finish,
     Header,
+    ModelSlot,
+    ModelWord,
     Phase,
     RequestFailed,
     Role,
@@ -44,11 +47,13 @@ from dual_sampling.lockstep.layout import (
     SyncError,
     Writer,
     check_host,
+    slot_word,
 )
 from dual_sampling.lockstep.session import SyncSession
 
 __all__ = [
     "CONFIG_KEY",
+    "MODEL_WRITERS",
     "PLAN_RING",
     "RECORD_FIELDS",
     "SESSION_PREFIX",
@@ -61,6 +66,8 @@ __all__ = [
     "Finish",
     "Header",
     "LockstepConfig",
+    "ModelSlot",
+    "ModelWord",
     "Phase",
     "RequestFailed",
     "Role",
@@ -78,6 +85,7 @@ __all__ = [
     "process_start_time",
     "segments_listing",
     "session_owners",
+    "slot_word",
     "watch_driver",
     "write_listing",
 ]

@@ -1,4 +1,4 @@
-"""What an engine's plugins need to join a pair, as one typed value that crosses to the engine.
+"""What an engine's plugins need to join a lockstep session, as one typed value that crosses to the engine.
 
 The driver builds one :class:`LockstepConfig` per engine from the user's settings and hands it
 to vLLM as ``additional_config["dual_sampling"]`` (a plain dict: vLLM hashes and ships it to the
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dual_sampling.checks import is_int, need_number
-from dual_sampling.lockstep.layout import Role
 from dual_sampling.lockstep.row_channel import ROW_TRANSPORTS
+from dual_sampling.roster import PAIR, Roster
 
 __all__ = ["CONFIG_KEY", "LockstepConfig"]
 
@@ -27,8 +27,8 @@ CONFIG_KEY = "dual_sampling"
 class LockstepConfig:
     """One engine's lockstep settings; validated when built, on either side of the process boundary."""
 
-    role: Role
-    """Which side this engine is ("teacher" or "theta")."""
+    role: str
+    """This engine's model: its name in :attr:`roster` ("teacher" or "theta" in a pair)."""
     session: str
     """The shared-memory session's name (``SyncSession.create`` made it)."""
     sync_timeout: float
@@ -41,11 +41,19 @@ class LockstepConfig:
     """CPUs the teacher's processor may borrow for half of each step's rows (theta's, idle while the teacher
     decides); empty: none."""
     row_transport: str = "host"
-    """How theta's rows reach the teacher (``lockstep.row_channel``), resolved by the driver: host, pinned or
+    """How the followers' rows reach the leader (``lockstep.row_channel``), resolved by the driver: host, pinned or
     device (never "auto" here)."""
+    roster: tuple[str, ...] = PAIR.names
+    """The session's models by name, the leader first (``dual_sampling.roster.Roster.names``)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "role", Role.parse(self.role, "role"))
+        try:
+            roster = Roster(tuple(self.roster) if isinstance(self.roster, (list, tuple)) else self.roster)
+        except ValueError as exc:
+            raise ValueError(f"roster must list the session's models, the leader first: {exc}") from None
+        object.__setattr__(self, "roster", roster.names)
+        if self.role not in roster.names:
+            raise ValueError(f"role must be a model of the roster {roster.names}, got {self.role!r}")
         if not isinstance(self.session, str):
             raise ValueError(f"session must be a string, got {self.session!r}")
         object.__setattr__(self, "sync_timeout", need_number("sync_timeout", self.sync_timeout, positive=True))
@@ -68,14 +76,23 @@ class LockstepConfig:
         """``additional_config`` for vLLM: ``{CONFIG_KEY: {field: value}}`` of plain JSON values."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values.update(
-            role=str(self.role), alpha_config=dict(self.alpha_config), mix_helper_cpus=list(self.mix_helper_cpus)
+            alpha_config=dict(self.alpha_config), mix_helper_cpus=list(self.mix_helper_cpus), roster=list(self.roster)
         )
         return {CONFIG_KEY: values}
 
+    @property
+    def position(self) -> int:
+        """This engine's roster position: 0 leads, every other follows."""
+        return self.roster.index(self.role)
+
+    @property
+    def leads(self) -> bool:
+        return self.position == 0
+
     @classmethod
-    def from_vllm(cls, vllm_config: Any, role: Role | str, plugin: str) -> LockstepConfig:
-        """The settings the driver put in ``vllm_config.additional_config``, for the ``role`` plugin named ``plugin``;
-        ValueError naming what is missing, unknown or wrong."""
+    def from_vllm(cls, vllm_config: Any, leads: bool, plugin: str) -> LockstepConfig:
+        """The settings the driver put in ``vllm_config.additional_config``, for the plugin named ``plugin`` (a
+        leader's if ``leads``, else a follower's); ValueError naming what is missing, unknown or wrong."""
         values = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
         if not values:
             raise ValueError(
@@ -90,6 +107,9 @@ class LockstepConfig:
             config = cls(**values)
         except TypeError as exc:  # a required key is missing
             raise ValueError(f"{plugin}: additional_config['{CONFIG_KEY}'] is incomplete: {exc}") from None
-        if config.role != role:
-            raise ValueError(f"{plugin} is the {role} plugin but the engine's role is {str(config.role)!r}")
+        if config.leads != leads:
+            kind, other = ("leader", "follows") if leads else ("follower", "leads")
+            raise ValueError(
+                f"{plugin} is a {kind}'s plugin but the engine's model {config.role!r} {other} (roster {config.roster})"
+            )
         return config

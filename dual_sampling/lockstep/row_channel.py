@@ -367,10 +367,17 @@ class DeviceRows(RowChannel):
 
 
 def open_row_channel(
-    transport: str, role: str, rows: np.ndarray, device: torch.device, handle_path: Path, timeout: float
+    transport: str,
+    role: str,
+    rows: np.ndarray,
+    device: torch.device,
+    handle_path: Path,
+    timeout: float,
+    leads: bool = False,
 ) -> RowChannel:
-    """The channel of a resolved ``transport`` for the ``role`` engine on ``device``: ``rows`` are the session's
-    shared-memory rows, ``handle_path`` where the device buffer's handle goes (teacher) or comes from (theta)."""
+    """The channel of a resolved ``transport`` for the ``role`` engine on ``device`` (the reading side if ``leads``,
+    else the publishing one): ``rows`` are one follower's shared-memory rows, ``handle_path`` where the device
+    buffer's handle goes (leader) or comes from (follower)."""
     if transport == "host":
         return HostRows(rows)
     if device.type != "cuda":
@@ -378,7 +385,7 @@ def open_row_channel(
     if transport == "pinned":
         return PinnedRows(rows, device)
     if transport == "device":
-        if role == "teacher":
+        if leads:
             return DeviceRows.create(handle_path, rows.shape[0], rows.shape[1], device)
         return DeviceRows.attach(handle_path, timeout)
     raise ValueError(f"row_transport must be resolved to one of {ROW_TRANSPORTS[1:]}, got {transport!r}")

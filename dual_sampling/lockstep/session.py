@@ -1,4 +1,4 @@
-"""One dual-engine session's shared memory, mapped: slots, doorbells, the plan ring and records.
+"""One lockstep session's shared memory, mapped: slots, doorbells, the plan ring and records.
 
 The layout and who writes each word are in :mod:`dual_sampling.lockstep.layout`. Doorbells
 are futex words: a wait blocks with a cap, so a shutdown is seen within the cap even
@@ -17,6 +17,7 @@ import mmap
 import os
 import secrets
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,11 +33,10 @@ from dual_sampling.lockstep.janitor import (
 )
 from dual_sampling.lockstep.layout import (
     BELL_WORDS,
-    CONTROL_WORDS,
     HEADER_WORDS,
     MAGIC,
+    MODEL_WORDS,
     PLAN_RING,
-    RECORD_FIELDS,
     SESSION_PREFIX,
     SHM_DIR,
     TOP_LOGPROBS_MAX,
@@ -44,6 +44,8 @@ from dual_sampling.lockstep.layout import (
     ErrorCode,
     Header,
     MiB,
+    ModelSlot,
+    ModelWord,
     Phase,
     SessionLayout,
     Slot,
@@ -51,7 +53,9 @@ from dual_sampling.lockstep.layout import (
     SyncError,
     Writer,
     check_host,
+    slot_word,
 )
+from dual_sampling.roster import PAIR
 
 logger = logging.getLogger(__name__)
 
@@ -122,21 +126,28 @@ class SyncSession:
         buf = memoryview(mm)
         s, v, t = layout.slots, layout.vocab, layout.max_steps
         self.header = np.frombuffer(buf, np.int64, HEADER_WORDS, off["header"])
+        m, f = layout.models, layout.followers
+        self.model_words = np.frombuffer(buf, np.int64, MODEL_WORDS * m, off["model_words"]).reshape(m, MODEL_WORDS)
+        """``[models, MODEL_WORDS]``: each model's :class:`ModelWord` counters, by roster position."""
         self.bells = np.frombuffer(buf, np.int32, BELL_WORDS, off["bells"])
         self.plans = np.frombuffer(buf, np.int64, PLAN_RING * (2 + layout.plan_width), off["plans"]).reshape(
             PLAN_RING, -1
         )
-        self.control = np.frombuffer(buf, np.int64, CONTROL_WORDS * s, off["control"]).reshape(s, CONTROL_WORDS)
-        self.theta_logprobs = np.frombuffer(buf, np.float32, v * s, off["theta_logprobs"]).reshape(s, v)
-        self.theta_log_normalisers = np.frombuffer(buf, np.float64, s, off["theta_log_normalisers"])
+        w = layout.control_words
+        self.control = np.frombuffer(buf, np.int64, w * s, off["control"]).reshape(s, w)
+        self.follower_logprobs = np.frombuffer(buf, np.float32, f * v * s, off["follower_logprobs"]).reshape(f, s, v)
+        """``[followers, slots, V]``: each follower's log-probability row of the current step (follower ``i`` is
+        roster position ``i + 1``)."""
+        self.follower_log_normalisers = np.frombuffer(buf, np.float64, f * s, off["follower_log_normalisers"]).reshape(
+            f, s
+        )
         self.tokens = np.frombuffer(buf, np.int32, t * s, off["tokens"]).reshape(s, t)
-        self.records = np.frombuffer(buf, np.float32, len(RECORD_FIELDS) * t * s, off["records"]).reshape(s, t, -1)
+        self.records = np.frombuffer(buf, np.float32, layout.record_width * t * s, off["records"]).reshape(s, t, -1)
         k = TOP_LOGPROBS_MAX
         self.top_ids = np.frombuffer(buf, np.int32, k * t * s, off["top_ids"]).reshape(s, t, k)
-        self.top_logq, self.top_logp_teacher, self.top_logp_theta = (
-            np.frombuffer(buf, np.float32, k * t * s, off[name]).reshape(s, t, k)
-            for name in ("top_logq", "top_logp_teacher", "top_logp_theta")
-        )
+        self.top_logq = np.frombuffer(buf, np.float32, k * t * s, off["top_logq"]).reshape(s, t, k)
+        self.top_logp = np.frombuffer(buf, np.float32, m * k * t * s, off["top_logp"]).reshape(s, t, m, k)
+        """``[slots, steps, models, k]``: log π of each model (roster order) at ``top_ids``."""
         d = 2 * layout.dense_k
         self.dense_ids = np.frombuffer(buf, np.int32, d * t * s, off["dense_ids"]).reshape(s, t, 2, layout.dense_k)
         self.dense_logp, self.dense_other_logp = (
@@ -151,6 +162,10 @@ class SyncSession:
         """Held by close() and by what other threads may call during it (statistics, request_abort)."""
         self._closed = False
         self._final_statistics: dict[str, int] = {}
+        self.names: tuple[str, ...] = (
+            PAIR.names if layout.models == 2 else tuple(f"model{p}" for p in range(layout.models))
+        )
+        """The models' names by roster position, for :meth:`statistics`; whoever knows the roster may set it."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -235,13 +250,12 @@ class SyncSession:
                 self.shutdown()
             self._final_statistics = self._read_statistics()
             self._closed = True
-            del self.header, self.bells, self.plans, self.control, self.theta_logprobs, self.theta_log_normalisers
-            del self.tokens, self.records
+            del self.header, self.model_words, self.bells, self.plans, self.control
+            del self.follower_logprobs, self.follower_log_normalisers, self.tokens, self.records
             del (
                 self.top_ids,
                 self.top_logq,
-                self.top_logp_teacher,
-                self.top_logp_theta,
+                self.top_logp,
                 self.dense_ids,
                 self.dense_logp,
                 self.dense_other_logp,
@@ -263,8 +277,9 @@ class SyncSession:
 
     # ------------------------------------------------------------------ doorbells
 
-    def ring(self, bell: Bell, writer: Writer) -> None:
-        """Announce new data to the waiters on ``bell``, by storing a value no earlier store used."""
+    def ring(self, bell: Bell, writer: int) -> None:
+        """Announce new data to the waiters on ``bell``, by storing a value no earlier store used; ``writer`` is
+        :meth:`Writer.at` of the ringing plugin."""
         with self._ring_lock:
             self.bells[bell] = (int(writer) << 24) | (next(self._ring_count) & 0xFFFFFF)
         _FUTEX.wake(self._bell_base + 4 * int(bell))
@@ -293,21 +308,36 @@ class SyncSession:
         return pid_alive(int(self.header[Header.OWNER_PID]))
 
     def statistics(self) -> dict[str, int]:
-        """Every :class:`Stat` counter, by lower-case name; once closed, their values at :meth:`close`. Thread-safe."""
+        """Every :class:`Stat` counter by lower-case name, and every reported :class:`ModelWord` as
+        ``<model>_<word>`` (models named by :attr:`names`) or summed over the followers as ``follower_<word>``; once
+        closed, their values at :meth:`close`. Thread-safe."""
         with self._close_lock:
             return dict(self._final_statistics) if self._closed else self._read_statistics()
 
     def _read_statistics(self) -> dict[str, int]:
-        return {stat.name.lower(): int(self.header[stat]) for stat in Stat}
+        out = {stat.name.lower(): int(self.header[stat]) for stat in Stat}
+        names = self.names
+        for word in ModelWord:
+            if word.reported is None:
+                continue
+            if word.summed:
+                out[f"follower_{word.reported}"] = int(self.model_words[1:, word].sum())
+            else:
+                out.update({f"{name}_{word.reported}": int(self.model_words[p, word]) for p, name in enumerate(names)})
+        return out
 
     def add_stat(self, stat: Stat, amount: int) -> None:
         """Add to a counter this process alone writes."""
         self.header[stat] += int(amount)
 
+    def add_model_stat(self, position: int, word: ModelWord, amount: int) -> None:
+        """Add to a counter of model ``position`` that this process alone writes."""
+        self.model_words[position, word] += int(amount)
+
     # ------------------------------------------------------------------ plans
 
     def publish_plan(self, number: int, keys: list[int]) -> None:
-        """Teacher scheduler: plan ``number`` runs exactly ``keys`` (announced by the number, written last)."""
+        """Leader scheduler: plan ``number`` runs exactly ``keys`` (announced by the number, written last)."""
         if len(keys) > self.layout.plan_width:
             raise SyncError(
                 f"plan {number} holds {len(keys)} requests, more than max_num_seqs={self.layout.plan_width}"
@@ -318,10 +348,10 @@ class SyncSession:
         row[2 : 2 + len(keys)] = keys
         row[0] = number
         self.header[Header.PLANS_PUBLISHED] = number + 1
-        self.ring(Bell.PLAN, Writer.TEACHER_SCHEDULER)
+        self.ring(Bell.PLAN, Writer.SCHEDULER.at(0))
 
     def read_plan(self, number: int) -> list[int] | None:
-        """Theta scheduler: the keys of plan ``number``, or None if it is not published yet."""
+        """Follower scheduler: the keys of plan ``number``, or None if it is not published yet."""
         row = self.plans[number % PLAN_RING]
         if int(row[0]) != number:
             return None
@@ -334,37 +364,42 @@ class SyncSession:
         return int(self.control[slot, Slot.KEY])
 
     def slot_free(self, slot: int) -> bool:
-        """Driver: the slot can take a new request (both sides released its last one, and it was read)."""
+        """Driver: the slot can take a new request (every engine released its last one, and it was read)."""
         c = self.control[slot]
         key = int(c[Slot.KEY])
-        return key == 0 or (key < 0 and int(c[Slot.TEACHER_RELEASED]) == -key and int(c[Slot.THETA_RELEASED]) == -key)
+        return key == 0 or (key < 0 and all(int(c[word]) == -key for word in self._released_words))
 
     def held_slots(self) -> list[int]:
         """The slots that are not free (:meth:`slot_free`): a request holds them, or they wait to be read."""
         return [slot for slot in range(self.layout.slots) if not self.slot_free(slot)]
 
-    def open_slot(self, slot: int, key: int, teacher_prompt_len: int, theta_prompt_len: int) -> None:
-        """Driver: prepare a free slot for request ``key`` (> 0) before either engine sees it."""
+    def open_slot(self, slot: int, key: int, prompt_lens: Sequence[int]) -> None:
+        """Driver: prepare a free slot for request ``key`` (> 0) before any engine sees it; ``prompt_lens``: each
+        model's prompt length, by roster position."""
         if key <= 0:
             raise ValueError(f"request keys must be positive, got {key}")
+        if len(prompt_lens) != self.layout.models:
+            raise ValueError(f"prompt_lens must hold one length per model ({self.layout.models}), got {prompt_lens!r}")
         if not self.slot_free(slot):
             raise SyncError(f"slot {slot} is still in use")
         c = self.control[slot]
         c[:] = 0
-        c[Slot.TEACHER_PROMPT_LEN], c[Slot.THETA_PROMPT_LEN] = teacher_prompt_len, theta_prompt_len
-        c[Slot.THETA_STEP] = c[Slot.TEACHER_STEP] = c[Slot.TOKEN] = -1
+        for position, length in enumerate(prompt_lens):
+            c[slot_word(ModelSlot.PROMPT_LEN, position)] = length
+            c[slot_word(ModelSlot.ROW_STEP, position)] = -1
+        c[Slot.DECIDED_STEP] = c[Slot.TOKEN] = -1
         c[Slot.ADMIT_PLAN] = c[Slot.FINISH_PLAN] = c[Slot.STOP_INDEX] = -1
         c[Slot.PHASE] = Phase.SUBMITTED
         c[Slot.KEY] = key  # last: the slot is announced once everything above is set
 
     def close_slot(self, slot: int) -> None:
-        """Driver: it has read the slot; the slot is free once both sides have released the request too."""
+        """Driver: it has read the slot; the slot is free once every engine has released the request too."""
         key = self.slot_key(slot)
         if key > 0:
             self.control[slot, Slot.KEY] = -key
 
-    def request_abort(self, slot: int, key: int, writer: Writer) -> None:
-        """Ask the teacher scheduler to end request ``key`` on both engines at the next step boundary.
+    def request_abort(self, slot: int, key: int, writer: int) -> None:
+        """Ask the leader scheduler to end request ``key`` on every engine at the next step boundary.
 
         Thread-safe against :meth:`close`; nothing to do once closed (the shutdown ended every request).
         """
@@ -376,33 +411,37 @@ class SyncSession:
     def abort_requested(self, slot: int, key: int) -> bool:
         return int(self.control[slot, Slot.ABORT]) == key
 
-    def fail_slot(self, slot: int, key: int, code: ErrorCode, step: int, writer: Writer) -> None:
-        """Record an error of request ``key`` unless one is recorded (one store of code and step); wake both processors.
+    def fail_slot(self, slot: int, key: int, code: ErrorCode, step: int, writer: int) -> None:
+        """Record an error of request ``key`` unless one is recorded (one store of code and step); wake the processors.
 
         The one way :attr:`Slot.ERROR` is written. Of its four writers (:data:`WRITERS`), an engine's
         processor and scheduler never run at once (its EngineCore schedules only once the step it
-        executes is done; async scheduling is refused), so only the two engines can race: both may
-        read 0 and both store, and the later store stays (numpy has no compare-and-swap). Every
+        executes is done; async scheduling is refused), so only different engines can race: each may
+        read 0 and store, and the last store stays (numpy has no compare-and-swap). Every
         reader still agrees: the processors and schedulers only ask whether an error is recorded,
-        and the driver reads the code once, after both engines have ended the request, when nothing
+        and the driver reads the code once, after every engine has ended the request, when nothing
         stores to the word any more.
         """
         c = self.control[slot]
         if int(c[Slot.KEY]) == key and int(c[Slot.ERROR]) == 0:
             c[Slot.ERROR] = int(code) | (max(step, 0) << 8)
-        self.ring(Bell.THETA_ROWS, writer)
-        self.ring(Bell.TEACHER_TOKENS, writer)
+        self.ring(Bell.ROWS, writer)
+        self.ring(Bell.TOKENS, writer)
 
     def error(self, slot: int) -> tuple[ErrorCode, int]:
         """(code, step) of the slot's first error; (NONE, -1) if none."""
         word = int(self.control[slot, Slot.ERROR])
         return (ErrorCode(word & 0xFF), word >> 8) if word else (ErrorCode.NONE, -1)
 
-    def release(self, slot: int, key: int, word: Slot) -> None:
-        """Mark that one side no longer touches request ``key`` (``word``: TEACHER_RELEASED or THETA_RELEASED).
+    def release(self, slot: int, key: int, position: int) -> None:
+        """Mark that model ``position``'s engine no longer touches request ``key``.
 
         Only while the slot still holds that request (open or read by the driver): a late
         release can never overwrite the release of the slot's next occupant.
         """
         if abs(self.slot_key(slot)) == key:
-            self.control[slot, word] = key
+            self.control[slot, slot_word(ModelSlot.RELEASED, position)] = key
+
+    @property
+    def _released_words(self) -> list[int]:
+        return [slot_word(ModelSlot.RELEASED, p) for p in range(self.layout.models)]

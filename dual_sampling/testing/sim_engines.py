@@ -1,7 +1,7 @@
-"""Two simulated engines that run the real lockstep plugins and serve the real driver.
+"""Simulated engines that run the real lockstep plugins and serve the real driver: a pair, or any roster.
 
-What is real: both sides' scheduler plugins (subclasses of vLLM's own ``Scheduler``, with
-vLLM's queues, token budget and KV cache manager), both logits processors, the shared
+What is real: every engine's scheduler plugin (subclasses of vLLM's own ``Scheduler``, with
+vLLM's queues, token budget and KV cache manager), every logits processor, the shared
 memory, and the driver (``dual_sampling.driver.lockstep_driver.LockstepDriver``). What is simulated:
 
 - the **EngineCore loop** (:class:`SimEngineCore`, one thread per engine): it reads its
@@ -35,6 +35,7 @@ import math
 import random
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +52,8 @@ from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 from vllm.v1.structured_output import StructuredOutputManager
 
 from alpha import geometric_mix, get_alpha_computer
-from dual_sampling.lockstep import CONFIG_KEY, LockstepConfig, Role
+from dual_sampling.lockstep import CONFIG_KEY, LockstepConfig
+from dual_sampling.roster import PAIR
 from processors import (
     TeacherLockstepScheduler,
     TeacherSyncLogitsProcessor,
@@ -70,13 +72,16 @@ NAN_STEP = 2
 def sim_logits(side: str, seed: int, position: int, step: int) -> torch.Tensor:
     """The simulated model's logits: a fixed function of (side, sample seed, position, engine step).
 
-    ``position`` counts the sample's generated tokens; ``step`` is the engine's own count of steps that scheduled
-    tokens (:attr:`SimEngineCore.batches`). Both engines count the same steps only if they run in lockstep, so a
-    row computed one step out of phase with its partner's differs from the one the record oracle recomputes.
+    ``side`` is the model's name in the roster ("teacher" and "theta" in a pair; any other name is a model of its
+    own). ``position`` counts the sample's generated tokens; ``step`` is the engine's own count of steps that
+    scheduled tokens (:attr:`SimEngineCore.batches`). The engines count the same steps only if they run in lockstep,
+    so a row computed one step out of phase with its partners' differs from the one the record oracle recomputes.
     """
     key = ((seed * 1_000_003 + position) * 1_000_033 + step) * 2 + (side == "theta")
+    if side not in ("teacher", "theta"):
+        key = key * 1_000_037 + zlib.crc32(side.encode())
     g = torch.Generator().manual_seed(key % (1 << 62))
-    return torch.randn(VOCAB, generator=g) * (3.0 if side == "teacher" else 1.5)
+    return torch.randn(VOCAB, generator=g) * {"teacher": 3.0, "theta": 1.5}.get(side, 2.0)
 
 
 @dataclass
@@ -129,8 +134,9 @@ class SimEngineCore(threading.Thread):
         kv = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layers.0"], spec)]
         )
-        scheduler_cls = Role(side).pick(TeacherLockstepScheduler, ThetaLockstepScheduler)
-        processor_cls = Role(side).pick(TeacherSyncLogitsProcessor, ThetaSyncLogitsProcessor)
+        leads = engine_lockstep(vllm_config).leads
+        scheduler_cls = TeacherLockstepScheduler if leads else ThetaLockstepScheduler
+        processor_cls = TeacherSyncLogitsProcessor if leads else ThetaSyncLogitsProcessor
         self.scheduler = scheduler_cls(
             vllm_config, kv, StructuredOutputManager(vllm_config), block_size=BLOCK, hash_block_size=BLOCK
         )
@@ -371,7 +377,8 @@ class SimAsyncEngine:
 
 
 class SimEnginePair:
-    """Two simulated engines with :class:`dual_sampling.driver.pair.EnginePair`'s interface."""
+    """One simulated engine per model of the configs' roster (``configs``: name to vLLM config, in roster order), with
+    :class:`dual_sampling.driver.pair.EnginePair`'s interface for a pair."""
 
     def __init__(
         self,
@@ -384,8 +391,7 @@ class SimEnginePair:
     ) -> None:
         full = max_num_seqs * -(-max_model_len // BLOCK) + 1
         self.cores, self.engines = {}, {}
-        for side in ("teacher", "theta"):
-            cfg = configs[side]
+        for side, cfg in configs.items():
             join_session(cfg, session_name)
             engine = SimAsyncEngine(None, random.Random(rng.random()), adversity)
             core = SimEngineCore(
@@ -426,17 +432,26 @@ class SimEnginePair:
 
 
 def sim_configs(
-    max_num_seqs: int, max_model_len: int, budget: int, sync_timeout: float, prefix_caching: frozenset = frozenset()
+    max_num_seqs: int,
+    max_model_len: int,
+    budget: int,
+    sync_timeout: float,
+    prefix_caching: frozenset = frozenset(),
+    roster: tuple[str, ...] = PAIR.names,
+    alpha_method: str = "kl_symmetry",
+    alpha_config: dict | None = None,
 ) -> dict:
-    """vLLM configs of both simulated engines (the tiny models' folders; nothing is loaded); ``prefix_caching``: the
-    sides with vLLM's prefix caching on."""
+    """vLLM configs of the simulated engines, one per model of ``roster`` in its order (the tiny models' folders;
+    nothing is loaded); ``prefix_caching``: the sides with vLLM's prefix caching on."""
     from vllm.engine.arg_utils import EngineArgs
 
     from dual_sampling.testing import tiny_models
 
     teacher, theta = tiny_models.tiny_pair("same")
     out = {}
-    for side, path in (("teacher", teacher), ("theta", theta)):
+    for side in roster:
+        path = theta if side == "theta" else teacher
+        lockstep = LockstepConfig(side, "", sync_timeout, alpha_method, alpha_config or {}, roster=roster)
         args = EngineArgs(
             model=str(path),
             tokenizer=str(teacher),
@@ -449,16 +464,20 @@ def sim_configs(
             dtype="float32",
             skip_tokenizer_init=True,
             enable_prefix_caching=side in prefix_caching,
-            additional_config=LockstepConfig(side, "", sync_timeout).to_engine(),
+            additional_config=lockstep.to_engine(),
         )
         out[side] = args.create_engine_config()
     return out
 
 
+def engine_lockstep(config: Any) -> LockstepConfig:
+    """The lockstep settings in a simulated engine's vLLM config (from :func:`sim_configs`)."""
+    return LockstepConfig(**config.additional_config[CONFIG_KEY])
+
+
 def join_session(config: Any, session_name: str) -> None:
     """Point a simulated engine's vLLM config (from :func:`sim_configs`) at the session ``session_name``."""
-    lockstep = LockstepConfig.from_vllm(config, config.additional_config[CONFIG_KEY]["role"], "a simulated engine")
-    config.additional_config.update(lockstep.with_session(session_name).to_engine())
+    config.additional_config.update(engine_lockstep(config).with_session(session_name).to_engine())
 
 
 def check_records(sample, request, token_steps: dict[int, list[int]]) -> None:
