@@ -25,7 +25,6 @@ from dual_sampling.decision.pipeline import RowSampling
 from dual_sampling.lockstep import (
     Bell,
     ErrorCode,
-    Header,
     ModelSlot,
     ModelWord,
     SessionLayout,
@@ -588,7 +587,9 @@ def test_a_row_whose_decision_raises_fails_alone_and_the_others_get_their_tokens
             # α, log π_t, log π_θ, log q of one row decided in a batch and alone: two float32 computations of each.
             # log q besides moves between the two α by |Δα|·|d(y) − E_q[d]| ≤ |Δα|·2·max |d|.
             got = session.records[slot, 0]
-            d = torch.log_softmax(teacher_logits[slot].double(), -1) - torch.from_numpy(session.follower_logprobs[0][slot])
+            d = torch.log_softmax(teacher_logits[slot].double(), -1) - torch.from_numpy(
+                session.follower_logprobs[0][slot]
+            )
             moved = abs(float(got[0]) - alone[1]) * 2 * float(d.abs().max())
             two = TWO_NORMALISATIONS_ATOL
             atol = np.array([ALPHA_TWO_SOLVES_ATOL, two, two, two + moved])
