@@ -43,11 +43,11 @@ from dual_sampling.driver.requests import DualRequest, PromptPair, prompt_pairs
 from dual_sampling.driver.speculative_engine import check_draft_model
 from dual_sampling.driver.versions import check_update
 from dual_sampling.driver.weights import WeightsCheck, prepared_weights, reload_from
-from dual_sampling.lockstep import Role, SyncError
+from dual_sampling.lockstep import SyncError
 from dual_sampling.modes import mode_of, modes_with
-from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, SamplingOptions, model_config
+from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, EngineOptions, SamplingOptions, model_config
 from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleDelta, SampleRecord, best_of, scored
-from dual_sampling.roster import PAIR
+from dual_sampling.roster import PAIR, Role
 from dual_sampling.text import sample_text
 from dual_sampling.vocab import check_embedding_rows, check_tokenizers_match, embedding_rows, eos_token_ids
 
@@ -87,11 +87,22 @@ class OptimalSamplingDual:
     """Generate from q ∝ π_θ^(1−α)·π_t^α with a teacher and a theta engine in lockstep.
 
     Use as a context manager (or call :meth:`close`) so the engines stop and the shared
-    memory is removed. ``settings`` are the fields of :class:`DualEngineConfig`.
+    memory is removed. The engines' settings are ``engine`` (an :class:`EngineOptions`, checked when it was built,
+    as the front ends hand theirs on) or ``settings``, the fields of :class:`DualEngineConfig`; with ``engine``, only
+    ``use_tqdm`` may be given besides.
     """
 
-    def __init__(self, model_teacher: str, model_theta: str, **settings: Any) -> None:
-        self.config = cfg = DualEngineConfig(str(model_teacher), str(model_theta), **settings)
+    def __init__(
+        self, model_teacher: str, model_theta: str, engine: EngineOptions | None = None, **settings: Any
+    ) -> None:
+        if engine is None:
+            cfg = DualEngineConfig(str(model_teacher), str(model_theta), **settings)
+        else:
+            extra = sorted(set(settings) - {"use_tqdm"})
+            if extra:
+                raise TypeError(f"OptimalSamplingDual takes engine= or the options' fields, not both; got {extra}")
+            cfg = DualEngineConfig.of(str(model_teacher), str(model_theta), engine, settings.get("use_tqdm"))
+        self.config = cfg
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_teacher)

@@ -225,7 +225,7 @@ def _serve(args: argparse.Namespace) -> int:
     from dual_sampling.api import OptimalSamplingDual
     from dual_sampling.server.app import serve
 
-    with OptimalSamplingDual(teacher, theta, **{**dataclasses.asdict(engine), "use_tqdm": False}) as dual:
+    with OptimalSamplingDual(teacher, theta, engine=engine, use_tqdm=False) as dual:
         serve(dual, options)
     return 0
 

@@ -7,6 +7,7 @@ the data-generation run's ``RunConfig`` composes both, so no field is written tw
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -388,12 +389,33 @@ class DualEngineConfig(EngineOptions):
     """Path of the theta (student) model; must share the teacher's tokenizer."""
 
     def __post_init__(self) -> None:
+        self._check_models()
+        super().__post_init__()
+
+    def _check_models(self) -> None:
         for role in ("model_teacher", "model_theta"):
             path = Path(str(getattr(self, role)))
             if not (path / "config.json").is_file():
                 raise FileNotFoundError(f"{role}={str(path)!r} is not a local model folder (no config.json)")
             setattr(self, role, str(path))
-        super().__post_init__()
+
+    @classmethod
+    def of(
+        cls, model_teacher: str, model_theta: str, options: EngineOptions, use_tqdm: bool | None = None
+    ) -> DualEngineConfig:
+        """The two models with ``options`` as they were built: checked then, not again (each field's value is a copy,
+        so a later change to ``options`` is not this config's). ``use_tqdm`` replaces the progress bar's setting."""
+        if not isinstance(options, EngineOptions):
+            raise TypeError(f"engine must be an EngineOptions, got {type(options).__name__}")
+        config = cls.__new__(cls)
+        for f in dataclasses.fields(EngineOptions):
+            setattr(config, f.name, copy.deepcopy(getattr(options, f.name)))
+        config.model_teacher, config.model_theta = model_teacher, model_theta
+        config._check_models()
+        if use_tqdm is not None:
+            require(isinstance(use_tqdm, bool), f"use_tqdm must be True or False, got {use_tqdm!r}")
+            config.use_tqdm = use_tqdm
+        return config
 
 
 def model_config(path: str) -> dict:

@@ -16,8 +16,12 @@ teacher, in roster order, and q ∝ π_θ^(1−Σα)·Π π_i^α_i.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
+from typing import TypeVar
 
-__all__ = ["PAIR", "THETA", "TOKEN_COLUMNS", "Roster", "token_column_count"]
+T = TypeVar("T")
+
+__all__ = ["PAIR", "THETA", "TOKEN_COLUMNS", "Role", "Roster", "token_column_count"]
 
 THETA = "theta"
 """The student's name in every roster: the model whose π_θ the importance weights w = π_θ/q refer to."""
@@ -87,3 +91,28 @@ PAIR = Roster(("teacher", THETA))
 
 TOKEN_COLUMNS = PAIR.token_columns
 """The per-token record columns of :data:`PAIR`: ``("alpha", "logp_teacher", "logp_theta", "logq")``."""
+
+
+class Role(str, Enum):
+    """The two models of :data:`PAIR` as the two-model front door names them; equal to (and printed as) their names,
+    "teacher" and "theta", the form records, routes and JSON use. Below the front door, models are roster positions."""
+
+    TEACHER = "teacher"
+    THETA = "theta"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__  # f"{role}" is its name on every Python version
+
+    @classmethod
+    def parse(cls, value: object, name: str = "role") -> Role:
+        """``value`` as a Role; ValueError naming ``name`` for anything else."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{name} must be 'teacher' or 'theta', got {value!r}") from None
+
+    def pick(self, teacher: T, theta: T) -> T:
+        """``teacher`` for the teacher, ``theta`` for theta (the one place a per-role pair of values is split)."""
+        return teacher if self is Role.TEACHER else theta

@@ -1,8 +1,8 @@
 """The lockstep logits processors' common part: one logits row and one token per request per step.
 
 Each engine loads one subclass of :class:`BaseSyncLogitsProcessor`: the leader's engine
-:class:`processors.TeacherSyncLogitsProcessor`, each follower's
-:class:`processors.ThetaSyncLogitsProcessor`. Which requests run at each step is not
+:class:`processors.LeaderLogitsProcessor`, each follower's
+:class:`processors.FollowerLogitsProcessor`. Which requests run at each step is not
 their business: the schedulers (``processors.scheduler``) make every engine run the same
 requests at every step. The processors only move data for those requests.
 

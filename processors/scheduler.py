@@ -2,8 +2,8 @@
 
 Each engine runs one subclass of vLLM's ``Scheduler`` inside its EngineCore process
 (``LLM(scheduler_cls=...)``): the leader's engine (roster position 0; the teacher's in a pair)
-:class:`TeacherLockstepScheduler`, each follower's (θ's in a pair)
-:class:`ThetaLockstepScheduler`. They agree through the session's shared memory
+:class:`LeaderScheduler`, each follower's (θ's in a pair)
+:class:`FollowerScheduler`. They agree through the session's shared memory
 (``dual_sampling.lockstep``):
 
 - **Arrival.** Each scheduler marks a request arrived (its key in its model's slot word) once
@@ -80,9 +80,9 @@ from processors.base import WAIT_CAP_S, request_pairing
 
 __all__ = [
     "IDLE_WAIT_S",
+    "FollowerScheduler",
+    "LeaderScheduler",
     "LockstepScheduler",
-    "TeacherLockstepScheduler",
-    "ThetaLockstepScheduler",
     "plan_entry",
     "split_plan_entry",
 ]
@@ -315,7 +315,7 @@ class LockstepScheduler(Scheduler):
         return refused
 
 
-class TeacherLockstepScheduler(LockstepScheduler):
+class LeaderScheduler(LockstepScheduler):
     """The leader: decides admissions and endings, and publishes each step's plan."""
 
     leads = True
@@ -503,7 +503,7 @@ class TeacherLockstepScheduler(LockstepScheduler):
         self._end_in_vllm(request, ticket, finish, stop_index, output)
 
 
-class ThetaLockstepScheduler(LockstepScheduler):
+class FollowerScheduler(LockstepScheduler):
     """A follower: runs exactly the leader's plan at every step."""
 
     leads = False

@@ -37,7 +37,7 @@ class DualSamplingWorkerExtension:
         Returns how many processors took it: 1 on the teacher's worker, 0 on theta's (which decides nothing).
         """
         from alpha import get_alpha_computer
-        from processors.teacher import TeacherSyncLogitsProcessor
+        from processors.leader import LeaderLogitsProcessor
 
         worker: Any = self
         computer = get_alpha_computer(method, **config)
@@ -47,7 +47,7 @@ class DualSamplingWorkerExtension:
             speculative.alpha_computer = computer
             taken += 1
         for processor in logits_processors(worker):
-            if isinstance(processor, TeacherSyncLogitsProcessor):
+            if isinstance(processor, LeaderLogitsProcessor):
                 processor.alpha_computer = computer
                 taken += 1
         return taken

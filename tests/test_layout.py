@@ -163,8 +163,8 @@ def _write(root: Path, files: dict[str, str]) -> None:
     [
         # a plugin reaching up into the driver, from inside a function
         (
-            {"processors/teacher.py": "def f():\n    from dual_sampling.driver.pair import EnginePair\n"},
-            "processors.teacher imports dual_sampling.driver.pair",
+            {"processors/leader.py": "def f():\n    from dual_sampling.driver.pair import EnginePair\n"},
+            "processors.leader imports dual_sampling.driver.pair",
         ),
         # two siblings on one layer
         (
@@ -185,11 +185,11 @@ def test_the_layering_check_sees_an_upward_import(tmp_path, files, expected):
         "alpha/__init__.py": "",
         "alpha/base.py": "",
         "processors/__init__.py": "",
-        "processors/teacher.py": "",
+        "processors/leader.py": "",
         "dual_sampling/__init__.py": "",
         "dual_sampling/api.py": "",
         "dual_sampling/driver/__init__.py": "",
-        "dual_sampling/driver/pair.py": "import processors.teacher\n",
+        "dual_sampling/driver/pair.py": "import processors.leader\n",
         "dual_sampling/datagen/__init__.py": "",
         "dual_sampling/datagen/run.py": "x = 1\n",
         "dual_sampling/server/__init__.py": "",

@@ -290,9 +290,7 @@ def _verify(tiny_same, change) -> str:
     configs = sim_configs(4, 96, 96, 10.0)
     for role, cfg in configs.items():
         cfg.scheduler_config.scheduler_cls = (
-            "processors.scheduler.TeacherLockstepScheduler"
-            if role == "teacher"
-            else "processors.scheduler.ThetaLockstepScheduler"
+            "processors.scheduler.LeaderScheduler" if role == "teacher" else "processors.scheduler.FollowerScheduler"
         )
         cfg.parallel_config.worker_extension_cls = "processors.worker_extension.DualSamplingWorkerExtension"
         cfg.cache_config.block_size = 16
@@ -332,7 +330,7 @@ def _verify(tiny_same, change) -> str:
         ),
         (
             lambda r, c: setattr(c.scheduler_config, "scheduler_cls", None) if r == "theta" else None,
-            "theta: scheduler_cls is Scheduler, not ThetaLockstepScheduler",
+            "theta: scheduler_cls is Scheduler, not FollowerScheduler",
         ),
         (
             lambda r, c: setattr(c.model_config, "max_model_len", 80) if r == "theta" else None,

@@ -48,7 +48,7 @@ from dual_sampling.testing.sim_engines import (
     sim_tokenizer,
 )
 from dual_sampling.text import decode
-from processors import TeacherSyncLogitsProcessor
+from processors import LeaderLogitsProcessor
 from processors.base import TrackedRow
 from tests import processes
 from tests.tolerances import ALPHA_TWO_SOLVES_ATOL, TWO_NORMALISATIONS_ATOL
@@ -458,7 +458,7 @@ def test_teacher_waits_out_a_theta_publication_it_saw_half_of():
     try:
         config = sim_configs(2, 96, 96, sync_timeout=10.0)["teacher"]
         join_session(config, session.name)
-        teacher = TeacherSyncLogitsProcessor(config, torch.device("cpu"), False)
+        teacher = LeaderLogitsProcessor(config, torch.device("cpu"), False)
         batch = []
         for slot in (0, 1):
             session.open_slot(slot, key=slot + 1, prompt_lens=(3, 3))
@@ -512,7 +512,7 @@ def test_teacher_waits_out_a_theta_publication_it_saw_half_of():
 
 
 def test_row_gatherer_returns_the_selected_rows_as_a_view_or_in_its_kept_buffer():
-    from processors.teacher import RowGatherer
+    from processors.leader import RowGatherer
 
     vocab = 300
     source = torch.randn(8, vocab)
@@ -543,12 +543,12 @@ def _processor_with_rows(role: str, settings: list[RowSampling], vocab: int = VO
 
     from vllm.v1.sample.logits_processor import BatchUpdate
 
-    from processors import ThetaSyncLogitsProcessor
+    from processors import FollowerLogitsProcessor
 
     session = SyncSession.create(SessionLayout(vocab=vocab, slots=len(settings), max_steps=8, plan_width=4))
     config = sim_configs(4, 96, 96, sync_timeout=2.0)[role]
     join_session(config, session.name)
-    cls = TeacherSyncLogitsProcessor if role == "teacher" else ThetaSyncLogitsProcessor
+    cls = LeaderLogitsProcessor if role == "teacher" else FollowerLogitsProcessor
     processor = cls(config, torch.device("cpu"), False)
     added = []
     for slot, sampling in enumerate(settings):

@@ -110,3 +110,42 @@ def test_every_modes_driver_replaces_only_the_lockstep_drivers_public_hooks():
                 continue
             overridden = sorted(private & set(vars(cls)))
             assert overridden == [], f"mode {mode.name!r}: {cls.__name__} overrides {overridden}"
+
+
+def test_the_options_reach_the_engines_checked_once_and_as_one_object(monkeypatch):
+    """``alpha_method``'s path: checked once, where the user's EngineOptions is built; the front ends hand that object
+    on (no dict in between), and the one dict that crosses into vLLM's processes is LockstepConfig's."""
+    import dataclasses
+
+    import dual_sampling.options as options_module
+    from dual_sampling.lockstep import LockstepConfig
+    from dual_sampling.options import DualEngineConfig
+
+    monkeypatch.setitem(MODES, SIMULATED.name, SIMULATED)
+    teacher, theta = (str(p) for p in tiny_models.tiny_pair("same"))
+    options = EngineOptions(
+        mode="simulated", alpha_method="fixed", alpha_config={"alpha": 0.3}, max_num_seqs=4, max_model_len=96
+    )
+    checks: list = []
+    real = options_module.get_alpha_computer
+    monkeypatch.setattr(options_module, "get_alpha_computer", lambda *a, **k: checks.append(a) or real(*a, **k))
+    config = DualEngineConfig.of(teacher, theta, options, use_tqdm=False)
+    assert checks == [], "the options were checked again"
+    names = [f.name for f in dataclasses.fields(EngineOptions)]
+    assert [getattr(config, n) for n in names] == [False if n == "use_tqdm" else getattr(options, n) for n in names]
+    assert config.alpha_config is not options.alpha_config, "a later change to the user's options would reach it"
+    DualEngineConfig(teacher, theta, alpha_method="fixed", alpha_config={"alpha": 0.3})
+    assert len(checks) == 1, "the field-by-field path checks once too"
+    with pytest.raises(FileNotFoundError, match="model_theta="):
+        DualEngineConfig.of(teacher, "/nonexistent", options)
+    with pytest.raises(TypeError, match="engine= or the options' fields, not both"):
+        OptimalSamplingDual(teacher, theta, engine=options, max_num_seqs=2)
+    # The crossing into an engine, as pair.py builds it: one dict out, read back whole.
+    crossing = LockstepConfig("teacher", "s", 1.0, config.alpha_method, config.alpha_kwargs).to_engine()
+    back = LockstepConfig.from_vllm(type("Engine", (), {"additional_config": crossing}), True, "P")
+    assert (back.alpha_method, dict(back.alpha_config)) == ("fixed", config.alpha_kwargs)
+    BUILT.clear()
+    with OptimalSamplingDual(teacher, theta, engine=options, use_tqdm=False) as s:
+        assert [s.driver] == BUILT and len(checks) == 1
+        (request,) = s.generate([[17, 18, 19]], max_tokens=4, seed=5).requests
+        assert all(sample.ok for sample in request.samples)

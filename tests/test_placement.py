@@ -14,8 +14,8 @@ import pytest
 
 from dual_sampling.driver import placement
 from dual_sampling.driver.pair import EnginePair, _resolve_row_transport
-from dual_sampling.lockstep import Role
 from dual_sampling.options import EngineOptions
+from dual_sampling.roster import Role
 from dual_sampling.testing import tiny_models
 
 GiB = 1 << 30

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from dual_sampling.driver.versions import WeightVersions
-from dual_sampling.lockstep import Role
+from dual_sampling.roster import Role
 from dual_sampling.server.app import build_app
 from dual_sampling.server.serve_options import ServeOptions
 from tests.test_serve import KEY, Server

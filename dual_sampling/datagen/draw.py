@@ -146,9 +146,7 @@ def sample_here(
 
     own = sampler is None
     if own:
-        sampler = OptimalSamplingDual(
-            cfg.source.teacher, cfg.source.theta, **{**dataclasses.asdict(cfg.engine), "use_tqdm": False}
-        )
+        sampler = OptimalSamplingDual(cfg.source.teacher, cfg.source.theta, engine=cfg.engine, use_tqdm=False)
     try:
         bar = tqdm(total=total, desc="samples", unit="sample", disable=not cfg.engine.use_tqdm)
         generating, tokens, failed = time.monotonic(), 0, 0

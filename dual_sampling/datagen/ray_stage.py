@@ -114,8 +114,9 @@ class DualSamplingStage:
         self.attempts = attempts
         self.replica = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.models = models if models is not None else model_fingerprints(self.cfg)
-        engine = {**dataclasses.asdict(self.cfg.engine), "use_tqdm": False}
-        self.sampler = OptimalSamplingDual(self.cfg.source.teacher, self.cfg.source.theta, **engine)
+        self.sampler = OptimalSamplingDual(
+            self.cfg.source.teacher, self.cfg.source.theta, engine=self.cfg.engine, use_tqdm=False
+        )
 
     def __call__(self, batch: dict[str, Any]) -> Any:
         import pyarrow as pa

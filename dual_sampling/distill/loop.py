@@ -51,8 +51,7 @@ def run_distillation(config: DistillConfig) -> list[dict[str, Any]]:
     from dual_sampling.api import OptimalSamplingDual
 
     check_resume(config)  # before the engines start: a refused resume costs nothing
-    settings = {**dataclasses.asdict(config.engine), "use_tqdm": False}
-    with OptimalSamplingDual(config.source.teacher, config.source.theta, **settings) as dual:
+    with OptimalSamplingDual(config.source.teacher, config.source.theta, engine=config.engine, use_tqdm=False) as dual:
         return Distiller(config, dual).run()
 
 

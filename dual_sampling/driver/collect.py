@@ -13,8 +13,9 @@ import itertools
 import numpy as np
 
 from dual_sampling.driver.requests import Flight
-from dual_sampling.lockstep import RECORD_FIELDS, ErrorCode, Finish, Phase, Role, Slot, SyncSession
+from dual_sampling.lockstep import RECORD_FIELDS, ErrorCode, Finish, Phase, Slot, SyncSession
 from dual_sampling.records import SampleDelta, SampleRecord
+from dual_sampling.roster import Role
 from dual_sampling.text import sample_text
 
 __all__ = ["collect_sample", "delta_of"]

@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dual_sampling.lockstep import Role, SyncSession
+from dual_sampling.lockstep import SyncSession
+from dual_sampling.roster import Role
 
 __all__ = ["HealthWatch", "dead_engine"]
 

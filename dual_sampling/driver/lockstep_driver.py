@@ -61,13 +61,13 @@ from dual_sampling.lockstep import (
     EnginePairDead,
     ErrorCode,
     RequestFailed,
-    Role,
     SessionLayout,
     SyncError,
     SyncSession,
     Writer,
 )
 from dual_sampling.records import SampleDelta, SampleRecord
+from dual_sampling.roster import Role
 
 __all__ = ["LockstepDriver"]
 

@@ -22,13 +22,13 @@ from dual_sampling.driver import engine_processes, engine_start, placement
 from dual_sampling.driver.lockstep_driver import LockstepDriver
 from dual_sampling.lockstep import (
     LockstepConfig,
-    Role,
     segments_listing,
     write_listing,
 )
 from dual_sampling.lockstep.janitor import scratch_dir
 from dual_sampling.lockstep.row_channel import resolve_transport
 from dual_sampling.options import DualEngineConfig, default_kv_cache_bytes, kv_cache_bytes_needed
+from dual_sampling.roster import Role
 
 __all__ = ["LOCKSTEP_SETTINGS", "EnginePair", "qualified_name", "start_lockstep"]
 
@@ -195,10 +195,10 @@ class EnginePair:
     def engine_kwargs(self, role: str) -> dict[str, Any]:
         """The vLLM engine arguments of ``role``."""
         from processors import (
-            TeacherLockstepScheduler,
-            TeacherSyncLogitsProcessor,
-            ThetaLockstepScheduler,
-            ThetaSyncLogitsProcessor,
+            FollowerLogitsProcessor,
+            FollowerScheduler,
+            LeaderLogitsProcessor,
+            LeaderScheduler,
         )
 
         cfg, role = self.config, Role(role)
@@ -208,8 +208,8 @@ class EnginePair:
         helper_cpus = tuple(int(c) for c in self.binding[Role.THETA].split(",")) if lends else ()
         kwargs = dict(
             self.base_kwargs(model, kv_bytes),
-            scheduler_cls=role.pick(TeacherLockstepScheduler, ThetaLockstepScheduler),
-            logits_processors=[role.pick(TeacherSyncLogitsProcessor, ThetaSyncLogitsProcessor)],
+            scheduler_cls=role.pick(LeaderScheduler, FollowerScheduler),
+            logits_processors=[role.pick(LeaderLogitsProcessor, FollowerLogitsProcessor)],
             **self._placement_kwargs(role),
             additional_config=LockstepConfig(
                 role,
@@ -217,7 +217,7 @@ class EnginePair:
                 cfg.sync_timeout,
                 cfg.alpha_method,
                 cfg.alpha_kwargs,
-                # Theta's CPUs idle while the teacher decides; the teacher borrows them (see processors.teacher).
+                # Theta's CPUs idle while the teacher decides; the teacher borrows them (see processors.leader).
                 helper_cpus,
                 self.row_transport,
             ).to_engine(),
@@ -298,14 +298,14 @@ class EnginePair:
 
     def verify(self) -> None:
         """Read both engines' effective settings and refuse any that would break lockstep, naming it."""
-        from processors import DualSamplingWorkerExtension, TeacherLockstepScheduler, ThetaLockstepScheduler
+        from processors import DualSamplingWorkerExtension, FollowerScheduler, LeaderScheduler
         from processors.model_runner import runner_problem
 
         problems = []
         cfgs = {role: engine.vllm_config for role, engine in self.engines.items()}
         for role, vc in cfgs.items():
             sc, pc = vc.scheduler_config, vc.parallel_config
-            want = Role(role).pick(TeacherLockstepScheduler, ThetaLockstepScheduler)
+            want = Role(role).pick(LeaderScheduler, FollowerScheduler)
             if sc.get_scheduler_cls() is not want:
                 problems.append(f"{role}: scheduler_cls is {sc.get_scheduler_cls().__name__}, not {want.__name__}")
             if pc.worker_extension_cls != qualified_name(DualSamplingWorkerExtension):

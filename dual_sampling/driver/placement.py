@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from dual_sampling.driver import weights
-from dual_sampling.lockstep.layout import Role
 from dual_sampling.modes import mode_of
 from dual_sampling.options import ENGINE_DTYPE_BYTES, EngineOptions
+from dual_sampling.roster import Role
 
 __all__ = [
     "EnginePlace",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dual_sampling.decision.pipeline import RowSampling
-from dual_sampling.lockstep import Role
+from dual_sampling.roster import Role
 
 __all__ = [
     "DualRequest",

@@ -22,8 +22,9 @@ from dual_sampling.decision.pipeline import RowSampling
 from dual_sampling.driver.collect import delta_of
 from dual_sampling.driver.lockstep_driver import LockstepDriver
 from dual_sampling.driver.requests import DualRequest, Flight
-from dual_sampling.lockstep import RequestFailed, Role
+from dual_sampling.lockstep import RequestFailed
 from dual_sampling.records import SampleRecord
+from dual_sampling.roster import Role
 from dual_sampling.text import sample_text
 
 __all__ = ["SpeculativeDriver", "check_speculative", "start_speculative"]

@@ -15,8 +15,8 @@ from typing import Any
 
 from dual_sampling.driver import engine_processes, engine_start, placement
 from dual_sampling.driver.pair import EnginePair, qualified_name
-from dual_sampling.lockstep import Role
 from dual_sampling.options import default_kv_cache_bytes
+from dual_sampling.roster import Role
 
 __all__ = ["SpeculativeEngine", "check_draft_model"]
 

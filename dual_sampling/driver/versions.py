@@ -8,7 +8,7 @@ weights carried before is never given to other weights.
 
 from __future__ import annotations
 
-from dual_sampling.lockstep import Role
+from dual_sampling.roster import Role
 
 __all__ = ["UPDATE_MODES", "WeightVersions", "check_update"]
 

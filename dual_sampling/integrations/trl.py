@@ -185,8 +185,7 @@ class MixtureRollouts:
         if self._dual is None:
             from dual_sampling.api import OptimalSamplingDual
 
-            settings = {**dataclasses.asdict(self.config.engine), "use_tqdm": False}
-            self._dual = OptimalSamplingDual(self.config.teacher, student, **settings)
+            self._dual = OptimalSamplingDual(self.config.teacher, student, engine=self.config.engine, use_tqdm=False)
             self._student = student
         elif student != self._student:
             raise ValueError(

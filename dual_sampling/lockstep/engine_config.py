@@ -34,7 +34,8 @@ class LockstepConfig:
     sync_timeout: float
     """Seconds a plugin waits for its partner before the row (and only its request) fails."""
     alpha_method: str = "kl_symmetry"
-    """The alpha computer's registry name (``alpha.get_alpha_computer``); the teacher's processor builds it."""
+    """The alpha computer's registry name (``alpha.get_alpha_computer``), checked where the user gave it
+    (``EngineOptions``); the leader's processor builds the computer from it."""
     alpha_config: Mapping[str, Any] = field(default_factory=dict)
     """Keyword arguments of the alpha computer."""
     mix_helper_cpus: tuple[int, ...] = ()
@@ -57,8 +58,6 @@ class LockstepConfig:
         if not isinstance(self.session, str):
             raise ValueError(f"session must be a string, got {self.session!r}")
         object.__setattr__(self, "sync_timeout", need_number("sync_timeout", self.sync_timeout, positive=True))
-        if not isinstance(self.alpha_method, str) or not self.alpha_method:
-            raise ValueError(f"alpha_method must be a method name, got {self.alpha_method!r}")
         if not isinstance(self.alpha_config, Mapping):
             raise ValueError(f"alpha_config must be a mapping of keyword arguments, got {self.alpha_config!r}")
         cpus = tuple(self.mix_helper_cpus or ())

@@ -3,7 +3,7 @@
 One session is one file in /dev/shm, mapped by the driver and by two plugins inside each
 engine of the run's roster (``dual_sampling.roster``): the engine's scheduler
 (``processors.scheduler``, in the EngineCore process) and its logits processor
-(``processors.teacher`` for the leader, ``processors.theta`` for a follower, in the worker
+(``processors.leader`` for the leader, ``processors.follower`` for a follower, in the worker
 process). Models are indexed by roster *position*: 0 is the leader, the model whose engine
 decides; every other position follows. It holds:
 
@@ -40,14 +40,12 @@ from __future__ import annotations
 import dataclasses
 import platform
 from dataclasses import dataclass
-from enum import Enum, IntEnum
+from enum import IntEnum
 from pathlib import Path
-from typing import TypeVar
 
 from dual_sampling.checks import need_int
 from dual_sampling.roster import TOKEN_COLUMNS, token_column_count
 
-T = TypeVar("T")
 SHM_DIR = Path("/dev/shm")
 SESSION_PREFIX = "dual-sampling-"
 MiB = 1 << 20
@@ -79,31 +77,6 @@ class RequestFailed(SyncError):
 class EnginePairDead(SyncError):
     """The pair can serve nothing more (an engine died or stalled, a weight load failed, or it was closed): restart
     it. Every request in flight or queued when it happened fails with the same error."""
-
-
-class Role(str, Enum):
-    """The two engines' roles; equal to (and printed as) their names, "teacher" and "theta", the form records,
-    routes and JSON use."""
-
-    TEACHER = "teacher"
-    THETA = "theta"
-
-    def __str__(self) -> str:
-        return self.value
-
-    __format__ = str.__format__  # f"{role}" is its name on every Python version
-
-    @classmethod
-    def parse(cls, value: object, name: str = "role") -> Role:
-        """``value`` as a Role; ValueError naming ``name`` for anything else."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"{name} must be 'teacher' or 'theta', got {value!r}") from None
-
-    def pick(self, teacher: T, theta: T) -> T:
-        """``teacher`` for the teacher, ``theta`` for theta (the one place a per-role pair of values is split)."""
-        return teacher if self is Role.TEACHER else theta
 
 
 class Header(IntEnum):

@@ -55,10 +55,10 @@ from alpha import geometric_mix, get_alpha_computer
 from dual_sampling.lockstep import CONFIG_KEY, LockstepConfig
 from dual_sampling.roster import PAIR
 from processors import (
-    TeacherLockstepScheduler,
-    TeacherSyncLogitsProcessor,
-    ThetaLockstepScheduler,
-    ThetaSyncLogitsProcessor,
+    FollowerLogitsProcessor,
+    FollowerScheduler,
+    LeaderLogitsProcessor,
+    LeaderScheduler,
 )
 
 VOCAB = 64
@@ -135,8 +135,8 @@ class SimEngineCore(threading.Thread):
             num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layers.0"], spec)]
         )
         leads = engine_lockstep(vllm_config).leads
-        scheduler_cls = TeacherLockstepScheduler if leads else ThetaLockstepScheduler
-        processor_cls = TeacherSyncLogitsProcessor if leads else ThetaSyncLogitsProcessor
+        scheduler_cls = LeaderScheduler if leads else FollowerScheduler
+        processor_cls = LeaderLogitsProcessor if leads else FollowerLogitsProcessor
         self.scheduler = scheduler_cls(
             vllm_config, kv, StructuredOutputManager(vllm_config), block_size=BLOCK, hash_block_size=BLOCK
         )

@@ -11,10 +11,10 @@ from dual_sampling.decision.stages import needs_logit_offset
 from dual_sampling.lockstep import Bell, ErrorCode, ModelSlot, ModelWord, Slot, slot_word
 from processors.base import BaseSyncLogitsProcessor, TrackedRow
 
-__all__ = ["ThetaSyncLogitsProcessor"]
+__all__ = ["FollowerLogitsProcessor"]
 
 
-class ThetaSyncLogitsProcessor(BaseSyncLogitsProcessor):
+class FollowerLogitsProcessor(BaseSyncLogitsProcessor):
     """A follower: one row copy out per step, one token id in; it never samples."""
 
     leads = False

@@ -24,7 +24,7 @@ from dual_sampling.lockstep.row_channel import RowGatherer
 from dual_sampling.roster import THETA, Roster
 from processors.base import BaseSyncLogitsProcessor, TrackedRow
 
-__all__ = ["TeacherSyncLogitsProcessor"]
+__all__ = ["LeaderLogitsProcessor"]
 
 _MIN_ROWS_TO_SPLIT = 4
 """Fewer ready rows than this are decided in one piece: splitting would cost more than it saves."""
@@ -67,7 +67,7 @@ def token_records(d: Decision, roster: Roster) -> torch.Tensor:
     return torch.stack([*alphas, *logp, d.logq.float()], dim=-1)
 
 
-class TeacherSyncLogitsProcessor(BaseSyncLogitsProcessor):
+class LeaderLogitsProcessor(BaseSyncLogitsProcessor):
     """The leader: reads each follower's row, decides the token from q, publishes it and the records."""
 
     leads = True
