@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dual_sampling.checks import is_count, is_number, need_int, require
-from dual_sampling.records import SampleRecord
+from dual_sampling.records import SampleRecord, TokenRecords
 from dual_sampling.roster import TOKEN_COLUMNS
 from dual_sampling.text import sample_text
 
@@ -71,16 +71,10 @@ class BeamSearchOptions:
 
 
 @dataclass
-class BeamSequence:
-    """One beam: its generated tokens and each token's records."""
+class BeamSequence(TokenRecords):
+    """One beam: its generated tokens and each token's records (its score sums :attr:`logq`)."""
 
     tokens: list[int] = field(default_factory=list)
-    alpha: list[float] = field(default_factory=list)
-    """Teacher weight α at each token."""
-    logp_teacher: list[float] = field(default_factory=list)
-    logp_theta: list[float] = field(default_factory=list)
-    logq: list[float] = field(default_factory=list)
-    """log q of each token: what the beam's score sums."""
     finish_reason: str | None = None
     """"stop" (it ended with an EOS id), "length" (max_tokens), or None while it lives."""
     text: str = ""
@@ -143,10 +137,10 @@ def extend_beams(
                 continue
             new = BeamSequence(
                 [*beam.tokens, int(token)],
-                [*beam.alpha, float(cand.alpha)],
-                [*beam.logp_teacher, float(lt)],
-                [*beam.logp_theta, float(lth)],
-                [*beam.logq, float(lq)],
+                alpha=[*beam.alpha, float(cand.alpha)],
+                logp_teacher=[*beam.logp_teacher, float(lt)],
+                logp_theta=[*beam.logp_theta, float(lth)],
+                logq=[*beam.logq, float(lq)],
             )
             if int(token) in eos_ids and not options.ignore_eos:
                 new.finish_reason = "stop"

@@ -21,6 +21,7 @@ __all__ = [
     "RequestRecord",
     "SampleDelta",
     "SampleRecord",
+    "TokenRecords",
     "best_of",
     "best_of_score",
     "effective_sample_size",
@@ -50,16 +51,11 @@ DENSE_FIELDS: dict[str, tuple[int, int]] = {
 role's top-k ids, 1 its own log-probabilities at them, 2 the other model's at the same ids."""
 
 
-@dataclass
-class SampleRecord:
-    """One generated sequence. Per-token lists have one entry per generated token."""
+@dataclass(kw_only=True)
+class TokenRecords:
+    """A sequence's records in the roster's token columns (:data:`~dual_sampling.roster.TOKEN_COLUMNS`), one entry
+    per generated token; a sample's and a beam's. Keyword fields: each record class keeps its own fields' order."""
 
-    text: str
-    token_ids: list[int]
-    """The tokens the teacher processor decided (from shared memory)."""
-    finish_reason: str | None
-    """"stop", "length", "abort" (ended by an abort), or "error" (then ``error`` names the failure)."""
-    seed: int
     alpha: list[float] = field(default_factory=list)
     """Teacher weight α used at each token."""
     logp_teacher: list[float] = field(default_factory=list)
@@ -68,6 +64,18 @@ class SampleRecord:
     """log π_θ(token), likewise for theta."""
     logq: list[float] = field(default_factory=list)
     """log-probability of the token under the distribution actually sampled from."""
+
+
+@dataclass
+class SampleRecord(TokenRecords):
+    """One generated sequence. Per-token lists have one entry per generated token."""
+
+    text: str
+    token_ids: list[int]
+    """The tokens the teacher processor decided (from shared memory)."""
+    finish_reason: str | None
+    """"stop", "length", "abort" (ended by an abort), or "error" (then ``error`` names the failure)."""
+    seed: int
     teacher_token_ids: list[int] = field(default_factory=list)
     """The token ids as the teacher engine emitted them."""
     theta_token_ids: list[int] = field(default_factory=list)
