@@ -9,6 +9,7 @@ or a component of a lower layer, never a higher layer nor a sibling on its layer
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -426,4 +427,50 @@ def test_the_private_import_check_sees_one_mode_reaching_into_another(tmp_path):
     _write(tmp_path, files)
     assert private_import_errors(tmp_path, ("dual_sampling",)) == [
         "dual_sampling.driver.speculative_engine:1 imports dual_sampling.driver.pair._qualname"
+    ]
+
+
+ROSTER_BLIND = ("dual_sampling.lockstep", "processors.scheduler", "processors.follower", "processors.base")
+"""Modules that know models by roster position only: the session's words, the schedulers and the follower's
+processor serve any roster. (The leader's processor maps the decision's fields to the roster's columns, and the
+decision's K = 1 kernels keep their pair's names: issue 63 leaves those.)"""
+
+
+def role_name_errors(root: Path, packages: tuple[str, ...]) -> list[str]:
+    """Identifiers (names, attributes, arguments, definitions) in :data:`ROSTER_BLIND` modules that name a model by
+    its role ("teacher", "theta"): a structure built for one roster."""
+    found = set()
+    for name, tree in parsed_modules(root, packages):
+        if not any(name == m or name.startswith(m + ".") for m in ROSTER_BLIND):
+            continue
+        for node in ast.walk(tree):
+            for ident in (
+                getattr(node, "name", None) if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else None,
+                node.arg if isinstance(node, ast.arg) else None,
+                node.attr if isinstance(node, ast.Attribute) else None,
+                node.id if isinstance(node, ast.Name) else None,
+            ):
+                if ident and re.search("teacher|theta", ident, re.IGNORECASE):
+                    found.add((name, node.lineno, ident))
+    return [f"{module}:{line} names {ident}" for module, line, ident in sorted(found)]
+
+
+def test_the_lockstep_core_knows_models_by_roster_position_only():
+    assert role_name_errors(ROOT, PACKAGES) == []
+
+
+def test_the_role_name_check_sees_a_per_role_word(tmp_path):
+    files = {
+        "dual_sampling/__init__.py": "",
+        "dual_sampling/lockstep/__init__.py": "",
+        "dual_sampling/lockstep/layout.py": '"""The teacher and theta, in prose: allowed."""\nTHETA_STEP = 11\n',
+        "processors/__init__.py": "",
+        "processors/scheduler.py": "def admit(c, teacher_budget):\n    return c.theta_arrived\n",
+        "processors/leader.py": "logp_teacher = 0\n",
+    }
+    _write(tmp_path, files)
+    assert role_name_errors(tmp_path, ("dual_sampling", "processors")) == [
+        "dual_sampling.lockstep.layout:2 names THETA_STEP",
+        "processors.scheduler:1 names teacher_budget",
+        "processors.scheduler:2 names theta_arrived",
     ]

@@ -39,7 +39,7 @@ class LockstepConfig:
     alpha_config: Mapping[str, Any] = field(default_factory=dict)
     """Keyword arguments of the alpha computer."""
     mix_helper_cpus: tuple[int, ...] = ()
-    """CPUs the teacher's processor may borrow for half of each step's rows (theta's, idle while the teacher
+    """CPUs the leader's processor may borrow for half of each step's rows (a follower's, idle while the leader
     decides); empty: none."""
     row_transport: str = "host"
     """How the followers' rows reach the leader (``lockstep.row_channel``), resolved by the driver: host, pinned or

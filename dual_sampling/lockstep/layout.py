@@ -51,7 +51,7 @@ SESSION_PREFIX = "dual-sampling-"
 MiB = 1 << 20
 MAGIC = 0x44554134  # "DUA4"; a session written by an older layout is refused, never misread
 PLAN_RING = 4
-"""Plans kept at once. The leader is at most one plan ahead of the follower (its step needs theta's rows)."""
+"""Plans kept at once. The leader is at most one plan ahead of the follower (its step needs the followers' rows)."""
 RECORD_FIELDS = TOKEN_COLUMNS
 """Columns of the two-model roster's per-token records (float32), in order (:mod:`dual_sampling.roster`); a session
 of more models has :func:`~dual_sampling.roster.token_column_count` columns, in its roster's order."""
@@ -249,7 +249,7 @@ def slot_word(word: ModelSlot, position: int) -> int:
 
 
 class Phase(IntEnum):
-    """Life of a request in its slot, as the teacher scheduler decides it."""
+    """Life of a request in its slot, as the leader scheduler decides it."""
 
     EMPTY = 0
     SUBMITTED = 1
@@ -261,7 +261,7 @@ class Phase(IntEnum):
 
 
 class Finish(IntEnum):
-    """Why a request ended (the teacher scheduler's word on it).
+    """Why a request ended (the leader scheduler's word on it).
 
     The one table of endings: :attr:`reason` is the finish reason that the driver reports and
     from which the engine plugins take vLLM's request status.
@@ -310,7 +310,7 @@ class ErrorCode(IntEnum):
     SHUTDOWN = 5
     """The session shut down while the request ran."""
     DECISION_ERROR = 6
-    """An exception in an engine's work for this request alone (deciding its token, publishing theta's row,
+    """An exception in an engine's work for this request alone (deciding its token, publishing a follower's row,
     checking its stop strings); the engine logs it and serves the other requests."""
     NON_FINITE = 7
     """A decided token's α, log π_t, log π_θ or log q was not finite; nothing of it was recorded."""

@@ -1,22 +1,23 @@
-"""The row channel: how theta's log-probability rows reach the teacher's decision. One seam, three transports.
+"""The row channel: how a follower's log-probability rows reach the leader's decision (θ's rows the teacher's, in a
+pair). One seam, three transports; the leader opens one channel per follower.
 
-Theta publishes a step's rows into their slots and only then writes the slots' step words (the
-announcement); the teacher reads the announced rows of its ready slots. Every transport keeps
-that order: :meth:`RowChannel.publish` returns once the rows are where the teacher reads them.
+A follower publishes a step's rows into their slots and only then writes the slots' step words (the
+announcement); the leader reads the announced rows of its ready slots. Every transport keeps
+that order: :meth:`RowChannel.publish` returns once the rows are where the leader reads them.
 
-- ``host``: the session's ``[slots, V]`` float32 rows in /dev/shm, written and read by the CPU.
+- ``host``: the follower's ``[slots, V]`` float32 rows in /dev/shm, written and read by the CPU.
   The transport of CPU engines, and the one whose logic the tests check.
 - ``pinned``: the same shared-memory rows, page-locked on each GPU side (``cudaHostRegister``),
   so copies to and from them run as DMA on the engine's stream. Works between any two GPUs on
-  any PCIe topology. Theta waits for its copies before it announces; the teacher's copy is
+  any PCIe topology. The follower waits for its copies before it announces; the leader's copy is
   ordered before its decision on its stream and never waits on the host.
-- ``device``: a ``[slots, V]`` buffer on the teacher's GPU, shared with theta's process through
-  CUDA IPC. Theta writes its rows there device to device and waits for the write before it
-  announces; the teacher gathers them on its GPU. Needs both engines on the same GPU (each
-  engine's processes see only their own GPU: driver/placement.py). The buffer's handle
-  (:class:`BufferHandle`) goes through a file in this
+- ``device``: a ``[slots, V]`` buffer on the leader's GPU, shared with the follower's process through
+  CUDA IPC. The follower writes its rows there device to device and waits for the write before it
+  announces; the leader gathers them on its GPU. Needs both engines on the same GPU (each
+  engine's processes see only their own GPU: driver/placement.py), and one follower (the buffer's
+  handle has one file). The handle (:class:`BufferHandle`) goes through a file in this
   user's private folder (mode 0700, the session's ``rows_handle_path``), as JSON: never a pickle,
-  and theta reads it only from a regular file of its own user that no one else may write.
+  and the follower reads it only from a regular file of its own user that no one else may write.
 
 ``auto`` picks device, then pinned, then host (:func:`resolve_transport`), once at start-up. A
 transport that cannot work is refused there, by name.
@@ -109,12 +110,12 @@ class RowGatherer:
 
 
 class RowChannel:
-    """Theta's side publishes rows into slots; the teacher's side reads the rows of slots."""
+    """A follower's side publishes rows into slots; the leader's side reads the rows of slots."""
 
     name: ClassVar[str] = ""
 
     def publish(self, slots: Sequence[int], rows: torch.Tensor) -> None:
-        """Store ``rows`` ``[n, V]`` (float32, on theta's device) in ``slots``; complete when this returns."""
+        """Store ``rows`` ``[n, V]`` (float32, on the follower's device) in ``slots``; complete when this returns."""
         raise NotImplementedError
 
     def read(self, slots: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -184,7 +185,7 @@ _HANDLE_MAX_BYTES = 1 << 16
 
 @dataclasses.dataclass(frozen=True)
 class BufferHandle:
-    """What theta's process needs to open the teacher's rows buffer: its CUDA IPC handles and where the rows lie.
+    """What the follower's process needs to open the leader's rows buffer: its CUDA IPC handles and where the rows lie.
 
     The arguments :func:`torch.multiprocessing.reductions.reduce_tensor` gives ``rebuild_cuda_tensor`` for a CUDA
     tensor, by their names there, less those fixed here (a float32 :class:`torch.Tensor` in a typed storage, no
@@ -199,7 +200,7 @@ class BufferHandle:
     tensor_offset: int
     """Of the buffer in its storage, in elements."""
     storage_device: int
-    """The teacher's CUDA device index."""
+    """The leader's CUDA device index."""
     storage_handle: bytes
     storage_size_bytes: int
     storage_offset_bytes: int
@@ -225,7 +226,7 @@ class BufferHandle:
         return cls(**{f.name: named[f.name] for f in dataclasses.fields(cls)})
 
     def open(self) -> torch.Tensor:
-        """The buffer, mapped into this process (theta's) through CUDA IPC."""
+        """The buffer, mapped into this process (the follower's) through CUDA IPC."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         fixed = {"tensor_cls": torch.Tensor, "storage_cls": torch.storage.TypedStorage, "dtype": torch.float32}
@@ -278,7 +279,7 @@ def _base64(text: str) -> bytes:
 
 
 def write_handle(path: Path, handle: BufferHandle) -> None:
-    """The teacher's side: write ``handle`` to ``path`` (mode 0600) in one rename, so a reader never sees part of it.
+    """The leader's side: write ``handle`` to ``path`` (mode 0600) in one rename, so a reader never sees part of it.
 
     ``path`` lies in this user's private folder (the session's ``rows_handle_path``).
     """
@@ -290,7 +291,7 @@ def write_handle(path: Path, handle: BufferHandle) -> None:
 
 
 def read_handle(path: Path) -> BufferHandle | None:
-    """Theta's side: the handle at ``path``, or None while there is none yet.
+    """The follower's side: the handle at ``path``, or None while there is none yet.
 
     Read only from a regular file owned by this process's user that neither group nor others may write, opened without
     following a link and checked on the opened file (``fstat``), so nothing can be swapped in between. SyncError,
@@ -326,7 +327,7 @@ def _untrusted(st: os.stat_result) -> str | None:
 
 
 class DeviceRows(RowChannel):
-    """A rows buffer on the teacher's GPU, shared with theta's process through CUDA IPC."""
+    """A rows buffer on the leader's GPU, shared with the follower's process through CUDA IPC."""
 
     name = "device"
 
@@ -335,21 +336,21 @@ class DeviceRows(RowChannel):
 
     @classmethod
     def create(cls, handle_path: Path, slots: int, vocab: int, device: torch.device) -> DeviceRows:
-        """The teacher's side: allocate the buffer and write its handle to ``handle_path`` (:func:`write_handle`)."""
+        """The leader's side: allocate the buffer and write its handle to ``handle_path`` (:func:`write_handle`)."""
         buffer = torch.full((slots, vocab), float("nan"), dtype=torch.float32, device=device)
         write_handle(handle_path, BufferHandle.of(buffer))
         return cls(buffer)
 
     @classmethod
     def attach(cls, handle_path: Path, timeout: float) -> DeviceRows:
-        """Theta's side: open the teacher's buffer, waiting up to ``timeout`` seconds for its handle.
+        """The follower's side: open the leader's buffer, waiting up to ``timeout`` seconds for its handle.
 
         SyncError at once for a handle file that is not to be trusted (:func:`read_handle`).
         """
         deadline = time.monotonic() + timeout
         while (handle := read_handle(handle_path)) is None:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"row_transport='device': the teacher's rows buffer ({handle_path}) never appeared")
+                raise TimeoutError(f"row_transport='device': the leader's rows buffer ({handle_path}) never appeared")
             time.sleep(0.01)
         return cls(handle.open())
 
