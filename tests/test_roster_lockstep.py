@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -18,15 +20,16 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from dual_sampling.decision.pipeline import RowSampling
-from dual_sampling.lockstep import CONFIG_KEY, ErrorCode, ModelSlot, SessionLayout, Slot, SyncSession, slot_word
+from dual_sampling.lockstep import CONFIG_KEY, ErrorCode, SessionLayout, Slot, SyncSession
 from dual_sampling.roster import THETA, Roster
-from dual_sampling.testing.sim_engines import EOS, VOCAB, Adversity, SimEnginePair, sim_configs, sim_logits
+from dual_sampling.testing.sim_engines import EOS, NAN_STEP, VOCAB, Adversity, SimEnginePair, sim_configs, sim_logits
 
 ROSTER = Roster(("teacher", THETA, "coach"))
 """The leader first (a teacher), then θ, then a second teacher: both teachers are not at the roster's ends."""
 ALPHA = (0.35, 0.25)
 """The teachers' fixed weights, in :attr:`Roster.teachers` order (teacher, coach); θ's is 0.4."""
 MAX_MODEL_LEN = 96
+ROSTER_WIDTH = len(ROSTER.token_columns)
 
 
 def params(slot: int, key: int, sampling: RowSampling, max_tokens: int, kind: RequestOutputKind) -> SamplingParams:
@@ -43,12 +46,17 @@ def params(slot: int, key: int, sampling: RowSampling, max_tokens: int, kind: Re
     )
 
 
-async def final_tokens(engine, prompt: list[int], sampling_params: SamplingParams, request_id: str) -> list[int]:
+async def final_tokens(
+    engine, prompt: list[int], sampling_params: SamplingParams, request_id: str
+) -> tuple[list[int], str | None]:
+    """An engine's tokens for one request, and its finish reason."""
     tokens: list[int] = []
+    reason = None
     async for out in engine.generate({"prompt_token_ids": prompt}, sampling_params, request_id):
         shown = list(out.outputs[0].token_ids)
         tokens = shown if sampling_params.output_kind == RequestOutputKind.FINAL_ONLY else tokens + shown
-    return tokens
+        reason = out.outputs[0].finish_reason
+    return tokens, reason
 
 
 def expected_records(seed: int, steps: list[int], tokens: list[int]) -> np.ndarray:
@@ -62,7 +70,97 @@ def expected_records(seed: int, steps: list[int], tokens: list[int]) -> np.ndarr
         mixed = (1 - alpha.sum()) * logp[THETA] + (alpha[:, None] * teachers).sum(0)
         logq = torch.log_softmax(mixed, -1)
         out.append([*ALPHA, *(float(logp[name][token]) for name in ROSTER.names), float(logq[token])])
-    return np.array(out)
+    return np.array(out).reshape(len(tokens), ROSTER_WIDTH)
+
+
+@dataclass
+class TrioRun:
+    """What one run of the three simulated engines left: each request's tokens per engine (leader first), and the
+    session's words, records and statistics, read before the session closed."""
+
+    requests: list
+    tokens: list
+    """Per request, each engine's tokens (leader first)."""
+    reasons: list
+    """Per request, each engine's finish reason."""
+    errors: list
+    records: list
+    recorded_tokens: list
+    released: list
+    stats: dict
+    batches: list
+    token_steps: dict
+
+
+def run_trio(seed: int, count: int, adversity: Adversity, max_num_seqs: int = 4) -> TrioRun:
+    """``count`` requests through three simulated engines (the roster :data:`ROSTER`), each with a distinct prompt of
+    its own on each engine, as a driver of three would submit them."""
+    rng = random.Random(seed)
+    configs = sim_configs(
+        max_num_seqs,
+        MAX_MODEL_LEN,
+        MAX_MODEL_LEN,
+        20.0,
+        adversity.prefix_caching,
+        roster=ROSTER.names,
+        alpha_method="fixed",
+        alpha_config={"alpha": ALPHA},
+    )
+    layout = SessionLayout(vocab=VOCAB, slots=count, max_steps=MAX_MODEL_LEN, plan_width=max_num_seqs, models=3)
+    requests = []
+    for k in range(count):
+        # Distinct prompts of uneven lengths on each engine: the leader budgets every follower's prefill.
+        prompts = [[rng.randrange(17, VOCAB) for _ in range(rng.randint(1, 40))] for _ in ROSTER.names]
+        sampling = RowSampling(seed=rng.randrange(1 << 40), stop_token_ids=(EOS, rng.randrange(17, VOCAB)))
+        requests.append((k, k + 1, prompts, sampling, rng.randint(4, 20)))
+
+    with SyncSession.create(layout) as session:
+        session.names = ROSTER.names
+        engines = SimEnginePair(session.name, configs, random.Random(seed + 1), adversity, max_num_seqs, MAX_MODEL_LEN)
+        try:
+
+            async def one(slot, key, prompts, sampling, max_tokens):
+                session.open_slot(slot, key, [len(p) for p in prompts])
+                kinds = [RequestOutputKind.DELTA] + [RequestOutputKind.FINAL_ONLY] * (len(prompts) - 1)
+                out = await asyncio.gather(
+                    *(
+                        final_tokens(engines.engines[name], p, params(slot, key, sampling, max_tokens, kind), f"r{key}")
+                        for name, p, kind in zip(ROSTER.names, prompts, kinds)
+                    )
+                )
+                session.close_slot(slot)  # the driver has read it
+                return out
+
+            async def main():
+                return await asyncio.wait_for(asyncio.gather(*(one(*r) for r in requests)), 240)
+
+            outputs = asyncio.run(main())
+            deadline = time.monotonic() + 10  # the engines release finished requests at their next step
+            while session.held_slots() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            counts = [int(session.control[slot, Slot.NUM_RECORDS]) for slot, *_ in requests]
+            return TrioRun(
+                requests,
+                [[tokens for tokens, _ in out] for out in outputs],
+                [[reason for _, reason in out] for out in outputs],
+                [session.error(slot) for slot, *_ in requests],
+                [session.records[slot, :n].astype(np.float64) for (slot, *_), n in zip(requests, counts)],
+                [session.tokens[slot, :n].tolist() for (slot, *_), n in zip(requests, counts)],
+                session.held_slots(),
+                session.statistics(),
+                [[[rid for rid, _ in b] for b in engines.cores[name].batches] for name in ROSTER.names],
+                engines.cores[ROSTER.names[0]].token_steps,
+            )
+        finally:
+            engines.close()
+
+
+def check_records(run: TrioRun, index: int) -> None:
+    """Request ``index``'s records against the float64 re-scoring, at the leader's step of each token."""
+    (_, key, _, sampling, _), got = run.requests[index], run.records[index]
+    steps = run.token_steps.get(sampling.seed, [])[: len(got)]
+    want = expected_records(sampling.seed, steps, run.recorded_tokens[index])
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5, err_msg=f"request {key}")
 
 
 @pytest.mark.timeout(300)
@@ -75,62 +173,55 @@ def test_three_models_in_lockstep_record_the_mixture_of_two_teachers_and_theta()
         "logp_coach",
         "logq",
     )
-    rng = random.Random(7)
-    configs = sim_configs(
-        4, MAX_MODEL_LEN, MAX_MODEL_LEN, 20.0, roster=ROSTER.names, alpha_method="fixed", alpha_config={"alpha": ALPHA}
+    run = run_trio(7, 6, Adversity())
+    assert all(reason in ("stop", "length") for reasons in run.reasons for reason in reasons), run.reasons
+    for index, ((_, key, _, _, max_tokens), tokens) in enumerate(zip(run.requests, run.tokens)):
+        assert tokens[0] == tokens[1] == tokens[2], f"request {key}: the engines emitted {tokens}"
+        assert 1 <= len(tokens[0]) <= max_tokens and run.errors[index] == (ErrorCode.NONE, -1)
+        assert run.recorded_tokens[index] == tokens[0]
+        check_records(run, index)
+    # Every model's steps ran the same requests (their own schedulers' logs, not the plugins').
+    assert run.batches[0] == run.batches[1] == run.batches[2] and len(run.batches[0]) > 5
+    stats = run.stats
+    assert stats["teacher_rows"] == stats["theta_rows"] == stats["coach_rows"] == sum(len(t[0]) for t in run.tokens)
+    assert stats["follower_diverged"] == 0 and stats["split_steps"] == 0
+    assert run.released == [], "a slot some engine never released"
+
+
+@pytest.mark.timeout(300)
+def test_three_models_hold_lockstep_under_late_deliveries_one_sided_aborts_and_bad_rows():
+    """The hazards of a pair, with two followers: every engine's messages arrive late by its own draws (the second
+    teacher's latest), vLLM aborts reach one engine only, one follower caches prefixes, and NaN logits strike the
+    second teacher for one request. Each request completes with records equal to the re-scoring, is aborted, or fails
+    alone by name; the three engines' steps always run the same requests, and every slot is released."""
+    hazards = dict(
+        delay_turns={"teacher": 2, "theta": 4, "coach": 8},
+        one_sided_abort_rate=0.25,
+        prefix_caching=frozenset({"coach"}),
     )
-    layout = SessionLayout(vocab=VOCAB, slots=6, max_steps=MAX_MODEL_LEN, plan_width=4, models=len(ROSTER.names))
-    requests = []
-    for k in range(6):
-        # Distinct prompts of uneven lengths on each engine: the leader budgets every follower's prefill.
-        prompts = [[rng.randrange(17, VOCAB) for _ in range(rng.randint(1, 40))] for _ in ROSTER.names]
-        sampling = RowSampling(seed=rng.randrange(1 << 40), stop_token_ids=(EOS, rng.randrange(17, VOCAB)))
-        requests.append((k, k + 1, prompts, sampling, rng.randint(4, 20)))
-
-    with SyncSession.create(layout) as session:
-        session.names = ROSTER.names
-        engines = SimEnginePair(session.name, configs, random.Random(3), Adversity(), 4, MAX_MODEL_LEN)
-        try:
-
-            async def one(slot, key, prompts, sampling, max_tokens):
-                session.open_slot(slot, key, [len(p) for p in prompts])
-                kinds = [RequestOutputKind.DELTA] + [RequestOutputKind.FINAL_ONLY] * (len(prompts) - 1)
-                return await asyncio.gather(
-                    *(
-                        final_tokens(
-                            engines.engines[name], prompt, params(slot, key, sampling, max_tokens, kind), f"r{key}"
-                        )
-                        for name, prompt, kind in zip(ROSTER.names, prompts, kinds)
-                    )
-                )
-
-            async def main():
-                return await asyncio.wait_for(asyncio.gather(*(one(*r) for r in requests)), 240)
-
-            outcomes = asyncio.run(main())
-            leader = engines.cores[ROSTER.names[0]]
-            for (slot, key, _, sampling, max_tokens), tokens in zip(requests, outcomes):
-                assert tokens[0] == tokens[1] == tokens[2], f"request {key}: the engines emitted {tokens}"
-                assert 1 <= len(tokens[0]) <= max_tokens
-                assert session.error(slot) == (ErrorCode.NONE, -1)
-                n = int(session.control[slot, Slot.NUM_RECORDS])
-                assert n == len(tokens[0]) and session.tokens[slot, :n].tolist() == tokens[0]
-                steps = leader.token_steps[sampling.seed][:n]
-                want = expected_records(sampling.seed, steps, tokens[0])
-                got = session.records[slot, :n].astype(np.float64)
-                np.testing.assert_allclose(got, want, rtol=0, atol=2e-5, err_msg=f"request {key}")
-            # Every model's steps ran the same requests (their own schedulers' logs, not the plugins').
-            logs = [[[rid for rid, _ in b] for b in engines.cores[name].batches] for name in ROSTER.names]
-            assert logs[0] == logs[1] == logs[2] and len(logs[0]) > 5
-            stats = session.statistics()
-            assert (
-                stats["teacher_rows"] == stats["theta_rows"] == stats["coach_rows"] == sum(len(t[0]) for t in outcomes)
-            )
-            assert stats["follower_diverged"] == 0 and stats["split_steps"] == 0
-        finally:
-            engines.close()
-        # Every engine released every request: the slots are free once the driver has read them.
-        for slot, key, *_ in requests:
-            assert all(
-                int(session.control[slot, slot_word(ModelSlot.RELEASED, p)]) == key for p in range(layout.models)
-            )
+    # The same run without the NaN (a run is a function of its seeds): aim it at a request that lives past NAN_STEP.
+    first = run_trio(11, 10, Adversity(**hazards))
+    aim = next(
+        i for i, (t, r) in enumerate(zip(first.tokens, first.reasons)) if r[0] != "abort" and len(t[0]) > NAN_STEP
+    )
+    nan_seed = first.requests[aim][3].seed
+    run = run_trio(11, 10, Adversity(**hazards, nan_side="coach", nan_seeds=frozenset({nan_seed})))
+    outcomes = {"complete": 0, "abort": 0, "bad_logits": 0}
+    for index, ((_, key, _, sampling, _), tokens) in enumerate(zip(run.requests, run.tokens)):
+        code, step = run.errors[index]
+        reasons = run.reasons[index]
+        # Every engine emitted the same tokens and ended alike, whatever ended the request: at one step on all three.
+        assert tokens[0] == tokens[1] == tokens[2], f"request {key}: the engines emitted {tokens}"
+        assert reasons[0] == reasons[1] == reasons[2], f"request {key}: the engines ended as {reasons}"
+        if code == ErrorCode.BAD_LOGITS:
+            assert sampling.seed == nan_seed and step == NAN_STEP and reasons[0] == "error", (key, step, reasons)
+            outcomes["bad_logits"] += 1
+        else:
+            assert code == ErrorCode.NONE, f"request {key} failed: {code.label} at step {step}"
+            assert run.recorded_tokens[index] == tokens[0]
+            outcomes["abort" if reasons[0] == "abort" else "complete"] += 1
+        check_records(run, index)  # what was recorded is right, however the request ended
+    assert outcomes["bad_logits"] == 1 and outcomes["abort"] >= 1 and outcomes["complete"] >= 3, outcomes
+    assert run.batches[0] == run.batches[1] == run.batches[2]
+    assert run.stats["follower_diverged"] == 0 and run.stats["split_steps"] == 0
+    assert run.released == [], "a slot some engine never released"
