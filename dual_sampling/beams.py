@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from dual_sampling.checks import is_count, is_number, need_int, require
@@ -75,6 +75,7 @@ class BeamSequence(TokenRecords):
     """One beam: its generated tokens and each token's records (its score sums :attr:`logq`)."""
 
     tokens: list[int] = field(default_factory=list)
+    _: KW_ONLY  # the rest by name: a positional value can never land in another field
     finish_reason: str | None = None
     """"stop" (it ended with an EOS id), "length" (max_tokens), or None while it lives."""
     text: str = ""

@@ -247,9 +247,10 @@ class SamplingOptions(DecisionOptions):
         )
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class EngineOptions:
-    """How the two engines run: everything of a dual engine but its two models. Validated at construction."""
+    """How the two engines run: everything of a dual engine but its two models. Validated at construction, and frozen
+    so that what was checked is what runs (``dataclasses.replace`` makes a changed copy, checked again)."""
 
     alpha_method: str = "kl_symmetry"
     """Registered alpha method: fixed, kl_symmetry, ess_balance, trust_region, entropy, or a plugin's."""
@@ -323,7 +324,7 @@ class EngineOptions:
     def __post_init__(self) -> None:
         for name in ("alpha_min", "alpha_max", "sync_timeout"):  # 30 and 30.0 configure (and hash) the same run
             if is_int(getattr(self, name)):
-                setattr(self, name, float(getattr(self, name)))
+                object.__setattr__(self, name, float(getattr(self, name)))
         # Building the computer validates the method name and its bounds, naming the bad value; a run has one teacher.
         get_alpha_computer(self.alpha_method, **self.alpha_kwargs).check_teacher_count(len(PAIR.teachers))
         require(
@@ -379,7 +380,7 @@ class EngineOptions:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class DualEngineConfig(EngineOptions):
     """Everything fixed for the life of a dual engine: the two models and the :class:`EngineOptions`."""
 
@@ -397,24 +398,25 @@ class DualEngineConfig(EngineOptions):
             path = Path(str(getattr(self, role)))
             if not (path / "config.json").is_file():
                 raise FileNotFoundError(f"{role}={str(path)!r} is not a local model folder (no config.json)")
-            setattr(self, role, str(path))
+            object.__setattr__(self, role, str(path))
 
     @classmethod
     def of(
         cls, model_teacher: str, model_theta: str, options: EngineOptions, use_tqdm: bool | None = None
     ) -> DualEngineConfig:
-        """The two models with ``options`` as they were built: checked then, not again (each field's value is a copy,
-        so a later change to ``options`` is not this config's). ``use_tqdm`` replaces the progress bar's setting."""
+        """The two models with ``options`` as they were built: checked then (the options are frozen), not again. Each
+        field's value is a copy, so a change inside one (a dict's entry) is not this config's. ``use_tqdm`` replaces
+        the progress bar's setting."""
         if not isinstance(options, EngineOptions):
             raise TypeError(f"engine must be an EngineOptions, got {type(options).__name__}")
         config = cls.__new__(cls)
-        for f in dataclasses.fields(EngineOptions):
-            setattr(config, f.name, copy.deepcopy(getattr(options, f.name)))
-        config.model_teacher, config.model_theta = model_teacher, model_theta
-        config._check_models()
+        values = {f.name: copy.deepcopy(getattr(options, f.name)) for f in dataclasses.fields(EngineOptions)}
         if use_tqdm is not None:
             require(isinstance(use_tqdm, bool), f"use_tqdm must be True or False, got {use_tqdm!r}")
-            config.use_tqdm = use_tqdm
+            values["use_tqdm"] = use_tqdm
+        for name, value in {**values, "model_teacher": model_teacher, "model_theta": model_theta}.items():
+            object.__setattr__(config, name, value)
+        config._check_models()
         return config
 
 

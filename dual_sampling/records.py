@@ -7,7 +7,7 @@ import importlib
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import KW_ONLY, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -76,6 +76,7 @@ class SampleRecord(TokenRecords):
     finish_reason: str | None
     """"stop", "length", "abort" (ended by an abort), or "error" (then ``error`` names the failure)."""
     seed: int
+    _: KW_ONLY  # the rest by name: a positional value can never land in another field
     teacher_token_ids: list[int] = field(default_factory=list)
     """The token ids as the teacher engine emitted them."""
     theta_token_ids: list[int] = field(default_factory=list)

@@ -39,7 +39,7 @@ from dual_sampling.lockstep import CONFIG_KEY, Bell, ErrorCode, LockstepConfig, 
 from dual_sampling.lockstep.row_channel import RowChannel, open_row_channel
 from processors.model_runner import BatchRowsProcessor
 
-__all__ = ["WAIT_CAP_S", "BaseSyncLogitsProcessor", "TrackedRow", "request_pairing"]
+__all__ = ["WAIT_CAP_S", "BaseSyncLogitsProcessor", "TrackedRow", "check_roster", "request_pairing"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,15 @@ def request_pairing(params: Any, model: str) -> dict:
     if args is None or "slot" not in args or "key" not in args:
         raise SyncError(f"a request reached the {model} engine without a dual_sampling pairing (slot and key)")
     return args
+
+
+def check_roster(config: LockstepConfig, session: SyncSession) -> None:
+    """Refuse an engine whose roster does not have the session's model count (its words would lie elsewhere)."""
+    if len(config.roster) != session.layout.models:
+        raise SyncError(
+            f"roster {config.roster} names {len(config.roster)} models; the session {session.name} holds "
+            f"{session.layout.models}"
+        )
 
 
 @dataclass
@@ -91,6 +100,7 @@ class BaseSyncLogitsProcessor(BatchRowsProcessor[TrackedRow]):
         self.position = self.config.position
         self.writer = Writer.PROCESSOR.at(self.position)
         self.session = SyncSession.attach(self.config.session)
+        check_roster(self.config, self.session)
         self.session.names = self.config.roster
         self.vocab = self.session.layout.vocab
         self.sync_timeout = self.config.sync_timeout

@@ -75,7 +75,8 @@ class LeaderLogitsProcessor(BaseSyncLogitsProcessor):
     def attach(self, vllm_config, device: torch.device) -> None:
         super().attach(vllm_config, device)
         self.roster = Roster(self.config.roster)
-        self._theta = self.roster.position(THETA)
+        self._theta = self.roster.position(THETA)  # > 0: LockstepConfig refuses a roster that θ leads
+        self._teacher_positions = [self.roster.position(name) for name in self.roster.teachers]
         self._row_steps = [slot_word(ModelSlot.ROW_STEP, p) for p in range(1, len(self.roster.names))]
         self._own_rows = RowGatherer(self.vocab)
         self.alpha_computer = get_alpha_computer(self.config.alpha_method, **self.config.alpha_config)
@@ -119,14 +120,16 @@ class LeaderLogitsProcessor(BaseSyncLogitsProcessor):
             part = ready[lo:hi]
             warm = self._warm_alpha(part, rows[0].device)
             slots = [row.slot for _, row in part]
-            # Every follower's rows are log-softmax outputs (its engine normalised them); the leader's are raw.
-            follows = self._theta > 0
+            # Every follower's rows are log-softmax outputs (its engine normalised them), with their log-normalisers
+            # where a repetition penalty needs them; the leader's rows are its raw logits.
+            normalisers = self.session.follower_log_normalisers
             models = ModelRows(
                 tuple(r[lo:hi] for r in rows),
                 self.roster,
-                theta_normalized=follows,
-                theta_log_normalisers=(
-                    torch.from_numpy(self.session.follower_log_normalisers[self._theta - 1, slots]) if follows else None
+                theta_normalized=True,
+                theta_log_normalisers=torch.from_numpy(normalisers[self._theta - 1, slots]),
+                teacher_log_normalisers=tuple(
+                    torch.from_numpy(normalisers[p - 1, slots]) if p > 0 else None for p in self._teacher_positions
                 ),
             )
             d = decide(

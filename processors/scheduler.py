@@ -76,7 +76,7 @@ from dual_sampling.lockstep import (
     watch_driver,
 )
 from dual_sampling.text import StopStringWatch
-from processors.base import WAIT_CAP_S, request_pairing
+from processors.base import WAIT_CAP_S, check_roster, request_pairing
 
 __all__ = [
     "IDLE_WAIT_S",
@@ -158,6 +158,7 @@ class LockstepScheduler(Scheduler):
         self.role, self.position = config.role, config.position
         self.writer = Writer.SCHEDULER.at(self.position)
         self.session = SyncSession.attach(config.session)
+        check_roster(config, self.session)
         self.session.names = config.roster
         self.sync_timeout = config.sync_timeout
         self.tickets: dict[str, _Ticket] = {}

@@ -87,6 +87,32 @@ def test_penalties_act_on_the_k_teacher_mixtures_logits():
         assert d.top_logp_teacher.shape == (2, 40, 2)
 
 
+def test_penalties_on_a_following_teachers_normalised_rows_take_its_log_normaliser():
+    """In lockstep every follower's rows arrive normalised: a teacher that follows (the second of two) brings its
+    log-normaliser as θ does, and the penalised mixture is the one of the raw logits. Without it the repetition penalty
+    would read the sign of the wrong logits."""
+    math_, general, theta = trio_logits(2, 40, seed=3)
+    general = general + 3.0  # a row whose log-normaliser is far from 0: its sign changes where the logits are small
+    prompt, output = [1, 2, 3], [3, 7, 7, 9]
+    settings = dict(repetition_penalty=1.8, frequency_penalty=0.5, presence_penalty=0.2)
+    rows = [RowSampling(seed=s, temperature=0.0, prompt_token_ids=tuple(prompt), **settings) for s in range(2)]
+    computer = get_alpha_computer("fixed", alpha=(0.25, 0.35))
+
+    def decided(models: ModelRows):
+        d = decide(models, [len(output)] * 2, rows, computer, top_logprobs=40, outputs=[output] * 2)
+        return d.top_ids, d.top_logq
+
+    raw = decided(ModelRows((math_, general, theta), TRIO))
+    norms = [m.double().logsumexp(-1) for m in (general, theta)]
+    follow = [torch.log_softmax(m, -1) for m in (general, theta)]
+    normalised = ModelRows((math_, *follow), TRIO, True, norms[1], (None, norms[0]))
+    got = decided(normalised)
+    assert torch.equal(got[0], raw[0])
+    torch.testing.assert_close(got[1], raw[1], atol=4 * ONE_NORMALISATION_ATOL, rtol=0)
+    blind = decided(ModelRows((math_, *follow), TRIO, True, norms[1]))  # the teacher's normaliser not given
+    assert not torch.allclose(blind[1], raw[1], atol=1e-3), "the check cannot see a missing normaliser"
+
+
 def test_a_forced_first_token_gives_theta_no_weight_and_teacher_support_is_refused_by_name():
     math_, general, theta = trio_logits(2, 50, seed=4)
     models = ModelRows((math_, general, theta), TRIO)

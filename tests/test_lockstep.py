@@ -627,6 +627,7 @@ def test_lockstep_config_round_trips_through_vllm_and_refuses_by_name():
         ("sync_timeout", 0, "sync_timeout"),
         ("role", "student", "role"),
         ("roster", ("teacher", "coach"), "roster"),
+        ("roster", ("theta", "teacher"), "roster"),
         ("mix_helper_cpus", (-1,), "mix_helper_cpus"),
     ):
         with pytest.raises(ValueError, match=f"^{name} must"):

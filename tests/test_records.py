@@ -81,3 +81,16 @@ def test_the_first_tokens_of_a_sample_cut_every_per_token_field_alike():
     assert s.first(n).finish_reason == "stop"
     with pytest.raises(ValueError, match=r"n must be in \[0, 5\], got 6"):
         s.first(6)
+
+
+def test_record_fields_past_the_first_are_given_by_name():
+    """A sample's and a beam's records share their declaration (``TokenRecords``); a positional value past a record's
+    own leading fields is refused, never stored in another field."""
+    from dual_sampling.beams import BeamSequence
+
+    with pytest.raises(TypeError):
+        SampleRecord("", [1], "stop", 0, [0.5])
+    with pytest.raises(TypeError):
+        BeamSequence([1], [0.5])
+    beam = BeamSequence([1], alpha=[0.5], logq=[-1.0])
+    assert beam.alpha == [0.5] and beam.finish_reason is None and beam.cum_logq == -1.0

@@ -19,8 +19,9 @@ import torch
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
-from dual_sampling.decision.pipeline import RowSampling
-from dual_sampling.lockstep import CONFIG_KEY, ErrorCode, SessionLayout, Slot, SyncSession
+from alpha import get_alpha_computer
+from dual_sampling.decision.pipeline import ModelRows, RowSampling, decide
+from dual_sampling.lockstep import CONFIG_KEY, ErrorCode, SessionLayout, Slot, SyncError, SyncSession
 from dual_sampling.roster import THETA, Roster
 from dual_sampling.testing.sim_engines import EOS, NAN_STEP, VOCAB, Adversity, SimEnginePair, sim_configs, sim_logits
 
@@ -92,9 +93,9 @@ class TrioRun:
     token_steps: dict
 
 
-def run_trio(seed: int, count: int, adversity: Adversity, max_num_seqs: int = 4) -> TrioRun:
+def run_trio(seed: int, count: int, adversity: Adversity, max_num_seqs: int = 4, **sampling: object) -> TrioRun:
     """``count`` requests through three simulated engines (the roster :data:`ROSTER`), each with a distinct prompt of
-    its own on each engine, as a driver of three would submit them."""
+    its own on each engine, as a driver of three would submit them; ``sampling``: further RowSampling fields."""
     rng = random.Random(seed)
     configs = sim_configs(
         max_num_seqs,
@@ -111,8 +112,16 @@ def run_trio(seed: int, count: int, adversity: Adversity, max_num_seqs: int = 4)
     for k in range(count):
         # Distinct prompts of uneven lengths on each engine: the leader budgets every follower's prefill.
         prompts = [[rng.randrange(17, VOCAB) for _ in range(rng.randint(1, 40))] for _ in ROSTER.names]
-        sampling = RowSampling(seed=rng.randrange(1 << 40), stop_token_ids=(EOS, rng.randrange(17, VOCAB)))
-        requests.append((k, k + 1, prompts, sampling, rng.randint(4, 20)))
+        stops = (EOS, rng.randrange(17, VOCAB))
+        requests.append(
+            (
+                k,
+                k + 1,
+                prompts,
+                RowSampling(seed=rng.randrange(1 << 40), stop_token_ids=stops, **sampling),
+                rng.randint(4, 20),
+            )
+        )
 
     with SyncSession.create(layout) as session:
         session.names = ROSTER.names
@@ -225,3 +234,33 @@ def test_three_models_hold_lockstep_under_late_deliveries_one_sided_aborts_and_b
     assert run.batches[0] == run.batches[1] == run.batches[2]
     assert run.stats["follower_diverged"] == 0 and run.stats["split_steps"] == 0
     assert run.released == [], "a slot some engine never released"
+
+
+@pytest.mark.timeout(300)
+def test_a_repetition_penalty_reads_every_followers_raw_logits():
+    """The followers' rows reach the leader normalised; the repetition penalty acts on the mixture's raw logits, so
+    the leader must add back θ's and the second teacher's log-normalisers. Each token of the run equals the decision
+    on the raw simulated logits (the torch reference, given the tokens before it)."""
+    run = run_trio(5, 4, Adversity(), repetition_penalty=1.8, presence_penalty=0.3)
+    computer = get_alpha_computer("fixed", alpha=ALPHA)
+    checked = 0
+    for index, (_, key, _, sampling, _) in enumerate(run.requests):
+        tokens = run.recorded_tokens[index]
+        assert run.errors[index] == (ErrorCode.NONE, -1) and tokens == run.tokens[index][0]
+        steps = run.token_steps[sampling.seed]
+        for position, token in enumerate(tokens):
+            raw = tuple(
+                sim_logits(name, sampling.seed, position, steps[position]).unsqueeze(0) for name in ROSTER.names
+            )
+            d = decide(ModelRows(raw, ROSTER), [position], [sampling], computer, outputs=[tokens[:position]])
+            assert int(d.tokens[0]) == token, f"request {key} token {position}"
+            assert float(d.logq[0]) == pytest.approx(float(run.records[index][position, -1]), abs=2e-5)
+            checked += 1
+    assert checked > 10
+
+
+def test_an_engine_whose_roster_is_not_the_sessions_is_refused_by_name():
+    configs = sim_configs(2, MAX_MODEL_LEN, MAX_MODEL_LEN, 5.0, roster=ROSTER.names)
+    layout = SessionLayout(vocab=VOCAB, slots=2, max_steps=MAX_MODEL_LEN, plan_width=2)
+    with SyncSession.create(layout) as session, pytest.raises(SyncError, match=r"names 3 models; the session .* 2"):
+        SimEnginePair(session.name, configs, random.Random(0), Adversity(), 2, MAX_MODEL_LEN)

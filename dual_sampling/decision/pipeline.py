@@ -3,8 +3,7 @@
 The models' rows arrive as one :class:`~dual_sampling.decision.rows.ModelRows` (the roster names them). Order of
 operations (per row; α is the teacher weight, one per teacher with several):
 
-1. log π_θ and log π_t: log-softmax of each model's untempered logits over the shared
-   tokenizer's vocabulary (embedding rows beyond it are never sampled).
+1. log π_θ and log π_t: log-softmax of each model's untempered logits over the shared tokenizer's vocabulary.
 2. α from the alpha computer, on those untempered distributions, clamped to [alpha_min, alpha_max]; α = 1 at step 0
    when ``force_first_token`` is set (several teachers: θ's weight 0, the teachers' in their proportions).
 3. log q = geometric_mix(log π_θ, log π_t, α) (several: ∝ π_θ^(1−Σα)·Π π_i^α_i), unnormalised until the draw.
@@ -16,9 +15,8 @@ operations (per row; α is the teacher weight, one per teacher with several):
    8. temperature divides log q (0 means greedy);
    9. top_k, top_p and min_p filter the tempered distribution;
    10. diversity: the tokens the earlier members of the row's group took at this step lose λ each time taken.
-11. Renormalise and draw with a counter-based uniform of (seed, step): the same seed gives
-   the same token whatever the batch composition or timing. The recorded log q is the
-   log-probability of the drawn token under this final distribution (0 for greedy).
+11. Renormalise and draw with a counter-based uniform of (seed, step): the same seed gives the same token whatever
+   the batch or timing. The recorded log q is the drawn token's log-probability under this final law (0: greedy).
 
 vLLM's own stages (min_tokens, logit_bias, penalties, bad words) are never handed to the
 engines: a token forced after them could be masked to -inf. The supported ones run here.
@@ -494,7 +492,9 @@ def _logit_offset(models: ModelRows, alpha: Tensor) -> Tensor:
         raise ValueError("the repetition penalty needs theta's log-normalisers (ModelRows.theta_log_normalisers)")
     else:
         lse_theta = models.theta_log_normalisers.to(device, torch.float64)
-    lse_teachers = torch.stack([t.double().logsumexp(-1) for t in models.teachers], dim=-1)  # [b, K]
+    given = models.teacher_log_normalisers or (None,) * len(models.teachers)  # a normalised teacher's come with it
+    lse = [t.double().logsumexp(-1) if n is None else n.to(device).double() for t, n in zip(models.teachers, given)]
+    lse_teachers = torch.stack(lse, dim=-1)  # [b, K]
     a = alpha.to(device, torch.float64).reshape(lse_teachers.shape)
     rest = theta_weight(a) if a.shape[-1] > 1 else 1 - a[:, 0]  # one teacher: the pair's arithmetic, unchanged
     return rest * lse_theta + (a * lse_teachers).sum(-1)

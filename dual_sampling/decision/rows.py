@@ -30,6 +30,10 @@ class ModelRows:
     """θ's rows are log-softmax outputs already (its engine normalised them)."""
     theta_log_normalisers: Tensor | None = None
     """``[b]``: log Σ exp of θ's raw logits, where :attr:`theta_normalized` (the repetition penalty reads them)."""
+    teacher_log_normalisers: tuple[Tensor | None, ...] = ()
+    """Per teacher (:attr:`Roster.teachers` order), ``[b]`` log Σ exp of its raw logits where its rows arrive
+    normalised (its engine follows: several teachers), for the repetition penalty; empty, or None for a teacher
+    whose rows are its raw logits (the leader's)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.logits, tuple) or len(self.logits) != len(self.roster.names):
@@ -94,10 +98,14 @@ class ModelRows:
     def take(self, index: Tensor) -> ModelRows:
         """The rows at ``index`` (a 1-D int64 tensor) of every model."""
         on = index.to(self.device)
-        normalisers = self.theta_log_normalisers
+
+        def rows_of(normalisers: Tensor | None) -> Tensor | None:
+            return None if normalisers is None else normalisers[index.to(normalisers.device)]
+
         return ModelRows(
             tuple(rows[on] for rows in self.logits),
             self.roster,
             self.theta_normalized,
-            None if normalisers is None else normalisers[index.to(normalisers.device)],
+            rows_of(self.theta_log_normalisers),
+            tuple(rows_of(n) for n in self.teacher_log_normalisers),
         )

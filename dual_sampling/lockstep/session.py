@@ -315,7 +315,7 @@ class SyncSession:
             return dict(self._final_statistics) if self._closed else self._read_statistics()
 
     def _read_statistics(self) -> dict[str, int]:
-        out = {stat.name.lower(): int(self.header[stat]) for stat in Stat}
+        out: dict[str, int] = {}
         names = self.names
         for word in ModelWord:
             if word.reported is None:
@@ -324,7 +324,7 @@ class SyncSession:
                 out[f"follower_{word.reported}"] = int(self.model_words[1:, word].sum())
             else:
                 out.update({f"{name}_{word.reported}": int(self.model_words[p, word]) for p, name in enumerate(names)})
-        return out
+        return {**out, **{stat.name.lower(): int(self.header[stat]) for stat in Stat}}
 
     def add_stat(self, stat: Stat, amount: int) -> None:
         """Add to a counter this process alone writes."""
