@@ -46,6 +46,11 @@ class Roster:
         if THETA not in names:
             raise ValueError(f"names must include {THETA!r} (the student), got {names!r}")
 
+    @property
+    def student(self) -> str:
+        """The model the importance weights w = π_θ/q refer to: :data:`THETA`."""
+        return THETA
+
     def position(self, name: str) -> int:
         """The roster position of the model named ``name`` (0 leads); ValueError naming the roster otherwise."""
         if name not in self.names:

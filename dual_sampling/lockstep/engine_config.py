@@ -15,7 +15,7 @@ from typing import Any
 
 from dual_sampling.checks import is_int, need_number
 from dual_sampling.lockstep.row_channel import ROW_TRANSPORTS
-from dual_sampling.roster import PAIR, THETA, Roster
+from dual_sampling.roster import PAIR, Roster
 
 __all__ = ["CONFIG_KEY", "LockstepConfig"]
 
@@ -53,7 +53,7 @@ class LockstepConfig:
         except ValueError as exc:
             raise ValueError(f"roster must list the session's models, the leader first: {exc}") from None
         object.__setattr__(self, "roster", roster.names)
-        if roster.names[0] == THETA:
+        if roster.names[0] == roster.student:
             # The leader decides from its own raw logits; the followers' rows come normalised with their
             # log-normalisers, which the decision's paths take for θ and the teachers that follow, not for a teacher
             # below a leading θ.
