@@ -25,6 +25,7 @@ __all__ = [
     "best_of",
     "best_of_score",
     "effective_sample_size",
+    "own_and_other",
     "score_function",
     "scored",
 ]
@@ -49,6 +50,14 @@ DENSE_FIELDS: dict[str, tuple[int, int]] = {
 }
 """The name of each dense array on the wire (the server's ``dual_sampling`` field): (role index, part), part 0 the
 role's top-k ids, 1 its own log-probabilities at them, 2 the other model's at the same ids."""
+
+
+def own_and_other(dense_logp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A pair's dense values, ``[n, 2, 2, k]`` (whose tokens, whose log π: the session's and the decision's form), as
+    a sample's two ``[n, 2, k]`` arrays: each model's log π at its own tokens (:attr:`SampleRecord.dense_logp`) and
+    the other model's at them (:attr:`SampleRecord.dense_other_logp`)."""
+    roles = np.arange(len(DENSE_ROLES))
+    return dense_logp[:, roles, roles], dense_logp[:, roles, roles[::-1]]
 
 
 @dataclass(kw_only=True)

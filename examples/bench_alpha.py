@@ -85,7 +85,9 @@ def kernel_parts(
     read = per_row(lambda r: kernel._maxima_and_log_normalisers(t[r], h[r], True))
     plain = per_row(lambda r: evaluate(kernel._tilted_pass, r))
     series = per_row(lambda r: evaluate(kernel._tilted_pass_with_series, r))
-    _, passes = kernel.decide_fused(teacher, theta, [0.5] * len(t), [False] * len(t), computer, warm, True)
+    _, passes = kernel.decide_fused(
+        ModelRows.pair(teacher, theta, theta_normalized=True), [0.5] * len(t), [False] * len(t), computer, warm
+    )
     return {
         "read_pass_us_per_row": read,
         "evaluation_us_per_row": plain,

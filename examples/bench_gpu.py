@@ -95,7 +95,7 @@ def check_kernel(device: torch.device, vocab: int) -> dict:
     from dual_sampling.decision.edits import row_edits
     from dual_sampling.decision.gpu_kernel import decide_gpu
     from dual_sampling.decision.kernel import decide_fused
-    from dual_sampling.decision.pipeline import RowSampling, counter_uniform
+    from dual_sampling.decision.pipeline import ModelRows, RowSampling, counter_uniform
 
     b = 64 if device.type == "cuda" else 4
     teacher, theta = rows(b, vocab, device, seed=1)
@@ -115,8 +115,12 @@ def check_kernel(device: torch.device, vocab: int) -> dict:
     edits = row_edits(rows_settings, [0] * b, outputs, vocab, [0.0] * b, taken)
     report = {}
     for name, computer in (("kl_symmetry", get_alpha_computer("kl_symmetry")), ("fixed", get_alpha_computer("fixed"))):
-        out = decide_gpu(teacher, theta, uniforms, forced, computer, None, theta_normalized=True, edits=edits).cpu()
-        cpu, _ = decide_fused(teacher.cpu(), theta.cpu(), uniforms, forced, computer, None, True, edits)
+        out = decide_gpu(
+            ModelRows.pair(teacher, theta, theta_normalized=True), uniforms, forced, computer, None, edits=edits
+        ).cpu()
+        cpu, _ = decide_fused(
+            ModelRows.pair(teacher.cpu(), theta.cpu(), theta_normalized=True), uniforms, forced, computer, None, edits
+        )
         cpu = torch.from_numpy(cpu)
         same = float((out[:, 0] == cpu[:, 0]).double().mean())
         worst = float((out[:, 1:5] - cpu[:, 1:5]).abs().max())

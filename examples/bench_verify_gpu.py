@@ -175,13 +175,16 @@ def verification_ms(batch: int, gamma: int, vocab: int, device: torch.device, re
     """``verify_drafts()`` (kl_symmetry), what the speculative mode's step runs: ``batch`` spans of γ drafts, each
     with its bonus row (γ + 1 rows a span, the most a step can check)."""
     from alpha import get_alpha_computer
+    from dual_sampling.decision.rows import ModelRows
     from dual_sampling.decision.speculative import Span, verify_drafts
 
     rows = batch * (gamma + 1)
     teacher, theta = _rows(rows, vocab, device)
     spans = [Span(k * (gamma + 1), tuple(range(1, gamma + 1)), seed=k, step=0, bonus_row=True) for k in range(batch)]
     computer = get_alpha_computer("kl_symmetry")
-    return _median_ms(lambda: verify_drafts(teacher, theta, spans, computer, theta_normalized=True), device, repeats)
+    return _median_ms(
+        lambda: verify_drafts(ModelRows.pair(teacher, theta, theta_normalized=True), spans, computer), device, repeats
+    )
 
 
 def _rows(rows: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from alpha import get_alpha_computer
 from dual_sampling import models
 from dual_sampling.decision.kernel import decide_fused
+from dual_sampling.decision.rows import ModelRows
 
 CUTS = (15, 20, 25, 30, 35, 40)
 """Fixed cuts T (nats below each row's maximum of either model) to report the head's share at."""
@@ -111,7 +112,9 @@ def main() -> None:
     times, passes = [], 0
     for _ in range(7):
         start = time.perf_counter()
-        _, passes = decide_fused(teacher_rows, theta_rows, [0.5] * n, [False] * n, computer, warm, True)
+        _, passes = decide_fused(
+            ModelRows.pair(teacher_rows, theta_rows, theta_normalized=True), [0.5] * n, [False] * n, computer, warm
+        )
         times.append(time.perf_counter() - start)
     print(
         f"  the compiled decision from that warm start: {passes / n:.2f} α evaluations per row,"

@@ -18,10 +18,11 @@ import numpy as np
 import torch
 
 from alpha import get_alpha_computer
-from dual_sampling.decision.pipeline import Decision, ModelRows, decide, dense_top
+from dual_sampling.decision.pipeline import Decision, ModelRows, decide
+from dual_sampling.decision.result import dense_top
 from dual_sampling.lockstep import Bell, ErrorCode, ModelSlot, ModelWord, Slot, Stat, slot_word
 from dual_sampling.lockstep.row_channel import RowGatherer
-from dual_sampling.roster import THETA, Roster
+from dual_sampling.roster import Roster
 from processors.base import BaseSyncLogitsProcessor, TrackedRow
 
 __all__ = ["LeaderLogitsProcessor"]
@@ -49,24 +50,6 @@ def diversity_order(ready: list[tuple[int, TrackedRow]]) -> list[tuple[int, Trac
     return [item for _, item in sorted(zip(ranks, ready), key=lambda pair: pair[0])]
 
 
-def model_columns(roster: Roster, teacher_values: torch.Tensor, theta_values: torch.Tensor) -> list:
-    """One decision field per model, in roster order: θ's from ``theta_values``, each teacher's from
-    ``teacher_values`` (all of it with one teacher, else its slice of the trailing teacher axis)."""
-    teachers = roster.teachers
-    if len(teachers) == 1:
-        return [theta_values if name == THETA else teacher_values for name in roster.names]
-    return [theta_values if name == THETA else teacher_values[..., teachers.index(name)] for name in roster.names]
-
-
-def token_records(d: Decision, roster: Roster) -> torch.Tensor:
-    """``[b, columns]`` float32: each row's record in the roster's token columns (α per teacher, log π per model,
-    log q)."""
-    alpha = d.alpha.float()
-    alphas = [alpha] if alpha.dim() == 1 else list(alpha.unbind(-1))
-    logp = model_columns(roster, d.logp_teacher.float(), d.logp_theta.float())
-    return torch.stack([*alphas, *logp, d.logq.float()], dim=-1)
-
-
 class LeaderLogitsProcessor(BaseSyncLogitsProcessor):
     """The leader: reads each follower's row, decides the token from q, publishes it and the records."""
 
@@ -75,8 +58,8 @@ class LeaderLogitsProcessor(BaseSyncLogitsProcessor):
     def attach(self, vllm_config, device: torch.device) -> None:
         super().attach(vllm_config, device)
         self.roster = Roster(self.config.roster)
-        self._theta = self.roster.position(THETA)  # > 0: LockstepConfig refuses a roster that θ leads
-        self._teacher_positions = [self.roster.position(name) for name in self.roster.teachers]
+        # The leader's rows are its raw logits; every follower's arrive normalised (its engine took the log-softmax).
+        self._normalized = (False, *(True,) * (len(self.roster.names) - 1))
         self._row_steps = [slot_word(ModelSlot.ROW_STEP, p) for p in range(1, len(self.roster.names))]
         self._own_rows = RowGatherer(self.vocab)
         self.alpha_computer = get_alpha_computer(self.config.alpha_method, **self.config.alpha_config)
@@ -101,7 +84,7 @@ class LeaderLogitsProcessor(BaseSyncLogitsProcessor):
 
     def _warm_alpha(self, part: list[tuple[int, TrackedRow]], device: torch.device) -> torch.Tensor:
         """The rows' last α, ``[b]`` (``[b, K]`` with K teachers; a row with none yet splits 0.5 among them)."""
-        k = len(self.roster.teachers)
+        k = len(self.roster.alpha_columns)  # one α per teacher
         if k == 1:
             return torch.tensor([row.alpha for _, row in part], dtype=torch.float32, device=device)
         warm = [row.alpha if isinstance(row.alpha, list) else [row.alpha / k] * k for _, row in part]
@@ -126,11 +109,8 @@ class LeaderLogitsProcessor(BaseSyncLogitsProcessor):
             models = ModelRows(
                 tuple(r[lo:hi] for r in rows),
                 self.roster,
-                theta_normalized=True,
-                theta_log_normalisers=torch.from_numpy(normalisers[self._theta - 1, slots]),
-                teacher_log_normalisers=tuple(
-                    torch.from_numpy(normalisers[p - 1, slots]) if p > 0 else None for p in self._teacher_positions
-                ),
+                self._normalized,
+                (None, *(torch.from_numpy(normalisers[f, slots]) for f in range(len(rows) - 1))),
             )
             d = decide(
                 models,
@@ -143,7 +123,7 @@ class LeaderLogitsProcessor(BaseSyncLogitsProcessor):
                 diversity=diversity,
             )
             if dense_k:
-                d.dense_ids, d.dense_logp, d.dense_other_logp = dense_top(models, dense_k, d)
+                d.dense_ids, d.dense_logp = dense_top(models, dense_k, d)
             return d
 
         n = len(ready)
@@ -284,19 +264,14 @@ class LeaderLogitsProcessor(BaseSyncLogitsProcessor):
     def _publish(self, ready: list[tuple[int, TrackedRow]], d: Decision, decided: dict[int, int]) -> None:
         """Write each row's token and records to its slot, or fail the row; put its token in ``decided``."""
         s = self.session
-        records = token_records(d, self.roster).cpu()
+        records = d.token_records().cpu()
         finite = torch.isfinite(records).all(-1).tolist()
         alphas = d.alpha.cpu().tolist()
         control = s.control
         top = None
         if d.top_ids is not None:
-            top_logp = model_columns(self.roster, d.top_logp_teacher, d.top_logp_theta)
-            top = (d.top_ids.cpu().numpy(), d.top_logq.cpu().numpy(), torch.stack(top_logp, 1).cpu().numpy())
-        dense = (
-            None
-            if d.dense_ids is None
-            else (d.dense_ids.cpu().numpy(), d.dense_logp.cpu().numpy(), d.dense_other_logp.cpu().numpy())
-        )
+            top = (d.top_ids.cpu().numpy(), d.top_logq.cpu().numpy(), d.top_logp.cpu().numpy())
+        dense = None if d.dense_ids is None else (d.dense_ids.cpu().numpy(), d.dense_logp.cpu().numpy())
         rows_out = zip(ready, d.tokens.cpu().tolist(), d.ok.cpu().tolist(), records.numpy(), finite, alphas)
         for k, ((i, row), tok, row_ok, record, is_finite, a) in enumerate(rows_out):
             decided[i] = row.filler
@@ -304,8 +279,7 @@ class LeaderLogitsProcessor(BaseSyncLogitsProcessor):
                 s.fail_slot(row.slot, row.key, ErrorCode.BAD_LOGITS, row.step, self.writer)
                 continue
             if not is_finite or (
-                dense is not None
-                and not all(np.isfinite(v[k, :, : row.sampling.dense_logprobs]).all() for v in dense[1:])
+                dense is not None and not np.isfinite(dense[1][k, ..., : row.sampling.dense_logprobs]).all()
             ):
                 # Never training data: a NaN log q once came with a wrong token and ok=True.
                 s.fail_slot(row.slot, row.key, ErrorCode.NON_FINITE, row.step, self.writer)
@@ -320,8 +294,7 @@ class LeaderLogitsProcessor(BaseSyncLogitsProcessor):
                 if dense is not None and row.sampling.dense_logprobs:
                     n = row.sampling.dense_logprobs
                     s.dense_ids[row.slot, row.step, :, :n] = dense[0][k, :, :n]
-                    s.dense_logp[row.slot, row.step, :, :n] = dense[1][k, :, :n]
-                    s.dense_other_logp[row.slot, row.step, :, :n] = dense[2][k, :, :n]
+                    s.dense_logp[row.slot, row.step, ..., :n] = dense[1][k, ..., :n]
             except Exception:
                 self._fail_row(row, "recording its token")
                 continue

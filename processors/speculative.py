@@ -38,6 +38,7 @@ import torch
 
 from alpha import get_alpha_computer
 from dual_sampling.decision.pipeline import inverse_cdf
+from dual_sampling.decision.rows import ModelRows
 from dual_sampling.decision.speculative import Span, send, stream_uniform, verify_drafts
 from dual_sampling.lockstep import ErrorCode, ModelWord, Slot, Stat, SyncSession, Writer
 from processors.base import request_pairing
@@ -117,7 +118,8 @@ class SpeculativeSampler:
 
     def _verify(self, teacher: torch.Tensor, theta: torch.Tensor, spans: list[Span], owners: list, out) -> None:
         try:  # one wait on the device for the whole batch (verify_drafts)
-            rounds = verify_drafts(teacher, theta, spans, self.alpha_computer, theta_normalized=True)
+            rows = ModelRows.pair(teacher, theta, theta_normalized=True)
+            rounds = verify_drafts(rows, spans, self.alpha_computer)
         except Exception:  # an exception here fails these requests, never the engine
             logger.exception("dual-sampling: the speculative decision failed")
             for span, (i, pairing, _) in zip(spans, owners):
@@ -136,7 +138,7 @@ class SpeculativeSampler:
         s.add_stat(Stat.ACCEPTED, sum(r.accepted for *_, r in good))
         for span, i, pairing, left, r in good:
             emitted = min(len(r.tokens), left)
-            records = torch.stack([r.alpha, r.logp_teacher, r.logp_theta, r.logq], -1)[:emitted]
+            records = r.token_records()[:emitted]
             slot, step = int(pairing["slot"]), span.step
             if int(s.control[slot, Slot.KEY]) != int(pairing["key"]):  # the driver closed it (an abort): not ours now
                 out[i, :emitted] = torch.tensor(r.tokens[:emitted], dtype=torch.int32)

@@ -41,7 +41,9 @@ def interpreted():
 def run(gk, teacher, theta, computer, uniforms, forced=None, masked=None, warm=None, normalized=False, block=64):
     forced = [False] * teacher.shape[0] if forced is None else forced
     edits = None if masked is None else masked_edits(masked, teacher.shape[-1])
-    out = gk.decide_gpu(teacher, theta, uniforms, forced, computer, warm, normalized, edits, block)
+    out = gk.decide_gpu(
+        ModelRows.pair(teacher, theta, theta_normalized=normalized), uniforms, forced, computer, warm, edits, block
+    )
     return out.numpy()
 
 
@@ -83,7 +85,9 @@ def test_alpha_and_records_against_float64(interpreted, normalized):
             expected = [lt[token], lth[token], log_q[token]]  # log q at the kernel's own α
             np.testing.assert_allclose(out[r, 2:5], expected, atol=ONE_NORMALISATION_ATOL, rtol=0)
         # The CPU kernel draws the same tokens from the same uniforms (its blocks are 256 tokens, these 64).
-        cpu, _ = decide_fused(teacher, theta, uniforms, forced, computer, None, normalized)
+        cpu, _ = decide_fused(
+            ModelRows.pair(teacher, theta, theta_normalized=normalized), uniforms, forced, computer, None
+        )
         assert (out[:, 0] == cpu[:, 0]).all()
         np.testing.assert_allclose(out[:, 1], cpu[:, 1], atol=ALPHA_TWO_SOLVES_ATOL, rtol=0)
 
@@ -209,13 +213,9 @@ def test_penalised_and_diverse_rows_are_the_references(interpreted, monkeypatch,
     reference = decide(models, [len(o) for o in outputs], rows, computer, fused=False, **shared)
     assert taken == [b] and not fused.handed_back.any()  # the kernel decided every row
     assert fused.tokens.tolist() == reference.tokens.tolist()
-    atol = {
-        "alpha": ALPHA_TWO_SOLVES_ATOL,
-        "logp_teacher": TWO_NORMALISATIONS_ATOL,
-        "logp_theta": TWO_NORMALISATIONS_ATOL,
-    }
+    atol = {"alpha": ALPHA_TWO_SOLVES_ATOL, "logp": TWO_NORMALISATIONS_ATOL}  # logp: log π_t and log π_θ
     atol["logq"] = two_decisions_logq_atol(fused.alpha, reference.alpha, teacher, theta, scale=1 / 0.6)
-    for name in ("alpha", "logp_teacher", "logp_theta", "logq"):
+    for name in ("alpha", "logp", "logq"):
         torch.testing.assert_close(getattr(fused, name), getattr(reference, name).float(), atol=atol[name], rtol=0)
     # A weight past float32's range in its block sum (frequency_penalty −2 on a token held 50 times: +100 on its
     # logit) or past float64's (400 times: +800) comes back, and the reference draws that token.

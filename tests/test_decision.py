@@ -16,12 +16,13 @@ from dual_sampling.decision.pipeline import (
     RowSampling,
     counter_uniform,
     decide,
-    dense_top,
     draw_tokens,
     inverse_cdf,
 )
+from dual_sampling.decision.result import dense_top
 from dual_sampling.decision.stages import keep_top_k_top_p
 from dual_sampling.options import SamplingOptions
+from dual_sampling.records import own_and_other
 from tests.oracles import np_alpha_kl, np_mix
 from tests.tolerances import (
     ALPHA_ATOL,
@@ -152,8 +153,8 @@ def test_decide_records_match_float64_references():
     torch.testing.assert_close(d.alpha.double(), torch.tensor(root, dtype=torch.float64), atol=ALPHA_ATOL, rtol=0)
     tokens = d.tokens.tolist()
     one = ONE_NORMALISATION_ATOL
-    assert d.logp_teacher.tolist() == pytest.approx([lt[i, t] for i, t in enumerate(tokens)], abs=one)
-    assert d.logp_theta.tolist() == pytest.approx([lth[i, t] for i, t in enumerate(tokens)], abs=one)
+    assert d.logp[:, 0].tolist() == pytest.approx([lt[i, t] for i, t in enumerate(tokens)], abs=one)
+    assert d.logp[:, 1].tolist() == pytest.approx([lth[i, t] for i, t in enumerate(tokens)], abs=one)
     logq = [math.log(np_mix(lth[i], lt[i], float(d.alpha[i]))[t]) for i, t in enumerate(tokens)]
     assert d.logq.tolist() == pytest.approx(logq, abs=ONE_NORMALISATION_ATOL)
 
@@ -214,7 +215,8 @@ def test_dense_top_k_values_are_the_records_at_the_drawn_token(vocab):
     theta = torch.log_softmax(theta, -1)
     rows = [RowSampling(seed=i, top_k=50 if i % 2 else 0) for i in range(6)]
     d = decide(ModelRows.pair(teacher, theta, theta_normalized=True), [1] * 6, rows, get_alpha_computer("kl_symmetry"))
-    ids, values, other = dense_top(ModelRows.pair(teacher, theta, theta_normalized=True), 16, d)
+    ids, logp = dense_top(ModelRows.pair(teacher, theta, theta_normalized=True), 16, d)
+    values, other = (torch.from_numpy(a) for a in own_and_other(logp.numpy()))  # the pair's sample arrays
     teacher_exact = torch.log_softmax(teacher.double(), -1)
     assert torch.equal(values[:, 1], theta.gather(-1, ids[:, 1]))  # theta at its own top k
     assert torch.equal(other[:, 0], theta.gather(-1, ids[:, 0]))  # and at the teacher's
@@ -225,7 +227,7 @@ def test_dense_top_k_values_are_the_records_at_the_drawn_token(vocab):
         other[:, 1].double(), teacher_exact.gather(-1, ids[:, 1]), atol=one_normalisation_atol(vocab), rtol=0
     )
     hits = 0
-    for side, record in enumerate((d.logp_teacher, d.logp_theta)):
+    for side, record in enumerate(d.logp.unbind(-1)):
         assert torch.equal(ids[:, side], [teacher, theta][side].topk(16, -1).indices)
         assert (values[:, side, :-1] >= values[:, side, 1:]).all()
         for row in range(6):
@@ -234,6 +236,6 @@ def test_dense_top_k_values_are_the_records_at_the_drawn_token(vocab):
                 hits += 1
                 assert values[row, side, hit[0]].item() == record[row].item()
                 # The other model's value at the drawn token is its record too: one normaliser per model and row.
-                other_record = (d.logp_theta, d.logp_teacher)[side]
+                other_record = d.logp[:, 1 - side]
                 assert other[row, side, hit[0]].item() == other_record[row].item()
     assert hits >= 10

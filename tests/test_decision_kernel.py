@@ -74,13 +74,11 @@ def test_kernel_matches_float64_and_the_reference(vocab, method):
     steps = [i % 3 for i in range(batch)]
     warm = torch.linspace(0.0, 1.0, batch)
     out, passes = decide_fused(
-        teacher,
-        theta,
+        ModelRows.pair(teacher, theta, theta_normalized=True),
         [counter_uniform(r.seed, s) for r, s in zip(rows, steps)],
         [r.force_first_token and s == 0 for r, s in zip(rows, steps)],
         computer,
         warm,
-        theta_normalized=True,
     )
     assert (out[:, 5] == 0).all(), "every row here is the kernel's to decide"
     if method == "fixed":
@@ -118,7 +116,9 @@ def test_alpha_stays_accurate_when_the_models_nearly_agree():
     teacher = base + 40.0
     theta = torch.log_softmax(base + 0.05 * torch.randn(64, 49152, generator=g), -1)
     computer = get_alpha_computer("kl_symmetry")
-    out, _ = decide_fused(teacher, theta, [0.5] * 64, [False] * 64, computer, None, theta_normalized=True)
+    out, _ = decide_fused(
+        ModelRows.pair(teacher, theta, theta_normalized=True), [0.5] * 64, [False] * 64, computer, None
+    )
     assert (out[:, 5] == 0).all()
     lt, lth = torch.log_softmax(teacher.double(), -1), theta.double()
     expected = float64_root(lth, lt, computer.alpha_min, computer.alpha_max)
@@ -142,7 +142,9 @@ def test_stop_tokens_before_min_tokens_are_masked_after_alpha():
     uniforms = [counter_uniform(r.seed, s) for r, s in zip(rows, steps)]
     masked = [r.stop_token_ids if s < r.min_tokens else () for r, s in zip(rows, steps)]
     edits = row_edits(rows, steps, None, vocab, None)
-    out, _ = decide_fused(teacher, theta, uniforms, [False] * batch, computer, None, True, edits)
+    out, _ = decide_fused(
+        ModelRows.pair(teacher, theta, theta_normalized=True), uniforms, [False] * batch, computer, None, edits
+    )
     assert out[:, 5].tolist() == [0] * batch  # the blocks of the masked tokens are summed again: none goes back
     lt, lth = torch.log_softmax(teacher.double(), -1), theta.double()
     alpha = float64_root(lth, lt, computer.alpha_min, computer.alpha_max)
@@ -175,7 +177,11 @@ def test_draws_follow_q():
     draws = 20000
     logq = torch.log(q).clamp_min(-60.0).expand(draws, -1).contiguous()  # finite: the kernel's domain
     out, _ = decide_fused(
-        logq, logq, [counter_uniform(s, 0) for s in range(draws)], [False] * draws, get_alpha_computer("fixed"), None
+        ModelRows.pair(logq, logq),
+        [counter_uniform(s, 0) for s in range(draws)],
+        [False] * draws,
+        get_alpha_computer("fixed"),
+        None,
     )
     assert (out[:, 5] == 0).all()
     freq = torch.bincount(torch.from_numpy(out[:, 0]).long(), minlength=305)[:5].double() / draws
@@ -225,9 +231,8 @@ def test_rows_with_filters_go_to_the_reference_and_the_batch_stays_in_order():
     assert mixed.ok.all()
     # Two float32 computations of each: the kernel's and torch's (at V = 3000, past SMALL_VOCAB), log q at two α.
     torch.testing.assert_close(mixed.alpha, reference.alpha, rtol=0, atol=ALPHA_TWO_SOLVES_ATOL)
-    for name in ("logp_teacher", "logp_theta"):
-        atol = ONE_NORMALISATION_ATOL + one_normalisation_atol(teacher.shape[-1])
-        torch.testing.assert_close(getattr(mixed, name), getattr(reference, name), rtol=0, atol=atol)
+    atol = ONE_NORMALISATION_ATOL + one_normalisation_atol(teacher.shape[-1])
+    torch.testing.assert_close(mixed.logp, reference.logp, rtol=0, atol=atol)  # log π_t and log π_θ
     stopped = [(2,) if r.min_tokens > s else () for r, s in zip(rows, steps)]
     atol = kernel_vs_reference_logq_atol(mixed.alpha, reference.alpha, teacher, theta, reference.tokens, stopped)
     torch.testing.assert_close(mixed.logq, reference.logq, rtol=0, atol=atol)
@@ -242,7 +247,9 @@ def test_rows_outside_the_kernels_domain_are_handed_back():
     teacher[1] = torch.arange(600.0) * 2.0  # the two models disagree by hundreds of nats
     theta[1] = torch.log_softmax(-torch.arange(600.0) * 2.0, -1)
     computer = get_alpha_computer("fixed", alpha=0.5)
-    out, _ = decide_fused(teacher, theta, [0.3, 0.6, 0.9], [False] * 3, computer, None, theta_normalized=True)
+    out, _ = decide_fused(
+        ModelRows.pair(teacher, theta, theta_normalized=True), [0.3, 0.6, 0.9], [False] * 3, computer, None
+    )
     assert out[:, 5].tolist() == [1, 0, 0] or out[:, 5].tolist() == [1, 1, 0]
     rows = [RowSampling(seed=i) for i in range(3)]
     via_kernel = decide(ModelRows.pair(teacher, theta, theta_normalized=True), [1] * 3, rows, computer)
@@ -270,7 +277,9 @@ def test_a_solve_that_does_not_converge_is_handed_back_not_drawn(monkeypatch):
     monkeypatch.setattr(kernel, "_MAX_PASSES", 1)
     teacher, theta, warm = unconverged_case(seed=13)
     computer = get_alpha_computer("kl_symmetry")
-    out, passes = decide_fused(teacher, theta, [0.3, 0.3], [False, False], computer, warm, theta_normalized=True)
+    out, passes = decide_fused(
+        ModelRows.pair(teacher, theta, theta_normalized=True), [0.3, 0.3], [False, False], computer, warm
+    )
     assert out[:, 5].tolist() == [0, 1], "status"
     assert out[:, 7].tolist() == [0, 1], "unconverged"
     assert out[:, 6].tolist() == [1, 1] and passes == 2, "passes: exactly _MAX_PASSES, the last one tested"
@@ -318,8 +327,10 @@ def test_row_maximum_and_finiteness_from_the_bits():
 
 def test_rows_of_different_shapes_are_refused():
     teacher, theta = pair(2, 300, seed=7)
-    with pytest.raises(ValueError, match="expected the same"):
-        decide_fused(teacher, theta[:, :299], [0.5, 0.5], [False, False], get_alpha_computer("fixed"), None)
+    with pytest.raises(ValueError, match="every model.s rows must match"):
+        decide_fused(
+            ModelRows.pair(teacher, theta[:, :299]), [0.5, 0.5], [False, False], get_alpha_computer("fixed"), None
+        )
 
 
 def test_bad_rows_still_raise_a_named_error():
@@ -373,7 +384,9 @@ def test_a_warm_start_settles_on_the_second_pass():
     computer = get_alpha_computer("kl_symmetry")
     root = float64_root(lth, lt, computer.alpha_min, computer.alpha_max)
     warm = (root + 0.02).clamp(0, 1).float()
-    out, passes = decide_fused(teacher, theta, [0.5] * batch, [False] * batch, computer, warm, theta_normalized=True)
+    out, passes = decide_fused(
+        ModelRows.pair(teacher, theta, theta_normalized=True), [0.5] * batch, [False] * batch, computer, warm
+    )
     assert (out[:, 5] == 0).all()
     torch.testing.assert_close(torch.from_numpy(out[:, 1]), root, rtol=0, atol=ALPHA_ATOL)
     assert passes <= 2.25 * batch, f"{passes / batch:.2f} passes per row (Newton's steps alone take 3)"

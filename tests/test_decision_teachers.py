@@ -34,7 +34,7 @@ def test_records_of_two_teachers_are_float64s_at_the_recorded_alpha():
     rows = [RowSampling(seed=s, temperature=t) for s, t in enumerate((1.0, 1.0, 0.7, 1.3, 1.0, 0.5))]
     computer = get_alpha_computer("kl_symmetry")
     d = decide(ModelRows((math_, general, theta), TRIO), [3] * 6, rows, computer)
-    assert d.alpha.shape == (6, 2) and d.logp_teacher.shape == (6, 2) and d.ok.all()
+    assert d.alpha.shape == (6, 2) and d.logp.shape == (6, 3) and d.ok.all()
     wide = computer.compute_teachers(
         torch.log_softmax(theta.double(), -1), torch.log_softmax(torch.stack([math_, general]).double(), -1)
     )
@@ -42,8 +42,8 @@ def test_records_of_two_teachers_are_float64s_at_the_recorded_alpha():
     for r in range(6):
         token, a = int(d.tokens[r]), d.alpha[r].double().numpy()
         logp = [np_log_softmax(m[r].double().numpy()) for m in (math_, general, theta)]
-        assert d.logp_teacher[r].tolist() == pytest.approx([logp[0][token], logp[1][token]], abs=1e-5)
-        assert float(d.logp_theta[r]) == pytest.approx(logp[2][token], abs=1e-5)
+        assert d.logp[r, :2].tolist() == pytest.approx([logp[0][token], logp[1][token]], abs=1e-5)
+        assert float(d.logp[r, 2]) == pytest.approx(logp[2][token], abs=1e-5)
         mixed = (1 - a.sum()) * logp[2] + a[0] * logp[0] + a[1] * logp[1]
         expected = np_log_softmax(mixed / rows[r].temperature)[token]
         assert float(d.logq[r]) == pytest.approx(expected, abs=1e-4), r
@@ -84,7 +84,7 @@ def test_penalties_act_on_the_k_teacher_mixtures_logits():
         ids = d.top_ids[r].numpy()
         np.testing.assert_allclose(d.top_logq[r].double().numpy(), expected[ids], atol=4 * ONE_NORMALISATION_ATOL)
         assert int(d.tokens[r]) == int(np.argmax(expected))
-        assert d.top_logp_teacher.shape == (2, 40, 2)
+        assert d.top_logp.shape == (2, 3, 40)
 
 
 def test_penalties_on_a_following_teachers_normalised_rows_take_its_log_normaliser():
@@ -105,11 +105,12 @@ def test_penalties_on_a_following_teachers_normalised_rows_take_its_log_normalis
     raw = decided(ModelRows((math_, general, theta), TRIO))
     norms = [m.double().logsumexp(-1) for m in (general, theta)]
     follow = [torch.log_softmax(m, -1) for m in (general, theta)]
-    normalised = ModelRows((math_, *follow), TRIO, True, norms[1], (None, norms[0]))
+    normalised = ModelRows((math_, *follow), TRIO, (False, True, True), (None, *norms))
     got = decided(normalised)
     assert torch.equal(got[0], raw[0])
     torch.testing.assert_close(got[1], raw[1], atol=4 * ONE_NORMALISATION_ATOL, rtol=0)
-    blind = decided(ModelRows((math_, *follow), TRIO, True, norms[1]))  # the teacher's normaliser not given
+    # The following teacher's rows taken for its raw logits: its normaliser read as 0.
+    blind = decided(ModelRows((math_, *follow), TRIO, (False, False, True), (None, None, norms[1])))
     assert not torch.allclose(blind[1], raw[1], atol=1e-3), "the check cannot see a missing normaliser"
 
 
@@ -123,12 +124,36 @@ def test_a_forced_first_token_gives_theta_no_weight_and_teacher_support_is_refus
         decide(models, [1], [RowSampling(teacher_support_top_k=5)], get_alpha_computer("fixed", alpha=(0.2, 0.2)))
     with pytest.raises(ValueError, match="alpha method 'entropy' has no form for 2 teachers"):
         decide(models, [1, 1], forced, get_alpha_computer("entropy"))
-    with pytest.raises(ValueError, match=r"this path serves one teacher; the roster has 2"):
-        from dual_sampling.decision.pipeline import dense_top
-
-        dense_top(models, 4, d)
     with pytest.raises(ValueError, match=r"logits of 'general' have shape \(2, 49\)"):
         ModelRows((math_, general[:, :49], theta), TRIO)
+
+
+def test_dense_top_k_of_every_model_against_float64():
+    """Each model's own top k, and every model's log π at them (a trainer's loss reads any teacher's distribution
+    where any model has its mass): float64 log-softmax of the raw logits, the followers' rows arriving normalised as
+    in lockstep; where the drawn token is among a model's k, every model's value there is its record, bit for bit."""
+    from dual_sampling.decision.result import dense_top
+
+    math_, general, theta = trio_logits(4, 300, seed=6)
+    for model in (math_, general, theta):
+        model[:, :4] += 6.0  # the drawn tokens fall among every model's top k
+    follow = tuple(torch.log_softmax(m, -1) for m in (general, theta))
+    models = ModelRows((math_, *follow), TRIO, (False, True, True))
+    d = decide(models, [2] * 4, [RowSampling(seed=s) for s in range(4)], get_alpha_computer("fixed", alpha=(0.3, 0.3)))
+    ids, logp = dense_top(models, 8, d)
+    assert ids.shape == (4, 3, 8) and logp.shape == (4, 3, 3, 8)
+    exact = [torch.log_softmax(m.double(), -1) for m in (math_, general, theta)]
+    hits = 0
+    for i, own in enumerate(exact):
+        assert torch.equal(ids[:, i], own.topk(8, -1).indices)
+        for j, other in enumerate(exact):
+            torch.testing.assert_close(logp[:, i, j].double(), other.gather(-1, ids[:, i]), atol=1e-5, rtol=0)
+        for r in range(4):
+            hit = (ids[r, i] == d.tokens[r]).nonzero().flatten()
+            if hit.numel():
+                hits += 1
+                assert logp[r, i, :, hit[0]].tolist() == d.logp[r].tolist()
+    assert hits >= 6  # of 12: the bit-for-bit check ran for each model
 
 
 def test_a_forced_first_token_takes_none_of_thetas_masks_in_float32():

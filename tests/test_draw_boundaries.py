@@ -74,8 +74,7 @@ def kernel_draw(teacher, theta, computer, masked=()):
     def draw(uniforms):
         b = len(uniforms)
         out, _ = decide_fused(
-            torch.from_numpy(np.tile(teacher, (b, 1))),
-            torch.from_numpy(np.tile(theta, (b, 1))),
+            ModelRows.pair(torch.from_numpy(np.tile(teacher, (b, 1))), torch.from_numpy(np.tile(theta, (b, 1)))),
             uniforms,
             [False] * b,
             computer,
@@ -105,7 +104,7 @@ def test_kernel_draw_at_the_solved_alpha_with_masked_tokens():
     masked = [3, 255, 256, 511, 600, VOCAB - 1]  # block edges and the last token
     computer = get_alpha_computer("kl_symmetry")
     out, _ = decide_fused(
-        torch.from_numpy(teacher[None]), torch.from_numpy(theta[None]), [0.5], [False], computer, None
+        ModelRows.pair(torch.from_numpy(teacher[None]), torch.from_numpy(theta[None])), [0.5], [False], computer, None
     )
     alpha = float(out[0, 1])
     # The kernel's α against the float64 bisection: the float32 solve's own tolerance.

@@ -30,7 +30,7 @@ import torch
 from alpha import get_alpha_computer
 from dual_sampling.decision.edits import RowEdits, row_edits
 from dual_sampling.decision.kernel import decide_fused
-from dual_sampling.decision.pipeline import RowSampling, counter_uniform
+from dual_sampling.decision.pipeline import ModelRows, RowSampling, counter_uniform
 from tests.oracles import np_alpha_kl, np_log_softmax, np_mix
 from tests.tolerances import ALPHA_TWO_SOLVES_ATOL, TWO_NORMALISATIONS_ATOL
 
@@ -102,8 +102,7 @@ def masked_draw_p_values(
     alpha = 1.0 if forced else np_alpha_kl(lth, lt)  # α is solved on the whole vocabulary, then the mask applies
     uniforms = [counter_uniform(seed, 0) for seed in range(draws)]
     out = decide_gpu(
-        teacher.to(device).expand(draws, vocab),
-        theta.to(device).expand(draws, vocab),
+        ModelRows.pair(teacher.to(device).expand(draws, vocab), theta.to(device).expand(draws, vocab)),
         uniforms,
         [forced] * draws,
         get_alpha_computer("kl_symmetry"),
@@ -241,18 +240,11 @@ def test_on_a_gpu_the_kernel_draws_what_the_cpu_kernel_draws():
     max_d = (torch.log_softmax(teacher.double(), -1) - torch.log_softmax(theta.double(), -1)).abs().amax(-1).numpy()
     for computer in (get_alpha_computer("kl_symmetry"), get_alpha_computer("fixed", alpha=0.4)):
         out = (
-            gk.decide_gpu(
-                teacher.cuda(),
-                theta.cuda(),
-                uniforms,
-                [False] * 64,
-                computer,
-                None,
-            )
+            gk.decide_gpu(ModelRows.pair(teacher.cuda(), theta.cuda()), uniforms, [False] * 64, computer, None)
             .cpu()
             .numpy()
         )
-        cpu, _ = decide_fused(teacher, theta, uniforms, [False] * 64, computer, None)
+        cpu, _ = decide_fused(ModelRows.pair(teacher, theta), uniforms, [False] * 64, computer, None)
         assert (out[:, 5] == 0).all()
         assert (out[:, 0] == cpu[:, 0]).mean() >= 63 / 64  # a draw at a CDF boundary may round either way
         np.testing.assert_allclose(out[:, 1], cpu[:, 1], atol=ALPHA_TWO_SOLVES_ATOL, rtol=0)  # two float32 solves

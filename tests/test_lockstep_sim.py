@@ -614,7 +614,7 @@ def decide_one(teacher, logits: torch.Tensor, theta_logprobs: np.ndarray, sampli
         teacher.alpha_computer,
         torch.tensor([0.5]),
     )
-    return [t.item() for t in (d.tokens, d.alpha, d.logp_teacher, d.logp_theta, d.logq)]
+    return [t.item() for t in (d.tokens, d.alpha, *d.logp.unbind(-1), d.logq)]
 
 
 @pytest.mark.parametrize("column", range(4))
@@ -628,7 +628,7 @@ def test_a_non_finite_record_fails_its_row_and_is_never_written(monkeypatch, col
 
         def poisoned(*args):
             d = real(*args)
-            field = (d.alpha, d.logp_teacher, d.logp_theta, d.logq)[column]
+            field = (d.alpha, *d.logp.unbind(-1), d.logq)[column]
             field[1] = (math.nan, math.inf, -math.inf, math.nan)[column]
             return d
 

@@ -160,7 +160,7 @@ def test_penalised_draws_follow_the_penalised_law():
     one = ONE_NORMALISATION_ATOL
     np.testing.assert_allclose(d.logq.numpy(), np.log(law)[d.tokens.numpy()], atol=one, rtol=0)
     np.testing.assert_allclose(
-        d.logp_theta.numpy(), torch.log_softmax(theta[0].double(), -1).numpy()[d.tokens.numpy()], atol=one, rtol=0
+        d.logp[:, 1].numpy(), torch.log_softmax(theta[0].double(), -1).numpy()[d.tokens.numpy()], atol=one, rtol=0
     )
 
 

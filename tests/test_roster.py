@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from dual_sampling.beams import BeamSequence
 from dual_sampling.datagen.schema import Record, record_schema
-from dual_sampling.decision.pipeline import Decision
+from dual_sampling.decision.result import Decision
 from dual_sampling.lockstep import RECORD_FIELDS
 from dual_sampling.records import DENSE_ROLES, SampleRecord
 from dual_sampling.roster import PAIR, THETA, TOKEN_COLUMNS, Roster
@@ -31,7 +32,15 @@ def test_the_pair_keeps_todays_column_names():
 def test_every_record_declaration_follows_the_roster():
     assert per_token_columns(SampleRecord) == list(TOKEN_COLUMNS)
     assert per_token_columns(BeamSequence) == list(TOKEN_COLUMNS)
-    assert [f.name for f in dataclasses.fields(Decision)][1 : 1 + len(TOKEN_COLUMNS)] == list(TOKEN_COLUMNS)
+    # A decision's records come out in its roster's token columns: each value lands in the column named for it.
+    for roster in (PAIR, Roster(("math", "general", THETA))):
+        teachers, models = len(roster.teachers), len(roster.names)
+        alpha = torch.tensor([0.1]) if teachers == 1 else torch.tensor([[0.1, 0.2]])  # [b], or [b, K]
+        logp = -torch.arange(1.0, models + 1).unsqueeze(0)
+        decided = Decision(torch.tensor([7]), alpha, logp, torch.tensor([-9.0]), torch.tensor([True]))
+        expected = {"logq": -9.0, **{f"logp_{n}": -(p + 1.0) for p, n in enumerate(roster.names)}}
+        expected.update(zip(roster.alpha_columns, alpha.reshape(-1).tolist()))
+        assert decided.token_records()[0].tolist() == pytest.approx([expected[c] for c in roster.token_columns])
     record = [f.name for f in dataclasses.fields(Record)]
     assert per_token_columns(Record) == list(TOKEN_COLUMNS)
     assert [n for n in record if n.startswith("sum_")] == list(PAIR.sum_columns)

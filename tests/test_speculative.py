@@ -18,6 +18,7 @@ import torch
 
 from alpha import get_alpha_computer
 from dual_sampling.decision.pipeline import inverse_cdf
+from dual_sampling.decision.rows import ModelRows
 from dual_sampling.decision.speculative import Span, stream_uniform, verify_drafts
 from tests.draws import first_token_p
 from tests.oracles import np_alpha_kl, np_log_softmax, np_mix
@@ -64,7 +65,7 @@ def first_two_tokens(teacher: torch.Tensor, theta: torch.Tensor, computer, seeds
             Span(start=3 * k, drafts=(y1[k], y2[k]), seed=act_seeds[k], step=steps[k], bonus_row=True)
             for k in range(len(active))
         ]
-        rounds = verify_drafts(teacher[prefixes].float(), theta[prefixes].float(), spans, computer)
+        rounds = verify_drafts(ModelRows.pair(teacher[prefixes].float(), theta[prefixes].float()), spans, computer)
         for i, r in zip(active, rounds):
             emitted[i].extend(r.tokens)
 
@@ -115,7 +116,9 @@ def test_mean_acceptance_is_the_overlap_of_theta_and_q():
     y1 = draft(theta, [START] * len(seeds), seeds, [0] * len(seeds))
     rows = torch.tensor([START] * len(seeds))
     spans = [Span(start=k, drafts=(y1[k],), seed=s, step=0) for k, s in enumerate(seeds)]
-    rounds = verify_drafts(teacher[rows].float(), theta[rows].float(), spans, get_alpha_computer("fixed", alpha=0.4))
+    rounds = verify_drafts(
+        ModelRows.pair(teacher[rows].float(), theta[rows].float()), spans, get_alpha_computer("fixed", alpha=0.4)
+    )
     rate = sum(r.accepted for r in rounds) / len(rounds)
     lth, lt = np_log_softmax(theta[START].numpy()), np_log_softmax(teacher[START].numpy())
     overlap = float(np.minimum(np.exp(lth), np_mix(lth, lt, 0.4)).sum())
@@ -127,7 +130,7 @@ def test_records_against_float64():
     g = torch.Generator().manual_seed(11)
     teacher, theta = 3.0 * torch.randn(7, 300, generator=g), 1.5 * torch.randn(7, 300, generator=g)
     spans = [Span(0, (5, 17, 2), seed=1, step=0, bonus_row=True), Span(4, (9, 9), seed=2, step=7, bonus_row=True)]
-    rounds = verify_drafts(teacher, theta, spans, get_alpha_computer("kl_symmetry"))
+    rounds = verify_drafts(ModelRows.pair(teacher, theta), spans, get_alpha_computer("kl_symmetry"))
     checked = 0
     for span, r in zip(spans, rounds):
         assert r.tokens[: r.accepted] == list(span.drafts[: r.accepted])
@@ -136,8 +139,8 @@ def test_records_against_float64():
             lt = np_log_softmax(teacher[span.start + j].double().numpy())
             lth = np_log_softmax(theta[span.start + j].double().numpy())
             assert abs(float(r.alpha[j]) - np_alpha_kl(lth, lt)) < ALPHA_ATOL
-            np.testing.assert_allclose(float(r.logp_teacher[j]), lt[token], atol=ONE_NORMALISATION_ATOL, rtol=0)
-            np.testing.assert_allclose(float(r.logp_theta[j]), lth[token], atol=ONE_NORMALISATION_ATOL, rtol=0)
+            np.testing.assert_allclose(float(r.logp[j, 0]), lt[token], atol=ONE_NORMALISATION_ATOL, rtol=0)
+            np.testing.assert_allclose(float(r.logp[j, 1]), lth[token], atol=ONE_NORMALISATION_ATOL, rtol=0)
             # log q at the recorded α (its error is checked above, not counted twice): a mixture of the two float32
             # log-softmaxes (their row constants cancel in it) normalised once more in float32.
             mixed = np.log(np_mix(lth, lt, float(r.alpha[j]))[token])
@@ -151,8 +154,8 @@ def test_seeds_reproduce_whatever_the_batch():
     teacher, theta = 2.0 * torch.randn(6, 200, generator=g), 2.0 * torch.randn(6, 200, generator=g)
     computer = get_alpha_computer("kl_symmetry")
     a, b = Span(0, (3, 4), seed=5, step=2, bonus_row=True), Span(3, (7, 8), seed=6, step=0, bonus_row=True)
-    together = verify_drafts(teacher, theta, [a, b], computer)
-    alone = verify_drafts(teacher[3:], theta[3:], [Span(0, b.drafts, b.seed, b.step, True)], computer)
+    together = verify_drafts(ModelRows.pair(teacher, theta), [a, b], computer)
+    alone = verify_drafts(ModelRows.pair(teacher[3:], theta[3:]), [Span(0, b.drafts, b.seed, b.step, True)], computer)
     assert together[1].tokens == alone[0].tokens
     # Two float32 computations of the same rows: α within two solves' bound; log q within two normalisations' each
     # way, plus the move of the float64 log q between the two α, at most Δα·(max d − min d) (d = log π_t − log π_θ).
@@ -160,7 +163,7 @@ def test_seeds_reproduce_whatever_the_batch():
     d = torch.log_softmax(teacher[3:].double(), -1) - torch.log_softmax(theta[3:].double(), -1)
     moved = ALPHA_TWO_SOLVES_ATOL * (d.amax(-1) - d.amin(-1)).max().item()
     torch.testing.assert_close(together[1].logq, alone[0].logq, rtol=0, atol=2 * TWO_NORMALISATIONS_ATOL + moved)
-    again = verify_drafts(teacher, theta, [b, a], computer)
+    again = verify_drafts(ModelRows.pair(teacher, theta), [b, a], computer)
     assert [r.tokens for r in again] == [together[1].tokens, together[0].tokens]
 
 
@@ -170,7 +173,7 @@ def test_alpha_zero_accepts_every_draft_and_draws_the_bonus_from_theta():
     g = torch.Generator().manual_seed(8)
     teacher, theta = torch.randn(4, 100, generator=g), torch.randn(4, 100, generator=g)
     spans = [Span(0, (1, 2, 3), seed=s, step=0, bonus_row=True) for s in range(2000)]
-    rounds = verify_drafts(teacher, theta, spans, get_alpha_computer("fixed", alpha=0.0))
+    rounds = verify_drafts(ModelRows.pair(teacher, theta), spans, get_alpha_computer("fixed", alpha=0.0))
     assert all(r.accepted == 3 and len(r.tokens) == 4 for r in rounds)
     assert [r.tokens[:3] for r in rounds] == [[1, 2, 3]] * len(rounds)
     bonus = [r.tokens[3] for r in rounds]
@@ -184,9 +187,9 @@ def test_bad_spans_are_refused_by_name():
     rows = torch.zeros(3, 10)
     computer = get_alpha_computer("fixed")
     with pytest.raises(ValueError, match=r"spans\[1\]: rows"):
-        verify_drafts(rows, rows, [Span(0, (1,), 0, 0), Span(2, (1, 2), 0, 0)], computer)
+        verify_drafts(ModelRows.pair(rows, rows), [Span(0, (1,), 0, 0), Span(2, (1, 2), 0, 0)], computer)
     with pytest.raises(ValueError, match=r"spans\[0\]\.drafts"):
-        verify_drafts(rows, rows, [Span(0, (10,), 0, 0)], computer)
+        verify_drafts(ModelRows.pair(rows, rows), [Span(0, (10,), 0, 0)], computer)
 
 
 def test_the_speculative_driver_refuses_every_sampling_field_it_cannot_serve_by_name():
@@ -271,7 +274,9 @@ def test_the_batched_rounds_equal_the_rule_applied_one_draft_at_a_time():
         span = Span(start, drafts, seed=100 + k, step=k, bonus_row=k % 3 != 1 or not drafts)
         spans.append(span)
         start += span.rows
-    rounds = verify_drafts(teacher[:start], theta[:start], spans, get_alpha_computer("fixed", alpha=0.6))
+    rounds = verify_drafts(
+        ModelRows.pair(teacher[:start], theta[:start]), spans, get_alpha_computer("fixed", alpha=0.6)
+    )
     assert [r.tokens for r in rounds] == _sequential_rounds(teacher, theta, spans, 0.6)
     assert any(0 < r.accepted < len(s.drafts) for r, s in zip(rounds, spans))  # rejections inside rounds happened
     assert all(r.finite for r in rounds)
@@ -287,9 +292,11 @@ def test_a_non_finite_row_fails_its_span_alone():
     theta[6] = -math.inf
     spans = [Span(0, (1, 2), 0, 0), Span(2, (3,), 1, 0, True), Span(4, (5,), 2, 0, True), Span(6, (7,), 3, 0, True)]
     computer = get_alpha_computer("kl_symmetry")
-    rounds = verify_drafts(teacher, theta, spans, computer, theta_normalized=True)
+    rounds = verify_drafts(ModelRows.pair(teacher, theta, theta_normalized=True), spans, computer)
     assert [r.finite for r in rounds] == [False, True, False, False]
-    alone = verify_drafts(teacher[2:4], theta[2:4], [Span(0, (3,), 1, 0, True)], computer, theta_normalized=True)
+    alone = verify_drafts(
+        ModelRows.pair(teacher[2:4], theta[2:4], theta_normalized=True), [Span(0, (3,), 1, 0, True)], computer
+    )
     assert rounds[1].tokens == alone[0].tokens and torch.equal(rounds[1].logq, alone[0].logq)
 
 
@@ -297,9 +304,9 @@ def test_spans_with_no_rows_emit_nothing_and_leave_the_others_alone():
     g = torch.Generator().manual_seed(6)
     teacher, theta = torch.randn(2, 30, generator=g), torch.randn(2, 30, generator=g)
     computer = get_alpha_computer("fixed", alpha=0.5)
-    rounds = verify_drafts(teacher, theta, [Span(0, (1,), 0, 0, True), Span(2, (), 1, 0)], computer)
+    rounds = verify_drafts(ModelRows.pair(teacher, theta), [Span(0, (1,), 0, 0, True), Span(2, (), 1, 0)], computer)
     assert rounds[1].tokens == [] and rounds[1].accepted == 0 and len(rounds[0].tokens) >= 1
-    empty = verify_drafts(teacher[:0], theta[:0], [Span(0, (), 1, 0)], computer)
+    empty = verify_drafts(ModelRows.pair(teacher[:0], theta[:0]), [Span(0, (), 1, 0)], computer)
     assert empty[0].tokens == [] and empty[0].logq.shape == (0,)
 
 
@@ -349,7 +356,7 @@ def test_the_decision_waits_for_the_device_as_often_for_many_drafts_as_for_one(m
         batch = [Span(k * (gamma + 1), tuple(range(gamma)), seed=k, step=0, bonus_row=True) for k in range(spans)]
         nonlocal mode
         with _DeviceWaits() as mode:
-            rounds = verify_drafts(teacher, theta, batch, computer)
+            rounds = verify_drafts(ModelRows.pair(teacher, theta), batch, computer)
         assert len(rounds) == spans
         return mode.waits
 
@@ -370,7 +377,7 @@ def test_the_verification_runs_where_its_rows_are_without_reading_them_back():
 
     spans = [Span(0, (1, 2), 0, 0, True), Span(3, (), 1, 5, True), Span(4, (7, 7, 7), 2, 3)]
     rows = torch.empty(7, 300, device="meta")
-    block = verification_block(rows, rows, spans, half, theta_normalized=True)
+    block = verification_block(ModelRows.pair(rows, rows, theta_normalized=True), spans, half)
     assert block.device.type == "meta" and block.shape == (3, 5 * 4 + 3)
 
 

@@ -7,16 +7,34 @@ algorithm); every other row goes to the torch reference in ``dual_sampling.decis
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import IntEnum
 
 import torch
 
 from alpha import AlphaComputer, FixedAlpha, KLSymmetryAlpha
 from dual_sampling.decision.stages import STAGES
 
-__all__ = ["KERNEL_ALPHA_METHODS", "kernel_device", "kernel_rows"]
+__all__ = ["KERNEL_ALPHA_METHODS", "KernelColumn", "kernel_device", "kernel_rows"]
 
 KERNEL_ALPHA_METHODS = {FixedAlpha: 0, KLSymmetryAlpha: 1}
 """Alpha computer classes the kernels implement (exactly these classes, not subclasses), with their kernel code."""
+
+
+class KernelColumn(IntEnum):
+    """The columns of both kernels' output (``[b, 8]`` float64, one row per decided row). The kernels serve one
+    teacher, so a row's records are the one-teacher roster's: α, the teacher's log π, θ's log π and log q."""
+
+    TOKEN = 0
+    ALPHA = 1
+    LOGP_TEACHER = 2
+    LOGP_STUDENT = 3
+    LOGQ = 4
+    STATUS = 5
+    """0 decided; 1 handed to the reference (a non-finite entry, weights that underflow, an unconverged solve)."""
+    PASSES = 6
+    """α evaluations the row took."""
+    UNCONVERGED = 7
+    """1 where the α solve did not converge in the kernel's passes (such a row has status 1 too)."""
 
 
 _UNFUSED = {device: tuple(stage for stage in STAGES if device not in stage.fused_on) for device in ("cpu", "cuda")}

@@ -50,6 +50,7 @@ import triton.language as tl
 from alpha import AlphaComputer
 from dual_sampling.decision.edits import RowEdits
 from dual_sampling.decision.fusable import KERNEL_ALPHA_METHODS
+from dual_sampling.decision.rows import ModelRows
 
 __all__ = ["BLOCK", "decide_gpu"]
 
@@ -372,33 +373,28 @@ def _decide_rows(
 
 
 def decide_gpu(
-    teacher_logits: torch.Tensor,
-    theta_logits: torch.Tensor,
+    models: ModelRows,
     uniforms: Sequence[float],
     force_teacher: Sequence[bool],
     alpha_computer: AlphaComputer,
     alpha_init: torch.Tensor | None,
-    theta_normalized: bool = False,
     edits: RowEdits | None = None,
     block: int = BLOCK,
     num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
-    """Decide ``[b, V]`` rows in one launch; returns ``[b, 8]`` float64 on the rows' device, without waiting for it.
+    """Decide the ``[b, V]`` rows of a one-teacher roster in one launch; returns ``[b, 8]`` float64 on the rows'
+    device, in :class:`~dual_sampling.decision.fusable.KernelColumn`'s columns, without waiting for it.
 
-    Columns: token, α, log π_t, log π_θ, log q, status (0 decided, 1 for the reference), passes, unconverged (1
-    where the α solve did not converge in ``_MAX_PASSES`` passes: such a row has status 1 too, and the caller can
-    count them apart from the other rows it hands to the reference). ``uniforms`` (b floats), ``force_teacher`` (b
-    bools: α = 1) and ``edits`` (the rows' masked, penalised and diverse tokens, :func:`~dual_sampling.decision.
-    edits.row_edits`; None: no row has any) are host values, as the CPU kernel takes them; they reach the device in
-    one copy. ``alpha_init`` ``[b]`` (on the rows' device) warm-starts kl_symmetry (0.5 where absent). ``block`` sets
-    the block size (a power of two; the tests use small ones on small vocabularies), ``num_warps`` the warps of each
-    row's program.
+    An unconverged α solve (not within ``_MAX_PASSES`` passes) has status 1 too, and the caller can count such rows
+    apart from the other rows it hands to the reference. θ's rows may be log-softmax outputs already
+    (``models.normalized``). ``uniforms`` (b floats), ``force_teacher`` (b bools: α = 1) and ``edits`` (the rows'
+    masked, penalised and diverse tokens, :func:`~dual_sampling.decision.edits.row_edits`; None: no row has any) are
+    host values, as the CPU kernel takes them; they reach the device in one copy. ``alpha_init`` ``[b]`` (on the rows'
+    device) warm-starts kl_symmetry (0.5 where absent). ``block`` sets the block size (a power of two; the tests use
+    small ones on small vocabularies), ``num_warps`` the warps of each row's program.
     """
-    if teacher_logits.shape != theta_logits.shape or teacher_logits.dim() != 2:
-        raise ValueError(
-            f"teacher_logits {tuple(teacher_logits.shape)} and theta_logits {tuple(theta_logits.shape)}: "
-            "expected the same [b, V] shape"
-        )
+    teacher_logits, theta_logits = models.teacher, models.student
+    theta_normalized = models.is_normalized(models.student_position)
     method = KERNEL_ALPHA_METHODS.get(type(alpha_computer))
     if method is None:
         raise ValueError(f"alpha_computer {type(alpha_computer).__name__} has no GPU kernel (fixed, kl_symmetry)")

@@ -67,6 +67,7 @@ from numba.extending import intrinsic
 from alpha import AlphaComputer, FixedAlpha, KLSymmetryAlpha
 from dual_sampling.decision.edits import RowEdits, row_edits
 from dual_sampling.decision.fusable import KERNEL_ALPHA_METHODS
+from dual_sampling.decision.rows import ModelRows
 
 __all__ = ["decide_fused", "warm_up"]
 
@@ -636,31 +637,22 @@ def _decide_batch(
 
 
 def decide_fused(
-    teacher_logits: torch.Tensor,
-    theta_logits: torch.Tensor,
+    models: ModelRows,
     uniforms: Sequence[float],
     force_teacher: Sequence[bool],
     alpha_computer: AlphaComputer,
     alpha_init: torch.Tensor | None,
-    theta_normalized: bool = False,
     edits: RowEdits | None = None,
 ) -> tuple[np.ndarray, int]:
-    """Decide ``[b, V]`` rows with the kernel; returns (``[b, 8]`` float64, passes in all rows).
+    """Decide the ``[b, V]`` rows of a one-teacher roster with the kernel; returns (``[b, 8]`` float64 in
+    :class:`~dual_sampling.decision.fusable.KernelColumn`'s columns, passes in all rows).
 
-    Columns, as :func:`dual_sampling.decision.gpu_kernel.decide_gpu`'s: token, α, log π_t, log π_θ,
-    log q, status (0 decided; 1 to be decided by the reference), passes, unconverged (1 where the α
-    solve did not converge in ``_MAX_PASSES`` passes; such a row has status 1 too).
-    ``theta_normalized=True`` says theta's rows are log-softmax outputs already. ``edits`` are the rows' masked
-    and penalised tokens (:func:`row_edits`; None: no row has any).
+    θ's rows may be log-softmax outputs already (``models.normalized``). ``edits`` are the rows' masked and penalised
+    tokens (:func:`row_edits`; None: no row has any).
     """
-    if teacher_logits.shape != theta_logits.shape or teacher_logits.dim() != 2:
-        # The kernel reads both rows with the same index and checks no bounds.
-        raise ValueError(
-            f"teacher_logits {tuple(teacher_logits.shape)} and theta_logits {tuple(theta_logits.shape)}: "
-            "expected the same [b, V] shape"
-        )
-    teacher = np.ascontiguousarray(teacher_logits.detach().float().numpy())
-    theta = np.ascontiguousarray(theta_logits.detach().float().numpy())
+    teacher = np.ascontiguousarray(models.teacher.detach().float().numpy())
+    theta = np.ascontiguousarray(models.student.detach().float().numpy())
+    theta_normalized = models.is_normalized(models.student_position)
     b = teacher.shape[0]
     method = KERNEL_ALPHA_METHODS[type(alpha_computer)]
     fixed = float(alpha_computer.alpha) if method == 0 else 0.5
@@ -714,5 +706,5 @@ def warm_up() -> None:
     ]
     edits = row_edits(rows, [0, 1], [[], [4]], teacher.shape[1], [0.0, 0.0], [{}, {5: 1}])
     for computer in (FixedAlpha(), KLSymmetryAlpha()):
-        decide_fused(teacher, theta, [0.5, 0.25], [False, True], computer, None)
-        decide_fused(teacher, theta, [0.5, 0.25], [False, False], computer, None, edits=edits)
+        decide_fused(ModelRows.pair(teacher, theta), [0.5, 0.25], [False, True], computer, None)
+        decide_fused(ModelRows.pair(teacher, theta), [0.5, 0.25], [False, False], computer, None, edits=edits)

@@ -29,7 +29,6 @@ torch code below stays the reference for every other row and device, and in the 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -41,10 +40,10 @@ from torch import Tensor
 from alpha import AlphaComputer, geometric_log_weights, geometric_log_weights_teachers
 from alpha.base import check_log_prob_pair, clamp_total
 from alpha.mixing import theta_weight
-from dual_sampling.decision.fusable import kernel_device, kernel_rows
+from dual_sampling.decision.fusable import KernelColumn, kernel_device, kernel_rows
+from dual_sampling.decision.result import Decision
 from dual_sampling.decision.rows import ModelRows
 from dual_sampling.decision.stages import STAGES, DecisionOptions, StageBatch, clamped_logit_bias, needs_logit_offset
-from dual_sampling.roster import TOKEN_COLUMNS
 
 __all__ = [
     "Decision",
@@ -221,94 +220,6 @@ def draw_tokens(
     return Draw(tokens, torch.where(greedy | ~ok, torch.zeros_like(logq_token), logq_token), ok, top)
 
 
-@dataclass
-class Decision:
-    """One decided token per row, with what the records need. Every field has shape ``[b]``; with several teachers,
-    ``alpha``, ``logp_teacher`` and ``top_logp_teacher`` gain a trailing teacher axis (K, in roster order)."""
-
-    tokens: Tensor
-    alpha: Tensor
-    """Teacher weight used (after clamps and first-token forcing); ``[b, K]`` with several teachers."""
-    logp_teacher: Tensor
-    """log π_t at the token (untempered); ``[b, K]``, each teacher's, with several."""
-    logp_theta: Tensor
-    """log π_θ at the token (untempered)."""
-    logq: Tensor
-    """log-probability of the token under the distribution it was drawn from."""
-    ok: Tensor
-    """False where every token was removed (the row's token must not be used)."""
-    top_ids: Tensor | None = None
-    """``[b, k]``: the k most likely tokens of the final distribution (when asked for)."""
-    top_logq: Tensor | None = None
-    """``[b, k]``: their log-probabilities."""
-    top_logp_teacher: Tensor | None = None
-    """``[b, k]``: log π_t at the same ids (untempered); ``[b, k, K]`` with several teachers."""
-    top_logp_theta: Tensor | None = None
-    """``[b, k]``: log π_θ at the same ids (untempered)."""
-    dense_ids: Tensor | None = None
-    """``[b, 2, k]``: the k most likely tokens of π_t (``[:, 0]``) and of π_θ (``[:, 1]``), when asked for."""
-    dense_logp: Tensor | None = None
-    """``[b, 2, k]``: log π_t of the teacher's and log π_θ of theta's (untempered, unfiltered)."""
-    dense_other_logp: Tensor | None = None
-    """``[b, 2, k]``: the other model's at the same ids: log π_θ of the teacher's top k, log π_t of theta's."""
-    handed_back: Tensor | None = None
-    """``[b]`` bool: rows a fused kernel gave to the reference (a non-finite entry, weights that underflow, masked
-    tokens holding most of q, an unconverged α solve). Set by :func:`decide`; ``.sum()`` counts them."""
-    unconverged: Tensor | None = None
-    """``[b]`` bool: of those, the rows whose α solve did not converge in the kernel's passes (the reference's solver
-    then solved them; where it cannot either, :func:`decide` raises). Set by :func:`decide`."""
-
-    @classmethod
-    def concatenate(cls, parts: Sequence[Decision]) -> Decision:
-        """The decisions of consecutive row ranges (decided with the same ``top_logprobs``), as one."""
-        return cls(
-            *(
-                None if getattr(parts[0], f.name) is None else torch.cat([getattr(p, f.name) for p in parts])
-                for f in dataclasses.fields(cls)
-            )
-        )
-
-
-def dense_top(models: ModelRows, k: int, decision: Decision) -> tuple[Tensor, Tensor, Tensor]:
-    """Each model's own k most likely tokens, and both models' log-probabilities at them: (ids ``[b, 2, k]`` int64,
-    own ``[b, 2, k]``, other ``[b, 2, k]``). Role ``[:, 0]`` is the teacher's top k (own: log π_t, other: log π_θ),
-    ``[:, 1]`` theta's (own: log π_θ, other: log π_t), most likely first. Untempered and unfiltered: the loss of a
-    distillation trainer needs the models' distributions, not the one sampled from; a reverse KL needs π_t where π_θ
-    has its mass, hence the other model's values.
-
-    One record, one number: each row's log-normaliser is the one ``decision`` used for its drawn token, read back as
-    logit[token] − record (float64, where that difference of two float32 values is exact). So where the drawn token is
-    among the k, its dense value equals its record bit for bit, and every dense value orders as its logit does. A
-    computation of its own (a float32 logsumexp) would differ from the decision's by float32 rounding, about 1e-5 nats
-    at SmolLM2's vocabulary. Rows without a usable token (``decision.ok`` False) use the row's own logsumexp.
-
-    One teacher: the payload's shape has a place for two models (ValueError naming the count for several).
-    """
-    teacher_logits, theta_logits, theta_normalized = models.teacher, models.theta, models.theta_normalized
-    k = min(k, teacher_logits.shape[-1])
-    pick = decision.tokens.to(teacher_logits.device).unsqueeze(-1)
-    ok = decision.ok.to(teacher_logits.device)
-
-    def normaliser(logits: Tensor, record: Tensor, normalized: bool) -> Tensor:
-        """``[b, 1]`` float64: the log-normaliser the decision used for this model's rows."""
-        own = torch.zeros_like(logits[:, :1], dtype=torch.float64)
-        if not normalized:
-            own = logits.logsumexp(-1, True).double()
-        from_record = logits.gather(-1, pick).double() - record.to(logits.device, torch.float64).unsqueeze(-1)
-        return torch.where((ok.unsqueeze(-1) & torch.isfinite(from_record)), from_record, own)
-
-    def at(logits: Tensor, norm: Tensor, ids: Tensor) -> Tensor:
-        return (logits.gather(-1, ids).double() - norm).to(logits.dtype)
-
-    teacher_norm = normaliser(teacher_logits, decision.logp_teacher, False)
-    theta_norm = normaliser(theta_logits, decision.logp_theta, theta_normalized)
-    teacher_ids = teacher_logits.topk(k, dim=-1).indices
-    theta_ids = theta_logits.topk(k, dim=-1).indices
-    own = [at(teacher_logits, teacher_norm, teacher_ids), at(theta_logits, theta_norm, theta_ids)]
-    other = [at(theta_logits, theta_norm, teacher_ids), at(teacher_logits, teacher_norm, theta_ids)]
-    return torch.stack([teacher_ids, theta_ids], dim=1), torch.stack(own, dim=1), torch.stack(other, dim=1)
-
-
 def decide(
     models: ModelRows,
     steps: Sequence[int],
@@ -343,13 +254,10 @@ def decide(
         result = _decide_reference(models, steps, rows, alpha_computer, alpha_init, top_logprobs, outputs, diversity)
         result.handed_back, result.unconverged = torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool)
         return result
-    teacher_logits, theta_logits = models.teacher, models.theta
-    theta_normalized = models.theta_normalized
     fast = [i for i, e in enumerate(eligible) if e]
     index = torch.tensor(fast)
     every = len(fast) == len(rows)  # then no V-sized copy of the inputs is made
     part = models if every else models.take(index)
-    teacher_part, theta_part = part.teacher, part.theta
     warm = alpha_init if alpha_init is None or every else alpha_init[index.to(alpha_init.device)]
     uniforms = [counter_uniform(rows[i].seed, steps[i]) for i in fast]
     forced = [rows[i].force_first_token and steps[i] == 0 for i in fast]
@@ -361,36 +269,42 @@ def decide(
         [rows[i] for i in fast],
         [steps[i] for i in fast],
         None if outputs is None else [outputs[i] for i in fast],
-        teacher_logits.shape[-1],
-        _theta_shift(theta_normalized, models.theta_log_normalisers, fast),
+        models.vocab,
+        _student_shift(models, fast),
         None if diversity is None else [diversity[i] for i in fast],
     )
-    if kernel_device(teacher_logits.device) == "cpu":
+    if kernel_device(models.device) == "cpu":
         from dual_sampling.decision.kernel import decide_fused
 
-        out, _ = decide_fused(teacher_part, theta_part, uniforms, forced, alpha_computer, warm, theta_normalized, edits)
+        out, _ = decide_fused(part, uniforms, forced, alpha_computer, warm, edits)
         decided = torch.from_numpy(out)
     else:
         from dual_sampling.decision.gpu_kernel import decide_gpu
 
-        out = decide_gpu(teacher_part, theta_part, uniforms, forced, alpha_computer, warm, theta_normalized, edits)
+        out = decide_gpu(part, uniforms, forced, alpha_computer, warm, edits)
         decided = out.cpu()  # the step's one wait on the device: the tokens and records go to the host anyway
-    handed_back = [fast[k] for k in (decided[:, 5] != 0).nonzero().flatten()]
+    handed_back = [fast[k] for k in (decided[:, KernelColumn.STATUS] != 0).nonzero().flatten()]
     if handed_back:
-        check_log_prob_pair(theta_logits, teacher_logits)  # a bad row is named by its index in this batch
+        check_log_prob_pair(models.student, models.teacher)  # a bad row is named by its index in this batch
     slow = [i for i, e in enumerate(eligible) if not e] + handed_back
     result = Decision(
         torch.zeros(b, dtype=torch.int64),
-        *(torch.zeros(b) for _ in range(4)),
+        torch.zeros(b),
+        torch.zeros(b, len(models.logits)),
+        torch.zeros(b),
         torch.ones(b, dtype=torch.bool),
         handed_back=torch.zeros(b, dtype=torch.bool),
         unconverged=torch.zeros(b, dtype=torch.bool),
     )
     result.handed_back[handed_back] = True
-    # Both kernels flag an unconverged solve in column 7 (and hand the row back with status 1).
-    result.unconverged[index] = decided[:, 7] != 0
-    for column, name in enumerate(("tokens", *TOKEN_COLUMNS)):  # the kernels' output columns
+    # Both kernels flag an unconverged solve (and hand the row back with status 1).
+    result.unconverged[index] = decided[:, KernelColumn.UNCONVERGED] != 0
+    for name, column in (("tokens", KernelColumn.TOKEN), ("alpha", KernelColumn.ALPHA), ("logq", KernelColumn.LOGQ)):
         getattr(result, name)[index] = decided[:, column].to(getattr(result, name).dtype)
+    positions = torch.tensor([models.teacher_positions[0], models.student_position])  # the kernels' log π columns
+    result.logp[index.unsqueeze(-1), positions] = decided[
+        :, [KernelColumn.LOGP_TEACHER, KernelColumn.LOGP_STUDENT]
+    ].float()
     if slow:
         slow = sorted(slow)
         part = torch.tensor(slow)
@@ -403,7 +317,7 @@ def decide(
             outputs=None if outputs is None else [outputs[i] for i in slow],
             diversity=None if diversity is None else [diversity[i] for i in slow],
         )
-        for name in ("tokens", *TOKEN_COLUMNS, "ok"):
+        for name in ("tokens", "alpha", "logp", "logq", "ok"):
             getattr(result, name)[part] = getattr(reference, name).to("cpu", getattr(result, name).dtype)
     return result
 
@@ -420,9 +334,12 @@ def _decide_reference(
 ) -> Decision:
     """:func:`decide` in torch operations, for any row, any number of teachers and any device: the reference."""
     several = _check_several_teachers(rows, len(models.roster.teachers))
-    logp_teachers = [torch.log_softmax(t.float(), dim=-1) for t in models.teachers]
-    theta_rows = models.theta.float()
-    logp_theta = theta_rows if models.theta_normalized else torch.log_softmax(theta_rows, dim=-1)
+    logp = [
+        rows_.float() if models.is_normalized(p) else torch.log_softmax(rows_.float(), dim=-1)
+        for p, rows_ in enumerate(models.logits)
+    ]
+    logp_teachers = [logp[p] for p in models.teacher_positions]
+    logp_theta = logp[models.student_position]
     first = torch.tensor([r.force_first_token and s == 0 for r, s in zip(rows, steps)], device=logp_theta.device)
     if several:
         stacked = torch.stack(logp_teachers)  # [K, b, V]
@@ -449,21 +366,12 @@ def _decide_reference(
         diversity=diversity,
     )
     pick = drawn.tokens.unsqueeze(-1)
-    top = (None,) * 4
+    top = (None,) * 3
     if drawn.top is not None:
         ids = drawn.top[0]
-        at_ids = torch.stack([t.gather(-1, ids) for t in logp_teachers], dim=-1)
-        top = (ids, drawn.top[1], at_ids if several else at_ids[..., 0], logp_theta.gather(-1, ids))
-    at_token = torch.stack([t.gather(-1, pick).squeeze(-1) for t in logp_teachers], dim=-1)
-    return Decision(
-        drawn.tokens,
-        alpha,
-        at_token if several else at_token[:, 0],
-        logp_theta.gather(-1, pick).squeeze(-1),
-        drawn.logq,
-        drawn.ok,
-        *top,
-    )
+        top = (ids, drawn.top[1], torch.stack([model.gather(-1, ids) for model in logp], dim=1))
+    at_token = torch.stack([model.gather(-1, pick).squeeze(-1) for model in logp], dim=-1)
+    return Decision(drawn.tokens, alpha, at_token, drawn.logq, drawn.ok, *top)
 
 
 def _check_several_teachers(rows: Sequence[RowSampling], teachers: int) -> bool:
@@ -474,27 +382,35 @@ def _check_several_teachers(rows: Sequence[RowSampling], teachers: int) -> bool:
     return teachers > 1
 
 
-def _theta_shift(theta_normalized: bool, log_normalisers: Tensor | None, rows: list[int]) -> list[float] | None:
-    """What makes theta's rows its raw logits again, for the kernel: 0 for raw rows, else the log-normalisers
-    (None where they did not come)."""
-    if not theta_normalized:
+def _student_shift(models: ModelRows, rows: list[int]) -> list[float] | None:
+    """What makes θ's rows its raw logits again, for the kernel: 0 for raw rows, else the log-normalisers (None
+    where they did not come)."""
+    position = models.student_position
+    if not models.is_normalized(position):
         return [0.0] * len(rows)
-    return None if log_normalisers is None else log_normalisers[rows].tolist()
+    normalisers = models.log_normaliser(position)
+    return None if normalisers is None else normalisers[rows].tolist()
 
 
 def _logit_offset(models: ModelRows, alpha: Tensor) -> Tensor:
     """``[b]`` float64 (1 − Σα_i)·L_θ + Σ α_i·L_i (α ``[b]`` or ``[b, K]``; L: each model's log Σ exp of its logits):
     added to the mixture's log-weights it gives the mixture's logits, whose sign the repetition penalty reads."""
     device = models.device
-    if not models.theta_normalized:
-        lse_theta = models.theta.double().logsumexp(-1)
-    elif models.theta_log_normalisers is None:
-        raise ValueError("the repetition penalty needs theta's log-normalisers (ModelRows.theta_log_normalisers)")
-    else:
-        lse_theta = models.theta_log_normalisers.to(device, torch.float64)
-    given = models.teacher_log_normalisers or (None,) * len(models.teachers)  # a normalised teacher's come with it
-    lse = [t.double().logsumexp(-1) if n is None else n.to(device).double() for t, n in zip(models.teachers, given)]
-    lse_teachers = torch.stack(lse, dim=-1)  # [b, K]
+
+    def log_normaliser(position: int) -> Tensor:
+        if not models.is_normalized(position):
+            return models.logits[position].double().logsumexp(-1)
+        given = models.log_normaliser(position)
+        if given is None:
+            name = models.roster.names[position]
+            raise ValueError(
+                f"the repetition penalty needs {name}'s log-normalisers (ModelRows.log_normalisers; "
+                "ModelRows.pair's theta_log_normalisers)"
+            )
+        return given.to(device, torch.float64)
+
+    lse_theta = log_normaliser(models.student_position)
+    lse_teachers = torch.stack([log_normaliser(p) for p in models.teacher_positions], dim=-1)  # [b, K]
     a = alpha.to(device, torch.float64).reshape(lse_teachers.shape)
     rest = theta_weight(a) if a.shape[-1] > 1 else 1 - a[:, 0]  # one teacher: the pair's arithmetic, unchanged
     return rest * lse_theta + (a * lse_teachers).sum(-1)

@@ -3,8 +3,8 @@
 The decision (:func:`dual_sampling.decision.pipeline.decide`) takes a :class:`ModelRows`, not a positional pair: the
 roster (``dual_sampling.roster``) names the models, so the same call serves one teacher and several. Each model's
 rows are ``[b, V]`` over the shared tokenizer's vocabulary (embedding rows beyond it already cut off), in roster
-order. θ's rows may arrive normalised: θ's engine takes its log-softmax on its own cores while the teacher waits,
-and then sends the log-normalisers the repetition penalty needs.
+order. A follower's rows may arrive normalised: its engine takes its log-softmax on its own cores while the leader
+waits, and then sends the log-normalisers the repetition penalty needs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from dual_sampling.roster import PAIR, THETA, Roster
+from dual_sampling.roster import PAIR, Roster
 
 __all__ = ["ModelRows"]
 
@@ -26,23 +26,26 @@ class ModelRows:
     """One ``[b, V]`` tensor per model of the roster, in its order; one shape and device for all."""
     roster: Roster = PAIR
     """The models' names; :data:`~dual_sampling.roster.THETA` among them, every other one a teacher."""
-    theta_normalized: bool = False
-    """θ's rows are log-softmax outputs already (its engine normalised them)."""
-    theta_log_normalisers: Tensor | None = None
-    """``[b]``: log Σ exp of θ's raw logits, where :attr:`theta_normalized` (the repetition penalty reads them)."""
-    teacher_log_normalisers: tuple[Tensor | None, ...] = ()
-    """Per teacher (:attr:`Roster.teachers` order), ``[b]`` log Σ exp of its raw logits where its rows arrive
-    normalised (its engine follows: several teachers), for the repetition penalty; empty, or None for a teacher
-    whose rows are its raw logits (the leader's)."""
+    normalized: tuple[bool, ...] = ()
+    """Per model, in roster order: its rows are log-softmax outputs already (a follower's engine normalised them on
+    its own cores while the leader waited). Empty: every model's rows are its raw logits."""
+    log_normalisers: tuple[Tensor | None, ...] = ()
+    """Per model, in roster order: ``[b]`` log Σ exp of its raw logits, where its rows arrive normalised and a
+    repetition penalty needs them (it acts on the mixture's raw logits); None where not sent; empty: none sent."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.logits, tuple) or len(self.logits) != len(self.roster.names):
+        names = self.roster.names
+        if not isinstance(self.logits, tuple) or len(self.logits) != len(names):
             raise ValueError(
-                f"logits must be a tuple of one tensor per model of the roster {self.roster.names}, "
+                f"logits must be a tuple of one tensor per model of the roster {names}, "
                 f"got {type(self.logits).__name__} of {len(self.logits)}"
             )
+        for field in ("normalized", "log_normalisers"):
+            given = getattr(self, field)
+            if not isinstance(given, tuple) or len(given) not in (0, len(names)):
+                raise ValueError(f"{field} must be a tuple of one entry per model of the roster {names}, got {given!r}")
         shape, device = self.logits[0].shape, self.logits[0].device
-        for name, rows in zip(self.roster.names, self.logits, strict=True):
+        for name, rows in zip(names, self.logits, strict=True):
             if not isinstance(rows, Tensor) or rows.dim() != 2:
                 raise ValueError(f"logits of {name!r} must be a [b, V] tensor, got {getattr(rows, 'shape', rows)!r}")
             if rows.shape != shape or rows.device != device:
@@ -60,8 +63,8 @@ class ModelRows:
         theta_normalized: bool = False,
         theta_log_normalisers: Tensor | None = None,
     ) -> ModelRows:
-        """The two-model rows of :data:`~dual_sampling.roster.PAIR`: the teacher's, then θ's."""
-        return cls((teacher_logits, theta_logits), PAIR, theta_normalized, theta_log_normalisers)
+        """The two-model rows of :data:`~dual_sampling.roster.PAIR`: the teacher's (raw logits), then θ's."""
+        return cls((teacher_logits, theta_logits), PAIR, (False, theta_normalized), (None, theta_log_normalisers))
 
     def __len__(self) -> int:
         return self.logits[0].shape[0]
@@ -78,22 +81,41 @@ class ModelRows:
     def device(self):
         return self.logits[0].device
 
+    def is_normalized(self, position: int) -> bool:
+        """Whether the rows of the model at roster ``position`` are log-softmax outputs already."""
+        return bool(self.normalized) and self.normalized[position]
+
+    def log_normaliser(self, position: int) -> Tensor | None:
+        """``[b]`` log Σ exp of the raw logits of the model at roster ``position``, where its rows arrive normalised
+        and they were sent; None otherwise."""
+        return self.log_normalisers[position] if self.log_normalisers else None
+
     @property
-    def theta(self) -> Tensor:
-        return self[THETA]
+    def student_position(self) -> int:
+        return self.roster.position(self.roster.student)
+
+    @property
+    def student(self) -> Tensor:
+        """θ's rows (:attr:`Roster.student`)."""
+        return self.logits[self.student_position]
+
+    @property
+    def teacher_positions(self) -> tuple[int, ...]:
+        """The teachers' roster positions, in roster order."""
+        return tuple(self.roster.position(name) for name in self.roster.teachers)
 
     @property
     def teachers(self) -> tuple[Tensor, ...]:
         """The teachers' rows, in roster order."""
-        return tuple(self[name] for name in self.roster.teachers)
+        return tuple(self.logits[p] for p in self.teacher_positions)
 
     @property
     def teacher(self) -> Tensor:
         """The one teacher's rows; ValueError where the roster has several (their code paths take :attr:`teachers`)."""
-        teachers = self.roster.teachers
+        teachers = self.teachers
         if len(teachers) != 1:
-            raise ValueError(f"this path serves one teacher; the roster has {len(teachers)}: {teachers}")
-        return self[teachers[0]]
+            raise ValueError(f"this path serves one teacher; the roster has {len(teachers)}: {self.roster.teachers}")
+        return teachers[0]
 
     def take(self, index: Tensor) -> ModelRows:
         """The rows at ``index`` (a 1-D int64 tensor) of every model."""
@@ -105,7 +127,6 @@ class ModelRows:
         return ModelRows(
             tuple(rows[on] for rows in self.logits),
             self.roster,
-            self.theta_normalized,
-            rows_of(self.theta_log_normalisers),
-            tuple(rows_of(n) for n in self.teacher_log_normalisers),
+            self.normalized,
+            tuple(rows_of(n) for n in self.log_normalisers),
         )

@@ -38,6 +38,8 @@ from torch import Tensor
 
 from alpha import AlphaComputer, geometric_log_weights
 from dual_sampling.decision.pipeline import counter_uniform, inverse_cdf
+from dual_sampling.decision.result import token_columns
+from dual_sampling.decision.rows import ModelRows
 
 __all__ = ["STREAMS", "Round", "Span", "send", "stream_uniform", "verification_block", "verify_drafts"]
 
@@ -90,27 +92,29 @@ class Round:
     accepted: int
     """Drafts accepted (the emitted tokens are these, then one residual or bonus draw, if any)."""
     alpha: Tensor
-    logp_teacher: Tensor
-    logp_theta: Tensor
+    logp: Tensor
+    """``[c, 2]``: log π of each model at each token, in the roster's order (the teacher's, θ's)."""
     logq: Tensor
     finite: bool = True
     """False when a row of the span was not finite (a teacher logit not finite; a θ value NaN or +inf, or no finite θ
     value at all): then nothing above is meaningful and the request must fail."""
 
+    def token_records(self) -> Tensor:
+        """``[c, 4]`` float64: the tokens' records in the pair's token columns (α, log π_t, log π_θ, log q)."""
+        return token_columns(self.alpha, self.logp, self.logq)
+
 
 def verify_drafts(
-    teacher_logits: Tensor,
-    theta_logits: Tensor,
+    models: ModelRows,
     spans: Sequence[Span],
     alpha_computer: AlphaComputer,
     alpha_init: Tensor | None = None,
-    theta_normalized: bool = False,
 ) -> list[Round]:
     """Steps 1–4 of the module docstring for every span of a batch.
 
-    ``teacher_logits`` and ``theta_logits`` are ``[N, V]`` over the shared vocabulary, row ``span.start + j`` being
-    position j of that span's round (``theta_normalized``: theta's rows are log-softmax outputs over those V ids
-    already). ``alpha_init`` ``[N]`` warm-starts the α solve.
+    ``models`` holds the one teacher's and θ's ``[N, V]`` rows over the shared vocabulary (a one-teacher roster; θ's
+    may be log-softmax outputs already), row ``span.start + j`` being position j of that span's round.
+    ``alpha_init`` ``[N]`` warm-starts the α solve.
 
     Everything runs on the rows' device, for the whole batch at once: α for every row in one call (as the lockstep
     decision solves a batch), every draft's acceptance in one comparison, and one draw per span at the row where
@@ -120,12 +124,7 @@ def verify_drafts(
     result, when the emitted tokens and records come back, however many drafts the batch has; the α computer's
     input and convergence checks and the mixing's support check read a few values per call besides.
     """
-    if teacher_logits.shape != theta_logits.shape or teacher_logits.dim() != 2:
-        raise ValueError(
-            f"teacher_logits {tuple(teacher_logits.shape)} and theta_logits {tuple(theta_logits.shape)}: "
-            "expected the same [N, V] shape"
-        )
-    n, vocab = teacher_logits.shape
+    n, vocab = len(models), models.vocab
     for i, span in enumerate(spans):
         if span.start < 0 or span.start + span.rows > n:
             raise ValueError(f"spans[{i}]: rows {span.start}..{span.start + span.rows} outside the batch's {n}")
@@ -134,8 +133,9 @@ def verify_drafts(
     if not spans:
         return []
     if n == 0:  # spans with no rows (no drafts, no bonus row): nothing to emit
-        return [Round([], 0, *(torch.zeros(0, dtype=torch.float64) for _ in range(4))) for _ in spans]
-    block = verification_block(teacher_logits, theta_logits, spans, alpha_computer, alpha_init, theta_normalized)
+        empty = torch.zeros(0, dtype=torch.float64)
+        return [Round([], 0, empty, empty.reshape(0, 2), empty) for _ in spans]
+    block = verification_block(models, spans, alpha_computer, alpha_init)
     # The one wait: tokens, counts and records come back together, read on the host as NumPy (no further tensor reads).
     block = block.cpu().numpy()
     width = max(len(span.drafts) for span in spans) + 1
@@ -148,8 +148,7 @@ def verify_drafts(
                 tokens=block[k, 4 * width : 4 * width + c].astype(np.int64).tolist(),
                 accepted=int(block[k, -1]),
                 alpha=r[:, 0],
-                logp_teacher=r[:, 1],
-                logp_theta=r[:, 2],
+                logp=r[:, 1:3],
                 logq=r[:, 3],
                 finite=bool(block[k, -3]),
             )
@@ -158,18 +157,18 @@ def verify_drafts(
 
 
 def verification_block(
-    teacher_logits: Tensor,
-    theta_logits: Tensor,
+    models: ModelRows,
     spans: Sequence[Span],
     alpha_computer: AlphaComputer,
     alpha_init: Tensor | None = None,
-    theta_normalized: bool = False,
 ) -> Tensor:
     """:func:`verify_drafts`' work on the rows' device, without reading anything back: a float64 ``[S, 5(G + 1) + 3]``
-    block, per span its records ``[G + 1, 4]`` (α, log π_t, log π_θ, log q) flattened, its tokens ``[G + 1]``, then
-    finite, count and accepted (ids are exact in float64 below 2^53). G is the longest draft list."""
-    n = teacher_logits.shape[0]
-    device = teacher_logits.device
+    block, per span its records ``[G + 1, 4]`` (the one-teacher roster's token columns: α, log π_t, log π_θ, log q)
+    flattened, its tokens ``[G + 1]``, then finite, count and accepted (ids are exact in float64 below 2^53). G is the
+    longest draft list."""
+    teacher_logits, theta_logits = models.teacher, models.student
+    theta_normalized = models.is_normalized(models.student_position)
+    n, device = len(models), models.device
     # A row that is not finite fails its span (``Round.finite``), checked with everything else in the one wait.
     # Three reductions decide it, NaN propagating through each: the teacher's logits all finite (its max and min
     # finite), θ's row neither NaN nor +inf and not wholly −inf (its max finite).

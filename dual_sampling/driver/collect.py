@@ -14,7 +14,7 @@ import numpy as np
 
 from dual_sampling.driver.requests import Flight
 from dual_sampling.lockstep import RECORD_FIELDS, ErrorCode, Finish, Phase, Slot, SyncSession
-from dual_sampling.records import SampleDelta, SampleRecord
+from dual_sampling.records import SampleDelta, SampleRecord, own_and_other
 from dual_sampling.roster import Role
 from dual_sampling.text import sample_text
 
@@ -28,8 +28,9 @@ def dense_copies(
     when k is 0."""
     if not k:
         return None
-    return tuple(  # type: ignore[return-value]
-        a[slot, start:end, :, :k].copy() for a in (session.dense_ids, session.dense_logp, session.dense_other_logp)
+    return (
+        session.dense_ids[slot, start:end, :, :k].copy(),
+        *own_and_other(session.dense_logp[slot, start:end, ..., :k]),
     )
 
 

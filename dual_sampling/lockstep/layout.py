@@ -49,7 +49,7 @@ from dual_sampling.roster import TOKEN_COLUMNS, token_column_count
 SHM_DIR = Path("/dev/shm")
 SESSION_PREFIX = "dual-sampling-"
 MiB = 1 << 20
-MAGIC = 0x44554134  # "DUA4"; a session written by an older layout is refused, never misread
+MAGIC = 0x44554135  # "DUA5"; a session written by an older layout is refused, never misread
 PLAN_RING = 4
 """Plans kept at once. The leader is at most one plan ahead of the follower (its step needs the followers' rows)."""
 RECORD_FIELDS = TOKEN_COLUMNS
@@ -432,10 +432,10 @@ class SessionLayout:
             ("top_logq", 4 * TOP_LOGPROBS_MAX * cells),
             # log π of each model at the same ids (the candidates a beam search extends by): [slot, step, model, k].
             ("top_logp", 4 * self.models * TOP_LOGPROBS_MAX * cells),
-            # [slot, step, role (0 teacher, 1 theta), k]: a two-model payload (decision.pipeline.dense_top).
-            ("dense_ids", 4 * 2 * self.dense_k * cells),
-            ("dense_logp", 4 * 2 * self.dense_k * cells),
-            ("dense_other_logp", 4 * 2 * self.dense_k * cells),
+            # Each model's own top k, [slot, step, model, k], and every model's log π at them, [slot, step, model
+            # (whose tokens), model (whose log π), k] (decision.pipeline.dense_top).
+            ("dense_ids", 4 * self.models * self.dense_k * cells),
+            ("dense_logp", 4 * self.models * self.models * self.dense_k * cells),
         ]
         out, pos = {}, 0
         for name, size in sizes:

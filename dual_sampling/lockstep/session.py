@@ -148,12 +148,11 @@ class SyncSession:
         self.top_logq = np.frombuffer(buf, np.float32, k * t * s, off["top_logq"]).reshape(s, t, k)
         self.top_logp = np.frombuffer(buf, np.float32, m * k * t * s, off["top_logp"]).reshape(s, t, m, k)
         """``[slots, steps, models, k]``: log π of each model (roster order) at ``top_ids``."""
-        d = 2 * layout.dense_k
-        self.dense_ids = np.frombuffer(buf, np.int32, d * t * s, off["dense_ids"]).reshape(s, t, 2, layout.dense_k)
-        self.dense_logp, self.dense_other_logp = (
-            np.frombuffer(buf, np.float32, d * t * s, off[name]).reshape(s, t, 2, layout.dense_k)
-            for name in ("dense_logp", "dense_other_logp")
-        )
+        d = layout.dense_k
+        self.dense_ids = np.frombuffer(buf, np.int32, m * d * t * s, off["dense_ids"]).reshape(s, t, m, d)
+        """``[slots, steps, models, k]``: each model's own k most likely tokens (roster order)."""
+        self.dense_logp = np.frombuffer(buf, np.float32, m * m * d * t * s, off["dense_logp"]).reshape(s, t, m, m, d)
+        """``[slots, steps, models, models, k]``: ``[..., i, j, :]`` is log π_j at model i's ``dense_ids``."""
         self._bell_anchor = ctypes.c_char.from_buffer(mm, off["bells"])
         self._bell_base = ctypes.addressof(self._bell_anchor)
         self._ring_lock = threading.Lock()
@@ -258,7 +257,6 @@ class SyncSession:
                 self.top_logp,
                 self.dense_ids,
                 self.dense_logp,
-                self.dense_other_logp,
             )
             del self._bell_anchor
             with contextlib.suppress(BufferError):  # a view is still alive somewhere; the mapping goes with the process
