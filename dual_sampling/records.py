@@ -57,6 +57,8 @@ def own_and_other(dense_logp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     a sample's two ``[n, 2, k]`` arrays: each model's log π at its own tokens (:attr:`SampleRecord.dense_logp`) and
     the other model's at them (:attr:`SampleRecord.dense_other_logp`)."""
     roles = np.arange(len(DENSE_ROLES))
+    if dense_logp.shape[1:3] != (len(roles), len(roles)):
+        raise ValueError(f"dense_logp of shape {dense_logp.shape}: a pair's own and other values need [n, 2, 2, k]")
     return dense_logp[:, roles, roles], dense_logp[:, roles, roles[::-1]]
 
 

@@ -112,6 +112,9 @@ def test_penalties_on_a_following_teachers_normalised_rows_take_its_log_normalis
     # The following teacher's rows taken for its raw logits: its normaliser read as 0.
     blind = decided(ModelRows((math_, *follow), TRIO, (False, False, True), (None, None, norms[1])))
     assert not torch.allclose(blind[1], raw[1], atol=1e-3), "the check cannot see a missing normaliser"
+    # Normalised rows whose log-normaliser did not come: refused by name, never read as raw logits.
+    with pytest.raises(ValueError, match=r"the repetition penalty needs general's log-normalisers"):
+        decided(ModelRows((math_, *follow), TRIO, (False, True, True), (None, None, norms[1])))
 
 
 def test_a_forced_first_token_gives_theta_no_weight_and_teacher_support_is_refused_by_name():

@@ -74,3 +74,30 @@ def test_several_teachers_get_a_weight_each_and_theta_stays_the_student():
 def test_a_bad_roster_is_refused_by_its_field(names, message):
     with pytest.raises(ValueError, match=rf"^names.*{message}"):
         Roster(names)
+
+
+def test_weight_versions_are_kept_per_model_of_the_roster():
+    from dual_sampling.driver.versions import WeightVersions
+
+    versions = WeightVersions(Roster(("math", "general", THETA)))
+    assert versions.snapshot() == {"math": "0", "general": "0", "theta": "0"}
+    assert versions.updated("general", None) == "1" and versions.updated(THETA, "step-7") == "step-7"
+    versions.relabel("math", "base")
+    assert versions.snapshot() == {"math": "base", "general": "1", "theta": "step-7"}
+    with pytest.raises(ValueError, match="already labelled earlier general weights"):
+        versions.check_new("general", "0")  # a label its weights carried: records of two weights would name one
+    versions.check_new("math", "1")  # another model's label is free for this one
+    with pytest.raises(ValueError, match=r"role must be one of \('math', 'general', 'theta'\), got 'teacher'"):
+        versions.updated("teacher", None)
+    assert versions.updates == {"math": 0, "general": 1, "theta": 1}
+    assert WeightVersions().snapshot() == {"teacher": "0", "theta": "0"}  # the pair's, as records name them
+
+
+def test_records_of_no_tokens_have_the_rosters_width():
+    """A round or a batch that emitted nothing still has its columns (the speculative rule builds such rounds)."""
+    from dual_sampling.decision.result import token_columns
+
+    empty = torch.zeros(0)
+    assert token_columns(empty, empty.reshape(0, 2), empty).shape == (0, len(TOKEN_COLUMNS))
+    trio = Roster(("math", "general", THETA))
+    assert token_columns(empty.reshape(0, 2), empty.reshape(0, 3), empty).shape == (0, len(trio.token_columns))

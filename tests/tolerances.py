@@ -6,7 +6,7 @@ against separate norms). Their difference is rounding that passes through every 
 multiple of float32's unit roundoff (u = 2**-24 ≈ 6e-8) per operation: it is measured, and each bound below is a
 measured spread times a stated margin, or follows from another bound by the triangle inequality. Where two values
 are one computation read twice, the suite asserts equality instead (a dense top-k value and the record of the same
-token: ``dual_sampling.decision.pipeline.dense_top``).
+token: ``dual_sampling.decision.result.dense_top``).
 
 Measured by ``python -m tests.measure_spread tiny|smollm2`` with the suite's own oracle (``tests.oracles.rescore``):
 the largest |engine − transformers| of log π_t and log π_θ over 576 sampled tokens (384 for SmolLM2), and the

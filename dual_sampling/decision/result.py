@@ -23,7 +23,7 @@ def token_columns(alpha: Tensor, logp: Tensor, logq: Tensor) -> Tensor:
     """``[n, columns]``: records of n tokens in their roster's token columns
     (:attr:`~dual_sampling.roster.Roster.token_columns`), from α ``[n]`` (one teacher) or ``[n, K]``, log π of each
     model ``[n, M]`` and log q ``[n]``."""
-    return torch.cat([alpha.reshape(len(logq), -1), logp, logq.unsqueeze(-1)], dim=-1)
+    return torch.cat([alpha if alpha.dim() == 2 else alpha.unsqueeze(-1), logp, logq.unsqueeze(-1)], dim=-1)
 
 
 @dataclass

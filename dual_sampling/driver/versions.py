@@ -2,13 +2,13 @@
 weight operation's arguments.
 
 A label names one set of weights for good: records carry it (``teacher_version``,
-``theta_version``), and ``best_of`` ranks only samples of one version pair. So a label a role's
-weights carried before is never given to other weights.
+``theta_version``), and ``best_of`` ranks only samples of one version pair. So a label a model's
+weights carried before is never given to other weights. Versions are kept per model of the roster, by name.
 """
 
 from __future__ import annotations
 
-from dual_sampling.roster import Role
+from dual_sampling.roster import PAIR, Role, Roster
 
 __all__ = ["UPDATE_MODES", "WeightVersions", "check_update"]
 
@@ -30,49 +30,59 @@ def check_update(role: object = None, mode: object = None, version: object = Non
 
 
 class WeightVersions:
-    """Each role's current label ("0" as started), the labels it has carried, and its count of updates."""
+    """Each model's current label ("0" as started), the labels it has carried, and its count of updates, by the
+    model's name in :attr:`roster`."""
 
-    def __init__(self) -> None:
-        self.current: dict[Role, str] = {role: "0" for role in Role}
-        self.used: dict[Role, set[str]] = {role: {"0"} for role in Role}
-        self.updates: dict[Role, int] = {role: 0 for role in Role}
+    def __init__(self, roster: Roster = PAIR) -> None:
+        self.roster = roster
+        self.current: dict[str, str] = {name: "0" for name in roster.names}
+        self.used: dict[str, set[str]] = {name: {"0"} for name in roster.names}
+        self.updates: dict[str, int] = {name: 0 for name in roster.names}
 
-    def updated(self, role: Role, version: str | None) -> str:
-        """Record an update of ``role``'s weights labelled ``version``; returns the label.
+    def _model(self, model: object) -> str:
+        """``model`` as the name of a model of the roster; ValueError naming the roster otherwise. (The two-model
+        front door passes its :class:`~dual_sampling.roster.Role`, equal to the model's name.)"""
+        if model not in self.roster.names:
+            raise ValueError(f"role must be one of {self.roster.names}, got {model!r}")
+        return str(model)
 
-        None labels it with the count of updates, or the next count no weights of the role carried yet.
+    def updated(self, model: object, version: str | None) -> str:
+        """Record an update of ``model``'s weights labelled ``version``; returns the label.
+
+        None labels it with the count of updates, or the next count no weights of the model carried yet.
         """
-        self.updates[role] += 1
+        model = self._model(model)
+        self.updates[model] += 1
         if version is None:
-            count = self.updates[role]
-            while str(count) in self.used[role]:
+            count = self.updates[model]
+            while str(count) in self.used[model]:
                 count += 1
             version = str(count)
-        self.current[role] = version
-        self.used[role].add(version)
+        self.current[model] = version
+        self.used[model].add(version)
         return version
 
-    def relabel(self, role: object, version: object) -> None:
-        """Label ``role``'s current weights ``version`` without changing them.
+    def relabel(self, model: object, version: object) -> None:
+        """Label ``model``'s current weights ``version`` without changing them.
 
-        A label the role's weights have carried before is refused: records of two different weights would name one.
+        A label the model's weights have carried before is refused: records of two different weights would name one.
         """
         if version is None:
             raise ValueError("version must be a non-empty string of at most 256 characters, got None")
-        check_update(role=role, version=version)
-        role = Role(role)
-        if version != self.current[role]:
-            self.check_new(role, version)
-        self.current[role] = version
-        self.used[role].add(version)
+        check_update(version=version)
+        model = self._model(model)
+        if version != self.current[model]:
+            self.check_new(model, version)
+        self.current[model] = version
+        self.used[model].add(version)
 
-    def check_new(self, role: object, version: str) -> None:
-        """Refuse (ValueError) a label ``role``'s weights have carried, the current one included: records of two
+    def check_new(self, model: object, version: str) -> None:
+        """Refuse (ValueError) a label ``model``'s weights have carried, the current one included: records of two
         different weights would name one."""
-        role = Role(role)
-        if version in self.used[role]:
-            raise ValueError(f"version {version!r} already labelled earlier {role} weights; choose a new label")
+        model = self._model(model)
+        if version in self.used[model]:
+            raise ValueError(f"version {version!r} already labelled earlier {model} weights; choose a new label")
 
     def snapshot(self) -> dict[str, str]:
-        """``{"teacher": ..., "theta": ...}``: the labels now, as plain strings."""
-        return {str(role): version for role, version in self.current.items()}
+        """``{name: label}`` per model (a pair: ``{"teacher": ..., "theta": ...}``): the labels now."""
+        return dict(self.current)

@@ -433,7 +433,7 @@ class SessionLayout:
             # log π of each model at the same ids (the candidates a beam search extends by): [slot, step, model, k].
             ("top_logp", 4 * self.models * TOP_LOGPROBS_MAX * cells),
             # Each model's own top k, [slot, step, model, k], and every model's log π at them, [slot, step, model
-            # (whose tokens), model (whose log π), k] (decision.pipeline.dense_top).
+            # (whose tokens), model (whose log π), k] (decision.result.dense_top).
             ("dense_ids", 4 * self.models * self.dense_k * cells),
             ("dense_logp", 4 * self.models * self.models * self.dense_k * cells),
         ]
