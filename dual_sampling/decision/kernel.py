@@ -409,34 +409,12 @@ def _draw(theta, teacher, alpha, h_max, t_max, blocks, total, u, ids, weights, n
 
 
 @_jit
-def _solve_and_draw(
-    theta,
-    teacher,
-    theta_normalized,
-    method,
-    fixed_alpha,
-    lo,
-    hi,
-    tol,
-    xtol,
-    max_passes,
-    alpha0,
-    force_one,
-    u,
-    edit_ids,
-    edit_count,
-    edit_seen,
-    edit_masked,
-    edit_bonus,
-    n_edits,
-    penalty,
-    edit_weights,
-    blocks,
-    out,
-):
+def _solve_and_draw(theta, teacher, theta_normalized, solver, alpha0, force_one, u, edits, edit_weights, blocks, out):
     """Decide one row; ``out`` (zeros) receives (token, α, log π_t, log π_θ, log q, status, passes, unconverged).
     Returns the passes made.
 
+    ``solver`` is the batch's (method, fixed α, α bounds lo and hi, tol, xtol, max_passes); ``edits`` the row's
+    (edit_ids, edit_count, edit_seen, edit_masked, edit_bonus, n_edits, penalty), :class:`RowEdits`' arrays.
     The edited tokens ``edit_ids[:n_edits]`` (ascending; :class:`RowEdits`) change q after α is solved, as the
     reference's stages do: masked ones leave it, the ones ``edit_seen`` take the penalties ``penalty`` (repetition,
     frequency, presence, theta's log-normaliser shift) with their output counts ``edit_count``, and each is
@@ -444,6 +422,8 @@ def _solve_and_draw(
     is scratch for their weights. An α solve still open after ``max_passes`` evaluations (the last one tested too,
     as the reference's solver does) hands the row back, flagged unconverged.
     """
+    method, fixed_alpha, lo, hi, tol, xtol, max_passes = solver
+    edit_ids, edit_count, edit_seen, edit_masked, edit_bonus, n_edits, penalty = edits
     t_max, h_max, lse_t, lse_h, finite = _maxima_and_log_normalisers(teacher, theta, theta_normalized)
     if not finite:
         out[5] = _ROW_FALLBACK
@@ -581,54 +561,23 @@ def _solve_and_draw(
 
 
 @_jit
-def _decide_batch(
-    theta,
-    teacher,
-    theta_normalized,
-    method,
-    fixed_alpha,
-    lo,
-    hi,
-    tol,
-    xtol,
-    max_passes,
-    alpha0,
-    force_one,
-    u,
-    edit_ids,
-    edit_count,
-    edit_seen,
-    edit_masked,
-    edit_bonus,
-    n_edits,
-    penalty,
-    out,
-):
+def _decide_batch(theta, teacher, theta_normalized, solver, alpha0, force_one, u, edits, out):
+    """:func:`_solve_and_draw` for every row; ``edits`` holds :class:`RowEdits`' ``[b, ...]`` arrays, in its order."""
+    ids, count, seen, masked, bonus, n, penalty = edits
     blocks = np.empty((theta.shape[1] + _BLOCK - 1) // _BLOCK, dtype=np.float64)
-    edit_weights = np.empty(edit_ids.shape[1], dtype=np.float64)
+    edit_weights = np.empty(ids.shape[1], dtype=np.float64)
     passes = 0
     for r in range(theta.shape[0]):
+        row = (ids[r], count[r], seen[r], masked[r], bonus[r], n[r], penalty[r])
         passes += _solve_and_draw(
             theta[r],
             teacher[r],
             theta_normalized,
-            method,
-            fixed_alpha,
-            lo,
-            hi,
-            tol,
-            xtol,
-            max_passes,
+            solver,
             alpha0[r],
             force_one[r],
             u[r],
-            edit_ids[r],
-            edit_count[r],
-            edit_seen[r],
-            edit_masked[r],
-            edit_bonus[r],
-            n_edits[r],
-            penalty[r],
+            row,
             edit_weights,
             blocks,
             out[r],
@@ -663,10 +612,7 @@ def decide_fused(
         alpha0 = np.nan_to_num(alpha_init.detach().double().numpy().reshape(-1), nan=0.5)
     out = np.zeros((b, 8), dtype=np.float64)
     edits = edits or RowEdits.none(b)
-    passes = _decide_batch(
-        theta,
-        teacher,
-        theta_normalized,
+    solver = (
         method,
         fixed,
         float(alpha_computer.alpha_min),
@@ -674,16 +620,16 @@ def decide_fused(
         float(tol),
         float(xtol),
         _MAX_PASSES,
+    )
+    passes = _decide_batch(
+        theta,
+        teacher,
+        theta_normalized,
+        solver,
         np.ascontiguousarray(alpha0, dtype=np.float64),
         np.asarray(force_teacher, dtype=np.bool_),
         np.asarray(uniforms, dtype=np.float64),
-        edits.ids,
-        edits.count,
-        edits.seen,
-        edits.masked,
-        edits.bonus,
-        edits.n,
-        edits.penalty,
+        (edits.ids, edits.count, edits.seen, edits.masked, edits.bonus, edits.n, edits.penalty),
         out,
     )
     return out, int(passes)

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
+import functools
 import itertools
 import logging
 import mmap
@@ -440,6 +441,7 @@ class SyncSession:
         if abs(self.slot_key(slot)) == key:
             self.control[slot, slot_word(ModelSlot.RELEASED, position)] = key
 
-    @property
-    def _released_words(self) -> list[int]:
-        return [slot_word(ModelSlot.RELEASED, p) for p in range(self.layout.models)]
+    @functools.cached_property
+    def _released_words(self) -> tuple[int, ...]:
+        """Each model's ``RELEASED`` word of a slot's control row (the layout's, fixed for the session)."""
+        return tuple(slot_word(ModelSlot.RELEASED, p) for p in range(self.layout.models))
