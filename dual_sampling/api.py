@@ -68,9 +68,15 @@ async def _all_or_none(coroutines: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
     tasks = [asyncio.ensure_future(c) for c in coroutines]
     try:
         return list(await asyncio.gather(*tasks))
-    finally:
+    except asyncio.CancelledError:
+        # gather has cancelled every task once; a second cancel would cut short a task's wait for its requests'
+        # release (the driver's stream ends only once both engines let its request go).
+        raise
+    except BaseException:
         for task in tasks:
             task.cancel()
+        raise
+    finally:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 

@@ -161,13 +161,9 @@ def test_decide_on_a_kernel_device_mixes_kernel_and_reference_rows(interpreted, 
     mixed = decide(ModelRows.pair(teacher, theta), [1] * 5, rows, computer)
     reference = decide(ModelRows.pair(teacher, theta), [1] * 5, rows, computer, fused=False)
     assert mixed.tokens.tolist() == reference.tokens.tolist()
-    atol = {
-        "alpha": ALPHA_TWO_SOLVES_ATOL,
-        "logp_teacher": TWO_NORMALISATIONS_ATOL,
-        "logp_theta": TWO_NORMALISATIONS_ATOL,
-    }
+    atol = {"alpha": ALPHA_TWO_SOLVES_ATOL, "logp": TWO_NORMALISATIONS_ATOL}  # logp: log π_t and log π_θ
     atol["logq"] = two_decisions_logq_atol(mixed.alpha, reference.alpha, teacher, theta)
-    for name in ("alpha", "logp_teacher", "logp_theta", "logq"):
+    for name in ("alpha", "logp", "logq"):
         torch.testing.assert_close(getattr(mixed, name), getattr(reference, name).float(), atol=atol[name], rtol=0)
 
 

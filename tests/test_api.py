@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import _thread
 import asyncio
 import math
 import os
@@ -244,22 +243,29 @@ def test_max_tokens_is_capped_by_the_room_the_longer_prompt_leaves(dual_engine):
 
 
 def test_keyboard_interrupt_inside_generate_leaves_the_engine_usable(dual_engine):
+    main = threading.main_thread().ident
+
     def interrupt_once_running() -> None:  # by state: once requests are in the engines (a timer once fired too late)
         deadline = time.monotonic() + 60
         while not dual_engine.driver.in_flight() and time.monotonic() < deadline:
             time.sleep(0.005)
-        _thread.interrupt_main()
+        # A real SIGINT to the main thread, as Ctrl-C sends: it interrupts generate()'s wait while the requests run.
+        # (_thread.interrupt_main only sets Python's flag, which a thread blocked on a lock sees once generate returns.)
+        signal.pthread_kill(main, signal.SIGINT)
 
     # A job started in the background by a non-interactive shell inherits SIGINT ignored, and then Python installs no
     # handler and interrupt_main does nothing: install Python's own for this test.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=interrupt_once_running, daemon=True).start()
+    aborted_before = dual_engine.driver.counters["finished_abort"]
     try:
         with pytest.raises(KeyboardInterrupt):
             dual_engine.generate(["tell me a long story"] * 12, max_tokens=200, min_tokens=200, seed=1)
     finally:
         signal.signal(signal.SIGINT, previous)
     assert dual_engine.driver.in_flight() == []
+    # It landed while requests ran (aborted ones), not after the generation ended.
+    assert dual_engine.driver.counters["finished_abort"] > aborted_before
     out = dual_engine.generate(PROMPTS, max_tokens=8, seed=3)
     assert_three_streams_agree(out)
     assert all(s.finish_reason in ("stop", "length") for r in out.requests for s in r.samples)

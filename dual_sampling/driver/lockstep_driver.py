@@ -160,8 +160,8 @@ class LockstepDriver:
     async def stream(self, request: DualRequest) -> AsyncIterator[SampleDelta]:
         """Draw one sample, yielding its tokens as the engines produce them (on the driver's loop).
 
-        A caller that stops iterating aborts the request; the driver still drains both
-        engines' outputs for it, so its slot is released only once both engines let it go.
+        A caller that stops iterating (or is cancelled) aborts the request, and the stream ends only once both
+        engines have let it go and its slot is released.
         """
         self._check_alive()
         self.check(request)
@@ -200,6 +200,10 @@ class LockstepDriver:
         finally:
             if not flight.task.done():
                 self.abort(flight.request_id)
+                # Back to the caller only once both engines let the request go: a consumer that stops early, or a
+                # Ctrl-C in generate(), leaves nothing in flight. (asyncio.wait neither raises the flight's own error
+                # nor cancels it; a second cancellation of this caller still ends the wait at once.)
+                await asyncio.wait([flight.task])
 
     def check(self, request: DualRequest) -> None:
         """Refuse, naming the field, a request this driver cannot serve (:meth:`stream` runs it first)."""
