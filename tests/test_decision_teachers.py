@@ -115,6 +115,12 @@ def test_penalties_on_a_following_teachers_normalised_rows_take_its_log_normalis
     # Normalised rows whose log-normaliser did not come: refused by name, never read as raw logits.
     with pytest.raises(ValueError, match=r"the repetition penalty needs general's log-normalisers"):
         decided(ModelRows((math_, *follow), TRIO, (False, True, True), (None, None, norms[1])))
+    # θ between the teachers: each follower's normaliser is read at its roster position, not its teacher index.
+    between = Roster(("math", "theta", "general"))
+    moved = ModelRows((math_, follow[1], follow[0]), between, (False, True, True), (None, norms[1], norms[0]))
+    got = decided(moved)
+    assert torch.equal(got[0], raw[0])
+    torch.testing.assert_close(got[1], raw[1], atol=4 * ONE_NORMALISATION_ATOL, rtol=0)
 
 
 def test_a_forced_first_token_gives_theta_no_weight_and_teacher_support_is_refused_by_name():

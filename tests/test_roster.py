@@ -86,6 +86,9 @@ def test_weight_versions_are_kept_per_model_of_the_roster():
     assert versions.snapshot() == {"math": "base", "general": "1", "theta": "step-7"}
     with pytest.raises(ValueError, match="already labelled earlier general weights"):
         versions.check_new("general", "0")  # a label its weights carried: records of two weights would name one
+    for model, label in (("general", "1"), ("theta", "step-7"), ("math", "base")):  # each label a model carried
+        with pytest.raises(ValueError, match=f"already labelled earlier {model} weights"):
+            versions.check_new(model, label)
     versions.check_new("math", "1")  # another model's label is free for this one
     with pytest.raises(ValueError, match=r"role must be one of \('math', 'general', 'theta'\), got 'teacher'"):
         versions.updated("teacher", None)
