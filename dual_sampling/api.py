@@ -47,7 +47,7 @@ from dual_sampling.lockstep import SyncError
 from dual_sampling.modes import mode_of, modes_with
 from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, EngineOptions, SamplingOptions, model_config
 from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleDelta, SampleRecord, best_of, scored
-from dual_sampling.roster import PAIR, Role
+from dual_sampling.roster import Role
 from dual_sampling.text import sample_text
 from dual_sampling.vocab import check_embedding_rows, check_tokenizers_match, embedding_rows, eos_token_ids
 
@@ -80,13 +80,20 @@ async def _all_or_none(coroutines: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def context_length(model_teacher: str, model_theta: str, max_model_len: int | None) -> int:
-    """Tokens per request (prompt and generation): ``max_model_len``, or min(both models' limit, 2048)."""
-    limit = min(model_config(m).get("max_position_embeddings", 2048) for m in (model_teacher, model_theta))
+def context_length(folders: Sequence[str], max_model_len: int | None) -> int:
+    """Tokens per request (prompt and generation): ``max_model_len``, or min(every model's limit, 2048)."""
+    limit = min(model_config(m).get("max_position_embeddings", 2048) for m in folders)
     chosen = max_model_len or min(limit, 2048)
     if chosen > limit:
         raise ValueError(f"max_model_len={chosen} exceeds the models' limit of {limit} positions")
     return chosen
+
+
+def _copied(teacher_ids: list[int] | Mapping[str, list[int]]) -> list[int] | dict[str, list[int]]:
+    """A copy of a teacher prompt's ids: the one teacher's, or each of several teachers' by name."""
+    if isinstance(teacher_ids, Mapping):
+        return {name: list(ids) for name, ids in teacher_ids.items()}
+    return list(teacher_ids)
 
 
 class OptimalSamplingDual:
@@ -99,24 +106,34 @@ class OptimalSamplingDual:
     """
 
     def __init__(
-        self, model_teacher: str, model_theta: str, engine: EngineOptions | None = None, **settings: Any
+        self,
+        model_teacher: str | Mapping[str, str],
+        model_theta: str,
+        engine: EngineOptions | None = None,
+        **settings: Any,
     ) -> None:
+        teacher = model_teacher if isinstance(model_teacher, Mapping) else str(model_teacher)
         if engine is None:
-            cfg = DualEngineConfig(str(model_teacher), str(model_theta), **settings)
+            cfg = DualEngineConfig(teacher, str(model_theta), **settings)
         else:
             extra = sorted(set(settings) - {"use_tqdm"})
             if extra:
                 raise TypeError(f"OptimalSamplingDual takes engine= or the options' fields, not both; got {extra}")
-            cfg = DualEngineConfig.of(str(model_teacher), str(model_theta), engine, settings.get("use_tqdm"))
+            cfg = DualEngineConfig.of(teacher, str(model_theta), engine, settings.get("use_tqdm"))
         self.config = cfg
+        self.roster = cfg.roster
+        """The models by name, the leading engine's first (:data:`~dual_sampling.roster.PAIR` for one teacher)."""
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_teacher)
-        check_tokenizers_match(self.tokenizer, AutoTokenizer.from_pretrained(cfg.model_theta))
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_folder)
+        for folder in cfg.folders[1:]:
+            check_tokenizers_match(self.tokenizer, AutoTokenizer.from_pretrained(folder))
         self.vocab = len(self.tokenizer)
-        t_cfg, th_cfg = model_config(cfg.model_teacher), model_config(cfg.model_theta)
-        check_embedding_rows(embedding_rows(t_cfg), embedding_rows(th_cfg), self.vocab, cfg.mode)
-        self.max_model_len = context_length(cfg.model_teacher, cfg.model_theta, cfg.max_model_len)
+        th_cfg = model_config(cfg.model_theta)
+        for model in cfg.model_engines()[:-1]:  # each teacher against θ
+            teacher_rows = embedding_rows(model_config(model.folder))
+            check_embedding_rows(teacher_rows, embedding_rows(th_cfg), self.vocab, cfg.mode)
+        self.max_model_len = context_length(cfg.folders, cfg.max_model_len)
         """Prompt plus generated tokens a request may use: in speculative mode, the engine's context less 2γ positions.
         vLLM drafts for a batch only while its longest sequence has γ positions to spare beyond a round's γ drafts
         (else no request in it gets θ rows), so every request keeps 2γ free."""
@@ -130,7 +147,7 @@ class OptimalSamplingDual:
                     f"num_speculative_tokens={cfg.num_speculative_tokens}: mode={cfg.mode!r} keeps 2γ of "
                     f"max_model_len={engine_len} free, which leaves no room for a request"
                 )
-        self.eos_token_ids = eos_token_ids((cfg.model_teacher, cfg.model_theta), self.tokenizer)
+        self.eos_token_ids = eos_token_ids(cfg.folders, self.tokenizer)
         self._weights_checks: dict[Role, WeightsCheck] = {}
         _exit_on_sigterm()
         driver_settings = dict(
@@ -178,7 +195,7 @@ class OptimalSamplingDual:
         if sampling is not None and options:
             raise ValueError(f"pass sampling options either as sampling= or as keywords, not both ({sorted(options)})")
         opts = sampling or self._options(**options)
-        pairs = prompt_pairs(self.tokenizer, self.vocab, self.max_model_len, prompts, teacher_prompts)
+        pairs = prompt_pairs(self.tokenizer, self.vocab, self.max_model_len, prompts, teacher_prompts, self.roster)
         if prompt_keys is not None and len(prompt_keys) != len(prompts):
             raise ValueError(f"prompt_keys has {len(prompt_keys)} entries but prompts has {len(prompts)}")
         keys = list(prompt_keys) if prompt_keys is not None else list(range(len(prompts)))
@@ -201,7 +218,7 @@ class OptimalSamplingDual:
                 mine = [scored(sample, prompts[i], opts.score) for sample in mine]
             if opts.best_of:
                 mine = [mine[k] for k in best_of(mine, opts.n, opts.ranked_by)]
-            out.append(RequestRecord(i, list(pair.teacher_ids), list(pair.theta_ids), mine))
+            out.append(RequestRecord(i, _copied(pair.teacher_ids), list(pair.theta_ids), mine))
         return DualGenerationOutput(out)
 
     def beam_search(
@@ -264,6 +281,7 @@ class OptimalSamplingDual:
 
     def _require_beam_search(self, what: str) -> None:
         require(self.mode.beam_search, f"{what} is served in {modes_with('beam_search')} only")
+        require(len(self.roster.teachers) == 1, f"{what} with several teachers is not built yet")
 
     async def _search_all(
         self, pairs: Sequence[PromptPair], opts: SamplingOptions, seeds: Sequence[Sequence[int]]
@@ -387,7 +405,7 @@ class OptimalSamplingDual:
         current, _ = self.alpha_settings
         method = current if method is None else method
         config = {"alpha_min": self.config.alpha_min, "alpha_max": self.config.alpha_max, **alpha_config}
-        get_alpha_computer(method, **config).check_teacher_count(len(PAIR.teachers))
+        get_alpha_computer(method, **config).check_teacher_count(self.config.teacher_count)
         self.driver.call(self.driver.update_alpha(method, config))
         return self.alpha_settings
 
@@ -408,10 +426,13 @@ class OptimalSamplingDual:
         self._check_open()
         check_update(role, mode, version)
         role = Role(role)
+        require(
+            role in self.roster.names,
+            f"role: new weights for one of several teachers ({', '.join(self.roster.teachers)}) are not built yet",
+        )
         check = self._weights_checks.get(role)
         if check is None:
-            folder = role.pick(self.config.model_teacher, self.config.model_theta)
-            check = self._weights_checks[role] = WeightsCheck(folder)
+            check = self._weights_checks[role] = WeightsCheck(self.config.model_engine(role).folder)
         with prepared_weights(check, weights, role, follow_symlinks) as folder:
             return self.driver.call(self.driver.update_weights(role, reload_from(folder), mode=mode, version=version))
 
@@ -480,9 +501,13 @@ class OptimalSamplingDual:
     ) -> DualRequest:
         """The request for one sample of a prepared prompt pair (:meth:`prepare`); ``group`` and ``member`` place it in
         its diverse group."""
+        require(
+            len(self.roster.teachers) == 1 or not opts.ranked_by.startswith("logp_teacher"),
+            f"best_of_score={opts.ranked_by!r}: with several teachers there is no one teacher's log π to rank by",
+        )
         row = opts.row(seed, self.eos_token_ids, pair.theta_ids, group, member, opts.draws if group else 1)
         return DualRequest(
-            list(pair.teacher_ids), list(pair.theta_ids), row, min(opts.max_tokens, pair.room), tuple(opts.stop)
+            _copied(pair.teacher_ids), list(pair.theta_ids), row, min(opts.max_tokens, pair.room), tuple(opts.stop)
         )
 
     def check(self, pair: PromptPair, opts: SamplingOptions) -> None:
@@ -496,8 +521,13 @@ class OptimalSamplingDual:
         """One prompt tokenized for each engine (theta's ``prompt``; the teacher's ``teacher_prompt``, or the same),
         with the room it leaves for generated tokens. ValueError, naming the prompt, for an empty prompt, token ids
         outside the vocabulary, or a prompt that leaves no room in max_model_len."""
-        teacher = None if teacher_prompt is None else [teacher_prompt]
-        (pair,) = prompt_pairs(self.tokenizer, self.vocab, self.max_model_len, [prompt], teacher)
+        if teacher_prompt is None or (isinstance(teacher_prompt, Mapping) and not teacher_prompt):
+            teacher = None
+        elif isinstance(teacher_prompt, Mapping):
+            teacher = {name: [p] for name, p in teacher_prompt.items()}
+        else:
+            teacher = [teacher_prompt]
+        (pair,) = prompt_pairs(self.tokenizer, self.vocab, self.max_model_len, [prompt], teacher, self.roster)
         return pair
 
     # ------------------------------------------------------------------ state

@@ -1,8 +1,12 @@
-"""Configuration: how to sample (:class:`SamplingOptions`) and how to run the two engines (:class:`EngineOptions`).
+"""Configuration: how to sample (:class:`SamplingOptions`) and how to run the engines (:class:`EngineOptions`).
 
 Each is one validated dataclass with a docstring under every field; errors name the
 field. :class:`DualEngineConfig` adds the two model folders to the engine options, and
 the data-generation run's ``RunConfig`` composes both, so no field is written twice.
+:meth:`DualEngineConfig.model_engines` says which folder and which per-engine settings belong to which model of the
+roster (:class:`ModelEngine`), one teacher or several.
+
+The module is over 500 lines because it is the one home of the settings a run takes, each field with its docstring.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +28,7 @@ from dual_sampling.decision.stages import LOGIT_BIAS_LIMIT, STAGES, DecisionOpti
 from dual_sampling.lockstep import TOP_LOGPROBS_MAX
 from dual_sampling.lockstep.row_channel import ROW_TRANSPORTS
 from dual_sampling.records import BEST_OF_SCORES, USER_SCORE, ScoreFunction, score_function
-from dual_sampling.roster import PAIR
+from dual_sampling.roster import PAIR, THETA, Roster
 
 __all__ = [
     "BEST_OF_SCORES",
@@ -36,6 +40,7 @@ __all__ = [
     "UNSUPPORTED_SAMPLING",
     "DualEngineConfig",
     "EngineOptions",
+    "ModelEngine",
     "SamplingOptions",
     "default_kv_cache_bytes",
     "kv_cache_bytes_needed",
@@ -280,7 +285,8 @@ class EngineOptions:
     """CPU backend only. "split": each engine's model gets its own half of the CPUs, so both run at once;
     "vllm": vLLM's own binding (both models on the same cores)."""
     teacher_engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra vLLM engine arguments for the teacher; settings that would break lockstep are refused after start."""
+    """Extra vLLM engine arguments for the teacher; settings that would break lockstep are refused after start. With
+    several teachers (``DualEngineConfig.model_teacher`` a mapping), a dict of them per teacher name."""
     theta_engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra vLLM engine arguments for theta."""
     row_transport: str = field(default="auto", metadata=RUNTIME_ONLY)
@@ -316,6 +322,11 @@ class EngineOptions:
     """γ, theta's drafts per teacher forward (``mode="speculative"`` only)."""
 
     @property
+    def teacher_count(self) -> int:
+        """The teachers the α computer weights: one, unless the models say otherwise (:class:`DualEngineConfig`)."""
+        return len(PAIR.teachers)
+
+    @property
     def alpha_kwargs(self) -> dict[str, Any]:
         """The alpha computer's keyword arguments: ``alpha_min``, ``alpha_max`` and :attr:`alpha_config`, assembled here
         once for the engines, the validation and the records."""
@@ -325,8 +336,8 @@ class EngineOptions:
         for name in ("alpha_min", "alpha_max", "sync_timeout"):  # 30 and 30.0 configure (and hash) the same run
             if is_int(getattr(self, name)):
                 object.__setattr__(self, name, float(getattr(self, name)))
-        # Building the computer validates the method name and its bounds, naming the bad value; a run has one teacher.
-        get_alpha_computer(self.alpha_method, **self.alpha_kwargs).check_teacher_count(len(PAIR.teachers))
+        # Building the computer validates the method name and its bounds, naming the bad value.
+        get_alpha_computer(self.alpha_method, **self.alpha_kwargs).check_teacher_count(self.teacher_count)
         require(
             is_number(self.sync_timeout) and self.sync_timeout > 0,
             f"sync_timeout must be a positive number of seconds, got {self.sync_timeout!r}",
@@ -381,11 +392,29 @@ class EngineOptions:
 
 
 @dataclass(frozen=True)
-class DualEngineConfig(EngineOptions):
-    """Everything fixed for the life of a dual engine: the two models and the :class:`EngineOptions`."""
+class ModelEngine:
+    """One model of a run and the settings of the engine that runs it (:meth:`DualEngineConfig.model_engines`)."""
 
-    model_teacher: str
-    """Path of the teacher model (a local Hugging Face folder)."""
+    name: str
+    """The model's name in the roster (``teacher`` and ``theta`` in a pair)."""
+    folder: str
+    """Its local Hugging Face folder."""
+    engine_kwargs: Mapping[str, Any]
+    """Extra vLLM engine arguments of its engine."""
+    device: int | None = None
+    """CUDA only: its GPU (``teacher_device``/``theta_device``); None: the first."""
+    gpu_memory: float | None = None
+    """CUDA only: the share of its GPU it must find free at start (``teacher_gpu_memory``/``theta_gpu_memory``)."""
+
+
+@dataclass(frozen=True)
+class DualEngineConfig(EngineOptions):
+    """Everything fixed for the life of a dual engine: its models and the :class:`EngineOptions`."""
+
+    model_teacher: str | Mapping[str, str]
+    """Path of the teacher model (a local Hugging Face folder); or, for several teachers, ``{name: folder}`` of at
+    least two, each name a Python identifier other than "theta": they name the records' columns (``alpha_<name>``,
+    ``logp_<name>``), and the roster is the teachers in this order, then θ (the first teacher's engine leads)."""
     model_theta: str
     """Path of the theta (student) model; must share the teacher's tokenizer."""
 
@@ -394,19 +423,98 @@ class DualEngineConfig(EngineOptions):
         super().__post_init__()
 
     def _check_models(self) -> None:
-        for role in ("model_teacher", "model_theta"):
-            path = Path(str(getattr(self, role)))
-            if not (path / "config.json").is_file():
-                raise FileNotFoundError(f"{role}={str(path)!r} is not a local model folder (no config.json)")
-            object.__setattr__(self, role, str(path))
+        teachers = self.model_teacher
+        if isinstance(teachers, Mapping):
+            require(
+                len(teachers) >= 2,
+                f"model_teacher: a mapping names several teachers (at least two), got {dict(teachers)!r}; pass one "
+                "teacher's folder as a string",
+            )
+            Roster((*teachers, THETA))  # names: identifiers, unique, none "theta"; errors name them
+            teachers = {name: _model_folder(f"model_teacher[{name!r}]", path) for name, path in teachers.items()}
+            object.__setattr__(self, "model_teacher", teachers)
+            self._check_several_teachers()
+        else:
+            object.__setattr__(self, "model_teacher", _model_folder("model_teacher", teachers))
+        object.__setattr__(self, "model_theta", _model_folder("model_theta", self.model_theta))
+
+    def _check_several_teachers(self) -> None:
+        """With several teachers, the per-teacher settings are keyed by teacher name; the ones not built for several
+        (placement, the speculative mode) are refused by name."""
+        names = tuple(self.model_teacher)
+        kwargs = self.teacher_engine_kwargs
+        require(
+            isinstance(kwargs, Mapping)
+            and set(kwargs) <= set(names)
+            and all(isinstance(v, Mapping) for v in kwargs.values()),
+            f"teacher_engine_kwargs: with several teachers, a dict of vLLM engine arguments per teacher name "
+            f"({', '.join(names)}), got {kwargs!r}",
+        )
+        for name in ("teacher_device", "teacher_gpu_memory"):
+            require(getattr(self, name) is None, f"{name}: placing several teachers on GPUs is not built yet")
+        require(
+            modes.mode_of(self.mode).theta_engine,
+            f"mode={self.mode!r} runs one teacher (theta is its draft model); several teachers need mode='lockstep'",
+        )
+
+    @property
+    def roster(self) -> Roster:
+        """The run's models by name, the leading engine's first: :data:`~dual_sampling.roster.PAIR` for one teacher,
+        else the teachers in the order given, then θ."""
+        if isinstance(self.model_teacher, Mapping):
+            return Roster((*self.model_teacher, THETA))
+        return PAIR
+
+    @property
+    def teacher_count(self) -> int:
+        return len(self.roster.teachers)
+
+    def model_engines(self) -> tuple[ModelEngine, ...]:
+        """Each model of the :attr:`roster` with its engine's settings, in roster order: the one home of which folder
+        and which per-engine setting belong to which model."""
+        if isinstance(self.model_teacher, Mapping):
+            teachers = tuple(
+                ModelEngine(name, folder, dict(self.teacher_engine_kwargs.get(name, {})))
+                for name, folder in self.model_teacher.items()
+            )
+        else:
+            teachers = (
+                ModelEngine(
+                    PAIR.teachers[0],
+                    self.model_teacher,
+                    self.teacher_engine_kwargs,
+                    self.teacher_device,
+                    self.teacher_gpu_memory,
+                ),
+            )
+        theta = ModelEngine(THETA, self.model_theta, self.theta_engine_kwargs, self.theta_device, self.theta_gpu_memory)
+        return (*teachers, theta)
+
+    def model_engine(self, name: str) -> ModelEngine:
+        """The model named ``name`` (:meth:`model_engines`); ValueError naming the roster otherwise."""
+        return self.model_engines()[self.roster.position(str(name))]
+
+    @property
+    def folders(self) -> tuple[str, ...]:
+        """Every model's folder, in roster order."""
+        return tuple(model.folder for model in self.model_engines())
+
+    @property
+    def tokenizer_folder(self) -> str:
+        """The folder whose tokenizer every engine and the front door use: the leading teacher's."""
+        return self.folders[0]
 
     @classmethod
     def of(
-        cls, model_teacher: str, model_theta: str, options: EngineOptions, use_tqdm: bool | None = None
+        cls,
+        model_teacher: str | Mapping[str, str],
+        model_theta: str,
+        options: EngineOptions,
+        use_tqdm: bool | None = None,
     ) -> DualEngineConfig:
-        """The two models with ``options`` as they were built: checked then (the options are frozen), not again. Each
-        field's value is a copy, so a change inside one (a dict's entry) is not this config's. ``use_tqdm`` replaces
-        the progress bar's setting."""
+        """The models with ``options`` as they were built: checked then (the options are frozen), not again, but for
+        the teacher count of several teachers. Each field's value is a copy, so a change inside one (a dict's entry)
+        is not this config's. ``use_tqdm`` replaces the progress bar's setting."""
         if not isinstance(options, EngineOptions):
             raise TypeError(f"engine must be an EngineOptions, got {type(options).__name__}")
         config = cls.__new__(cls)
@@ -417,7 +525,17 @@ class DualEngineConfig(EngineOptions):
         for name, value in {**values, "model_teacher": model_teacher, "model_theta": model_theta}.items():
             object.__setattr__(config, name, value)
         config._check_models()
+        if config.teacher_count > 1:  # the options were checked for one teacher
+            get_alpha_computer(config.alpha_method, **config.alpha_kwargs).check_teacher_count(config.teacher_count)
         return config
+
+
+def _model_folder(name: str, path: object) -> str:
+    """``path`` as a local model folder's path; FileNotFoundError naming ``name`` if it holds no config.json."""
+    folder = Path(str(path))
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{name}={str(folder)!r} is not a local model folder (no config.json)")
+    return str(folder)
 
 
 def model_config(path: str) -> dict:

@@ -89,7 +89,7 @@ class SampleRecord(TokenRecords):
     seed: int
     _: KW_ONLY  # the rest by name: a positional value can never land in another field
     teacher_token_ids: list[int] = field(default_factory=list)
-    """The token ids as the teacher engine emitted them."""
+    """The token ids as the teacher engine emitted them (with several teachers, the leading teacher's engine)."""
     theta_token_ids: list[int] = field(default_factory=list)
     """The token ids as the theta engine emitted them (equal to both others unless the sample failed)."""
     error: str | None = None
@@ -99,17 +99,26 @@ class SampleRecord(TokenRecords):
     """The stop string, or the stop token id, that ended the sample; "weight_update" for a sample aborted
     because its engines took new weights."""
     teacher_version: str = "0"
-    """The teacher's weight version that drew every token ("0": the weights it started with)."""
+    """The teacher's weight version that drew every token ("0": the weights it started with). With several teachers,
+    the leading teacher's (teachers of such a roster keep the weights they started with)."""
     theta_version: str = "0"
     """Theta's weight version that drew every token: the policy whose π_θ the importance weights refer to."""
     dense_ids: np.ndarray | None = None
     """``[n, 2, k]`` int32 for a sample asked with dense_logprobs k (None otherwise): before each generated token,
-    the teacher's k most likely tokens (``[:, 0]``) and theta's (``[:, 1]``), most likely first."""
+    the teacher's k most likely tokens (``[:, 0]``) and theta's (``[:, 1]``), most likely first. With several
+    teachers, ``[n, M, k]``: each model's, in roster order."""
     dense_logp: np.ndarray | None = None
-    """``[n, 2, k]`` float32: log π_t of the teacher's top tokens and log π_θ of theta's, untempered and unfiltered."""
+    """``[n, 2, k]`` float32: log π_t of the teacher's top tokens and log π_θ of theta's, untempered and unfiltered.
+    With several teachers, ``[n, M, M, k]``: ``[:, i, j]`` is model j's log π at model i's top tokens."""
     dense_other_logp: np.ndarray | None = None
     """``[n, 2, k]`` float32: the other model's at the same ids: log π_θ of the teacher's top tokens (``[:, 0]``) and
-    log π_t of theta's (``[:, 1]``). With :attr:`dense_logp`, both models' log-probabilities at every recorded id."""
+    log π_t of theta's (``[:, 1]``). With :attr:`dense_logp`, both models' log-probabilities at every recorded id.
+    None with several teachers (:attr:`dense_logp` holds every model's)."""
+    roster_columns: dict[str, list[float]] = field(default_factory=dict)
+    """With several teachers: the per-token records by the roster's token column
+    (:attr:`~dual_sampling.roster.Roster.token_columns`: ``alpha_<teacher>`` per teacher, ``logp_<model>`` per model,
+    ``logq``); :attr:`logp_theta` and :attr:`logq` hold theirs too, and :attr:`alpha` and :attr:`logp_teacher` are
+    empty. Empty for one teacher, whose columns are the fields above."""
     score: float | None = None
     """The user score of the sample (``SamplingOptions.score``), None without one or for a sample not complete."""
     score_name: str | None = None
@@ -127,7 +136,8 @@ class SampleRecord(TokenRecords):
             for f in fields(self)
             if isinstance(value := getattr(self, f.name), (list, np.ndarray)) and len(value) == whole
         }
-        return replace(self, **cut, finish_reason="length" if n < whole else self.finish_reason)
+        columns = {name: values[:n] for name, values in self.roster_columns.items()}
+        return replace(self, **cut, roster_columns=columns, finish_reason="length" if n < whole else self.finish_reason)
 
     @property
     def ok(self) -> bool:
@@ -151,16 +161,19 @@ class SampleDelta:
 
     token_ids: list[int]
     records: np.ndarray
-    """``[r, 4]`` float32: α, log π_t, log π_θ, log q of the first r of these tokens (r = len(token_ids) unless
-    the row failed: a forced token has no record). Provisional until ``sample``."""
+    """``[r, columns]`` float32, the roster's token columns (a pair: α, log π_t, log π_θ, log q) of the first r of
+    these tokens (r = len(token_ids) unless the row failed: a forced token has no record). Provisional until
+    ``sample``."""
     sample: SampleRecord | None = None
     """Set on the last delta only: the whole sample, checked against both engines."""
-    top: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
-    """For requests with top_logprobs k: (token ids, log q, log π_t, log π_θ) ``[r, k]`` of q's k most likely tokens
-    at each of the r recorded tokens (the candidates a beam search extends by)."""
-    dense: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-    """For requests with dense_logprobs k: (token ids, own log-probabilities, the other model's) ``[r, 2, k]``, the
-    teacher's top k at ``[:, 0]`` and theta's at ``[:, 1]`` (see :attr:`SampleRecord.dense_ids`)."""
+    top: tuple[np.ndarray, ...] | None = None
+    """For requests with top_logprobs k: (token ids, log q, then each model's log π in roster order: a pair's log π_t,
+    log π_θ) ``[r, k]`` of q's k most likely tokens at each of the r recorded tokens (the candidates a beam search
+    extends by)."""
+    dense: tuple[np.ndarray, ...] | None = None
+    """For requests with dense_logprobs k: a pair's (token ids, own log-probabilities, the other model's) ``[r, 2, k]``,
+    the teacher's top k at ``[:, 0]`` and theta's at ``[:, 1]``; with several teachers (ids ``[r, M, k]``,
+    log-probabilities ``[r, M, M, k]``) (see :attr:`SampleRecord.dense_ids`)."""
 
 
 _SCORED_RECORDS = ("logq", "logp_theta", "logp_teacher")

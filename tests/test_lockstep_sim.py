@@ -930,6 +930,7 @@ class _StubEngine:
 class _StubEngines:
     def __init__(self, hold_close: bool = False) -> None:
         self.teacher, self.theta = _StubEngine("teacher"), _StubEngine("theta")
+        self.engines = {"teacher": self.teacher, "theta": self.theta}
         self.closes = 0
         self.closing, self.release = threading.Event(), threading.Event()
         if not hold_close:
@@ -1062,7 +1063,7 @@ def test_a_sample_with_a_non_finite_record_fails_by_name():
         s.records[slot, :3] = [[0.5, -1.0, -1.0, -1.0], [0.5, -1.0, -1.0, math.nan], [0.5, -1.0, -math.inf, -1.0]]
         s.control[slot, Slot.NUM_RECORDS] = 3
         flight = Flight("r", slot, 1, DualRequest([1], [1], RowSampling(), 3), tokens=list(tokens))
-        sample = driver.finish(flight, list(tokens), "length")
+        sample = driver.finish(flight, {"theta": list(tokens)}, "length")
         assert sample.error == "non_finite at step 1" and sample.finish_reason == "error" and sample.logq == []
         assert driver.counters["failed_non_finite"] == 1
     finally:

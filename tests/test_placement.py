@@ -241,7 +241,13 @@ def test_each_engine_process_is_spawned_seeing_its_own_gpu(tmp_path, monkeypatch
     monkeypatch.setattr(vllm.v1.engine.async_llm.AsyncLLM, "from_engine_args", staticmethod(spawn_like_an_engine))
     monkeypatch.setattr(EnginePair, "engine_kwargs", lambda self, role: {"role": str(role)})
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,7")
-    pair = object.__new__(EnginePair)  # its start path alone: no models, no session
+    from dual_sampling.options import DualEngineConfig
+
+    for role in ("teacher", "theta"):
+        (tmp_path / f"{role}-model").mkdir()
+        (tmp_path / f"{role}-model" / "config.json").write_text("{}")
+    pair = object.__new__(EnginePair)  # its start path alone: no engines, no session
+    pair.config = DualEngineConfig(str(tmp_path / "teacher-model"), str(tmp_path / "theta-model"))
     pair.binding, pair.engines = {}, {}
     pair.from_forkserver = False  # as __init__ sets it where engines are placed on GPUs
     pair.places = plan((16, 4), [80, 80], visible="4,7", theta_device=1)

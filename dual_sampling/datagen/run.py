@@ -99,7 +99,7 @@ def _run(cfg: RunConfig, sampler: Any, paths: dict[str, Path], started: float) -
         writer = _Writer(sink, *logs)
         already = len(sink.done) + len(writer.left_out.done)
         tokenizer = sampler.tokenizer if sampler is not None else AutoTokenizer.from_pretrained(cfg.source.teacher)
-        max_model_len = context_length(cfg.source.teacher, cfg.source.theta, cfg.engine.max_model_len)
+        max_model_len = context_length((cfg.source.teacher, cfg.source.theta), cfg.engine.max_model_len)
         rows = iter_selected(cfg, iter_rows(cfg.input), [], unique=False)  # its rejects were counted above
         too_long: list[dict] = []
         items = iter_items(cfg, rows, _Done(sink.done, writer.left_out.done), tokenizer, max_model_len, too_long)

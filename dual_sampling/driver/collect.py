@@ -1,8 +1,8 @@
 """Reading a request's records out of its slot: the deltas while it streams, and the verified sample at its end.
 
-Three independent token streams meet at the end: what the teacher's processor decided (the
-slot's tokens), and what each engine emitted. A sample is data only if the three agree, every
-token has its record, and every record is finite; otherwise it fails with a named
+Independent token streams meet at the end: what the leader's processor decided (the slot's
+tokens), and what each engine emitted. A sample is data only if they all agree, every token
+has its record, and every record is finite; otherwise it fails with a named
 :class:`ErrorCode` and carries no records.
 """
 
@@ -15,36 +15,34 @@ import numpy as np
 from dual_sampling.driver.requests import Flight
 from dual_sampling.lockstep import RECORD_FIELDS, ErrorCode, Finish, Phase, Slot, SyncSession
 from dual_sampling.records import SampleDelta, SampleRecord, own_and_other
-from dual_sampling.roster import Role
+from dual_sampling.roster import PAIR, THETA, Roster
 from dual_sampling.text import sample_text
 
 __all__ = ["collect_sample", "delta_of"]
 
 
-def dense_copies(
-    session: SyncSession, slot: int, start: int, end: int, k: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """Copies of a slot's dense top-k records (ids, own and other log-probabilities) for tokens [start, end), or None
-    when k is 0."""
+def dense_copies(session: SyncSession, slot: int, start: int, end: int, k: int) -> tuple[np.ndarray, ...] | None:
+    """Copies of a slot's dense top-k records for tokens [start, end), or None when k is 0: for a pair, (ids, own
+    and other log-probabilities), each ``[n, 2, k]``; for more models, (ids ``[n, M, k]``, log-probabilities
+    ``[n, M, M, k]``, ``[:, i, j]`` model j's at model i's ids)."""
     if not k:
         return None
-    return (
-        session.dense_ids[slot, start:end, :, :k].copy(),
-        *own_and_other(session.dense_logp[slot, start:end, ..., :k]),
-    )
+    ids, logp = session.dense_ids[slot, start:end, :, :k].copy(), session.dense_logp[slot, start:end, ..., :k]
+    return (ids, *own_and_other(logp)) if session.layout.models == 2 else (ids, logp.copy())
 
 
 def delta_of(session: SyncSession, flight: Flight, start: int, sample: SampleRecord | None = None) -> SampleDelta:
     """The delta of the flight's tokens from ``start`` on, with the records written for them so far."""
     slot, sampling = flight.slot, flight.request.sampling
-    # Records stop where the teacher's processor stopped writing them: a failed row's forced token has none, and the
+    # Records stop where the leader's processor stopped writing them: a failed row's forced token has none, and the
     # slot's rows past it still hold an earlier request's values.
     end = min(len(flight.tokens), max(start, int(session.control[slot, Slot.NUM_RECORDS])))
     k = sampling.top_logprobs
+    models = range(session.layout.models)
     top = (
         tuple(
             a[slot, start:end, :k].copy()
-            for a in (session.top_ids, session.top_logq, session.top_logp[:, :, 0], session.top_logp[:, :, 1])
+            for a in (session.top_ids, session.top_logq, *(session.top_logp[:, :, p] for p in models))
         )
         if k
         else None
@@ -59,9 +57,15 @@ def delta_of(session: SyncSession, flight: Flight, start: int, sample: SampleRec
 
 
 def collect_sample(
-    session: SyncSession, flight: Flight, theta_tokens: list[int], teacher_finish: str | None, tokenizer: object
+    session: SyncSession,
+    flight: Flight,
+    roster: Roster,
+    follower_tokens: dict[str, list[int]],
+    leader_finish: str | None,
+    tokenizer: object,
 ) -> tuple[SampleRecord, ErrorCode]:
-    """The verified sample of a request both engines have ended, and its error code (NONE when it is data)."""
+    """The verified sample of a request every engine has ended, and its error code (NONE when it is data);
+    ``follower_tokens``: what each following engine emitted, by model name."""
     slot, tokens = flight.slot, flight.tokens
     control = session.control[slot]
     code, step = session.error(slot)
@@ -72,17 +76,18 @@ def collect_sample(
     sample = SampleRecord(
         text="",
         token_ids=recorded,
-        finish_reason=finish.reason or teacher_finish,
+        finish_reason=finish.reason or leader_finish,
         seed=flight.request.sampling.seed,
         teacher_token_ids=list(tokens),
-        theta_token_ids=theta_tokens,
-        teacher_version=flight.versions[Role.TEACHER],
-        theta_version=flight.versions[Role.THETA],
+        theta_token_ids=follower_tokens[THETA],
+        teacher_version=flight.versions[roster.names[0]],
+        theta_version=flight.versions[THETA],
     )
+    streams = (tokens, *follower_tokens.values(), recorded)
     if code == ErrorCode.NONE and (
-        theta_tokens != tokens or recorded != tokens or int(control[Slot.NUM_RECORDS]) < len(tokens)
+        any(stream != tokens for stream in streams) or int(control[Slot.NUM_RECORDS]) < len(tokens)
     ):
-        code, step = ErrorCode.DIVERGED, _first_difference(tokens, theta_tokens, recorded)
+        code, step = ErrorCode.DIVERGED, _first_difference(*streams)
     non_finite = np.flatnonzero(~np.isfinite(records).all(axis=1))
     if code == ErrorCode.NONE and non_finite.size:  # the engine checks each row; this is the last line
         code, step = ErrorCode.NON_FINITE, int(non_finite[0])
@@ -90,11 +95,11 @@ def collect_sample(
         sample.finish_reason = "error"
         sample.error = f"{code.label} at step {step}"
     else:
-        for name, column in zip(RECORD_FIELDS, records.T):
-            setattr(sample, name, column.tolist())
+        _set_records(sample, roster, records)
         dense = dense_copies(session, slot, 0, len(tokens), flight.request.sampling.dense_logprobs)
         if dense is not None:
-            sample.dense_ids, sample.dense_logp, sample.dense_other_logp = dense
+            sample.dense_ids, sample.dense_logp, *other = dense
+            sample.dense_other_logp = other[0] if other else None
     stop = (
         flight.request.stop[stop_index]
         if finish == Finish.STOP_STRING and 0 <= stop_index < len(flight.request.stop)
@@ -103,6 +108,18 @@ def collect_sample(
     sample.stop_reason = stop if stop is not None else (tokens[-1] if finish == Finish.STOP and tokens else None)
     sample.text = sample_text(tokenizer, tokens, stop, stop_token=finish == Finish.STOP)
     return sample, code
+
+
+def _set_records(sample: SampleRecord, roster: Roster, records: np.ndarray) -> None:
+    """A verified sample's per-token records, ``[n, columns]`` in ``roster``'s token columns: a pair's in its fields;
+    with several teachers every column in :attr:`SampleRecord.roster_columns`, and θ's and q's in their fields too."""
+    if roster == PAIR:
+        for name, column in zip(RECORD_FIELDS, records.T):
+            setattr(sample, name, column.tolist())
+        return
+    sample.roster_columns = {name: column.tolist() for name, column in zip(roster.token_columns, records.T)}
+    sample.logp_theta = list(sample.roster_columns[f"logp_{THETA}"])
+    sample.logq = list(sample.roster_columns["logq"])
 
 
 def _first_difference(*streams: list[int]) -> int:

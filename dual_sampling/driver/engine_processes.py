@@ -8,10 +8,11 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from dual_sampling.lockstep import SESSION_PREFIX, SHM_DIR, mapped_shm_files, process_start_time
+from dual_sampling.roster import PAIR
 
 __all__ = [
     "await_new_child",
@@ -126,8 +127,10 @@ def await_new_child(known: set[int], future: Any, timeout: float = 120.0) -> Non
         time.sleep(0.02)
 
 
-def split_cpu_binding() -> dict[str, str]:
-    """{role: CPU list} for vLLM's CPU backend: the teacher's model gets the first half of the CPUs, theta's the rest.
+def split_cpu_binding(names: Sequence[str] = PAIR.names) -> dict[str, str]:
+    """{model name: CPU list} for vLLM's CPU backend: the CPUs split into as many runs as there are engines (``names``,
+    in roster order; a pair: the teacher's model gets the first half, theta's the rest), or into one run per CPU where
+    there are more engines than CPUs, dealt out in turn.
 
     vLLM binds every engine's model threads to the same cores of NUMA node 0 and leaves
     one core to its scheduler process; two engines would then time-share those cores
@@ -139,8 +142,11 @@ def split_cpu_binding() -> dict[str, str]:
     cpus = sorted(os.sched_getaffinity(0))
     if not current_platform.is_cpu() or len(cpus) < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return {}
-    half = (len(cpus) + 1) // 2
-    return {"teacher": ",".join(map(str, cpus[:half])), "theta": ",".join(map(str, cpus[half:]))}
+    runs = min(len(names), len(cpus))
+    size, extra = divmod(len(cpus), runs)
+    starts = [i * size + min(i, extra) for i in range(runs + 1)]  # the first ``extra`` runs take one CPU more
+    groups = [",".join(map(str, cpus[starts[i] : starts[i + 1]])) for i in range(runs)]
+    return {name: groups[i % runs] for i, name in enumerate(names)}
 
 
 def engine_cpus(cpu_list: str | None) -> contextlib.AbstractContextManager[None]:

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 from dual_sampling.lockstep import SyncSession
-from dual_sampling.roster import Role
 
 __all__ = ["HealthWatch", "dead_engine"]
 
@@ -37,9 +36,9 @@ def dead_engine(engines: Any) -> str | None:
     dead = engines.dead()
     if dead:
         return f"the {dead} engine failed: its engine process exited"
-    for role in Role:
-        if getattr(getattr(engines, role), "errored", False):
-            return f"the {role} engine failed: vLLM declared it dead (EngineDeadError)"
+    for name, engine in engines.engines.items():
+        if getattr(engine, "errored", False):
+            return f"the {name} engine failed: vLLM declared it dead (EngineDeadError)"
     return None
 
 
@@ -73,7 +72,7 @@ class HealthWatch:
                 self._fail(dead)
                 return
             stats = self.session.statistics()
-            rows = (stats["teacher_rows"], stats["theta_rows"], stats["leader_ended"])
+            rows = (*(value for name, value in stats.items() if name.endswith("_rows")), stats["leader_ended"])
             cpu = engines.worker_cpu_seconds() if engines is not None else 0.0
             computing = cpu - last_cpu >= COMPUTING_CPU_SHARE * WATCH_S
             last_cpu = cpu

@@ -1,13 +1,14 @@
-"""The long-lived driver of a lockstep pair: two engines, requests accepted at any time.
+"""The long-lived driver of engines in lockstep, one per model of the roster (a pair: two), requests accepted at any
+time.
 
-:class:`LockstepDriver` owns one shared-memory session and one engine pair, on an asyncio
+:class:`LockstepDriver` owns one shared-memory session and the engines, on an asyncio
 loop of its own (:mod:`~dual_sampling.driver.loop_thread`). Per sample it:
 
 1. waits for a free slot, first come first served (:mod:`~dual_sampling.driver.slots`; the
    slot count bounds what is submitted to the engines, whose schedulers decide what runs);
-2. opens the slot and submits the two prompts to the two engines;
-3. streams the teacher engine's tokens with their records (:class:`SampleDelta`);
-4. when both engines have ended the request, checks that both produced the same tokens that
+2. opens the slot and submits each model's prompt to its engine;
+3. streams the leading engine's tokens with their records (:class:`SampleDelta`);
+4. when every engine has ended the request, checks that each produced the same tokens that
    were decided, reads why it ended, and returns the verified :class:`SampleRecord`
    (:mod:`~dual_sampling.driver.collect`).
 
@@ -53,11 +54,10 @@ from dual_sampling.driver import statistics
 from dual_sampling.driver.collect import collect_sample, delta_of
 from dual_sampling.driver.health import HealthWatch, dead_engine
 from dual_sampling.driver.loop_thread import LoopThread
-from dual_sampling.driver.requests import DualRequest, Flight, check_request, engine_sampling_params
+from dual_sampling.driver.requests import DualRequest, Flight, check_request, engine_sampling_params, model_prompts
 from dual_sampling.driver.slots import SlotPool
 from dual_sampling.driver.versions import WeightVersions, check_update
 from dual_sampling.lockstep import (
-    RECORD_FIELDS,
     EnginePairDead,
     ErrorCode,
     RequestFailed,
@@ -67,7 +67,7 @@ from dual_sampling.lockstep import (
     Writer,
 )
 from dual_sampling.records import SampleDelta, SampleRecord
-from dual_sampling.roster import Role
+from dual_sampling.roster import PAIR, Role, Roster
 
 __all__ = ["LockstepDriver"]
 
@@ -75,10 +75,10 @@ logger = logging.getLogger(__name__)
 
 
 class LockstepDriver:
-    """Two engines in lockstep behind one asyncio API; see the module docstring.
+    """Engines in lockstep behind one asyncio API, one per model of ``roster``; see the module docstring.
 
-    ``engine_factory(session_name)`` builds the engine pair on the driver's loop (the real one
-    is :class:`dual_sampling.driver.pair.EnginePair`; tests pass simulated engines).
+    ``engine_factory(session_name)`` builds the engines on the driver's loop, with their ``engines`` by model name
+    in roster order (the real ones: :class:`dual_sampling.driver.pair.EnginePair`; tests pass simulated engines).
     """
 
     def __init__(
@@ -91,8 +91,10 @@ class LockstepDriver:
         sync_timeout: float,
         slots: int | None = None,
         max_dense_logprobs: int = 0,
+        roster: Roster = PAIR,
     ) -> None:
         self.tokenizer = tokenizer
+        self.roster = roster
         self.max_model_len = max_model_len
         self.sync_timeout = sync_timeout
         layout = SessionLayout(
@@ -101,16 +103,18 @@ class LockstepDriver:
             max_steps=max_model_len,
             plan_width=max_num_seqs,
             dense_k=max_dense_logprobs,
+            models=len(roster.names),
         )
         self.session = SyncSession.create(layout)
+        self.session.names = roster.names
         self.slots = SlotPool(self.session)
         self.engines: Any = None
         self.failure: SyncError | None = None
         """Set once, for good, when the driver can serve nothing more (an engine died, or it was closed)."""
         self.counters = statistics.new_counters()
-        self.versions = WeightVersions()
+        self.versions = WeightVersions(roster)
         self.alpha: tuple[str, dict[str, Any]] | None = None
-        """The alpha method and configuration the teacher's processor decides with, once changed by
+        """The alpha method and configuration the leader's processor decides with, once changed by
         :meth:`update_alpha`; None: the one it started with."""
         self._keys = itertools.count(1)
         self._ids = itertools.count(1)
@@ -183,7 +187,7 @@ class LockstepDriver:
             sample = SampleRecord(text="", token_ids=[], finish_reason="abort", seed=request.sampling.seed)
             self.counters["requests"] += 1
             self.counters["finished_abort"] += 1
-            yield SampleDelta([], np.zeros((0, len(RECORD_FIELDS)), np.float32), sample)
+            yield SampleDelta([], np.zeros((0, len(self.roster.token_columns)), np.float32), sample)
             return
         if self.failure is not None:  # the engines failed after this request got its slot
             self.slots.release(slot)
@@ -221,7 +225,8 @@ class LockstepDriver:
         flight = Flight(request_id, slot, next(self._keys), request, versions=dict(self.versions.current))
         self._flights[flight.request_id] = flight
         self.counters["requests"] += 1
-        self.session.open_slot(slot, flight.key, (len(request.teacher_prompt_ids), len(request.theta_prompt_ids)))
+        prompts = model_prompts(self.roster, request.teacher_prompt_ids, request.theta_prompt_ids)
+        self.session.open_slot(slot, flight.key, [len(ids) for ids in prompts])
         flight.task = asyncio.create_task(self._fly(flight))
         return flight
 
@@ -242,36 +247,44 @@ class LockstepDriver:
     async def relay(self, flight: Flight) -> None:
         """Mode hook: submit one request to the engines, put its deltas and its final sample in ``flight.outbox``.
 
-        Here: to both engines; the teacher's tokens are relayed and the end verified against theta's."""
-        request = flight.request
-        teacher_params, theta_params = engine_sampling_params(flight)
-        theta = self.engines.theta.generate(
-            {"prompt_token_ids": request.theta_prompt_ids}, theta_params, flight.request_id
-        )
-        theta_task = asyncio.create_task(_last(theta))
+        Here: to every engine; the leader's tokens are relayed and the end verified against each follower's."""
+        request, engines = flight.request, self.engines.engines
+        leader, *followers = self.roster.names
+        ids = model_prompts(self.roster, request.teacher_prompt_ids, request.theta_prompt_ids)
+        prompts = dict(zip(self.roster.names, ids))
+        leader_params, follower_params = engine_sampling_params(flight)
+        tasks = {
+            name: asyncio.create_task(
+                _last(engines[name].generate({"prompt_token_ids": prompts[name]}, follower_params, flight.request_id))
+            )
+            for name in followers
+        }
         try:
-            async for out in self.engines.teacher.generate(
-                {"prompt_token_ids": request.teacher_prompt_ids}, teacher_params, flight.request_id
+            async for out in engines[leader].generate(
+                {"prompt_token_ids": prompts[leader]}, leader_params, flight.request_id
             ):
                 completion = out.outputs[0]
                 start = len(flight.tokens)
                 flight.tokens += completion.token_ids
                 if out.finished:
-                    theta_out = await theta_task
-                    sample = self.finish(flight, list(theta_out.outputs[0].token_ids), completion.finish_reason)
+                    ended = {name: list((await task).outputs[0].token_ids) for name, task in tasks.items()}
+                    sample = self.finish(flight, ended, completion.finish_reason)
                     flight.outbox.put_nowait(delta_of(self.session, flight, start, sample))
                     return
                 if len(flight.tokens) > start:
                     flight.outbox.put_nowait(delta_of(self.session, flight, start))
-            raise RequestFailed("the teacher engine ended a request without a final output")
+            raise RequestFailed("the leading engine ended a request without a final output")
         finally:
-            if not theta_task.done():
-                theta_task.cancel()
-            await _settle(theta_task)
+            for task in tasks.values():
+                if not task.done():
+                    task.cancel()
+            for task in tasks.values():
+                await _settle(task)
 
-    def finish(self, flight: Flight, theta_tokens: list[int], teacher_finish: str | None) -> SampleRecord:
-        """The verified sample of a request the engines have ended, counted (for :meth:`relay`)."""
-        sample, code = collect_sample(self.session, flight, theta_tokens, teacher_finish, self.tokenizer)
+    def finish(self, flight: Flight, follower_tokens: dict[str, list[int]], leader_finish: str | None) -> SampleRecord:
+        """The verified sample of a request the engines have ended, counted (for :meth:`relay`); ``follower_tokens``:
+        what each following engine emitted, by model name."""
+        sample, code = collect_sample(self.session, flight, self.roster, follower_tokens, leader_finish, self.tokenizer)
         if code != ErrorCode.NONE:
             self.counters[f"failed_{code.label}"] += 1
         else:
@@ -354,8 +367,9 @@ class LockstepDriver:
         """
         check_update(role, mode, version)
         role = Role(role)
+        self.versions.check_model(role)
         async with self._no_request_running(mode):
-            engine = getattr(self.engines, role)
+            engine = self.engines.engines[role]
             try:
                 await engine.pause_generation(mode="keep", clear_cache=False)  # nothing runs: nothing to keep
                 await load(engine)
@@ -366,16 +380,17 @@ class LockstepDriver:
             return self.versions.updated(role, version)
 
     async def update_alpha(self, method: str, config: dict[str, Any]) -> None:
-        """Give the teacher's processor the alpha computer ``method`` with ``config`` (the caller checked both), once
+        """Give the leader's processor the alpha computer ``method`` with ``config`` (the caller checked both), once
         no request runs on either engine (those in flight finish first; those waiting for a slot start after it). A
         call that fails leaves the computer unknown: the driver fails for good."""
         async with self._no_request_running("wait"):
             try:
-                taken = await self.engines.teacher.collective_rpc("dual_sampling_set_alpha", args=(method, config))
+                leader = self.engines.engines[self.roster.names[0]]
+                taken = await leader.collective_rpc("dual_sampling_set_alpha", args=(method, config))
             except Exception as exc:
                 raise self._fail(f"setting the alpha computer failed, so it is unknown: {exc!r}") from exc
             if sum(taken) != 1:
-                raise self._fail(f"the teacher engine's workers had {sum(taken)} teacher processors, not 1")
+                raise self._fail(f"the leading engine's workers had {sum(taken)} leader processors, not 1")
             self.alpha = (method, dict(config))
             self.counters["alpha_updates"] += 1
 

@@ -1,10 +1,13 @@
-"""The two vLLM engines of one session: built, verified, watched and stopped together.
+"""The vLLM engines of one session, one per model of the roster: built, verified, watched and stopped together.
 
-:class:`EnginePair` starts one ``AsyncLLM`` per role with the lockstep plugins
-(``processors``), then reads back each engine's *effective* configuration and refuses any
-setting that would break lockstep, naming it. It knows its engines' processes (each
+:class:`EnginePair` starts one ``AsyncLLM`` per model (a pair: the teacher's and theta's) with the lockstep plugins
+(``processors``), the first model's engine leading, then reads back each engine's *effective* configuration and
+refuses any setting that would break lockstep, naming it. It knows its engines' processes (each
 EngineCore and its workers), tells when one has died, and on :meth:`EnginePair.close`
 leaves no process, no shared-memory file and no socket of theirs behind.
+
+The module is over 500 lines because an engine's start, its checks, its processes and its stop share one record of
+what was started (pids, shared-memory files, sockets), which a split would pass between modules.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from dual_sampling.lockstep import (
 )
 from dual_sampling.lockstep.janitor import scratch_dir
 from dual_sampling.lockstep.row_channel import resolve_transport
-from dual_sampling.options import DualEngineConfig, default_kv_cache_bytes, kv_cache_bytes_needed
-from dual_sampling.roster import Role
+from dual_sampling.options import DualEngineConfig, ModelEngine, default_kv_cache_bytes, kv_cache_bytes_needed
+from dual_sampling.roster import PAIR, THETA, Role, Roster
 
 __all__ = ["LOCKSTEP_SETTINGS", "EnginePair", "qualified_name", "start_lockstep"]
 
@@ -61,7 +64,8 @@ _LISTING_INTERVAL_S = 0.2
 
 
 class EnginePair:
-    """One teacher and one theta ``AsyncLLM``, in lockstep through the session ``session_name``.
+    """One ``AsyncLLM`` per model of ``config.roster`` (a pair: teacher and theta), in lockstep through the session
+    ``session_name``; :attr:`engines` holds them by model name, in roster order (the leader first).
 
     Build it inside the asyncio loop that will use the engines (their clients bind to it).
     """
@@ -76,18 +80,18 @@ class EnginePair:
                 f"max_num_batched_tokens={self.budget} is below max_model_len={max_model_len}: "
                 "a full-length prompt could never be admitted"
             )
-        for role in Role:
-            overridden = sorted(set(self._user_kwargs(role)) & set(LOCKSTEP_SETTINGS))
+        for model in self.models.values():
+            overridden = sorted(set(model.engine_kwargs) & set(LOCKSTEP_SETTINGS))
             if overridden:
                 raise ValueError(
-                    f"{role}_engine_kwargs sets {', '.join(overridden)}; the dual engine sets these itself "
-                    "(use the DualEngineConfig fields where one exists)"
+                    f"{_kwargs_setting(self.roster, model.name)} sets {', '.join(overridden)}; the dual engine sets "
+                    "these itself (use the DualEngineConfig fields where one exists)"
                 )
         self.places = self._place()
         """Each engine's GPU and share of its memory (``driver.placement``); empty off CUDA."""
         self.row_transport = _resolve_row_transport(config.row_transport, self.places)
         """The row channel both engines open (``lockstep.row_channel``), resolved here, before either starts."""
-        self.binding = engine_processes.split_cpu_binding() if config.cpu_binding == "split" else {}
+        self.binding = engine_processes.split_cpu_binding(self.roster.names) if config.cpu_binding == "split" else {}
         self.from_forkserver = not self.places and engine_start.warm()
         """Whether the engines' processes start from this process's fork server (``driver.engine_start``)."""
         self._core_pids: list[int] = []
@@ -108,31 +112,43 @@ class EnginePair:
             raise
 
     @property
+    def roster(self) -> Roster:
+        """The models by name, the leading engine's first."""
+        return self.config.roster
+
+    @property
+    def models(self) -> dict[str, ModelEngine]:
+        """Each model's folder and engine settings, by name, in roster order."""
+        return {model.name: model for model in self.config.model_engines()}
+
+    @property
     def teacher(self) -> Any:
+        """A pair's teacher engine (the leader)."""
         return self.engines["teacher"]
 
     @property
     def theta(self) -> Any:
-        return self.engines["theta"]
+        return self.engines[THETA]
 
     # ------------------------------------------------------------------ start
 
     ROLES: tuple[Role, ...] = (Role.TEACHER, Role.THETA)
-    """The engines this pair starts."""
+    """The engines a pair starts (the models of :data:`~dual_sampling.roster.PAIR`; GPU placement plans them)."""
 
-    def kv_cache_bytes(self, role: Role) -> int:
-        """The KV cache ``role``'s engine gets, in bytes: ``kv_cache_memory_bytes``, or room for max_num_seqs full
-        contexts at the engine's own dtype (vLLM's cache takes the model's)."""
-        cfg, role = self.config, Role(role)
-        model = role.pick(cfg.model_teacher, cfg.model_theta)
-        dtype = placement.engine_dtype(cfg, role)
-        return cfg.kv_cache_memory_bytes or default_kv_cache_bytes(model, cfg.max_num_seqs, self.max_model_len, dtype)
+    def kv_cache_bytes(self, name: str) -> int:
+        """The KV cache the engine of model ``name`` gets, in bytes: ``kv_cache_memory_bytes``, or room for
+        max_num_seqs full contexts at the engine's own dtype (vLLM's cache takes the model's)."""
+        cfg, model = self.config, self.models[name]
+        dtype = placement.engine_dtype(cfg, model)
+        return cfg.kv_cache_memory_bytes or default_kv_cache_bytes(
+            model.folder, cfg.max_num_seqs, self.max_model_len, dtype
+        )
 
-    def engine_need_bytes(self, role: Role) -> int:
-        """The least GPU memory ``role``'s engine can run in (its weights and KV cache)."""
-        model = Role(role).pick(self.config.model_teacher, self.config.model_theta)
-        dtype = placement.engine_dtype(self.config, role)
-        return placement.engine_need_bytes([model], dtype, self.kv_cache_bytes(role))
+    def engine_need_bytes(self, name: str) -> int:
+        """The least GPU memory the engine of model ``name`` can run in (its weights and KV cache)."""
+        model = self.models[name]
+        dtype = placement.engine_dtype(self.config, model)
+        return placement.engine_need_bytes([model.folder], dtype, self.kv_cache_bytes(name))
 
     def _place(self) -> dict[Role, placement.EnginePlace]:
         """Each engine's place on CUDA, checked before any starts (off CUDA, placement settings are refused)."""
@@ -141,6 +157,11 @@ class EnginePair:
         placement.check_placement_settings(self.config, current_platform.device_type)
         if current_platform.device_type != "cuda":
             return {}
+        if self.roster != PAIR:
+            raise ValueError(
+                f"model_teacher: several teachers ({', '.join(self.roster.teachers)}) on CUDA need each engine placed "
+                "on a GPU, which is not built yet"
+            )
         # NVML's figures: no CUDA context is made in this process, which would take memory on the engines' GPU.
         gpu_bytes = [current_platform.get_device_total_memory(i) for i in range(current_platform.device_count())]
         needs = {role: self.engine_need_bytes(role) for role in self.ROLES}
@@ -152,18 +173,15 @@ class EnginePair:
         place = self.places.get(role)
         return {"gpu_memory_utilization": place.memory_share} if place else {}
 
-    def _engine_variables(self, role: Role) -> dict[str, str]:
-        """The environment variables ``role``'s engine processes start with on top of this process's: its CPUs
-        (``cpu_binding``) and its GPU (``driver.placement``)."""
+    def _engine_variables(self, role: str) -> dict[str, str]:
+        """The environment variables the engine processes of model ``role`` start with on top of this process's: its
+        CPUs (``cpu_binding``) and its GPU (``driver.placement``)."""
         place = self.places.get(role)
         variables = {
             "VLLM_CPU_OMP_THREADS_BIND": self.binding.get(role),
             "CUDA_VISIBLE_DEVICES": place and place.visible_devices,
         }
         return {name: value for name, value in variables.items() if value is not None}
-
-    def _user_kwargs(self, role: str) -> dict[str, Any]:
-        return Role(role).pick(self.config.teacher_engine_kwargs, self.config.theta_engine_kwargs)
 
     def base_kwargs(self, model: str, kv_bytes: int) -> dict[str, Any]:
         """The vLLM engine arguments every engine of a dual engine starts with (lockstep's and the speculative one)."""
@@ -172,7 +190,7 @@ class EnginePair:
         cfg = self.config
         return dict(
             model=model,
-            tokenizer=cfg.model_teacher,  # one tokenizer for both: the same stop ids and EOS on both sides
+            tokenizer=cfg.tokenizer_folder,  # one tokenizer for all: the same stop ids and EOS on every side
             dtype=cfg.dtype,
             max_model_len=self.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
@@ -193,7 +211,7 @@ class EnginePair:
         )
 
     def engine_kwargs(self, role: str) -> dict[str, Any]:
-        """The vLLM engine arguments of ``role``."""
+        """The vLLM engine arguments of model ``role``'s engine."""
         from processors import (
             FollowerLogitsProcessor,
             FollowerScheduler,
@@ -201,15 +219,16 @@ class EnginePair:
             LeaderScheduler,
         )
 
-        cfg, role = self.config, Role(role)
-        model = role.pick(cfg.model_teacher, cfg.model_theta)
+        cfg, model = self.config, self.models[role]
+        leads = role == self.roster.names[0]
         kv_bytes = self.kv_cache_bytes(role)
-        lends = role == Role.TEACHER and self.binding  # theta's CPUs, lent to the teacher's processor
-        helper_cpus = tuple(int(c) for c in self.binding[Role.THETA].split(",")) if lends else ()
+        # Theta's CPUs, lent to the leader's processor (where the leader has CPUs of its own).
+        lends = leads and self.binding and self.binding[THETA] != self.binding[role]
+        helper_cpus = tuple(int(c) for c in self.binding[THETA].split(",")) if lends else ()
         kwargs = dict(
-            self.base_kwargs(model, kv_bytes),
-            scheduler_cls=role.pick(LeaderScheduler, FollowerScheduler),
-            logits_processors=[role.pick(LeaderLogitsProcessor, FollowerLogitsProcessor)],
+            self.base_kwargs(model.folder, kv_bytes),
+            scheduler_cls=LeaderScheduler if leads else FollowerScheduler,
+            logits_processors=[LeaderLogitsProcessor if leads else FollowerLogitsProcessor],
             **self._placement_kwargs(role),
             additional_config=LockstepConfig(
                 role,
@@ -220,9 +239,10 @@ class EnginePair:
                 # Theta's CPUs idle while the teacher decides; the teacher borrows them (see processors.leader).
                 helper_cpus,
                 self.row_transport,
+                self.roster.names,
             ).to_engine(),
         )
-        kwargs.update(self._user_kwargs(role))
+        kwargs.update(model.engine_kwargs)
         return kwargs
 
     def _start_both(self) -> None:
@@ -263,7 +283,7 @@ class EnginePair:
             self._start_engines_here()
 
     def _start_engines_here(self) -> None:
-        """Start both engines, in the environment _start_engines set."""
+        """Start every engine, in the environment _start_engines set."""
         from concurrent.futures import ThreadPoolExecutor
 
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -276,9 +296,9 @@ class EnginePair:
             with engine_start.engine_start(self._engine_variables(role), self._core_pids):
                 return AsyncLLM.from_engine_args(args)
 
-        with ThreadPoolExecutor(2, thread_name_prefix="dual-sampling-start") as pool:
+        with ThreadPoolExecutor(len(self.models), thread_name_prefix="dual-sampling-start") as pool:
             futures = {}
-            for role in Role:
+            for role in self.models:
                 if self.from_forkserver:  # each engine's variables travel with it: both start at once
                     futures[role] = pool.submit(start, role)
                     continue
@@ -288,7 +308,7 @@ class EnginePair:
                     # The environment is read when the engine's first process is spawned: keep it until then.
                     if self.binding or self.places:
                         engine_processes.await_new_child(known, futures[role])
-            errors = [_result_into(self.engines, role, futures.pop(role)) for role in Role]
+            errors = [_result_into(self.engines, role, futures.pop(role)) for role in self.models]
         # Nothing in this frame refers to an engine any more: a lingering frame cannot keep one alive past close().
         for error in errors:
             if error is not None:
@@ -297,7 +317,7 @@ class EnginePair:
     # ------------------------------------------------------------------ verification
 
     def verify(self) -> None:
-        """Read both engines' effective settings and refuse any that would break lockstep, naming it."""
+        """Read every engine's effective settings and refuse any that would break lockstep, naming it."""
         from processors import DualSamplingWorkerExtension, FollowerScheduler, LeaderScheduler
         from processors.model_runner import runner_problem
 
@@ -305,7 +325,7 @@ class EnginePair:
         cfgs = {role: engine.vllm_config for role, engine in self.engines.items()}
         for role, vc in cfgs.items():
             sc, pc = vc.scheduler_config, vc.parallel_config
-            want = Role(role).pick(LeaderScheduler, FollowerScheduler)
+            want = LeaderScheduler if role == self.roster.names[0] else FollowerScheduler
             if sc.get_scheduler_cls() is not want:
                 problems.append(f"{role}: scheduler_cls is {sc.get_scheduler_cls().__name__}, not {want.__name__}")
             if pc.worker_extension_cls != qualified_name(DualSamplingWorkerExtension):
@@ -355,10 +375,10 @@ class EnginePair:
         need = vc.scheduler_config.max_num_seqs * per_request + 1  # +1: vLLM's null block is never handed out
         if blocks >= need:
             return []
-        model = Role(role).pick(self.config.model_teacher, self.config.model_theta)
-        dtype = placement.engine_dtype(self.config, Role(role))
+        model = self.models[role]
+        dtype = placement.engine_dtype(self.config, model)
         want = kv_cache_bytes_needed(
-            model, vc.scheduler_config.max_num_seqs, vc.model_config.max_model_len, dtype, block_size
+            model.folder, vc.scheduler_config.max_num_seqs, vc.model_config.max_model_len, dtype, block_size
         )
         return [
             f"{role}: the KV cache has {blocks} blocks of {block_size} tokens, fewer than the {need} that "
@@ -435,7 +455,7 @@ class EnginePair:
             self._listed = names
 
     def close(self) -> None:
-        """Stop both engines; afterwards none of their processes and none of their /dev/shm files remain.
+        """Stop every engine; afterwards none of their processes and none of their /dev/shm files remain.
 
         Also after a failed start: what the engines listed while starting is removed.
         """
@@ -458,6 +478,14 @@ class EnginePair:
         segments_listing(self.session_name).unlink(missing_ok=True)
         if self.ipc_dir is not None:  # vLLM leaves its ipc:// socket files behind; they are ours to remove
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _kwargs_setting(roster: object, name: str) -> str:
+    """The setting model ``name``'s engine arguments come from: ``<name>_engine_kwargs`` in a pair, one teacher's entry
+    of ``teacher_engine_kwargs`` with several."""
+    if roster == PAIR or name == THETA:
+        return f"{name}_engine_kwargs"
+    return f"teacher_engine_kwargs[{name!r}]"
 
 
 def qualified_name(cls: type) -> str:
@@ -495,5 +523,8 @@ def _resolve_row_transport(requested: str, places: dict[Role, placement.EnginePl
 
 
 def start_lockstep(config: DualEngineConfig, tokenizer: Any, engine_len: int, **settings: Any) -> LockstepDriver:
-    """``mode="lockstep"`` (``dual_sampling.modes``): a teacher and a theta engine of ``engine_len`` positions."""
-    return LockstepDriver(lambda session_name: EnginePair(config, session_name, engine_len), tokenizer, **settings)
+    """``mode="lockstep"`` (``dual_sampling.modes``): an engine per model of the config's roster (a teacher and a
+    theta engine, or several teachers and theta's), of ``engine_len`` positions."""
+    return LockstepDriver(
+        lambda session_name: EnginePair(config, session_name, engine_len), tokenizer, roster=config.roster, **settings
+    )

@@ -34,7 +34,7 @@ from typing import Any
 
 from dual_sampling.driver import weights
 from dual_sampling.modes import mode_of
-from dual_sampling.options import ENGINE_DTYPE_BYTES, EngineOptions
+from dual_sampling.options import ENGINE_DTYPE_BYTES, EngineOptions, ModelEngine
 from dual_sampling.roster import Role
 
 __all__ = [
@@ -79,10 +79,10 @@ def weight_bytes(folder: str | Path, dtype: str) -> int:
     return total
 
 
-def engine_dtype(cfg: EngineOptions, role: Role) -> str:
-    """The dtype ``role``'s engine runs in, by name: its ``*_engine_kwargs``' or the pair's (a ``torch.dtype`` given
+def engine_dtype(cfg: EngineOptions, model: ModelEngine) -> str:
+    """The dtype ``model``'s engine runs in, by name: its engine arguments' or the run's (a ``torch.dtype`` given
     there named as vLLM reads it, ``torch.bfloat16`` as ``bfloat16``)."""
-    given = role.pick(cfg.teacher_engine_kwargs, cfg.theta_engine_kwargs).get("dtype", cfg.dtype)
+    given = model.engine_kwargs.get("dtype", cfg.dtype)
     return str(given).removeprefix("torch.")
 
 

@@ -8,12 +8,12 @@ past it, and the driver refuses a request that does not fit.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from dual_sampling.decision.pipeline import RowSampling
-from dual_sampling.roster import Role
+from dual_sampling.roster import PAIR, THETA, Role, Roster
 
 __all__ = [
     "DualRequest",
@@ -22,20 +22,44 @@ __all__ = [
     "check_request",
     "engine_sampling_params",
     "generation_room",
+    "model_prompts",
     "prompt_pairs",
 ]
 
+TeacherIds = Sequence[int] | Mapping[str, Sequence[int]]
+"""The teacher's prompt as token ids; with several teachers, each teacher's by name."""
 
-def generation_room(max_model_len: int, teacher_ids: Sequence[int], theta_ids: Sequence[int]) -> int:
-    """Tokens left for generation after the longer of the two prompts, within ``max_model_len``."""
-    return max_model_len - max(len(teacher_ids), len(theta_ids))
+
+def teacher_prompt_list(teacher_ids: TeacherIds) -> list[Sequence[int]]:
+    """Every teacher's prompt: the one, or each of several."""
+    return list(teacher_ids.values()) if isinstance(teacher_ids, Mapping) else [teacher_ids]
+
+
+def model_prompts(roster: Roster, teacher_ids: TeacherIds, theta_ids: Sequence[int]) -> tuple[Sequence[int], ...]:
+    """Each model's prompt in ``roster`` order: θ's, and the teacher's (one teacher) or each teacher's by name
+    (several; the names must be the roster's teachers)."""
+    if isinstance(teacher_ids, Mapping):
+        if set(teacher_ids) != set(roster.teachers):
+            raise ValueError(f"teacher prompts are named {sorted(teacher_ids)}, the teachers {list(roster.teachers)}")
+        by_name = {**teacher_ids, THETA: theta_ids}
+    else:
+        if len(roster.teachers) != 1:
+            raise ValueError(f"one teacher prompt for the teachers {list(roster.teachers)}: name each teacher's")
+        by_name = {roster.teachers[0]: teacher_ids, THETA: theta_ids}
+    return tuple(by_name[name] for name in roster.names)
+
+
+def generation_room(max_model_len: int, teacher_ids: TeacherIds, theta_ids: Sequence[int]) -> int:
+    """Tokens left for generation after the longest of the models' prompts, within ``max_model_len``."""
+    return max_model_len - max(len(ids) for ids in (*teacher_prompt_list(teacher_ids), theta_ids))
 
 
 @dataclass(frozen=True)
 class PromptPair:
     """One prompt tokenized for each engine, and the room it leaves for generated tokens."""
 
-    teacher_ids: list[int]
+    teacher_ids: list[int] | dict[str, list[int]]
+    """The teacher's prompt; with several teachers, each teacher's by name."""
     theta_ids: list[int]
     room: int
     """Generated tokens at most (:func:`generation_room`); at least 1."""
@@ -43,14 +67,15 @@ class PromptPair:
 
 @dataclass
 class DualRequest:
-    """One sample to draw: both prompts as token ids, and how to draw it."""
+    """One sample to draw: every model's prompt as token ids, and how to draw it."""
 
-    teacher_prompt_ids: list[int]
+    teacher_prompt_ids: list[int] | dict[str, list[int]]
+    """The teacher's prompt; with several teachers, each teacher's by name (:func:`model_prompts`)."""
     theta_prompt_ids: list[int]
     sampling: RowSampling
     """The per-token decision's settings, with this sample's seed and the stop token ids (EOS included)."""
     max_tokens: int
-    """Generated tokens at most; must fit in max_model_len after the longer prompt."""
+    """Generated tokens at most; must fit in max_model_len after the longest prompt."""
     stop: tuple[str, ...] = ()
     """Stop strings (the teacher scheduler looks for them)."""
     request_id: str | None = None
@@ -69,14 +94,14 @@ class Flight:
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     """Deltas (or the exception that ended the request) for the caller's stream."""
     task: asyncio.Task | None = None
-    versions: dict[Role, str] = field(default_factory=lambda: {Role.TEACHER: "0", Role.THETA: "0"})
-    """The weight version of each engine when the request was launched (it cannot change before it ends)."""
+    versions: dict[str, str] = field(default_factory=lambda: {Role.TEACHER: "0", Role.THETA: "0"})
+    """The weight version of each model when the request was launched, by name (it cannot change before it ends)."""
 
 
 def check_request(request: DualRequest, max_model_len: int, max_dense_logprobs: int) -> None:
     """Refuse, naming the field, a request the session cannot hold."""
-    if not request.teacher_prompt_ids or not request.theta_prompt_ids:
-        raise ValueError("both prompts must hold at least one token")
+    if not all(teacher_prompt_list(request.teacher_prompt_ids)) or not request.theta_prompt_ids:
+        raise ValueError("every model's prompt must hold at least one token")
     if request.sampling.dense_logprobs > max_dense_logprobs:
         raise ValueError(
             f"dense_logprobs={request.sampling.dense_logprobs} exceeds this engine's "
@@ -91,14 +116,14 @@ def check_request(request: DualRequest, max_model_len: int, max_dense_logprobs: 
 
 
 def engine_sampling_params(flight: Flight) -> tuple[Any, Any]:
-    """vLLM's SamplingParams for the teacher engine and for theta's: greedy on logits that allow one token, with the
-    pairing (slot, key, decision settings, stop strings) the plugins read from ``extra_args``."""
+    """vLLM's SamplingParams for the leading engine and for a following one: greedy on logits that allow one token,
+    with the pairing (slot, key, decision settings, stop strings) the plugins read from ``extra_args``."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     r = flight.request
     pairing = {"slot": flight.slot, "key": flight.key, "sampling": r.sampling.to_dict(), "stop": list(r.stop)}
-    # Stop strings are the teacher scheduler's; theta's engine ends where the teacher's does.
+    # Stop strings are the leader's scheduler's; a follower's engine ends where the leader's does.
     teacher = SamplingParams(
         n=1,
         temperature=0.0,
@@ -115,13 +140,21 @@ def engine_sampling_params(flight: Flight) -> tuple[Any, Any]:
 
 
 def prompt_pairs(
-    tokenizer: Any, vocab: int, max_model_len: int, prompts: Sequence[Any], teacher_prompts: Sequence[Any] | None
+    tokenizer: Any,
+    vocab: int,
+    max_model_len: int,
+    prompts: Sequence[Any],
+    teacher_prompts: Sequence[Any] | Mapping[str, Sequence[Any]] | None,
+    roster: Roster | None = None,
 ) -> list[PromptPair]:
     """Each prompt tokenized for each engine (text with the tokenizer's special tokens, or token ids; theta's
-    ``prompts``, the teacher's ``teacher_prompts`` or the same), with its room in ``max_model_len``. ValueError,
-    naming the prompt, for an empty one, ids outside [0, vocab), or one that leaves no room."""
+    ``prompts``, the teacher's ``teacher_prompts`` or the same), with its room in ``max_model_len``. With several
+    teachers (``roster``), ``teacher_prompts`` maps a teacher's name to its prompts, and a teacher it does not name
+    sees theta's. ValueError, naming the prompt, for an empty one, ids outside [0, vocab), or one that leaves no
+    room."""
     if isinstance(prompts, str):
         raise ValueError("prompts must be a list of prompts, not one string")
+    teachers = (roster or PAIR).teachers
 
     def tokenize(prompt: str | Sequence[int], index: int, name: str) -> list[int]:
         if isinstance(prompt, str):
@@ -135,13 +168,31 @@ def prompt_pairs(
             raise ValueError(f"{name}[{index}] is empty")
         return ids
 
+    def tokenize_all(given: Sequence[Any], name: str) -> list[list[int]]:
+        if isinstance(given, str):
+            raise ValueError(f"{name} must be a list of prompts, not one string")
+        if len(given) != len(prompts):
+            raise ValueError(f"{name} has {len(given)} entries but prompts has {len(prompts)}")
+        return [tokenize(p, i, name) for i, p in enumerate(given)]
+
     theta_ids = [tokenize(p, i, "prompts") for i, p in enumerate(prompts)]
-    if teacher_prompts is None:
-        teacher_ids = theta_ids
+    teacher_ids: list[Any]
+    if len(teachers) == 1:
+        if isinstance(teacher_prompts, Mapping):
+            raise ValueError("teacher_prompts: one teacher takes a list of prompts, not a mapping")
+        teacher_ids = theta_ids if teacher_prompts is None else tokenize_all(teacher_prompts, "teacher_prompts")
     else:
-        if len(teacher_prompts) != len(prompts):
-            raise ValueError(f"teacher_prompts has {len(teacher_prompts)} entries but prompts has {len(prompts)}")
-        teacher_ids = [tokenize(p, i, "teacher_prompts") for i, p in enumerate(teacher_prompts)]
+        given = {} if teacher_prompts is None else teacher_prompts
+        if not isinstance(given, Mapping) or not set(given) <= set(teachers):
+            raise ValueError(
+                f"teacher_prompts: with several teachers, a mapping from teacher names ({', '.join(teachers)}) to "
+                f"their prompts, got {type(given).__name__} {list(given)[:5] if isinstance(given, Mapping) else ''}"
+            )
+        per_teacher = {
+            name: tokenize_all(given[name], f"teacher_prompts[{name!r}]") if name in given else theta_ids
+            for name in teachers
+        }
+        teacher_ids = [{name: per_teacher[name][i] for name in teachers} for i in range(len(prompts))]
     pairs = []
     for i, (t, th) in enumerate(zip(teacher_ids, theta_ids)):
         room = generation_room(max_model_len, t, th)

@@ -24,7 +24,7 @@ from dual_sampling.driver.lockstep_driver import LockstepDriver
 from dual_sampling.driver.requests import DualRequest, Flight
 from dual_sampling.lockstep import RequestFailed
 from dual_sampling.records import SampleRecord
-from dual_sampling.roster import Role
+from dual_sampling.roster import THETA, Role
 from dual_sampling.text import sample_text
 
 __all__ = ["SpeculativeDriver", "check_speculative", "start_speculative"]
@@ -151,7 +151,7 @@ class SpeculativeDriver(LockstepDriver):
 
     def _finish_speculative(self, flight: Flight, completion: Any) -> SampleRecord:
         """The verified sample (the tokens the engine emitted, each with its record), ended as vLLM ended it."""
-        sample = self.finish(flight, list(flight.tokens), completion.finish_reason)
+        sample = self.finish(flight, {THETA: list(flight.tokens)}, completion.finish_reason)
         if sample.finish_reason == "stop" and flight.tokens:
             # A stop string (vLLM names it), else a stop token: EOS (vLLM names none) or one of stop_token_ids.
             stop = completion.stop_reason

@@ -50,7 +50,7 @@ class SpeculativeEngine(EnginePair):
         """Both models' KV share the engine's cache (max_model_len already holds the drafts' room), in bytes; the
         draft runs at the engine's dtype."""
         cfg = self.config
-        dtype = placement.engine_dtype(cfg, Role.TEACHER)
+        dtype = placement.engine_dtype(cfg, self.models[Role.TEACHER])
         return cfg.kv_cache_memory_bytes or sum(
             default_kv_cache_bytes(m, cfg.max_num_seqs, self.max_model_len, dtype)
             for m in (cfg.model_teacher, cfg.model_theta)
@@ -60,7 +60,8 @@ class SpeculativeEngine(EnginePair):
         """The one engine holds both models' weights and their one KV cache."""
         cfg = self.config
         models = [cfg.model_teacher, cfg.model_theta]
-        return placement.engine_need_bytes(models, placement.engine_dtype(cfg, role), self.kv_cache_bytes(role))
+        dtype = placement.engine_dtype(cfg, self.models[Role.TEACHER])
+        return placement.engine_need_bytes(models, dtype, self.kv_cache_bytes(role))
 
     def engine_kwargs(self, role: str = Role.TEACHER) -> dict[str, Any]:
         cfg = self.config

@@ -39,7 +39,7 @@ class WeightVersions:
         self.used: dict[str, set[str]] = {name: {"0"} for name in roster.names}
         self.updates: dict[str, int] = {name: 0 for name in roster.names}
 
-    def _model(self, model: object) -> str:
+    def check_model(self, model: object) -> str:
         """``model`` as the name of a model of the roster; ValueError naming the roster otherwise. (The two-model
         front door passes its :class:`~dual_sampling.roster.Role`, equal to the model's name.)"""
         if model not in self.roster.names:
@@ -51,7 +51,7 @@ class WeightVersions:
 
         None labels it with the count of updates, or the next count no weights of the model carried yet.
         """
-        model = self._model(model)
+        model = self.check_model(model)
         self.updates[model] += 1
         if version is None:
             count = self.updates[model]
@@ -70,7 +70,7 @@ class WeightVersions:
         if version is None:
             raise ValueError("version must be a non-empty string of at most 256 characters, got None")
         check_update(version=version)
-        model = self._model(model)
+        model = self.check_model(model)
         if version != self.current[model]:
             self.check_new(model, version)
         self.current[model] = version
@@ -79,7 +79,7 @@ class WeightVersions:
     def check_new(self, model: object, version: str) -> None:
         """Refuse (ValueError) a label ``model``'s weights have carried, the current one included: records of two
         different weights would name one."""
-        model = self._model(model)
+        model = self.check_model(model)
         if version in self.used[model]:
             raise ValueError(f"version {version!r} already labelled earlier {model} weights; choose a new label")
 

@@ -178,7 +178,7 @@ class MixtureRollouts:
             return self._dual.max_model_len
         from dual_sampling.api import context_length
 
-        return context_length(self.config.teacher, student, self.config.engine.max_model_len)
+        return context_length((self.config.teacher, student), self.config.engine.max_model_len)
 
     def start(self, student: str) -> Any:
         """The engines, started for ``student`` (a model folder) if none run; refused by name for another student."""

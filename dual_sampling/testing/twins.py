@@ -57,7 +57,7 @@ from typing import Literal
 from dual_sampling.models import provision
 from dual_sampling.testing.tiny_models import smollm2_tokenizer
 
-__all__ = ["PADDING_MASS_PROMPT", "TWIN_PAIRS", "TwinModel", "twin_pair"]
+__all__ = ["PADDING_MASS_PROMPT", "TWIN_PAIRS", "TWIN_TRIOS", "TwinModel", "twin_pair", "twin_trio"]
 
 _ENDOFTEXT, _IM_END, _FILE_SEP = 0, 2, 5
 """SmolLM2 tokenizer ids standing in for each family's end-of-text, end-of-turn and other EOS tokens."""
@@ -187,6 +187,28 @@ TWIN_PAIRS: dict[str, tuple[TwinModel, TwinModel]] = {
     "mixed-dtype": (dataclasses.replace(_QWEN25_3B, dtype="bfloat16"), _QWEN25_1_5B),
 }
 """(teacher, theta) of every named twin pair; the module's table says which real models each stands for."""
+
+
+TWIN_TRIOS: dict[str, tuple[dict[str, TwinModel], TwinModel]] = {
+    "mixed-trio": (
+        {
+            "qwen": _QWEN2_ARCH,
+            "llama": dataclasses.replace(_LLAMA_ARCH, stands_for="llama-arch-teacher", seed=3, logit_std=4.0),
+        },
+        _QWEN25_1_5B,
+    ),
+}
+"""(teachers by name, theta) of every named twin trio: ``mixed-trio`` has a Qwen2-architecture and a
+Llama-architecture teacher (both untied, no padding rows, one EOS id and two) and the Qwen2.5-1.5B twin as theta
+(tied, 192 padding rows that take much of its mass), all on one tokenizer."""
+
+
+def twin_trio(name: str) -> tuple[dict[str, Path], Path]:
+    """({teacher name: folder}, theta folder) of the twin trio ``name`` (a key of :data:`TWIN_TRIOS`), built once."""
+    if name not in TWIN_TRIOS:
+        raise ValueError(f"twin_trio name must be one of {sorted(TWIN_TRIOS)}, got {name!r}")
+    teachers, theta = TWIN_TRIOS[name]
+    return {teacher: spec.folder() for teacher, spec in teachers.items()}, theta.folder()
 
 
 def twin_pair(name: str) -> tuple[Path, Path]:
