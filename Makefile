@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-cpu-paths lint install models bench bench-gemma bench-alpha bench-ray bench-datagen bench-dense bench-speculative experiment-distill gpu-check clean
+.PHONY: demo test test-fast test-cpu-paths lint install models bench bench-gemma bench-alpha bench-ray bench-datagen bench-dense bench-speculative bench-multi experiment-distill gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -86,6 +86,10 @@ bench-dense: models
 gpu-check:
 	PYTHONPATH=. $(PYTHON) examples/bench_gpu.py --output bench-out/gpu-check.json
 	PYTHONPATH=. $(PYTHON) examples/bench_verify_gpu.py --output bench-out/verify-gpu.json
+
+# Two teachers (SmolLM2 and its 27-layer prune) against one, and against the slowest engine alone, with peak memory.
+bench-multi: models
+	$(PY) examples/bench_multi.py --output bench-out/multi_teacher.json
 
 bench-speculative: models
 	$(PY) examples/bench_speculative.py --output bench-out/speculative.json

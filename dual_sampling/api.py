@@ -89,6 +89,11 @@ def context_length(folders: Sequence[str], max_model_len: int | None) -> int:
     return chosen
 
 
+TeacherPrompt = str | Sequence[int] | Mapping[str, str | Sequence[int]]
+"""The teacher's prompt (text or token ids); with several teachers, a mapping from a teacher's name to its own (a
+teacher it does not name sees theta's)."""
+
+
 def _copied(teacher_ids: list[int] | Mapping[str, list[int]]) -> list[int] | dict[str, list[int]]:
     """A copy of a teacher prompt's ids: the one teacher's, or each of several teachers' by name."""
     if isinstance(teacher_ids, Mapping):
@@ -164,7 +169,7 @@ class OptimalSamplingDual:
     def generate(
         self,
         prompts: Sequence[str | Sequence[int]],
-        teacher_prompts: Sequence[str | Sequence[int]] | None = None,
+        teacher_prompts: Sequence[str | Sequence[int]] | Mapping[str, Sequence[str | Sequence[int]]] | None = None,
         max_tokens: int | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
@@ -180,7 +185,8 @@ class OptimalSamplingDual:
         """Generate ``n`` samples per prompt. Prompts are text or token ids.
 
         ``teacher_prompts`` (same length) lets the teacher see a different prompt from theta's,
-        for example with a reference solution as a hint. Sampling is set either by keywords
+        for example with a reference solution as a hint; with several teachers, a mapping from a teacher's name to
+        its prompts (a teacher it does not name sees theta's). Sampling is set either by keywords
         (the fields of :class:`SamplingOptions`, with its defaults: max_tokens=256,
         temperature=1.0, top_p=1.0, top_k=-1, n=1, seed=0, ...) or by one ``sampling`` object. Sample j of
         prompt i is drawn with a seed derived from (seed, i, j); ``prompt_keys`` (stable ids,
@@ -224,7 +230,7 @@ class OptimalSamplingDual:
     def beam_search(
         self,
         prompts: Sequence[str | Sequence[int]],
-        teacher_prompts: Sequence[str | Sequence[int]] | None = None,
+        teacher_prompts: Sequence[str | Sequence[int]] | Mapping[str, Sequence[str | Sequence[int]]] | None = None,
         *,
         beam_width: int,
         max_tokens: int,
@@ -441,7 +447,7 @@ class OptimalSamplingDual:
     async def stream(
         self,
         prompt: str | Sequence[int],
-        teacher_prompt: str | Sequence[int] | None = None,
+        teacher_prompt: TeacherPrompt | None = None,
         *,
         sampling: SamplingOptions | None = None,
         sample_key: int | str = 0,
@@ -473,7 +479,7 @@ class OptimalSamplingDual:
         return self.driver.abort(request_id)
 
     async def complete(
-        self, prompt: str | Sequence[int], teacher_prompt: str | Sequence[int] | None = None, **kwargs: Any
+        self, prompt: str | Sequence[int], teacher_prompt: TeacherPrompt | None = None, **kwargs: Any
     ) -> SampleRecord:
         """Draw one sample and return it whole, from any asyncio loop (see :meth:`stream`)."""
         async for delta in self.stream(prompt, teacher_prompt, **kwargs):
@@ -517,7 +523,7 @@ class OptimalSamplingDual:
             self._require_beam_search("use_beam_search")
         self.driver.check(self.request(pair, opts, opts.seed))
 
-    def prepare(self, prompt: str | Sequence[int], teacher_prompt: str | Sequence[int] | None = None) -> PromptPair:
+    def prepare(self, prompt: str | Sequence[int], teacher_prompt: TeacherPrompt | None = None) -> PromptPair:
         """One prompt tokenized for each engine (theta's ``prompt``; the teacher's ``teacher_prompt``, or the same),
         with the room it leaves for generated tokens. ValueError, naming the prompt, for an empty prompt, token ids
         outside the vocabulary, or a prompt that leaves no room in max_model_len."""

@@ -10,6 +10,8 @@ rejected by the same test, so each test shows it has the power to tell.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -69,19 +71,28 @@ def rows_after(model, prompt: list[int], firsts: list[int], vocab: int) -> tuple
 def two_token_p_values(pairs: list[list[int]], prompt: list[int], hf_teacher, hf_theta, vocab: int) -> dict[str, float]:
     """p-values of the first two tokens of many seeds (``pairs``, drawn at :data:`FIXED_ALPHA` after ``prompt``)
     under q, and under the teacher's own law (the positive control: a correct engine's draws fail it)."""
-    drawn = np.asarray(pairs)
-    t0, t1 = rows_after(hf_teacher, prompt, drawn[:, 0].tolist(), vocab)
-    h0, h1 = rows_after(hf_theta, prompt, drawn[:, 0].tolist(), vocab)
-    v = np.random.default_rng(0).random(drawn.shape)
+    firsts = np.asarray(pairs)[:, 0].tolist()
+    t0, t1 = rows_after(hf_teacher, prompt, firsts, vocab)
+    h0, h1 = rows_after(hf_theta, prompt, firsts, vocab)
     laws = {
         "q": (np_mix(h0, t0, FIXED_ALPHA), lambda a: np_mix(h1[a], t1[a], FIXED_ALPHA)),
         "teacher": (np.exp(t0), lambda a: np.exp(t1[a])),
     }
+    return two_token_p_values_under(pairs, laws)
+
+
+def two_token_p_values_under(
+    pairs: list[list[int]], laws: dict[str, tuple[np.ndarray, Callable[[int], np.ndarray]]]
+) -> dict[str, float]:
+    """p-values of the first two tokens of many seeds (``pairs``) under each of ``laws``: name → (the first token's
+    law, the second token's law given the first), probabilities over the vocabulary."""
+    drawn = np.asarray(pairs)
+    v = np.random.default_rng(0).random(drawn.shape)
     p_values = {}
     for name, (first_law, second_law) in laws.items():
         u = np.empty(drawn.shape)
         u[:, 0] = pits(first_law, drawn[:, 0], v[:, 0])
-        for a in t1:  # the second token's law depends on the first: one law per distinct first token
+        for a in np.unique(drawn[:, 0]).tolist():  # the second token's law depends on the first: one per first token
             rows = np.flatnonzero(drawn[:, 0] == a)
             # In token-id order (any fixed order gives uniform PITs): a cumulative sum, no sort per law.
             law = second_law(a)

@@ -10,6 +10,10 @@ the α computer a test changes is put back.
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +22,7 @@ from dual_sampling import OptimalSamplingDual
 from dual_sampling.options import DualEngineConfig
 from dual_sampling.roster import THETA
 from dual_sampling.testing.twins import PADDING_MASS_PROMPT, twin_trio
+from tests.draws import LEVEL, rows_after, two_token_p_values_under
 from tests.oracles import rescore
 from tests.test_alpha_teachers import scipy_optimum
 from tests.tolerances import RESCORE_ATOL
@@ -30,6 +35,9 @@ LONG_HINT = "Hint: the answer is a number, and every step of the working is writ
 """A hint of about 100 tokens that only the qwen teacher sees: its prompt is much longer than the others'."""
 PROMPTS = ["Once upon a time", PADDING_MASS_PROMPT]
 DENSE_K = 4
+SEEDS = 1500
+"""Samples of the draw test (the twin matrix's count)."""
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +50,7 @@ def trio():
         str(theta),
         alpha_method="fixed",
         alpha_config={"alpha": list(ALPHA)},
-        max_num_seqs=8,
+        max_num_seqs=16,
         max_model_len=256,
         max_dense_logprobs=DENSE_K,
         sync_timeout=30,
@@ -189,3 +197,111 @@ def test_what_several_teachers_do_not_take_is_refused_by_name(trio, tmp_path):
     # After every refusal the trio still serves.
     (request,) = engine.generate(PROMPTS[:1], max_tokens=3).requests
     assert request.samples[0].ok
+
+
+def _law(rows: dict[str, np.ndarray], alpha: dict[str, float]) -> np.ndarray:
+    """Probabilities of the geometric mixture of ``rows`` (log π over the vocabulary, by model) at teacher weights
+    ``alpha`` (θ's weight is the rest), in float64."""
+    x = (1 - sum(alpha.values())) * rows[THETA] + sum(a * rows[name] for name, a in alpha.items())
+    return np.exp(x - np.logaddexp.reduce(x))
+
+
+def test_first_two_tokens_follow_the_mixture_of_both_teachers(trio):
+    """1,500 seeds' first two tokens at fixed weights (0.35, 0.25), the qwen teacher with a hint: their PITs under
+    q ∝ π_θ^0.4·π_qwen^0.35·π_llama^0.25 are independent uniforms (``tests.draws``). Positive control: the same draws
+    judged under a one-teacher mixture (the llama teacher's weight given to the qwen teacher) are rejected."""
+    engine, hf = trio
+    tokenizer = engine.tokenizer
+    prompt = tokenizer(PADDING_MASS_PROMPT)["input_ids"]
+    hinted = tokenizer(LONG_HINT + PADDING_MASS_PROMPT)["input_ids"]
+    out = engine.generate([prompt], teacher_prompts={"qwen": [hinted]}, max_tokens=2, n=SEEDS, seed=13)
+    pairs = [s.token_ids for s in out.requests[0].samples if s.ok and len(s.token_ids) == 2]
+    assert len(pairs) >= SEEDS - 10  # an EOS first ends a few samples early
+    firsts = [p[0] for p in pairs]
+    prompts = {"qwen": hinted, "llama": prompt, THETA: prompt}
+    first, after = {}, {}
+    for name in (THETA, "qwen", "llama"):
+        first[name], after[name] = rows_after(hf[name], prompts[name], firsts, engine.vocab)
+    weights = {"q": dict(zip(("qwen", "llama"), ALPHA)), "one teacher": {"qwen": sum(ALPHA)}}
+    laws = {
+        label: (_law(first, alpha), lambda a, alpha=alpha: _law({n: after[n][a] for n in after}, alpha))
+        for label, alpha in weights.items()
+    }
+    p = two_token_p_values_under(pairs, laws)
+    assert p["q"] > LEVEL and p["one teacher"] < LEVEL, p
+
+
+@pytest.mark.budget(150, reason="three engines serve about 60 requests and a θ update, every sample re-scored")
+def test_three_engines_stay_in_lockstep_under_distinct_hints_aborts_and_a_theta_update_in_flight(trio):
+    """The hazards of two engines, with three: each teacher sees its own hint, long or short at random (so each
+    model's prompt is the longest in turn), stop strings and min_tokens; a third of the requests are aborted in
+    flight; θ takes new weights (a state dict) while requests run. Every sample that was not aborted re-scores
+    exactly against the θ version it records; no model timed out, no step split, nothing diverged or failed, and
+    every slot is free after."""
+    engine, hf = trio
+    rng = random.Random(3)
+    before = engine.get_sync_statistics()
+    old_version = engine.weight_versions[THETA]
+    old_theta = {name: tensor.clone() for name, tensor in hf[THETA].state_dict().items()}
+    new_theta = {name: t * 1.25 if name.endswith("mlp.down_proj.weight") else t for name, t in old_theta.items()}
+    hf_new = copy.deepcopy(hf[THETA])
+    hf_new.load_state_dict(new_theta)
+
+    def words(n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+
+    requests = []
+    for i in range(24):
+        prompt = words(rng.choice([3, 40]))
+        hints = {name: words(rng.choice([2, 70])) + ". " + prompt for name in ("qwen", "llama")}
+        max_tokens = rng.randint(8, 40)
+        options = {"max_tokens": max_tokens, "min_tokens": rng.randint(0, 4), "stop": [rng.choice(["th", "an"])]}
+        requests.append((f"hazard-{i}", prompt, hints, options))
+
+    async def run():
+        first = [
+            asyncio.create_task(engine.complete(p, h, seed=i, sample_key=i, request_id=r, **o))
+            for i, (r, p, h, o) in enumerate(requests)
+        ]
+        while len(engine.driver.in_flight()) < 4:
+            await asyncio.sleep(0.005)
+        for request_id, *_ in requests[::3]:
+            engine.abort(request_id)
+        version = await engine.update_theta_async(new_theta, version="trio-perturbed")
+        later = [
+            asyncio.create_task(engine.complete(p, h, seed=100 + i, sample_key=i, **o))
+            for i, (_, p, h, o) in enumerate(requests[:8])
+        ]
+        return version, await asyncio.gather(*first), await asyncio.gather(*later)
+
+    try:
+        version, first, later = asyncio.run(run())
+    finally:
+        engine.update_theta(old_theta, version="trio-original")
+    assert version == "trio-perturbed"
+    assert all(s.theta_version == "trio-perturbed" for s in later)
+    aborted = [s for s in first if s.finish_reason == "abort"]
+    assert aborted, "no abort reached a request in flight"
+    checked = 0
+    for (_, prompt, hints, _), sample in zip([*requests, *requests[:8]], [*first, *later]):
+        assert sample.error is None, sample.error
+        if sample.finish_reason == "abort" or not sample.token_ids:
+            continue
+        assert sample.teacher_token_ids == sample.theta_token_ids == sample.token_ids
+        models = {**hf, THETA: hf_new if sample.theta_version == "trio-perturbed" else hf[THETA]}
+        ids = {name: engine.tokenizer(text)["input_ids"] for name, text in {**hints, THETA: prompt}.items()}
+        rows = _rows(models, ids, sample.token_ids, engine.vocab)
+        alpha = np.tile(ALPHA, (len(sample.token_ids), 1))
+        assert _check_sample(sample, rows, alpha) < RESCORE_ATOL
+        checked += 1
+    assert checked >= 16
+    assert {s.theta_version for s in first} <= {old_version, version}
+    assert any(s.theta_version == old_version and s.finish_reason != "abort" for s in first), "none was in flight"
+    after = engine.get_sync_statistics()
+    for name in engine.roster.names:
+        assert after[f"{name}_timeouts"] == before[f"{name}_timeouts"], name
+    for name in ("split_steps", "follower_diverged"):
+        assert after[name] == before[name], name
+    failed = {k: after[k] - before[k] for k in after if k.startswith("failed_")}
+    assert set(failed.values()) == {0}, failed
+    assert after["in_flight"] == 0 and after["queued"] == 0 and engine.session.held_slots() == []
