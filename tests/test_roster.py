@@ -4,6 +4,7 @@ declaration follows, and today's two-model names kept (old runs resume, old file
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -104,3 +105,80 @@ def test_records_of_no_tokens_have_the_rosters_width():
     assert token_columns(empty, empty.reshape(0, 2), empty).shape == (0, len(TOKEN_COLUMNS))
     trio = Roster(("math", "general", THETA))
     assert token_columns(empty.reshape(0, 2), empty.reshape(0, 3), empty).shape == (0, len(trio.token_columns))
+
+
+def _model_folder(path, name: str) -> str:
+    folder = path / name
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    return str(folder)
+
+
+def test_each_engine_of_several_teachers_gets_its_own_model_settings_and_role(tmp_path, monkeypatch):
+    """Without engines: a trio's engine arguments, built as the engines would start. Each engine gets its model's
+    folder and its own vLLM arguments (a teacher's by its name), the first teacher's engine leads and the others
+    follow, every engine knows the whole roster and reads the leading teacher's tokenizer; on two CPUs the engines
+    are placed by their models' size, and the leader borrows θ's CPU where it is not its own."""
+    from dual_sampling.driver import engine_processes
+    from dual_sampling.driver.pair import EnginePair
+    from dual_sampling.lockstep import LockstepConfig
+    from dual_sampling.options import DualEngineConfig
+    from processors import FollowerLogitsProcessor, FollowerScheduler, LeaderLogitsProcessor, LeaderScheduler
+
+    folders = {name: _model_folder(tmp_path, name) for name in ("math", "general", THETA)}
+    config = DualEngineConfig(
+        {"math": folders["math"], "general": folders["general"]},
+        folders[THETA],
+        teacher_engine_kwargs={"general": {"dtype": "bfloat16"}},
+        theta_engine_kwargs={"enforce_eager": True},
+        kv_cache_memory_bytes=1 << 20,
+    )
+    assert config.roster.names == ("math", "general", THETA)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    # By load: the largest first, each on the CPU with the least so far (θ joins the smaller teacher).
+    binding = engine_processes.split_cpu_binding(config.roster.names, [30, 27, 16])
+    assert binding == {"math": "0", "general": "1", THETA: "1"}
+    small_leader = engine_processes.split_cpu_binding(config.roster.names, [10, 27, 16])
+    assert small_leader == {"math": "1", "general": "0", THETA: "1"}
+    assert engine_processes.split_cpu_binding(config.roster.names) == {"math": "0", "general": "1", THETA: "0"}
+    binding = {"math": "0", "general": "1", THETA: "1"}
+    pair = object.__new__(EnginePair)  # its engine arguments alone: no engines, no session
+    pair.config, pair.session_name, pair.max_model_len, pair.budget = config, "s", 256, 2048
+    pair.binding, pair.places, pair.row_transport = binding, {}, "host"
+    kwargs = {name: pair.engine_kwargs(name) for name in config.roster.names}
+    assert {name: k["model"] for name, k in kwargs.items()} == folders
+    assert {k["tokenizer"] for k in kwargs.values()} == {folders["math"]}
+    assert [k.get("dtype") for k in kwargs.values()] == ["float32", "bfloat16", "float32"]
+    assert kwargs[THETA]["enforce_eager"] is True
+    assert kwargs["math"]["scheduler_cls"] is LeaderScheduler
+    assert kwargs["math"]["logits_processors"] == [LeaderLogitsProcessor]
+    for name in ("general", THETA):
+        assert kwargs[name]["scheduler_cls"] is FollowerScheduler
+        assert kwargs[name]["logits_processors"] == [FollowerLogitsProcessor]
+    engine_configs = {
+        name: LockstepConfig.from_vllm(SimpleNamespace(additional_config=k["additional_config"]), name == "math", name)
+        for name, k in kwargs.items()
+    }
+    assert {name: c.role for name, c in engine_configs.items()} == {name: name for name in config.roster.names}
+    assert {c.roster for c in engine_configs.values()} == {config.roster.names}
+    assert engine_configs["math"].mix_helper_cpus == (1,)  # θ's CPU, idle while the leader decides
+
+
+def test_several_teachers_settings_are_refused_by_the_field_that_holds_them(tmp_path):
+    from dual_sampling.driver.pair import EnginePair
+    from dual_sampling.options import DualEngineConfig
+
+    folders = {name: _model_folder(tmp_path, name) for name in ("math", "general", THETA)}
+    teachers = {"math": folders["math"], "general": folders["general"]}
+    with pytest.raises(ValueError, match=r"teacher_engine_kwargs: with several teachers.*math, general"):
+        DualEngineConfig(teachers, folders[THETA], teacher_engine_kwargs={"coach": {}})
+    with pytest.raises(ValueError, match="model_teacher: a mapping names several teachers"):
+        DualEngineConfig({"math": folders["math"]}, folders[THETA])
+    with pytest.raises(FileNotFoundError, match=r"model_teacher\['general'\]"):
+        DualEngineConfig({"math": folders["math"], "general": str(tmp_path / "nowhere")}, folders[THETA])
+    with pytest.raises(ValueError, match="teacher_device: placing several teachers"):
+        DualEngineConfig(teachers, folders[THETA], teacher_device=0)
+    config = DualEngineConfig(teachers, folders[THETA], teacher_engine_kwargs={"general": {"max_num_seqs": 4}})
+    with pytest.raises(ValueError, match=r"teacher_engine_kwargs\['general'\] sets max_num_seqs"):
+        EnginePair(config, "s", 256)

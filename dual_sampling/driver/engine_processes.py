@@ -127,10 +127,11 @@ def await_new_child(known: set[int], future: Any, timeout: float = 120.0) -> Non
         time.sleep(0.02)
 
 
-def split_cpu_binding(names: Sequence[str] = PAIR.names) -> dict[str, str]:
+def split_cpu_binding(names: Sequence[str] = PAIR.names, loads: Sequence[float] | None = None) -> dict[str, str]:
     """{model name: CPU list} for vLLM's CPU backend: the CPUs split into as many runs as there are engines (``names``,
-    in roster order; a pair: the teacher's model gets the first half, theta's the rest), or into one run per CPU where
-    there are more engines than CPUs, dealt out in turn.
+    in roster order; a pair: the teacher's model gets the first half, theta's the rest). With more engines than CPUs,
+    one run per CPU, and the engines placed so that the busiest CPU has the least work: the largest ``loads`` (say,
+    each model's weight bytes; None: equal) first, each on the CPU with the least so far.
 
     vLLM binds every engine's model threads to the same cores of NUMA node 0 and leaves
     one core to its scheduler process; two engines would then time-share those cores
@@ -146,7 +147,17 @@ def split_cpu_binding(names: Sequence[str] = PAIR.names) -> dict[str, str]:
     size, extra = divmod(len(cpus), runs)
     starts = [i * size + min(i, extra) for i in range(runs + 1)]  # the first ``extra`` runs take one CPU more
     groups = [",".join(map(str, cpus[starts[i] : starts[i + 1]])) for i in range(runs)]
-    return {name: groups[i % runs] for i, name in enumerate(names)}
+    if runs == len(names):
+        return dict(zip(names, groups))
+    weights = list(loads) if loads is not None else [1.0] * len(names)
+    if len(weights) != len(names):
+        raise ValueError(f"loads must give one load per engine ({len(names)}), got {len(weights)}")
+    work, placed = [0.0] * runs, {}
+    for i in sorted(range(len(names)), key=lambda i: -weights[i]):  # largest first (stable: roster order on ties)
+        run = min(range(runs), key=lambda r: work[r])
+        work[run] += weights[i]
+        placed[names[i]] = groups[run]
+    return {name: placed[name] for name in names}
 
 
 def engine_cpus(cpu_list: str | None) -> contextlib.AbstractContextManager[None]:

@@ -91,7 +91,11 @@ class EnginePair:
         """Each engine's GPU and share of its memory (``driver.placement``); empty off CUDA."""
         self.row_transport = _resolve_row_transport(config.row_transport, self.places)
         """The row channel both engines open (``lockstep.row_channel``), resolved here, before either starts."""
-        self.binding = engine_processes.split_cpu_binding(self.roster.names) if config.cpu_binding == "split" else {}
+        self.binding = (
+            engine_processes.split_cpu_binding(self.roster.names, [self._weight_bytes(n) for n in self.roster.names])
+            if config.cpu_binding == "split"
+            else {}
+        )
         self.from_forkserver = not self.places and engine_start.warm()
         """Whether the engines' processes start from this process's fork server (``driver.engine_start``)."""
         self._core_pids: list[int] = []
@@ -143,6 +147,11 @@ class EnginePair:
         return cfg.kv_cache_memory_bytes or default_kv_cache_bytes(
             model.folder, cfg.max_num_seqs, self.max_model_len, dtype
         )
+
+    def _weight_bytes(self, name: str) -> int:
+        """Model ``name``'s weights at its engine's dtype, in bytes: its engine's share of a step's work."""
+        model = self.models[name]
+        return placement.weight_bytes(model.folder, placement.engine_dtype(self.config, model))
 
     def engine_need_bytes(self, name: str) -> int:
         """The least GPU memory the engine of model ``name`` can run in (its weights and KV cache)."""
