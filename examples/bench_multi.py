@@ -8,7 +8,8 @@ tokens each (min_tokens = max_tokens), temperature 1, kl_symmetry, the first tea
 hint. Designs, each started, warmed up, timed ``--repeats`` times and closed before the next:
 
 - ``trio``: ``OptimalSamplingDual({"full": SmolLM2, "pruned_27": SmolLM2 with 27 of its 30 layers}, theta)``, three
-  engines in lockstep (on two CPUs, the first teacher's engine and the second's share one: ``split_cpu_binding``);
+  engines in lockstep (on two CPUs, placed by model size: the first teacher alone on one, the second teacher and
+  theta on the other; ``split_cpu_binding``);
 - ``pair``: ``OptimalSamplingDual(SmolLM2, theta)``, the first teacher alone with theta, one CPU each;
 - ``slowest_alone``: vLLM's own ``LLM`` on the first teacher (the slowest model) with no mixture, on the CPUs the
   trio gives that teacher's engine: what generating from it costs with nothing else running there.
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from dual_sampling import OptimalSamplingDual, models  # noqa: E402
 from dual_sampling.driver.engine_processes import engine_cpus, split_cpu_binding  # noqa: E402
+from dual_sampling.driver.placement import weight_bytes  # noqa: E402
 from dual_sampling.options import default_kv_cache_bytes  # noqa: E402
 
 GSM8K = ROOT / "examples" / "data" / "gsm8k" / "subset.jsonl"
@@ -149,7 +151,7 @@ def main() -> int:
     else:
         teachers = {"full": str(models.smollm2()), "pruned_27": str(models.smollm2_pruned(27))}
         theta = str(models.smollm2_pruned(16))
-    first, second = teachers
+    first = next(iter(teachers))
     tokenizer = AutoTokenizer.from_pretrained(teachers[first])
     hinted, plain = prompts(tokenizer, args.batch)
     max_len = max(len(p) for p in hinted) + args.tokens + 8
@@ -161,7 +163,9 @@ def main() -> int:
     with PeakMemory() as memory, OptimalSamplingDual(teachers[first], theta, **settings) as dual:
         seconds["pair"] = time_dual(dual, plain, hinted, args.tokens, args.repeats)
     peak["pair"] = memory.peak
-    cpus = split_cpu_binding((first, second, "theta")).get(first)
+    folders = {**teachers, "theta": theta}
+    loads = [weight_bytes(folder, "float32") for folder in folders.values()]  # as the trio's engines were placed
+    cpus = split_cpu_binding(tuple(folders), loads).get(first)
     with PeakMemory() as memory:
         seconds["slowest_alone"] = time_alone(
             teachers[first], cpus, hinted, args.batch, max_len, args.tokens, args.repeats
