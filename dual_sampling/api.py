@@ -36,7 +36,7 @@ from dual_sampling.beams import (
     run_beam_search,
 )
 from dual_sampling.checks import require
-from dual_sampling.decision.pipeline import RowSampling
+from dual_sampling.decision.pipeline import RowSampling, check_stages_for_teachers
 from dual_sampling.driver.engine_start import start_early as start_engine_server_early
 from dual_sampling.driver.loop_thread import as_coroutine
 from dual_sampling.driver.requests import DualRequest, PromptPair, prompt_pairs
@@ -47,7 +47,7 @@ from dual_sampling.lockstep import SyncError
 from dual_sampling.modes import mode_of, modes_with
 from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, EngineOptions, SamplingOptions, model_config
 from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleDelta, SampleRecord, best_of, scored
-from dual_sampling.roster import Role
+from dual_sampling.roster import PAIR, Role
 from dual_sampling.text import sample_text
 from dual_sampling.vocab import check_embedding_rows, check_tokenizers_match, embedding_rows, eos_token_ids
 
@@ -368,11 +368,13 @@ class OptimalSamplingDual:
         A label the role's weights carried before is refused with a ValueError. Thread-safe.
         """
         self._check_open()
+        self._require_versioned(Role.parse(role))
         self.driver.call(as_coroutine(self.driver.versions.relabel, role, version))
 
     async def set_weight_version_async(self, role: str, version: str) -> None:
         """:meth:`set_weight_version` from any asyncio loop."""
         self._check_open()
+        self._require_versioned(Role.parse(role))
         await self.driver.thread.run(as_coroutine(self.driver.versions.relabel, role, version))
 
     def pause(self, mode: str = "wait") -> None:
@@ -428,14 +430,20 @@ class OptimalSamplingDual:
         """Whether :meth:`pause` holds new samples back now."""
         return self.driver.paused
 
+    def _require_versioned(self, role: Role) -> None:
+        """Refuse new weights or labels for a teacher of several: samples record θ's version and the leading
+        teacher's only, so another teacher's new weights would be drawn from unrecorded."""
+        require(
+            self.roster == PAIR or role == Role.THETA,
+            f"role: new weights or labels for one of several teachers ({', '.join(self.roster.teachers)}) are not "
+            "built yet",
+        )
+
     def _update(self, role: str, weights: Any, version: str | None, mode: str, follow_symlinks: bool = True) -> str:
         self._check_open()
         check_update(role, mode, version)
         role = Role(role)
-        require(
-            role in self.roster.names,
-            f"role: new weights for one of several teachers ({', '.join(self.roster.teachers)}) are not built yet",
-        )
+        self._require_versioned(role)
         check = self._weights_checks.get(role)
         if check is None:
             check = self._weights_checks[role] = WeightsCheck(self.config.model_engine(role).folder)
@@ -512,6 +520,7 @@ class OptimalSamplingDual:
             f"best_of_score={opts.ranked_by!r}: with several teachers there is no one teacher's log π to rank by",
         )
         row = opts.row(seed, self.eos_token_ids, pair.theta_ids, group, member, opts.draws if group else 1)
+        check_stages_for_teachers([row], len(self.roster.teachers))  # refused here, not failed in the engine
         return DualRequest(
             _copied(pair.teacher_ids), list(pair.theta_ids), row, min(opts.max_tokens, pair.room), tuple(opts.stop)
         )

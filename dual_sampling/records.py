@@ -151,7 +151,10 @@ class SampleRecord(TokenRecords):
 
     @property
     def log_w_teacher(self) -> float:
-        """Σ (log π_t − log q): the sequence's log importance weight towards the teacher."""
+        """Σ (log π_t − log q): the sequence's log importance weight towards the teacher (one teacher; with several,
+        each teacher's is Σ (logp_<teacher> − logq) of :attr:`roster_columns`)."""
+        if self.roster_columns:
+            raise ValueError("log_w_teacher: a sample of several teachers has one weight per teacher (roster_columns)")
         return math.fsum(a - b for a, b in zip(self.logp_teacher, self.logq))
 
 
@@ -301,7 +304,10 @@ class DualGenerationOutput:
 
     @property
     def alpha_stats(self) -> dict[str, float]:
-        """mean, std, min, max and median of α over every generated token, and the token count."""
+        """mean, std, min, max and median of α over every generated token, and the token count (one teacher; with
+        several, each teacher's α is in its samples' ``roster_columns``)."""
+        if any(s.roster_columns for r in self.requests for s in r.samples):
+            raise ValueError("alpha_stats: samples of several teachers have one α per teacher (roster_columns)")
         values = [a for r in self.requests for s in r.samples for a in s.alpha]
         if not values:
             return {"count": 0}

@@ -46,6 +46,14 @@ class ModelsAndPrompts:
     """Wrap prompts in each model's chat template; False for base models."""
 
     def __post_init__(self) -> None:
+        for name in ("teacher", "theta"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                several = "; several teachers are served by the Python API only, not yet by runs"
+                raise ValueError(
+                    f"{name} must be one model folder, got {type(value).__name__}"
+                    + (several if name == "teacher" else "")
+                )
         if self.teacher is None or self.theta is None:
             from dual_sampling import models
 

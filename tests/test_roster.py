@@ -182,3 +182,28 @@ def test_several_teachers_settings_are_refused_by_the_field_that_holds_them(tmp_
     config = DualEngineConfig(teachers, folders[THETA], teacher_engine_kwargs={"general": {"max_num_seqs": 4}})
     with pytest.raises(ValueError, match=r"teacher_engine_kwargs\['general'\] sets max_num_seqs"):
         EnginePair(config, "s", 256)
+
+
+def test_more_engines_than_cpus_are_placed_by_their_weights_bytes(tmp_path, monkeypatch):
+    """The pair reads each model's weight bytes (its engine's share of a step) only where there are more engines than
+    CPUs, and places them by it: the largest teacher alone, the smaller teacher and θ together."""
+    from safetensors.torch import save_file
+
+    from dual_sampling.driver import engine_processes
+    from dual_sampling.driver.pair import EnginePair
+    from dual_sampling.options import DualEngineConfig
+
+    folders = {}
+    for name, floats in (("math", 300), ("general", 270), (THETA, 160)):
+        folders[name] = _model_folder(tmp_path, name)
+        save_file({"w": torch.zeros(floats)}, f"{folders[name]}/model.safetensors")
+    config = DualEngineConfig({"math": folders["math"], "general": folders["general"]}, folders[THETA])
+    pair = object.__new__(EnginePair)
+    pair.config = config
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    loads = pair._loads()
+    assert loads == [1200, 1080, 640]  # float32 bytes
+    assert engine_processes.split_cpu_binding(config.roster.names, loads) == {"math": "0", "general": "1", THETA: "1"}
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2})
+    assert pair._loads() is None  # an engine per CPU: no weight file is read

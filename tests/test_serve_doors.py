@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from dual_sampling.driver.versions import WeightVersions
-from dual_sampling.roster import Role
+from dual_sampling.roster import PAIR, Role
 from dual_sampling.server.app import build_app
 from dual_sampling.server.serve_options import ServeOptions
 from tests.test_serve import KEY, Server
@@ -27,6 +27,7 @@ class Idle:
     tokenizer = SimpleNamespace(get_vocab=lambda: {})
     max_model_len = 64
     failure = None
+    roster = PAIR
 
     def __init__(self) -> None:
         self.driver = SimpleNamespace(versions=WeightVersions())
@@ -257,3 +258,14 @@ def test_the_speculative_refusals_name_the_field_the_request_used(speculative):
 
 def test_the_options_repr_leaves_the_api_key_out():
     assert "sk-do-not-log" not in repr(ServeOptions(api_key="sk-do-not-log"))
+
+
+def test_a_dual_engine_of_several_teachers_is_not_served_yet():
+    """The server's payloads name one teacher's columns: a roster of several teachers is refused by name when the app
+    is built, never served with its records under the pair's names."""
+    from dual_sampling.roster import THETA, Roster
+
+    dual = Idle()
+    dual.roster = Roster(("math", "general", THETA))
+    with pytest.raises(ValueError, match=r"model_teacher: the server serves one teacher; several \(math, general\)"):
+        build_app(dual, ServeOptions(api_key=KEY))

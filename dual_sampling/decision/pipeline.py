@@ -49,6 +49,7 @@ __all__ = [
     "Decision",
     "ModelRows",
     "RowSampling",
+    "check_stages_for_teachers",
     "counter_uniform",
     "decide",
     "draw_tokens",
@@ -333,7 +334,7 @@ def _decide_reference(
     diversity: Sequence[dict[int, int]] | None = None,
 ) -> Decision:
     """:func:`decide` in torch operations, for any row, any number of teachers and any device: the reference."""
-    several = _check_several_teachers(rows, len(models.roster.teachers))
+    several = check_stages_for_teachers(rows, len(models.roster.teachers))
     logp = [
         rows_.float() if models.is_normalized(p) else torch.log_softmax(rows_.float(), dim=-1)
         for p, rows_ in enumerate(models.logits)
@@ -374,7 +375,7 @@ def _decide_reference(
     return Decision(drawn.tokens, alpha, at_token, drawn.logq, drawn.ok, *top)
 
 
-def _check_several_teachers(rows: Sequence[RowSampling], teachers: int) -> bool:
+def check_stages_for_teachers(rows: Sequence[RowSampling], teachers: int) -> bool:
     """Whether there are several teachers; then refuse, naming its fields, a stage a row uses that has no meaning."""
     for stage in STAGES if teachers > 1 else ():
         if not stage.several_teachers and any(stage.used(row) for row in rows):

@@ -211,7 +211,7 @@ class LockstepDriver:
 
     def check(self, request: DualRequest) -> None:
         """Refuse, naming the field, a request this driver cannot serve (:meth:`stream` runs it first)."""
-        check_request(request, self.max_model_len, self.session.layout.dense_k)
+        check_request(request, self.max_model_len, self.session.layout.dense_k, self.roster)
 
     async def sample(self, request: DualRequest) -> SampleRecord:
         """Draw one sample and return it whole."""
@@ -221,11 +221,11 @@ class LockstepDriver:
         raise RequestFailed("a sample's stream ended without its final record")
 
     def _launch(self, request: DualRequest, slot: int, request_id: str) -> Flight:
-        """Open ``slot`` for ``request`` and start the task that talks to both engines (no await: atomic)."""
+        """Open ``slot`` for ``request`` and start the task that talks to the engines (no await: atomic)."""
+        prompts = model_prompts(self.roster, request.teacher_prompt_ids, request.theta_prompt_ids)  # checked by check()
         flight = Flight(request_id, slot, next(self._keys), request, versions=dict(self.versions.current))
         self._flights[flight.request_id] = flight
         self.counters["requests"] += 1
-        prompts = model_prompts(self.roster, request.teacher_prompt_ids, request.theta_prompt_ids)
         self.session.open_slot(slot, flight.key, [len(ids) for ids in prompts])
         flight.task = asyncio.create_task(self._fly(flight))
         return flight

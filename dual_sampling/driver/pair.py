@@ -92,7 +92,7 @@ class EnginePair:
         self.row_transport = _resolve_row_transport(config.row_transport, self.places)
         """The row channel both engines open (``lockstep.row_channel``), resolved here, before either starts."""
         self.binding = (
-            engine_processes.split_cpu_binding(self.roster.names, [self._weight_bytes(n) for n in self.roster.names])
+            engine_processes.split_cpu_binding(self.roster.names, self._loads())
             if config.cpu_binding == "split"
             else {}
         )
@@ -148,10 +148,12 @@ class EnginePair:
             model.folder, cfg.max_num_seqs, self.max_model_len, dtype
         )
 
-    def _weight_bytes(self, name: str) -> int:
-        """Model ``name``'s weights at its engine's dtype, in bytes: its engine's share of a step's work."""
-        model = self.models[name]
-        return placement.weight_bytes(model.folder, placement.engine_dtype(self.config, model))
+    def _loads(self) -> list[int] | None:
+        """Each model's weights at its engine's dtype, in bytes (its engine's share of a step's work), where there are
+        more engines than CPUs and the CPU binding places them by it; else None (no weight file is read)."""
+        if len(self.models) <= len(os.sched_getaffinity(0)):
+            return None
+        return [placement.weight_bytes(m.folder, placement.engine_dtype(self.config, m)) for m in self.models.values()]
 
     def engine_need_bytes(self, name: str) -> int:
         """The least GPU memory the engine of model ``name`` can run in (its weights and KV cache)."""

@@ -40,11 +40,15 @@ def model_prompts(roster: Roster, teacher_ids: TeacherIds, theta_ids: Sequence[i
     (several; the names must be the roster's teachers)."""
     if isinstance(teacher_ids, Mapping):
         if set(teacher_ids) != set(roster.teachers):
-            raise ValueError(f"teacher prompts are named {sorted(teacher_ids)}, the teachers {list(roster.teachers)}")
+            raise ValueError(
+                f"teacher_prompt_ids: the prompts are named {sorted(teacher_ids)}, the teachers {list(roster.teachers)}"
+            )
         by_name = {**teacher_ids, THETA: theta_ids}
     else:
         if len(roster.teachers) != 1:
-            raise ValueError(f"one teacher prompt for the teachers {list(roster.teachers)}: name each teacher's")
+            raise ValueError(
+                f"teacher_prompt_ids: one prompt for the teachers {list(roster.teachers)}; name each teacher's"
+            )
         by_name = {roster.teachers[0]: teacher_ids, THETA: theta_ids}
     return tuple(by_name[name] for name in roster.names)
 
@@ -98,9 +102,9 @@ class Flight:
     """The weight version of each model when the request was launched, by name (it cannot change before it ends)."""
 
 
-def check_request(request: DualRequest, max_model_len: int, max_dense_logprobs: int) -> None:
-    """Refuse, naming the field, a request the session cannot hold."""
-    if not all(teacher_prompt_list(request.teacher_prompt_ids)) or not request.theta_prompt_ids:
+def check_request(request: DualRequest, max_model_len: int, max_dense_logprobs: int, roster: Roster = PAIR) -> None:
+    """Refuse, naming the field, a request the session of ``roster``'s models cannot hold."""
+    if not all(model_prompts(roster, request.teacher_prompt_ids, request.theta_prompt_ids)):
         raise ValueError("every model's prompt must hold at least one token")
     if request.sampling.dense_logprobs > max_dense_logprobs:
         raise ValueError(

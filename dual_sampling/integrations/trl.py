@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import statistics
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -96,6 +97,11 @@ class MixtureRolloutsConfig:
             raise ValueError(
                 f"engine.mode={self.engine.mode!r}: a trainer's rollouts need {modes_with('takes_new_theta')} (the "
                 "speculative mode's theta engine cannot take new weights)"
+            )
+        if not isinstance(self.teacher, (str, os.PathLike)):
+            raise ValueError(
+                f"teacher: one teacher's model folder, got {type(self.teacher).__name__}; several teachers are not "
+                "built for TRL trainers yet"
             )
         need_number("max_sampler_mismatch", self.max_sampler_mismatch, finite=False)
         need_int("mismatch_samples", self.mismatch_samples, 1)

@@ -33,8 +33,15 @@ def build_app(dual: Any, options: ServeOptions | None = None, on_engine_death: C
 
     ``on_engine_death`` is called once when the engines fail for good (:func:`serve` uses it to exit).
     """
+    from dual_sampling.roster import PAIR
     from dual_sampling.server import protocol
 
+    if dual.roster != PAIR:
+        # Its payloads name one teacher's columns; several teachers' records would land in the wrong names.
+        raise ValueError(
+            f"model_teacher: the server serves one teacher; several ({', '.join(dual.roster.teachers)}) are not "
+            "served yet (use the Python API)"
+        )
     options = options or ServeOptions()
     service = DualService(dual, options)
 
