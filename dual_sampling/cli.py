@@ -70,6 +70,26 @@ class _Switch(argparse.Action):
         setattr(namespace, self.dest, option_string not in self.negatives)
 
 
+class _OneOrNamed(argparse.Action):
+    """A setting of one value or one per name: ``--teacher PATH`` once, or ``--teacher NAME=PATH`` once per name (a
+    ``{name: value}`` dict). A name is a Python identifier, so a path holding "=" after a non-identifier stays a
+    path."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        name, sep, value = str(values).partition("=")
+        named = bool(sep) and name.isidentifier()
+        before = getattr(namespace, self.dest, None)
+        flag = option_string or self.dest
+        if before is None:
+            setattr(namespace, self.dest, {name: value} if named else str(values))
+        elif not (named and isinstance(before, dict)):
+            parser.error(f"{flag}: give one value, or NAME=VALUE once per name; got {before!r} and {values!r}")
+        elif name in before:
+            parser.error(f"{flag}: {name!r} is named twice")
+        else:
+            before[name] = value
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Lists each flag by its dashed spellings only (``--max-tokens``; ``--max_tokens`` is accepted too)."""
 
@@ -97,6 +117,9 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, kind: Any,
         parser.add_argument(*names, action=_Switch, **common)
         return
     args = typing.get_args(kind)
+    if str in args and dict[str, str] in args:  # PerTeacher: one value, or NAME=VALUE once per teacher
+        parser.add_argument(*names, action=_OneOrNamed, metavar="[NAME=]VALUE", **common)
+        return
     if type(None) in args:  # X | None: the flag takes an X; None is the default a flag cannot name
         kind = next(a for a in args if a is not type(None))
     if typing.get_origin(kind) is dict:

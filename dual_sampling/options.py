@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from alpha import get_alpha_computer
+from alpha import AlphaComputer, get_alpha_computer
 from dual_sampling import modes
 from dual_sampling.beams import MAX_BEAM_WIDTH, BeamSearchOptions
 from dual_sampling.checks import MAX_COUNT, is_count, is_int, is_number, need_int, require
@@ -322,22 +322,28 @@ class EngineOptions:
     """γ, theta's drafts per teacher forward (``mode="speculative"`` only)."""
 
     @property
-    def teacher_count(self) -> int:
-        """The teachers the α computer weights: one, unless the models say otherwise (:class:`DualEngineConfig`)."""
-        return len(PAIR.teachers)
-
-    @property
     def alpha_kwargs(self) -> dict[str, Any]:
         """The alpha computer's keyword arguments: ``alpha_min``, ``alpha_max`` and :attr:`alpha_config`, assembled here
         once for the engines, the validation and the records."""
         return {"alpha_min": self.alpha_min, "alpha_max": self.alpha_max, **self.alpha_config}
 
+    def check_teacher_count(self, teachers: int) -> None:
+        """ValueError naming the α setting if the α computer cannot weight ``teachers`` teachers (a fixed α must
+        list one weight per teacher, a method must have a form for several)."""
+        self._checked_alpha.check_teacher_count(teachers)
+
+    def alpha_computer(self) -> AlphaComputer:
+        """A fresh α computer of :attr:`alpha_method` with :attr:`alpha_kwargs`."""
+        return get_alpha_computer(self.alpha_method, **self.alpha_kwargs)
+
     def __post_init__(self) -> None:
         for name in ("alpha_min", "alpha_max", "sync_timeout"):  # 30 and 30.0 configure (and hash) the same run
             if is_int(getattr(self, name)):
                 object.__setattr__(self, name, float(getattr(self, name)))
-        # Building the computer validates the method name and its bounds, naming the bad value.
-        get_alpha_computer(self.alpha_method, **self.alpha_kwargs).check_teacher_count(self.teacher_count)
+        # Building the computer validates the method name and its bounds, naming the bad value. Whether it weights
+        # the run's teachers is checked where the models are known (DualEngineConfig, a run's config), with this
+        # computer: the options are checked once.
+        object.__setattr__(self, "_checked_alpha", self.alpha_computer())
         require(
             is_number(self.sync_timeout) and self.sync_timeout > 0,
             f"sync_timeout must be a positive number of seconds, got {self.sync_timeout!r}",
@@ -421,6 +427,7 @@ class DualEngineConfig(EngineOptions):
     def __post_init__(self) -> None:
         self._check_models()
         super().__post_init__()
+        self.check_teacher_count(self.teacher_count)
 
     def _check_models(self) -> None:
         teachers = self.model_teacher
@@ -525,8 +532,8 @@ class DualEngineConfig(EngineOptions):
         for name, value in {**values, "model_teacher": model_teacher, "model_theta": model_theta}.items():
             object.__setattr__(config, name, value)
         config._check_models()
-        if config.teacher_count > 1:  # the options were checked for one teacher
-            get_alpha_computer(config.alpha_method, **config.alpha_kwargs).check_teacher_count(config.teacher_count)
+        object.__setattr__(config, "_checked_alpha", options._checked_alpha)
+        config.check_teacher_count(config.teacher_count)  # the options knew no models
         return config
 
 

@@ -4,8 +4,11 @@ problem, its hint and its row) and the prompts built from them, in each model's 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from dual_sampling.roster import THETA
 
 __all__ = ["DEFAULT_TEACHER_TEMPLATE", "DEFAULT_THETA_TEMPLATE", "Renderer", "user_template"]
 
@@ -25,20 +28,24 @@ def user_template(text: str | None, default: str):
 
 
 class Renderer:
-    """Both user messages of a problem (teacher and theta templates), and each message as a model's prompt."""
+    """Each model's user message of a problem (its template), and each message as that model's prompt."""
 
-    def __init__(
-        self, tokenizer: Any, teacher_template: str | None, theta_template: str | None, chat_template: bool
-    ) -> None:
-        self.teacher = user_template(teacher_template, DEFAULT_TEACHER_TEMPLATE)
-        self.theta = user_template(theta_template, DEFAULT_THETA_TEMPLATE)
+    def __init__(self, tokenizer: Any, templates: Mapping[str, str | None], chat_template: bool) -> None:
+        """``templates``: each model's user-message template by roster name (None: θ's default for
+        :data:`~dual_sampling.roster.THETA`, the teachers' otherwise), in roster order."""
+        self.templates = {
+            name: user_template(text, DEFAULT_THETA_TEMPLATE if name == THETA else DEFAULT_TEACHER_TEMPLATE)
+            for name, text in templates.items()
+        }
         self.tokenizer, self.chat_template = tokenizer, chat_template
 
-    def user_messages(self, problem: str, hint: str | None, row: dict) -> tuple[str, str]:
-        return (
-            self.teacher.render(problem=problem, hint=hint, row=row),
-            self.theta.render(problem=problem, hint=hint, row=row),
-        )
+    def user_messages(self, problem: str, hints: Mapping[str, str | None], row: dict) -> dict[str, str]:
+        """Each model's user message, by name: its template given the problem, its hint (None for a model
+        ``hints`` does not name) and the row."""
+        return {
+            name: template.render(problem=problem, hint=hints.get(name), row=row)
+            for name, template in self.templates.items()
+        }
 
     def prompt(self, user: str, system: str | None) -> str:
         if not self.chat_template:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from dual_sampling.roster import PAIR
+from dual_sampling.roster import PAIR, TOKEN_COLUMNS
 
 __all__ = [
     "BEST_OF_SCORES",
@@ -138,6 +138,11 @@ class SampleRecord(TokenRecords):
         }
         columns = {name: values[:n] for name, values in self.roster_columns.items()}
         return replace(self, **cut, roster_columns=columns, finish_reason="length" if n < whole else self.finish_reason)
+
+    def columns(self) -> dict[str, list[float]]:
+        """Every per-token record column of the sample's roster, by its name (a pair's :data:`TOKEN_COLUMNS`, or
+        :attr:`roster_columns`), in roster order."""
+        return dict(self.roster_columns) or {name: getattr(self, name) for name in TOKEN_COLUMNS}
 
     @property
     def ok(self) -> bool:

@@ -63,6 +63,11 @@ class Roster:
         return tuple(n for n in self.names if n != THETA)
 
     @property
+    def prompt_columns(self) -> tuple[str, ...]:
+        """Each model's prompt (``<name>_prompt``), in roster order."""
+        return tuple(f"{n}_prompt" for n in self.names)
+
+    @property
     def alpha_columns(self) -> tuple[str, ...]:
         """Per-token α columns: ``alpha`` for one teacher, else ``alpha_<teacher>`` per teacher."""
         teachers = self.teachers

@@ -16,13 +16,17 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from dual_sampling.roster import PAIR, THETA, Roster
+
 __all__ = [
     "ModelsAndPrompts",
+    "PerTeacher",
     "changed_settings",
     "compose_settings",
     "composed_parts",
     "flat_keys",
     "flat_settings",
+    "per_teacher",
     "runtime_only",
 ]
 
@@ -30,34 +34,85 @@ RUN = "run"
 """The part name of a config's own fields."""
 
 
+PerTeacher = str | dict[str, str]
+"""A setting of the teachers: one value every teacher takes, or ``{teacher name: value}`` (several teachers only; a
+teacher the mapping does not name takes None)."""
+
+
 @dataclass
 class ModelsAndPrompts:
-    """The two models, and which fields of a problem's row hold what each is shown: the part every run shares."""
+    """The models, and which fields of a problem's row hold what each is shown: the part every run shares."""
 
-    teacher: str | None = None
-    """Teacher model folder; None: the local SmolLM2-135M-Instruct."""
+    teacher: PerTeacher | None = None
+    """Teacher model folder; or ``{name: folder}`` for several teachers (at least two, each name a Python identifier
+    other than "theta": they name the records' columns; the first leads). None: the local SmolLM2-135M-Instruct. On
+    the command line, ``--teacher NAME=PATH`` once per teacher."""
     theta: str | None = None
     """Theta (student) model folder, same tokenizer as the teacher; None: the 24-layer pruned SmolLM2."""
     prompt_field: str = "problem"
     """Field of a problem's row holding its text."""
-    hint_field: str | None = None
-    """Field holding a reference solution shown to the teacher only, while sampling (e.g. "solution")."""
+    hint_field: PerTeacher | None = None
+    """Field holding a reference solution shown to the teacher only, while sampling (e.g. "solution"). With several
+    teachers, one field every teacher sees, or ``{teacher: field}`` (``--hint-field NAME=FIELD``): a teacher not
+    named sees no hint."""
     chat_template: bool = True
     """Wrap prompts in each model's chat template; False for base models."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.teacher, dict):
+            if len(self.teacher) < 2:
+                raise ValueError(
+                    f"teacher: a mapping names several teachers (at least two), got {self.teacher!r}; give one "
+                    "teacher's folder as a string"
+                )
+            try:
+                Roster((*self.teacher, THETA))  # names: identifiers, unique, none "theta"
+            except ValueError as exc:
+                raise ValueError(f"teacher: {exc}") from None
         for name in ("teacher", "theta"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                several = "; several teachers are served by the Python API only, not yet by runs"
-                raise ValueError(
-                    f"{name} must be one model folder, got {type(value).__name__}"
-                    + (several if name == "teacher" else "")
-                )
+            folders = value.values() if name == "teacher" and isinstance(value, dict) else [value]
+            if not all(v is None or isinstance(v, str) for v in folders):
+                raise ValueError(f"{name} must be a model folder (or, for teacher, {{name: folder}}), got {value!r}")
         if self.teacher is None or self.theta is None:
             from dual_sampling import models
 
             self.teacher, self.theta = models.default_pair(self.teacher, self.theta)
+        self.hint_fields  # noqa: B018 (checked now, named by its field)
+
+    @property
+    def roster(self) -> Roster:
+        """The run's models by name: :data:`~dual_sampling.roster.PAIR` for one teacher, else the teachers in the
+        order given, then θ."""
+        return Roster((*self.teacher, THETA)) if isinstance(self.teacher, dict) else PAIR
+
+    @property
+    def folders(self) -> dict[str, str]:
+        """Every model's folder by roster name, in roster order."""
+        teachers = self.teacher if isinstance(self.teacher, dict) else {PAIR.teachers[0]: self.teacher}
+        return {**teachers, THETA: self.theta}
+
+    @property
+    def hint_fields(self) -> dict[str, str | None]:
+        """Each teacher's hint field (:attr:`hint_field`), in roster order."""
+        return per_teacher("hint_field", self.hint_field, self.roster)
+
+
+def per_teacher(name: str, value: PerTeacher | None, roster: Roster) -> dict[str, str | None]:
+    """The setting ``name`` of each teacher of ``roster`` (a :data:`PerTeacher` value): ``{teacher: value}`` in roster
+    order. A mapping must name teachers of the roster, and only a roster of several teachers takes one."""
+    if not isinstance(value, dict):
+        return dict.fromkeys(roster.teachers, value)
+    teachers = roster.teachers
+    if len(teachers) == 1:
+        raise ValueError(f"{name}: a value per teacher name needs several teachers (teacher as {{name: folder}})")
+    unknown = sorted(set(value) - set(teachers))
+    if unknown:
+        named = ", ".join(map(repr, unknown))
+        raise ValueError(f"{name}: {named} names no teacher of this run ({', '.join(teachers)})")
+    if not all(isinstance(v, str) for v in value.values()):
+        raise ValueError(f"{name}: each teacher's value must be a string, got {value!r}")
+    return {t: value.get(t) for t in teachers}
 
 
 def composed_parts(cls: type) -> dict[str, type]:

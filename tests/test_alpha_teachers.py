@@ -221,13 +221,29 @@ def test_several_teachers_are_refused_by_name_where_a_method_has_no_form_for_the
         geometric_mix_teachers(theta, teachers, torch.tensor([0.6, 0.6]))
 
 
-def test_a_run_of_one_teacher_refuses_weights_for_two_before_any_engine_starts():
-    from dual_sampling.options import EngineOptions
+def test_a_run_of_one_teacher_refuses_weights_for_two_before_any_engine_starts(tiny_same):
+    """Engine options alone know no teacher count (a vector α fits a run of several teachers); every config that
+    names the models checks it: the engine's (built or composed) and a data run's."""
+    from dual_sampling.datagen.run_config import RunConfig
+    from dual_sampling.options import DualEngineConfig, EngineOptions
 
-    with pytest.raises(ValueError, match=r"alpha must list one weight per teacher \(1\)"):
-        EngineOptions(alpha_method="fixed", alpha_config={"alpha": [0.2, 0.3]})
-    with pytest.raises(ValueError, match=r"teacher_shares must list one share per teacher \(1\)"):
-        EngineOptions(alpha_method="trust_region", alpha_config={"teacher_shares": [1.0, 1.0]})
+    teacher, theta = map(str, tiny_same)
+    for options, message in (
+        ({"alpha_method": "fixed", "alpha_config": {"alpha": [0.2, 0.3]}}, r"alpha must list one weight per teacher"),
+        (
+            {"alpha_method": "trust_region", "alpha_config": {"teacher_shares": [1.0, 1.0]}},
+            r"teacher_shares must list one share per teacher",
+        ),
+    ):
+        EngineOptions(**options)
+        with pytest.raises(ValueError, match=message + r" \(1\)"):
+            DualEngineConfig(model_teacher=teacher, model_theta=theta, **options)
+        with pytest.raises(ValueError, match=message + r" \(1\)"):
+            DualEngineConfig.of(teacher, theta, EngineOptions(**options))
+        with pytest.raises(ValueError, match=message + r" \(1\)"):
+            RunConfig.from_settings(
+                {"input": "in.jsonl", "output": "out.jsonl", "teacher": teacher, "theta": theta, **options}
+            )
     assert EngineOptions(alpha_method="fixed", alpha_config={"alpha": [0.2]}).alpha_method == "fixed"
 
 

@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from dual_sampling import OptimalSamplingDual
+from dual_sampling.cli import _run_settings, build_parser
+from dual_sampling.datagen.run import run_generation
+from dual_sampling.datagen.run_config import RunConfig
+from dual_sampling.datagen.sinks import read_records
 from dual_sampling.decision.pipeline import RowSampling
 from dual_sampling.driver.requests import DualRequest
 from dual_sampling.options import DualEngineConfig
@@ -27,6 +33,7 @@ from dual_sampling.testing.twins import PADDING_MASS_PROMPT, twin_trio
 from tests.draws import LEVEL, rows_after, two_token_p_values_under
 from tests.oracles import rescore
 from tests.test_alpha_teachers import scipy_optimum
+from tests.test_datagen import problems
 from tests.tolerances import RESCORE_ATOL
 
 pytestmark = pytest.mark.engine
@@ -124,6 +131,41 @@ def test_records_of_two_teachers_with_their_own_prompts_match_float64_rescoring(
             checked += len(sample.token_ids)
     assert sum(len(r.samples) for r in out.requests) == 4 and checked > 0
     assert without_hint > 100 * RESCORE_ATOL, f"the hint changed nothing measurable ({without_hint})"
+
+
+def test_a_data_run_of_two_teachers_writes_records_that_match_rescoring(trio, tmp_path):
+    """``dual-sampling generate --teacher qwen=... --teacher llama=... --hint-field qwen=solution`` on the trio's
+    engines (the command line's settings, parsed from its flags): every Parquet record holds each model's prompt
+    (the qwen teacher's with its solution, the others' without), and its α, log π of each model and log q equal the
+    float64 re-scoring of each model on its own recorded prompt."""
+    engine, hf = trio
+    names = engine.roster.names
+    folders = {model.name: model.folder for model in engine.config.model_engines()}
+    flags = ["generate", "--input", str(problems(tmp_path / "in.jsonl", 3)), "--output", str(tmp_path / "out.parquet")]
+    flags += [part for name in names[:-1] for part in ("--teacher", f"{name}={folders[name]}")]
+    flags += ["--theta", folders[THETA], "--hint-field", "qwen=solution", "--id-field", "id", "--no-chat-template"]
+    flags += ["--alpha-method", "fixed", "--alpha-config", json.dumps({"alpha": list(ALPHA)})]
+    flags += ["--n", "2", "--max-tokens", "10", "--max-model-len", "256", "--no-use-tqdm"]
+    config = RunConfig.from_settings(_run_settings(build_parser().parse_args(flags)))
+    summary = run_generation(config, engine)
+    assert summary["samples_written"] == 6 and summary["failed_samples"] == 0, summary
+    assert summary["alpha_mean_by_teacher"] == pytest.approx(dict(zip(names, ALPHA)))
+    records = read_records(str(tmp_path / "out.parquet"))
+    assert len(records) == 6
+    checked = 0
+    for r in records:
+        solution = r["id"][1:] + " + "
+        assert solution in r["qwen_prompt"] and solution not in r["llama_prompt"] + r["theta_prompt"]
+        prompts = {name: engine.tokenizer(r[f"{name}_prompt"], add_special_tokens=True)["input_ids"] for name in names}
+        rows = _rows(hf, prompts, r["token_ids"], engine.vocab)
+        alpha = np.array([r["alpha_qwen"], r["alpha_llama"]]).T
+        assert alpha == pytest.approx(np.tile(ALPHA, (len(r["token_ids"]), 1)))
+        recorded = SimpleNamespace(
+            token_ids=r["token_ids"], roster_columns={c: r[c] for c in engine.roster.token_columns}
+        )
+        assert _check_sample(recorded, rows, alpha) < RESCORE_ATOL
+        checked += len(r["token_ids"])
+    assert checked > 0
 
 
 def test_dense_top_k_of_every_model_matches_rescoring(trio):

@@ -15,8 +15,8 @@ from typing import Any
 from dual_sampling.datagen.inputs import batched
 from dual_sampling.datagen.plan import WorkItem
 from dual_sampling.datagen.run_config import RunConfig
-from dual_sampling.datagen.schema import Message, MessagesRecord, Record
-from dual_sampling.roster import PAIR, TOKEN_COLUMNS
+from dual_sampling.datagen.schema import Message, MessagesRecord, record_fields
+from dual_sampling.roster import PAIR, THETA
 
 __all__ = ["Outcome", "sample_here", "sample_items"]
 
@@ -34,15 +34,17 @@ class Outcome:
     """A complete answer that is not training data (cut off at max_tokens, format "messages", not keep_truncated):
     logged, so that --resume does not draw it again."""
     stats: dict[str, float]
-    """What the run summary needs, whatever the format: tokens; for a record also alpha_sum, alpha_sq,
-    log_w_theta and truncated (1.0 if cut off at max_tokens)."""
+    """What the run summary needs, whatever the format: tokens; for a record also alpha_sum and alpha_sq (of the
+    total teacher weight Σα at each token), log_w_theta and truncated (1.0 if cut off at max_tokens); with several
+    teachers each teacher's Σα too, under its sum column (``sum_alpha_<teacher>``)."""
 
 
 def sample_items(sampler: Any, cfg: RunConfig, items: list[WorkItem], models: dict) -> list[Outcome]:
     """Draw the missing samples of ``items`` (seeds from (seed, id, sample_index)); one outcome per sample."""
+    teachers = {name: [i.prompts[name] for i in items] for name in cfg.roster.teachers}
     out = sampler.generate(
-        [i.theta_prompt for i in items],
-        teacher_prompts=[i.teacher_prompt for i in items],
+        [i.prompts[THETA] for i in items],
+        teacher_prompts=teachers if len(teachers) > 1 else teachers[PAIR.teachers[0]],
         prompt_keys=[i.id for i in items],
         sampling=cfg.sampling,
         use_tqdm=False,
@@ -66,61 +68,69 @@ def sample_items(sampler: Any, cfg: RunConfig, items: list[WorkItem], models: di
             elif cfg.format == "messages" and sample.finish_reason == "length" and not cfg.keep_truncated:
                 outcomes.append(Outcome(item.id, j, None, None, _failure(item, j, sample, None), tokens))
             else:
+                columns = sample.columns()
+                alphas = [columns[name] for name in cfg.roster.alpha_columns]
+                total = [math.fsum(a) for a in zip(*alphas)]  # Σα at each token
                 stats = {
                     **tokens,
-                    "alpha_sum": math.fsum(sample.alpha),
-                    "alpha_sq": math.fsum(a * a for a in sample.alpha),
+                    "alpha_sum": math.fsum(total),
+                    "alpha_sq": math.fsum(a * a for a in total),
                     "log_w_theta": sample.log_w_theta,
                     "truncated": float(sample.finish_reason == "length"),
                 }
+                if len(alphas) > 1:
+                    stats.update({f"sum_{name}": math.fsum(columns[name]) for name in cfg.roster.alpha_columns})
                 outcomes.append(Outcome(item.id, j, _record(cfg, item, j, sample, models), None, None, stats))
     return outcomes
 
 
 def _non_finite(sample: Any) -> str | None:
     """The error of a sample with a non-finite α, log π or log q (JSON cannot hold one, and it is no data); None."""
-    for name in TOKEN_COLUMNS:
-        for position, value in enumerate(getattr(sample, name)):
+    for name, column in sample.columns().items():
+        for position, value in enumerate(column):
             if not math.isfinite(value):
                 return f"non_finite_record at token {position}: {name} is {value}"
     return None
 
 
 def _record(cfg: RunConfig, item: WorkItem, j: int, sample, models: dict) -> dict[str, Any]:
+    """The sample's record: a :class:`MessagesRecord`, or the fields :func:`record_fields` gives the run's roster."""
     if cfg.format == "messages":
         messages = [Message(role="system", content=cfg.system_prompt_theta)] if cfg.system_prompt_theta else []
-        messages += [Message(role="user", content=item.theta_user), Message(role="assistant", content=sample.text)]
+        messages += [Message(role="user", content=item.users[THETA]), Message(role="assistant", content=sample.text)]
         return dataclasses.asdict(MessagesRecord(item.id, j, messages, truncated=sample.finish_reason == "length"))
-    engine = cfg.engine
+    roster, columns = cfg.roster, sample.columns()
     by_string = isinstance(sample.stop_reason, str)
-    record = Record(
-        id=item.id,
-        sample_index=j,
-        seed=sample.seed,
-        teacher_prompt=item.teacher_prompt,
-        theta_prompt=item.theta_prompt,
-        response=sample.text,
-        token_ids=sample.token_ids,
-        finish_reason=sample.finish_reason,
-        stop_reason=sample.stop_reason if by_string else None,
-        stop_token_id=None if by_string or sample.stop_reason is None else int(sample.stop_reason),
-        error=sample.error,
-        num_tokens=len(sample.token_ids),
-        **{name: getattr(sample, name) for name in PAIR.token_columns},
-        **{total: math.fsum(getattr(sample, name)) for total, name in zip(PAIR.sum_columns, PAIR.token_columns)},
-        **{name: getattr(sample, name) for name in PAIR.weight_columns},
-        teacher_version=sample.teacher_version,
-        theta_version=sample.theta_version,
-        score=sample.score,
-        score_name=sample.score_name,
-        models=models,
-        sampling={
+    values = {
+        "id": item.id,
+        "sample_index": j,
+        "seed": sample.seed,
+        **{column: item.prompts[name] for column, name in zip(roster.prompt_columns, roster.names)},
+        "response": sample.text,
+        "token_ids": sample.token_ids,
+        "finish_reason": sample.finish_reason,
+        "stop_reason": sample.stop_reason if by_string else None,
+        "stop_token_id": None if by_string or sample.stop_reason is None else int(sample.stop_reason),
+        "error": sample.error,
+        "num_tokens": len(sample.token_ids),
+        **columns,
+        **{total: math.fsum(columns[name]) for total, name in zip(roster.sum_columns, roster.token_columns)},
+        **{
+            weight: math.fsum(a - b for a, b in zip(columns[f"logp_{name}"], columns["logq"]))
+            for weight, name in zip(roster.weight_columns, (THETA, *roster.teachers))
+        },
+        "teacher_version": sample.teacher_version,
+        "theta_version": sample.theta_version,
+        "score": sample.score,
+        "score_name": sample.score_name,
+        "models": models,
+        "sampling": {
             **dataclasses.asdict(cfg.sampling),
             "logit_bias": [[t, b] for t, b in cfg.sampling.logit_bias.items()],
         },
-        alpha_config={"method": engine.alpha_method, **engine.alpha_kwargs},
-    )
-    return dataclasses.asdict(record)
+        "alpha_config": {"method": cfg.engine.alpha_method, **cfg.engine.alpha_kwargs},
+    }
+    return {name: values[name] for name in record_fields(cfg.format, roster)}
 
 
 def _failure(item: WorkItem, j: int, sample, error: str | None) -> dict[str, Any]:

@@ -111,7 +111,7 @@ def iter_selected(
     kept to name a duplicate: the only thing held per row). A second pass over checked rows passes False."""
     seen: dict[str, int] = {}
     for number, row in enumerate(rows):
-        for name in (cfg.source.prompt_field, cfg.source.hint_field, cfg.id_field):
+        for name in (cfg.source.prompt_field, *cfg.source.hint_fields.values(), cfg.id_field):
             if name is not None and name not in row:
                 raise ValueError(f"row {number} has no field {name!r} (fields: {sorted(row)})")
         row_id = str(row[cfg.id_field]) if cfg.id_field else str(number)
@@ -151,9 +151,10 @@ def model_fingerprint(folder: str) -> dict[str, str]:
 
 
 def model_fingerprints(cfg: RunConfig) -> dict[str, dict[str, str]]:
-    """The teacher's and theta's fingerprints: what every record's ``models`` holds. Hashing reads every weight, so a
-    run does it once, in its driver, and ships the result to its Ray replicas."""
-    return {"teacher": model_fingerprint(cfg.source.teacher), "theta": model_fingerprint(cfg.source.theta)}
+    """Each model's fingerprint by roster name ("teacher" and "theta" for a pair): what every record's ``models``
+    holds. Hashing reads every weight, so a run does it once, in its driver, and ships the result to its Ray
+    replicas."""
+    return {name: model_fingerprint(folder) for name, folder in cfg.source.folders.items()}
 
 
 def input_fingerprint(path: str) -> dict[str, str]:

@@ -1,5 +1,5 @@
-"""Planning a run: for each selected problem with samples still missing (a resumed run skips those done), both
-rendered prompts, or a reject when a prompt does not fit the context; as a stream, so that no run holds its whole
+"""Planning a run: for each selected problem with samples still missing (a resumed run skips those done), every
+model's rendered prompt, or a reject when a prompt does not fit the context; as a stream, so that no run holds its whole
 plan in memory.
 """
 
@@ -11,19 +11,20 @@ from typing import Any
 
 from dual_sampling.datagen.run_config import RunConfig
 from dual_sampling.prompts import Renderer
+from dual_sampling.roster import THETA
 
 __all__ = ["WorkItem", "iter_items", "plan_items"]
 
 
 @dataclass
 class WorkItem:
-    """One problem to sample: both rendered prompts, and the sample indices still missing."""
+    """One problem to sample: each model's rendered prompt, and the sample indices still missing."""
 
     id: str
-    teacher_user: str
-    theta_user: str
-    teacher_prompt: str
-    theta_prompt: str
+    users: dict[str, str]
+    """Each model's user message, by roster name."""
+    prompts: dict[str, str]
+    """Each model's prompt (its user message in its chat template, after its system message), by roster name."""
     missing: list[int]
 
 
@@ -35,26 +36,23 @@ def iter_items(
     max_model_len: int,
     rejects: list[dict],
 ) -> Iterator[WorkItem]:
-    """The work items of ``selected`` rows as they come: both prompts rendered for every problem with samples not in
-    ``done``; a problem too long for the context goes to ``rejects`` instead."""
-    renderer = Renderer(tokenizer, cfg.teacher_template, cfg.theta_template, cfg.source.chat_template)
+    """The work items of ``selected`` rows as they come: every model's prompt rendered for every problem with samples
+    not in ``done``; a problem too long for the context goes to ``rejects`` instead.
+
+    A teacher sees its hint field's value; θ sees the hint too when every teacher shares one field (as in a pair)."""
+    renderer = Renderer(tokenizer, cfg.templates(), cfg.source.chat_template)
+    system = cfg.system_prompts()
+    fields = cfg.source.hint_fields
+    shared = set(fields.values())
+    fields[THETA] = shared.pop() if len(shared) == 1 else None
     for number, row, row_id in selected:
         missing = [j for j in range(cfg.sampling.n) if (row_id, j) not in done]
         if not missing:
             continue
-        hint = None if cfg.source.hint_field is None else row[cfg.source.hint_field]
-        t_user, th_user = renderer.user_messages(row[cfg.source.prompt_field], hint, row)
-        item = WorkItem(
-            row_id,
-            t_user,
-            th_user,
-            renderer.prompt(t_user, cfg.system_prompt_teacher),
-            renderer.prompt(th_user, cfg.system_prompt_theta),
-            missing,
-        )
-        longest = max(
-            len(tokenizer(p, add_special_tokens=True)["input_ids"]) for p in (item.teacher_prompt, item.theta_prompt)
-        )
+        hints = {name: None if field is None else row[field] for name, field in fields.items()}
+        users = renderer.user_messages(row[cfg.source.prompt_field], hints, row)
+        item = WorkItem(row_id, users, {name: renderer.prompt(users[name], system[name]) for name in users}, missing)
+        longest = max(len(tokenizer(p, add_special_tokens=True)["input_ids"]) for p in item.prompts.values())
         if longest + 1 > max_model_len:
             reason = f"prompt has {longest} tokens; max_model_len is {max_model_len}"
             rejects.append({"id": row_id, "row": number, "reason": reason})

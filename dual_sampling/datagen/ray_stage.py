@@ -124,7 +124,7 @@ class DualSamplingStage:
         items = self._items(batch)
         outcomes = self._draw(items) if items else []
         if self.emit == "records":
-            return records_table([o.record for o in outcomes if o.record is not None], self.cfg.format)
+            return records_table([o.record for o in outcomes if o.record is not None], self.cfg.format, self.cfg.roster)
         sync = json.dumps(self.sampler.get_sync_statistics(), allow_nan=False)
         return pa.table(
             {
@@ -150,7 +150,7 @@ class DualSamplingStage:
 
     def _items(self, batch: dict[str, Any]) -> list[WorkItem]:
         rows = _rows(batch)
-        if rows and "theta_prompt" in rows[0]:  # planned by the command line
+        if rows and "prompts" in rows[0]:  # planned by the command line
             return [WorkItem(**{f.name: _plain(r[f.name]) for f in dataclasses.fields(WorkItem)}) for r in rows]
         selected, _ = select_rows(self.cfg, rows)
         items, _ = plan_items(self.cfg, selected, set(), self.sampler.tokenizer, self.sampler.max_model_len)

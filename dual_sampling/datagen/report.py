@@ -24,6 +24,8 @@ def load_records(path: str | Path) -> list[dict]:
     from dual_sampling.datagen.sinks import read_records
 
     records = read_records(str(path))
+    if records and "alpha" not in records[0] and "sum_logq" in records[0]:
+        raise ValueError(f"{path} holds a run of several teachers (an α column each): report plots one teacher's yet")
     if records and "alpha" not in records[0]:
         raise ValueError(f"{path} has no per-token alpha: report needs the 'records' format, not 'messages'")
     return records

@@ -83,23 +83,26 @@ def _run(cfg: RunConfig, sampler: Any, paths: dict[str, Path], started: float) -
     selected = sum(1 for _ in iter_selected(cfg, iter_rows(cfg.input), rejects))
     inputs = input_fingerprint(cfg.input)
     models = model_fingerprints(cfg)
+    folders = cfg.source.folders
+    if sampler is not None:  # before the manifest: a refused run writes nothing
+        running = {model.name: model.folder for model in sampler.config.model_engines()}
+        if list(running) != list(folders):
+            raise ValueError(f"the sampler runs the models {list(running)} but the run configures {list(folders)}")
+        for name, wanted in folders.items():
+            if Path(wanted).resolve() != Path(running[name]).resolve():
+                raise ValueError(f"the sampler runs {name} {running[name]!r} but the run configures {wanted!r}")
     check_manifest(cfg, paths, models, inputs)
-    if sampler is not None:
-        for role, wanted, running in (
-            ("teacher", cfg.source.teacher, sampler.config.model_teacher),
-            ("theta", cfg.source.theta, sampler.config.model_theta),
-        ):
-            if Path(wanted).resolve() != Path(running).resolve():
-                raise ValueError(f"the sampler runs {role} {running!r} but the run configures {wanted!r}")
-    sink = open_sink(paths, cfg.resume, cfg.format)
+    sink = open_sink(paths, cfg.resume, cfg.format, cfg.roster)
     logs: list[Journal] = []
     try:
         for name in ("failed", "truncated"):
             logs.append(Journal(paths[name], cfg.resume))
         writer = _Writer(sink, *logs)
         already = len(sink.done) + len(writer.left_out.done)
-        tokenizer = sampler.tokenizer if sampler is not None else AutoTokenizer.from_pretrained(cfg.source.teacher)
-        max_model_len = context_length((cfg.source.teacher, cfg.source.theta), cfg.engine.max_model_len)
+        # Every engine tokenizes with the leading teacher's tokenizer (DualEngineConfig.tokenizer_folder).
+        leading = next(iter(folders.values()))
+        tokenizer = sampler.tokenizer if sampler is not None else AutoTokenizer.from_pretrained(leading)
+        max_model_len = context_length(tuple(folders.values()), cfg.engine.max_model_len)
         rows = iter_selected(cfg, iter_rows(cfg.input), [], unique=False)  # its rejects were counted above
         too_long: list[dict] = []
         items = iter_items(cfg, rows, _Done(sink.done, writer.left_out.done), tokenizer, max_model_len, too_long)
@@ -158,6 +161,7 @@ class _Tally:
         self.alpha_sum = self.alpha_sq = 0.0
         self.log_w = array.array("d")  # 8 bytes a sample, for the ESS at the end
         self.failures: collections.Counter = collections.Counter()
+        self.teacher_sums: collections.Counter = collections.Counter()  # several teachers: Σα by alpha column
 
     def add(self, outcome: Outcome, new: bool = True) -> None:
         if outcome.failure is not None:
@@ -178,6 +182,17 @@ class _Tally:
         self.alpha_sum += s["alpha_sum"]
         self.alpha_sq += s["alpha_sq"]
         self.log_w.append(s["log_w_theta"])
+        self.teacher_sums.update({k[len("sum_") :]: v for k, v in s.items() if k.startswith("sum_alpha")})
+
+    def _by_teacher(self, cfg: RunConfig) -> dict[str, Any]:
+        """Several teachers: ``alpha_mean_by_teacher`` (each teacher's mean α, None before any token); else nothing."""
+        if len(cfg.roster.teachers) == 1:
+            return {}
+        means = {
+            t: self.teacher_sums[column] / self.alpha_n if self.alpha_n else None
+            for t, column in zip(cfg.roster.teachers, cfg.roster.alpha_columns)
+        }
+        return {"alpha_mean_by_teacher": means}
 
     @property
     def alpha_mean(self) -> float | None:
@@ -188,7 +203,8 @@ class _Tally:
 
         ``truncated_samples`` counts the answers cut off at max_tokens that were written, ``truncated_left_out`` those
         left out (format "messages" without keep_truncated). A beam search's records are no samples of q, so the
-        ESS of their weights means nothing: None there."""
+        ESS of their weights means nothing: None there. With several teachers ``alpha_mean`` and ``alpha_std`` are of
+        the total teacher weight Σα at each token, and ``alpha_mean_by_teacher`` holds each teacher's mean α."""
         mean = self.alpha_mean
         ess = effective_sample_size(self.log_w) if self.log_w and not cfg.sampling.use_beam_search else None
         return {
@@ -203,6 +219,7 @@ class _Tally:
             "generated_tokens": self.tokens,
             "alpha_mean": mean,
             "alpha_std": math.sqrt(max(self.alpha_sq / self.alpha_n - mean * mean, 0.0)) if self.alpha_n else None,
+            **self._by_teacher(cfg),
             "ess_theta_weights": ess,
             "ess_fraction": ess / len(self.log_w) if ess else None,
             "sync": sync,

@@ -10,7 +10,15 @@ from typing import Any
 
 from dual_sampling.checks import need_int, need_number
 from dual_sampling.options import RUNTIME_ONLY, EngineOptions, SamplingOptions
-from dual_sampling.run_settings import ModelsAndPrompts, compose_settings, flat_settings, runtime_only
+from dual_sampling.roster import PAIR, THETA, Roster
+from dual_sampling.run_settings import (
+    ModelsAndPrompts,
+    PerTeacher,
+    compose_settings,
+    flat_settings,
+    per_teacher,
+    runtime_only,
+)
 
 __all__ = ["RunConfig"]
 
@@ -31,14 +39,17 @@ class RunConfig:
     """Records: a .jsonl or .parquet file, or a directory (Parquet parts, for runs of any size)."""
     id_field: str | None = None
     """Field holding a unique id; None uses the row number."""
-    system_prompt_teacher: str | None = None
-    """System message for the teacher's chat."""
+    system_prompt_teacher: PerTeacher | None = None
+    """System message for the teacher's chat; with several teachers, one for all or ``{teacher: message}``
+    (``--system-prompt-teacher NAME=TEXT``)."""
     system_prompt_theta: str | None = None
     """System message for theta's chat."""
-    teacher_template: str | None = None
-    """Jinja template (string or file) of the teacher's user message; sees problem, hint, row."""
+    teacher_template: PerTeacher | None = None
+    """Jinja template (string or file) of the teacher's user message; sees problem, hint, row. With several teachers,
+    one for all or ``{teacher: template}`` (``--teacher-template NAME=TEMPLATE``)."""
     theta_template: str | None = None
-    """Jinja template (string or file) of theta's user message; sees problem, hint, row."""
+    """Jinja template (string or file) of theta's user message; sees problem, hint, row (its hint is the teachers'
+    when they share one hint field, as in a pair; None when each teacher has its own)."""
     format: str = "records"
     """"records" (everything) or "messages" (a TRL-ready chat view)."""
     keep_truncated: bool = False
@@ -81,6 +92,11 @@ class RunConfig:
                 "dense_logprobs is not written by data runs; ask for it through the Python API or the server"
             )
         self.shard_index, self.shard_count = _parse_shard(self.shard)
+        for name in ("system_prompt_teacher", "teacher_template"):
+            per_teacher(name, getattr(self, name), self.roster)
+        self.engine.check_teacher_count(len(self.roster.teachers))
+        if self.ray and self.roster != PAIR:
+            raise ValueError("ray: runs of several teachers draw on this machine; Ray replicas run one teacher yet")
         for name, least in (("batch_size", 1), ("replicas", 1), ("ray_max_retries", 0)):
             need_int(name, getattr(self, name), least)
         for name in ("cpus_per_replica", "gpus_per_replica"):
@@ -90,6 +106,20 @@ class RunConfig:
     def from_settings(cls, settings: dict[str, Any]) -> RunConfig:
         """Build from flat keys (CLI flags, run.yaml): each goes to the run, its sampling or its engine options."""
         return compose_settings(cls, settings)
+
+    @property
+    def roster(self) -> Roster:
+        """The run's models by name (its :attr:`source`'s): what the records' columns follow."""
+        return self.source.roster
+
+    def templates(self) -> dict[str, str | None]:
+        """Each model's user-message template by roster name (None: the default)."""
+        return {**per_teacher("teacher_template", self.teacher_template, self.roster), THETA: self.theta_template}
+
+    def system_prompts(self) -> dict[str, str | None]:
+        """Each model's system message by roster name (None: none)."""
+        teachers = per_teacher("system_prompt_teacher", self.system_prompt_teacher, self.roster)
+        return {**teachers, THETA: self.system_prompt_theta}
 
     def flat(self) -> dict[str, Any]:
         """Every setting as one flat mapping (the inverse of :meth:`from_settings`)."""

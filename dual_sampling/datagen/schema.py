@@ -1,6 +1,10 @@
 """The record schema of a run. A record is a :class:`Record` (``--format records``) or a :class:`MessagesRecord`
 (``--format messages``); their fields are the one declaration of both the JSONL lines and the Parquet schema
-(:func:`record_schema`).
+(:func:`record_fields`, :func:`record_schema`).
+
+:class:`Record` declares a pair's record. A run of several teachers has the same fields with the roster's
+columns in place of the pair's (:func:`record_fields`): a prompt per model (``<name>_prompt``), α per teacher
+(``alpha_<teacher>``), log π per model (``logp_<name>``), and their sums and log weights likewise.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from dual_sampling.datagen.durable import dumps
+from dual_sampling.roster import PAIR, Roster
 
-__all__ = ["Message", "MessagesRecord", "Record", "record_schema", "records_table", "table_records"]
+__all__ = ["Message", "MessagesRecord", "Record", "record_fields", "record_schema", "records_table", "table_records"]
 
 
 @dataclass
@@ -60,7 +65,8 @@ class Record:
     log_w_teacher: float
     """Σ (log π_t − log q): likewise towards the teacher."""
     teacher_version: str
-    """The teacher's weight version that drew the sample ("0": the weights its engine started with)."""
+    """The teacher's weight version that drew the sample ("0": the weights its engine started with). With several
+    teachers, the leading teacher's (teachers of such a run keep the weights they start with)."""
     theta_version: str
     """Theta's weight version that drew the sample: the policy whose π_θ ``log_w_theta`` refers to."""
     score: float | None
@@ -68,7 +74,7 @@ class Record:
     score_name: str | None
     """The function that gave ``score`` ("module:function")."""
     models: dict[str, Any]
-    """Path and content hash of the teacher and theta model folders."""
+    """Path and content hash of each model folder, by roster name ("teacher" and "theta" for a pair)."""
     sampling: dict[str, Any]
     """Every sampling option; logit_bias as [token id, bias] pairs (JSON object keys could not stay ints)."""
     alpha_config: dict[str, Any]
@@ -102,19 +108,39 @@ def _record_class(fmt: str) -> type:
     return MessagesRecord if fmt == "messages" else Record
 
 
-def record_schema(fmt: str = "records"):
-    """The Parquet (Arrow) schema of a run's records in format ``fmt``, derived from its record class's fields."""
-    import pyarrow as pa
-
+def record_fields(fmt: str = "records", roster: Roster = PAIR) -> dict[str, Any]:
+    """Each field of a record in format ``fmt`` of a run of ``roster``, with its type, in order: the record class's
+    fields, each group of columns the pair names (its prompts, token columns, their sums, its log weights) in
+    place of the first of them, as ``roster`` names it."""
     cls = _record_class(fmt)
     hints = typing.get_type_hints(cls)
-    fields = []
+    groups = {
+        PAIR.prompt_columns: roster.prompt_columns,
+        PAIR.token_columns: roster.token_columns,
+        PAIR.sum_columns: roster.sum_columns,
+        PAIR.weight_columns: roster.weight_columns,
+    }
+    out: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        hint = _not_none(hints[f.name])
+        group = next((g for g in groups if f.name in g), None)
+        if group is None:
+            out[f.name] = hints[f.name]
+        elif f.name == group[0]:
+            out.update(dict.fromkeys(groups[group], hints[f.name]))
+    return out
+
+
+def record_schema(fmt: str = "records", roster: Roster = PAIR):
+    """The Parquet (Arrow) schema of a run's records in format ``fmt``, derived from :func:`record_fields`."""
+    import pyarrow as pa
+
+    fields = []
+    for name, hint in record_fields(fmt, roster).items():
+        hint = _not_none(hint)
         if typing.get_origin(hint) is dict:
-            fields.append(pa.field(f.name, pa.string(), metadata=_JSON_TEXT))
+            fields.append(pa.field(name, pa.string(), metadata=_JSON_TEXT))
         else:
-            fields.append(pa.field(f.name, _arrow_type(hint)))
+            fields.append(pa.field(name, _arrow_type(hint)))
     return pa.schema(fields)
 
 
@@ -139,11 +165,11 @@ def _arrow_type(hint: Any):
     return scalars[hint]
 
 
-def records_table(records: list[dict[str, Any]], fmt: str):
+def records_table(records: list[dict[str, Any]], fmt: str, roster: Roster = PAIR):
     """``records`` (as written to JSONL) as an Arrow table of :func:`record_schema`; a value of another type raises."""
     import pyarrow as pa
 
-    schema = record_schema(fmt)
+    schema = record_schema(fmt, roster)
     text = [f.name for f in schema if f.metadata == _JSON_TEXT]
     rows = [{**r, **{k: None if r[k] is None else dumps(r[k]) for k in text}} for r in records]
     return pa.Table.from_pylist(rows, schema=schema)

@@ -16,6 +16,7 @@ from dual_sampling.datagen.durable import dumps, replace_durably, write_text_dur
 from dual_sampling.datagen.inputs import batched
 from dual_sampling.datagen.run_config import RunConfig
 from dual_sampling.datagen.schema import record_schema, records_table, table_records
+from dual_sampling.roster import PAIR, Roster
 from dual_sampling.run_output import open_no_follow, own_dir, single_writer
 
 __all__ = [
@@ -146,8 +147,9 @@ class Journal:
 class _JournalSink:
     """Records as whole JSONL lines, fsync'd per batch; a .parquet output is written from the journal at the end."""
 
-    def __init__(self, paths: dict[str, Path], resume: bool, fmt: str) -> None:
+    def __init__(self, paths: dict[str, Path], resume: bool, fmt: str, roster: Roster) -> None:
         self.journal, self.output, self.format = Journal(paths["journal"], resume), paths["output"], fmt
+        self.roster = roster
         self.done = self.journal.done
 
     def write(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -157,7 +159,7 @@ class _JournalSink:
     def finish(self) -> None:
         self.close()
         if self.output.suffix == ".parquet":
-            _write_parquet(self.journal.path, self.output, self.format)
+            _write_parquet(self.journal.path, self.output, self.format, self.roster)
 
     def close(self) -> None:
         self.journal.close()
@@ -170,10 +172,10 @@ class _PartsSink:
     place; a part left half-written by a crash keeps its temporary name and is never read.
     """
 
-    def __init__(self, paths: dict[str, Path], resume: bool, fmt: str) -> None:
+    def __init__(self, paths: dict[str, Path], resume: bool, fmt: str, roster: Roster) -> None:
         import pyarrow.parquet as pq
 
-        self.format = fmt
+        self.format, self.roster = fmt, roster
         self.folder = own_dir(paths["parts"])
         for tmp in self.folder.glob("part-*.tmp"):
             tmp.unlink()
@@ -194,7 +196,7 @@ class _PartsSink:
             final = self.folder / f"part-{self.next:06d}.parquet"
             tmp = final.with_name(final.name + ".tmp")
             with open_no_follow(tmp, "wb") as f:
-                pq.write_table(records_table(fresh, self.format), f)
+                pq.write_table(records_table(fresh, self.format, self.roster), f)
             replace_durably(tmp, final)
             self.next += 1
         return fresh
@@ -217,8 +219,10 @@ def _fresh(records: list[dict[str, Any]], done: set) -> list[dict[str, Any]]:
     return fresh
 
 
-def open_sink(paths: dict[str, Path], resume: bool, fmt: str) -> _JournalSink | _PartsSink:
-    return _PartsSink(paths, resume, fmt) if "parts" in paths else _JournalSink(paths, resume, fmt)
+def open_sink(paths: dict[str, Path], resume: bool, fmt: str, roster: Roster = PAIR) -> _JournalSink | _PartsSink:
+    """Where a run's records of format ``fmt`` go, in the schema of ``roster`` (:func:`record_fields`)."""
+    sink = _PartsSink if "parts" in paths else _JournalSink
+    return sink(paths, resume, fmt, roster)
 
 
 def read_records(output: str) -> list[dict[str, Any]]:
@@ -240,12 +244,12 @@ def write_rejects(path: Path, rejects: list[dict]) -> None:
     write_text_durably(path, "".join(dumps(r) + "\n" for r in rejects))
 
 
-def _write_parquet(journal: Path, output: Path, fmt: str) -> None:
+def _write_parquet(journal: Path, output: Path, fmt: str, roster: Roster = PAIR) -> None:
     """The Parquet file of a journal's records, written a row group at a time (never the whole journal at once)."""
     import pyarrow.parquet as pq
 
     tmp = output.with_name(output.name + ".tmp")
-    with open_no_follow(tmp, "wb") as f, pq.ParquetWriter(f, record_schema(fmt)) as writer:
+    with open_no_follow(tmp, "wb") as f, pq.ParquetWriter(f, record_schema(fmt, roster)) as writer:
         for chunk in batched(iter_journal(journal), ROWS_PER_GROUP):
-            writer.write_table(records_table(chunk, fmt))
+            writer.write_table(records_table(chunk, fmt, roster))
     replace_durably(tmp, output)

@@ -14,6 +14,7 @@ from dual_sampling.checks import need_int, need_number
 from dual_sampling.distill.loss import LOSSES, WEIGHTINGS
 from dual_sampling.modes import mode_of, modes_with
 from dual_sampling.options import RUNTIME_ONLY, EngineOptions, SamplingOptions
+from dual_sampling.roster import PAIR
 from dual_sampling.run_settings import ModelsAndPrompts, compose_settings, flat_settings, runtime_only
 
 __all__ = ["TRAINER_DTYPES", "DistillConfig"]
@@ -123,6 +124,11 @@ class DistillConfig:
     """How the dual engine runs; its fields are flat keys."""
 
     def __post_init__(self) -> None:
+        if self.source.roster != PAIR:
+            raise ValueError(
+                "teacher: distillation runs one teacher (its loss's teacher); several teachers are sampled by the "
+                "Python API and data runs, not yet distilled"
+            )
         for name, least in (
             ("eval_prompts", 1),
             ("eval_max_tokens", 1),

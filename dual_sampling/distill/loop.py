@@ -37,6 +37,7 @@ from dual_sampling.distill.loss import (
 )
 from dual_sampling.distill.mismatch import Mismatch, SamplerMismatchError, record_gaps
 from dual_sampling.records import RequestRecord, SampleRecord
+from dual_sampling.roster import PAIR
 from dual_sampling.run_output import fresh_dir, own_dir, remove_path, single_writer, write_no_follow
 from dual_sampling.run_settings import changed_settings
 
@@ -143,9 +144,12 @@ class Distiller:
         ]
         if missing:
             raise ValueError(f"prompts row {missing[0]} has no text field {config.source.prompt_field!r}")
-        renderer = Renderer(dual.tokenizer, None, None, config.source.chat_template)
+        renderer = Renderer(dual.tokenizer, dict.fromkeys(PAIR.names), config.source.chat_template)
         self._render = lambda row, hint: tuple(
-            renderer.prompt(user, None) for user in renderer.user_messages(row[config.source.prompt_field], hint, row)
+            renderer.prompt(user, None)
+            for user in renderer.user_messages(
+                row[config.source.prompt_field], dict.fromkeys(PAIR.names, hint), row
+            ).values()
         )
         self.train_rows = rows[: -config.eval_prompts]
         self.order = list(range(len(self.train_rows)))
