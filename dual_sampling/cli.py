@@ -309,7 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve the teacher/theta mixture: /v1/completions, /v1/chat/completions, "
         "/v1/models, /health, /metrics.",
     )
-    s.add_argument("--teacher", help="teacher model folder (default: the local SmolLM2-135M-Instruct)")
+    s.add_argument(
+        "--teacher",
+        action=_OneOrNamed,
+        metavar="[NAME=]PATH",
+        help="teacher model folder (default: the local SmolLM2-135M-Instruct); NAME=PATH once per teacher for several",
+    )
     s.add_argument("--theta", help="theta model folder (default: the 24-layer pruned SmolLM2)")
     s.set_defaults(run=_serve)
 

@@ -145,6 +145,15 @@ class SampleRecord(TokenRecords):
         return dict(self.roster_columns) or {name: getattr(self, name) for name in TOKEN_COLUMNS}
 
     @property
+    def total_alpha(self) -> list[float]:
+        """The total teacher weight Σα at each token: :attr:`alpha` for one teacher; with several, the sum of their
+        ``alpha_<teacher>`` columns (:attr:`~dual_sampling.roster.Roster.alpha_columns`)."""
+        if not self.roster_columns:
+            return list(self.alpha)
+        alphas = [column for name, column in self.roster_columns.items() if name.startswith("alpha_")]
+        return [math.fsum(at_token) for at_token in zip(*alphas)]
+
+    @property
     def ok(self) -> bool:
         """Complete and verified: usable as training data (not failed, not aborted)."""
         return self.error is None and self.finish_reason in ("stop", "length")

@@ -56,6 +56,8 @@ def test_teacher_flags_name_each_teacher_and_its_hint(tiny_same, tmp_path):
     assert config.roster == ROSTER
     assert config.source.hint_fields == {"math": "solution", "general": None}
     assert list(config.source.folders) == ["math", "general", THETA]
+    served = build_parser().parse_args(["serve", "--teacher", f"math={teacher}", "--teacher", f"general={theta}"])
+    assert served.teacher == {"math": str(teacher), "general": str(theta)}  # the server takes them alike
     one = build_parser().parse_args(["generate", "--teacher", str(teacher)])
     assert one.teacher == str(teacher)  # one folder stays a string: a pair, as before
     for mixed in (["--teacher", str(teacher), "--teacher", f"b={theta}"], ["--teacher", "a=x", "--teacher", "a=y"]):

@@ -192,6 +192,7 @@ class SpeculativeChecks:
 
     max_model_len = 256
     max_dense_logprobs = 0
+    roster = PAIR
 
     def __init__(self) -> None:
         from dual_sampling.testing.sim_engines import sim_tokenizer
@@ -206,7 +207,7 @@ class SpeculativeChecks:
         def ids(p):
             return list(p) if isinstance(p, list) else self.tokenizer(p)["input_ids"]
 
-        teacher, theta = ids(teacher_prompt), ids(prompt)
+        teacher, theta = ids(prompt if teacher_prompt is None else teacher_prompt), ids(prompt)
         return PromptPair(teacher, theta, self.max_model_len - max(len(teacher), len(theta)))
 
     def check(self, pair, sampling) -> None:
@@ -260,12 +261,27 @@ def test_the_options_repr_leaves_the_api_key_out():
     assert "sk-do-not-log" not in repr(ServeOptions(api_key="sk-do-not-log"))
 
 
-def test_a_dual_engine_of_several_teachers_is_not_served_yet():
-    """The server's payloads name one teacher's columns: a roster of several teachers is refused by name when the app
-    is built, never served with its records under the pair's names."""
+def test_a_server_of_several_teachers_describes_their_records_and_a_pair_refuses_values_per_teacher(speculative):
+    """/openapi.json of a server of several teachers names the roster's columns in each choice's records (not the
+    pair's); a pair's server refuses a hint or teacher prompt given per teacher name, naming the field (its one
+    teacher has no name to give). The trio's server on engines: tests/test_teachers_engine.py."""
+    from fastapi.testclient import TestClient
+
     from dual_sampling.roster import THETA, Roster
 
     dual = Idle()
     dual.roster = Roster(("math", "general", THETA))
-    with pytest.raises(ValueError, match=r"model_teacher: the server serves one teacher; several \(math, general\)"):
-        build_app(dual, ServeOptions(api_key=KEY))
+    schema = TestClient(build_app(dual, ServeOptions(api_key=KEY))).get("/openapi.json").json()
+    response = schema["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]["application/json"]
+    records = next(v for k, v in schema["components"]["schemas"].items() if k.startswith("DualRecords_"))
+    assert response["schema"]["$ref"].endswith("_math_general_theta")
+    columns = {"alpha_math", "alpha_general", "logp_math", "logp_general", "logp_theta", "logq"}
+    assert columns <= set(records["properties"]) and not {"alpha", "logp_teacher"} & set(records["properties"])
+    _, translator = speculative
+    chat = [{"role": "user", "content": "Count to five."}]
+    for body, kind, field in (
+        ({"prompt": "Count to five.", "hint": {"math": "1 2 3 4 5"}}, "completion", "hint"),
+        ({"prompt": "Count to five.", "teacher_prompt": {"math": "Count."}}, "completion", "teacher_prompt"),
+        ({"messages": chat, "teacher_messages": {"math": chat}}, "chat", "teacher_messages"),
+    ):
+        assert refused_field(translator, {**body, "max_tokens": 2}, kind) == field

@@ -168,6 +168,159 @@ def test_a_data_run_of_two_teachers_writes_records_that_match_rescoring(trio, tm
     assert checked > 0
 
 
+def _served_records(engine, hf, records: dict, prompts: dict[str, list[int]]) -> int:
+    """One choice's ``dual_sampling`` records against the float64 re-scoring; returns the tokens checked."""
+    assert set(engine.roster.token_columns) <= set(records) and not {"alpha", "logp_teacher"} & set(records)
+    tokens = records["token_ids"]
+    alpha = np.array([records["alpha_qwen"], records["alpha_llama"]]).T
+    assert alpha == pytest.approx(np.tile(ALPHA, (len(tokens), 1)))
+    rows = _rows(hf, prompts, tokens, engine.vocab)
+    assert _check_sample(SimpleNamespace(token_ids=tokens, roster_columns=records), rows, alpha) < RESCORE_ATOL
+    return len(tokens)
+
+
+def test_the_server_takes_prompts_per_teacher_and_answers_with_every_models_records(trio):
+    """The OpenAI server on the trio: a completion whose ``hint`` names the qwen teacher and a streamed chat whose
+    ``teacher_messages`` names the llama teacher; each choice's records (the stream's chunks joined) hold every
+    model's column and re-score in float64 on the prompts the server built; the standard logprobs are log q. A hint
+    for a teacher the server does not have, dense top k and beam search are refused by field."""
+    import httpx
+
+    from dual_sampling.prompts import DEFAULT_TEACHER_TEMPLATE, user_template
+    from dual_sampling.server.app import build_app
+    from dual_sampling.server.serve_options import ServeOptions
+    from tests.test_serve import KEY, Server
+
+    engine, hf = trio
+    server = Server(build_app(engine, ServeOptions(api_key=KEY, max_n=4)))
+    headers = {"Authorization": f"Bearer {KEY}"}
+    try:
+        prompt, checked = PROMPTS[0], 0
+        body = {"prompt": prompt, "hint": {"qwen": LONG_HINT}, "max_tokens": 8, "n": 2, "logprobs": 0, "seed": 3}
+        answer = httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=120)
+        assert answer.status_code == 200, answer.text
+        hinted = user_template(None, DEFAULT_TEACHER_TEMPLATE).render(problem=prompt, hint=LONG_HINT, row={})
+        pair = engine.prepare(prompt, {"qwen": hinted})
+        prompts = {**pair.teacher_ids, THETA: pair.theta_ids}
+        assert len(prompts["qwen"]) > len(prompts["llama"]) + 50 and prompts["llama"] == prompts[THETA]
+        for choice in answer.json()["choices"]:
+            records = choice["dual_sampling"]
+            checked += _served_records(engine, hf, records, prompts)
+            assert choice["logprobs"]["token_logprobs"] == records["logq"]
+            expected = sum(a - b for a, b in zip(records["logp_theta"], records["logq"]))
+            assert records["log_w_theta"] == pytest.approx(expected, abs=1e-5)
+
+        messages = [{"role": "user", "content": "Tell me a story."}]
+        own = [{"role": "user", "content": "Tell me a short story about a dragon and a lighthouse keeper."}]
+        body = {"messages": messages, "teacher_messages": {"llama": own}, "max_tokens": 6, "stream": True, "seed": 4}
+        joined: dict[str, list] = {}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                assert "error" not in chunk, chunk
+                records = chunk["choices"][0].get("dual_sampling")
+                for name, values in (records or {}).items():
+                    if isinstance(values, list):
+                        joined.setdefault(name, []).extend(values)
+                    elif values is not None:
+                        joined[name] = values
+        assert joined.get("error") is None and joined.get("log_w_theta") is not None  # the last chunk's
+
+        def chat_ids(conversation):
+            text = engine.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            return engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+        prompts = {"qwen": chat_ids(messages), "llama": chat_ids(own), THETA: chat_ids(messages)}
+        checked += _served_records(engine, hf, joined, prompts)
+        assert checked > 0
+
+        prompt_only = {"prompt": prompt, "max_tokens": 2}
+        for extra, field in (
+            ({"hint": {"physics": "x"}}, "hint"),
+            ({"teacher_prompt": {"qwen": "x", "bard": "y"}}, "teacher_prompt"),
+            ({"dense_logprobs": 2}, "dense_logprobs"),
+            ({"use_beam_search": True, "n": 2}, "use_beam_search"),
+        ):
+            refused = httpx.post(server.url + "/v1/completions", json={**prompt_only, **extra}, headers=headers)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+        assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        server.stop()
+
+
+def test_a_trl_trainer_trains_on_rollouts_of_two_teachers_each_with_its_own_hint_function(trio, tmp_path, monkeypatch):
+    """TRL's GRPO (importance correction on) trains two steps on the trio's rollouts, the qwen teacher hinted by its
+    own function, the llama teacher seeing the student's prompt. Every rollout's records re-score in
+    float64 against the student as it was at the sync before it and each teacher on the prompt it was given; the
+    second step's rollouts miss the first sync's student by more than the tolerance (the sync reached the θ engine).
+    The trio's θ weights are put back after."""
+    pytest.importorskip("trl")
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    import dual_sampling.api
+    from dual_sampling.distill.mismatch import sampler_trainer_mismatch
+    from dual_sampling.integrations.trl import MixtureRollouts
+    from dual_sampling.options import EngineOptions
+    from tests.test_trl_backend import HINT, Recorder, _common, _dataset
+
+    engine, hf = trio
+    folders = {model.name: model.folder for model in engine.config.model_engines()}
+
+    class Running:
+        """The trio's engines as the backend's own: closing the backend leaves them to the module."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            assert args[0] == {name: folders[name] for name in ("qwen", "llama")} and args[1] == folders[THETA]
+
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(dual_sampling.api, "OptimalSamplingDual", Running)
+    options = EngineOptions(alpha_method="fixed", alpha_config={"alpha": list(ALPHA)})
+    teachers = {"qwen": folders["qwen"], "llama": folders["llama"]}
+    try:
+        with MixtureRollouts(
+            teacher=teachers, engine=options, teacher_prompt={"qwen": lambda prompt: HINT + prompt}
+        ) as rollouts:
+            args = GRPOConfig(num_generations=4, vllm_importance_sampling_correction=True, **_common(tmp_path))
+            reward = lambda completions, **_: [len(c) / 10 for c in completions]
+            trainer = rollouts.trainer(
+                GRPOTrainer, model=folders[THETA], reward_funcs=reward, args=args, train_dataset=_dataset()
+            )
+            recorder = Recorder(trainer.vllm_generation)
+            trainer.train()
+    finally:
+        engine.update_theta(folders[THETA], version="trio-after-trl")
+    student = AutoModelForCausalLM.from_pretrained(folders[THETA], dtype=torch.float32).eval()
+    checked = 0
+    for index, _, out, _ in recorder.calls:
+        student.load_state_dict(recorder.snapshots[index])
+        for request in out.requests:
+            prompts = {**request.teacher_prompt_token_ids, THETA: request.theta_prompt_token_ids}
+            assert prompts["llama"] == prompts[THETA]
+            assert len(prompts["qwen"]) > len(prompts[THETA])  # the hint reached the qwen teacher alone
+            for sample in request.samples:
+                rows = _rows({**hf, THETA: student}, prompts, sample.token_ids, engine.vocab)
+                alpha = np.tile(ALPHA, (len(sample.token_ids), 1))
+                assert _check_sample(sample, rows, alpha) < RESCORE_ATOL
+                checked += len(sample.token_ids)
+    assert checked > 0
+    later = [out for index, _, out, _ in recorder.calls if index == 1]
+    assert later, "no rollouts after the first optimizer step"
+    student.load_state_dict(recorder.snapshots[0])
+    assert sampler_trainer_mismatch(student, later[0].requests, vocab=engine.vocab).max_abs > 1e-2
+    rows = [row for row in trainer.state.log_history if "mixture/alpha_mean" in row]
+    assert rows and all(row["mixture/alpha_mean"] == pytest.approx(sum(ALPHA)) for row in rows)
+    assert all(row["mixture/alpha_qwen_mean"] == pytest.approx(ALPHA[0]) for row in rows)
+
+
 def test_dense_top_k_of_every_model_matches_rescoring(trio):
     """``dense_logprobs``: before each token, each model's top k ids ``[n, 3, k]`` and every model's log π at them
     ``[n, 3, 3, k]`` (``[:, i, j]``: model j's at model i's ids), against the re-scored rows."""

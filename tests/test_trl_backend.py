@@ -726,3 +726,26 @@ def test_backend_settings_are_checked_at_construction(settings, field):
         MixtureRollouts(teacher="unused", **settings)
     with pytest.raises(ValueError, match="not both"):
         MixtureRollouts(MixtureRolloutsConfig(teacher="unused"), seed=1)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(teacher={"math": "a"}), "teacher: a mapping names several teachers"),
+        (dict(teacher={"math": "a", "theta": "b"}), "teacher: names must be unique"),
+        (dict(teacher={"math": "a", "general": "b"}, teacher_prompt={"coach": str}), "teacher_prompt: 'coach' is not"),
+        (dict(teacher="a", teacher_prompt={"math": str}), "teacher_prompt: a function per teacher name needs several"),
+        (dict(teacher={"math": "a", "general": "b"}, teacher_prompt={"math": "x"}), r"teacher_prompt\['math'\] must"),
+        (
+            dict(teacher={"math": "a", "general": "b"}, engine=EngineOptions(alpha_method="fixed")),
+            r"alpha must list one weight per teacher \(2\)",
+        ),
+    ],
+)
+def test_several_teachers_settings_are_checked_at_construction(settings, message):
+    """A backend of several teachers names each of them; its hint functions and α must fit them, refused by field
+    before any engine starts (tests/test_teachers_engine.py trains on a trio's rollouts)."""
+    with pytest.raises(ValueError, match="^" + message):
+        MixtureRollouts(**settings)
+    config = MixtureRolloutsConfig(teacher={"math": "a", "general": "b"}, teacher_prompt={"math": str})
+    assert config.roster.names == ("math", "general", "theta") and config.teacher_folders == ("a", "b")

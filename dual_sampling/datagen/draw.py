@@ -68,9 +68,7 @@ def sample_items(sampler: Any, cfg: RunConfig, items: list[WorkItem], models: di
             elif cfg.format == "messages" and sample.finish_reason == "length" and not cfg.keep_truncated:
                 outcomes.append(Outcome(item.id, j, None, None, _failure(item, j, sample, None), tokens))
             else:
-                columns = sample.columns()
-                alphas = [columns[name] for name in cfg.roster.alpha_columns]
-                total = [math.fsum(a) for a in zip(*alphas)]  # Σα at each token
+                columns, total = sample.columns(), sample.total_alpha
                 stats = {
                     **tokens,
                     "alpha_sum": math.fsum(total),
@@ -78,7 +76,7 @@ def sample_items(sampler: Any, cfg: RunConfig, items: list[WorkItem], models: di
                     "log_w_theta": sample.log_w_theta,
                     "truncated": float(sample.finish_reason == "length"),
                 }
-                if len(alphas) > 1:
+                if len(cfg.roster.alpha_columns) > 1:
                     stats.update({f"sum_{name}": math.fsum(columns[name]) for name in cfg.roster.alpha_columns})
                 outcomes.append(Outcome(item.id, j, _record(cfg, item, j, sample, models), None, None, stats))
     return outcomes

@@ -37,16 +37,17 @@ import itertools
 import os
 import statistics
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 from dual_sampling.checks import need_int, need_number
-from dual_sampling.driver.requests import generation_room
+from dual_sampling.driver.requests import generation_room, teacher_prompt_list
 from dual_sampling.modes import mode_of, modes_with
 from dual_sampling.options import EngineOptions, SamplingOptions
 from dual_sampling.records import DualGenerationOutput
+from dual_sampling.roster import PAIR, THETA, Roster
 
 __all__ = [
     "MixtureGeneration",
@@ -54,6 +55,7 @@ __all__ = [
     "MixtureRolloutsConfig",
     "RolloutFailed",
     "check_room",
+    "generation_teacher_prompts",
     "sampling_options",
     "teacher_prompts",
 ]
@@ -64,8 +66,9 @@ class MixtureRolloutsConfig:
     """What a :class:`MixtureRollouts` backend owns: the teacher, the engines and the checks. The student is the
     trainer's model; the sampling fields are the trainer's (see :class:`MixtureGeneration`)."""
 
-    teacher: str
-    """The teacher's local model folder; it must share the student's tokenizer."""
+    teacher: str | Mapping[str, str]
+    """The teacher's local model folder; it must share the student's tokenizer. Or ``{name: folder}`` for several
+    teachers (at least two; names are Python identifiers other than "theta", in roster order: the first leads)."""
     engine: EngineOptions = field(default_factory=EngineOptions)
     """How the two engines run: the α method and its settings (``alpha_method``, ``alpha_config``, bounds), dtype,
     sizes and placement. ``mode`` must stay ``"lockstep"``."""
@@ -80,13 +83,15 @@ class MixtureRolloutsConfig:
     seed: int = 0
     """Seed of the first ``generate`` call; call k draws with seed + k, and each rollout's seed is derived from that
     and its position in the call."""
-    teacher_prompt: Callable[[str], str | Sequence[int] | None] | None = None
-    """Teacher hints: given the student's prompt as text (decoded from the trainer's token ids, special tokens kept),
-    the teacher's prompt (text or token ids), or None for the same prompt; asked once per group of the trainer's
-    repeated prompt (see :meth:`MixtureGeneration.generate`). Text is tokenized without adding special tokens (the
-    decoded prompt kept its own). The longer of the two prompts must leave ``max_completion_length`` tokens of the
+    teacher_prompt: Callable[[str], str | Sequence[int] | None] | Mapping[str, Callable] | None = None
+    """Teacher hints: given the student's prompt as text (decoded from the trainer's token ids, special tokens
+    kept), the teacher's prompt (text or token ids), or None for the same prompt; asked once per group of the
+    trainer's repeated prompt (see :meth:`MixtureGeneration.generate`). Text is tokenized without adding special
+    tokens (the decoded prompt kept its own). The longest prompt must leave ``max_completion_length`` tokens of the
     engines' ``max_model_len``. For datasets that carry a privileged field (a reference solution, feedback), as
-    self-distillation setups do: look the row up and put its hint in the teacher's prompt."""
+    self-distillation setups do: look the row up and put its hint in the teacher's prompt. With several teachers,
+    one function for every teacher or ``{teacher name: function}`` (a teacher not named sees the student's
+    prompt)."""
     on_rollouts: Callable[[Any], None] | None = None
     """Called with each ``generate`` call's :class:`~dual_sampling.DualGenerationOutput` (every rollout's α,
     log π_t, log π_θ and log q per token, and its θ version), to keep or inspect the records: a request per group of
@@ -98,17 +103,47 @@ class MixtureRolloutsConfig:
                 f"engine.mode={self.engine.mode!r}: a trainer's rollouts need {modes_with('takes_new_theta')} (the "
                 "speculative mode's theta engine cannot take new weights)"
             )
-        if not isinstance(self.teacher, (str, os.PathLike)):
-            raise ValueError(
-                f"teacher: one teacher's model folder, got {type(self.teacher).__name__}; several teachers are not "
-                "built for TRL trainers yet"
-            )
+        teachers = self.roster.teachers
+        if isinstance(self.teacher, Mapping):
+            if len(self.teacher) < 2 or not all(isinstance(v, (str, os.PathLike)) for v in self.teacher.values()):
+                raise ValueError(
+                    f"teacher: a mapping names several teachers' folders (at least two), got {self.teacher}"
+                )
+        elif not isinstance(self.teacher, (str, os.PathLike)):
+            raise ValueError(f"teacher: a model folder, or {{name: folder}} for several, got {self.teacher!r}")
+        self.engine.check_teacher_count(len(teachers))
+        hints = self.teacher_prompt
+        if isinstance(hints, Mapping):
+            if len(teachers) == 1:
+                raise ValueError("teacher_prompt: a function per teacher name needs several teachers")
+            unknown = sorted(set(hints) - set(teachers))
+            if unknown:
+                raise ValueError(f"teacher_prompt: {unknown[0]!r} is not a teacher ({', '.join(teachers)})")
+        for name, function in hints.items() if isinstance(hints, Mapping) else [(None, hints)]:
+            if function is not None and not callable(function):
+                shown = "teacher_prompt" if name is None else f"teacher_prompt[{name!r}]"
+                raise ValueError(f"{shown} must be callable, got {function!r}")
         need_number("max_sampler_mismatch", self.max_sampler_mismatch, finite=False)
         need_int("mismatch_samples", self.mismatch_samples, 1)
         need_int("seed", self.seed, 0)
-        for name in ("teacher_prompt", "on_rollouts"):
-            if getattr(self, name) is not None and not callable(getattr(self, name)):
-                raise ValueError(f"{name} must be callable, got {getattr(self, name)!r}")
+        if self.on_rollouts is not None and not callable(self.on_rollouts):
+            raise ValueError(f"on_rollouts must be callable, got {self.on_rollouts!r}")
+
+    @property
+    def roster(self) -> Roster:
+        """The models by name: the teachers (in order), then θ; checked here (names that are no identifiers, or
+        "theta", are refused naming ``teacher``)."""
+        if not isinstance(self.teacher, Mapping):
+            return PAIR
+        try:
+            return Roster((*self.teacher, THETA))
+        except ValueError as exc:
+            raise ValueError(f"teacher: {exc}") from None
+
+    @property
+    def teacher_folders(self) -> tuple[str, ...]:
+        """Every teacher's folder, in roster order."""
+        return tuple(map(str, self.teacher.values())) if isinstance(self.teacher, Mapping) else (str(self.teacher),)
 
 
 class RolloutFailed(RuntimeError):
@@ -184,7 +219,7 @@ class MixtureRollouts:
             return self._dual.max_model_len
         from dual_sampling.api import context_length
 
-        return context_length((self.config.teacher, student), self.config.engine.max_model_len)
+        return context_length((*self.config.teacher_folders, student), self.config.engine.max_model_len)
 
     def start(self, student: str) -> Any:
         """The engines, started for ``student`` (a model folder) if none run; refused by name for another student."""
@@ -346,30 +381,45 @@ def sampling_options(fields: dict[str, Any]) -> tuple[SamplingOptions, int | Non
 
 def teacher_prompts(rollouts: MixtureRollouts, tokenizer: Any, prompts: list[list[int]]) -> list[Any] | None:
     """Each prompt's teacher prompt (token ids) under ``rollouts``' :attr:`MixtureRolloutsConfig.teacher_prompt`, asked
-    with the student's prompt decoded by ``tokenizer``; None where no hint is configured."""
-    hint = rollouts.config.teacher_prompt
-    if hint is None:
+    with the student's prompt decoded by ``tokenizer``; with several teachers, ``{teacher name: ids}`` per prompt (a
+    teacher without a function of its own sees the student's prompt). None where no hint is configured."""
+    hints = rollouts.config.teacher_prompt
+    if hints is None:
         return None
+    teachers = rollouts.config.roster.teachers
+    functions = hints if isinstance(hints, Mapping) else dict.fromkeys(teachers, hints)
     out = []
     for prompt in prompts:
-        chosen = hint(tokenizer.decode(prompt, skip_special_tokens=False))
-        if isinstance(chosen, str):
-            # The decoded prompt kept its special tokens (a BOS, the chat template's): none is added again.
-            chosen = tokenizer(chosen, add_special_tokens=False).input_ids
-        out.append(prompt if chosen is None else list(chosen))
+        text = tokenizer.decode(prompt, skip_special_tokens=False)
+        own = {}
+        for name in teachers:
+            chosen = functions[name](text) if functions.get(name) is not None else None
+            if isinstance(chosen, str):
+                # The decoded prompt kept its special tokens (a BOS, the chat template's): none is added again.
+                chosen = tokenizer(chosen, add_special_tokens=False).input_ids
+            own[name] = prompt if chosen is None else list(chosen)
+        out.append(own if len(teachers) > 1 else own[teachers[0]])
     return out
+
+
+def generation_teacher_prompts(teachers: list[Any] | None) -> Any:
+    """The teacher prompts of some prompts (:func:`teacher_prompts`' entries) as ``generate`` takes them: a list, or
+    with several teachers ``{teacher name: list}``."""
+    if not teachers or not isinstance(teachers[0], Mapping):
+        return teachers
+    return {name: [own[name] for own in teachers] for name in teachers[0]}
 
 
 def check_room(
     limit: int, wanted: int, prompts: list[list[int]], groups: list[tuple[int, int]], teachers: list | None
 ) -> None:
-    """Refuse, naming the first, the groups of ``prompts`` ((start, size) each, ``teachers`` one per group) whose longer
-    prompt leaves less than ``wanted`` tokens (max_completion_length) of the engines' ``limit`` (max_model_len): such
-    rollouts would stop early and the trainer would take them as truncated."""
-    first, rollouts = None, 0  # the first group short of room (start, theta's prompt, the teacher's, room)
+    """Refuse, naming the first, the groups of ``prompts`` ((start, size) each, ``teachers`` one per group) whose
+    longest prompt leaves less than ``wanted`` tokens (max_completion_length) of the engines' ``limit``
+    (max_model_len): such rollouts would stop early and the trainer would take them as truncated."""
+    first, rollouts = None, 0  # the first group short of room (start, theta's prompt, the longest teacher's, room)
     for k, (start, size) in enumerate(groups):
         theta = prompts[start]
-        teacher = theta if teachers is None else teachers[k]
+        teacher = theta if teachers is None else max(teacher_prompt_list(teachers[k]), key=len)
         room = generation_room(limit, teacher, theta)
         if room < wanted:
             rollouts += size
@@ -501,7 +551,7 @@ class MixtureGeneration:
                 chosen = [k for k, (_, n) in enumerate(groups) if n == size]
                 out = self.dual.generate(
                     [firsts[k] for k in chosen],
-                    None if teachers is None else [teachers[k] for k in chosen],
+                    None if teachers is None else generation_teacher_prompts([teachers[k] for k in chosen]),
                     sampling=dataclasses.replace(self.sampling, seed=seed, n=size),
                     prompt_keys=[str(groups[k][0]) for k in chosen],
                     use_tqdm=False,
@@ -555,11 +605,15 @@ class MixtureGeneration:
         (averaged over a logging interval, shown with its own)."""
         mode = "train" if self._trainer.model.training else "eval"
         metrics = self._trainer._metrics[mode]
-        per_rollout = [statistics.fmean(s.alpha) for s in samples if s.alpha]
-        if per_rollout:
+        per_rollout = [statistics.fmean(alpha) for alpha in (s.total_alpha for s in samples) if alpha]
+        if per_rollout:  # with several teachers, of their total weight Σα, and each teacher's mean beside
             metrics["mixture/alpha_mean"].append(statistics.fmean(per_rollout))
             metrics["mixture/alpha_min"].append(min(per_rollout))
             metrics["mixture/alpha_max"].append(max(per_rollout))
+            columns = self._rollouts.config.roster.alpha_columns
+            for column in columns if len(columns) > 1 else ():
+                values = [a for s in samples for a in s.roster_columns[column]]
+                metrics[f"mixture/{column}_mean"].append(statistics.fmean(values))
         gaps = [t - q for s in samples for t, q in zip(s.logp_theta, s.logq)]
         if gaps:
             metrics["mixture/log_theta_minus_log_q"].append(statistics.fmean(gaps))

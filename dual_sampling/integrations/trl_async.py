@@ -49,6 +49,7 @@ from dual_sampling.integrations.trl import (
     MixtureRollouts,
     RolloutFailed,
     check_room,
+    generation_teacher_prompts,
     sampling_options,
     teacher_prompts,
 )
@@ -289,7 +290,7 @@ class MixtureRolloutWorker:
         group_id = next(self._group_ids)
         out = self.dual.generate(
             [prompt_ids],
-            teachers,
+            generation_teacher_prompts(teachers),
             sampling=dataclasses.replace(self.sampling, seed=next(self._seeds), n=n),
             prompt_keys=[str(group_id)],
             use_tqdm=False,

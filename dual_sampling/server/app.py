@@ -33,15 +33,8 @@ def build_app(dual: Any, options: ServeOptions | None = None, on_engine_death: C
 
     ``on_engine_death`` is called once when the engines fail for good (:func:`serve` uses it to exit).
     """
-    from dual_sampling.roster import PAIR
     from dual_sampling.server import protocol
 
-    if dual.roster != PAIR:
-        # Its payloads name one teacher's columns; several teachers' records would land in the wrong names.
-        raise ValueError(
-            f"model_teacher: the server serves one teacher; several ({', '.join(dual.roster.teachers)}) are not "
-            "served yet (use the Python API)"
-        )
     options = options or ServeOptions()
     service = DualService(dual, options)
 
@@ -175,7 +168,7 @@ def build_app(dual: Any, options: ServeOptions | None = None, on_engine_death: C
 
     @app.post(
         "/v1/chat/completions",
-        response_model=protocol.DualChatCompletionResponse,
+        response_model=protocol.response_model("chat", dual.roster),
         responses=error_responses,
         openapi_extra=body_schema(protocol.DualChatCompletionRequest),
     )
@@ -184,7 +177,7 @@ def build_app(dual: Any, options: ServeOptions | None = None, on_engine_death: C
 
     @app.post(
         "/v1/completions",
-        response_model=protocol.DualCompletionResponse,
+        response_model=protocol.response_model("completion", dual.roster),
         responses=error_responses,
         openapi_extra=body_schema(protocol.DualCompletionRequest),
     )

@@ -31,7 +31,7 @@ class Metrics:
         )
         self.alpha = Histogram(
             "dual_sampling_alpha",
-            "Teacher weight α per generated token",
+            "Teacher weight α per generated token (with several teachers, their total Σα)",
             buckets=[i / 10 for i in range(1, 11)],
             registry=self.registry,
         )
@@ -51,7 +51,7 @@ class Metrics:
     def observe(self, sample: SampleRecord) -> None:
         self.finished.labels(sample.finish_reason or "unknown").inc()
         self.tokens.inc(len(sample.token_ids))
-        for a in sample.alpha:
+        for a in sample.total_alpha:  # with several teachers, their total weight
             self.alpha.observe(a)
 
     def render(self) -> bytes:

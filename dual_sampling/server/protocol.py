@@ -1,13 +1,15 @@
 """The server's request and response bodies: vLLM's OpenAI models, extended with the mixture's fields.
 
-Requests take the teacher's view of the prompt (``teacher_prompt``, ``teacher_messages``, ``hint``);
-every choice carries the per-token records of its tokens under ``dual_sampling``. The models are
-the server's contract: they validate requests, build responses, and make up ``/openapi.json``.
-Everything else of a request is vLLM's own field, checked by vLLM's own validators.
+Requests take the teacher's view of the prompt (``teacher_prompt``, ``teacher_messages``, ``hint``; with several
+teachers, one for all or one per teacher name); every choice carries the per-token records of its tokens under
+``dual_sampling``, in the columns of the server's roster (:func:`response_model`). The models are the server's
+contract: they validate requests, build responses, and make up ``/openapi.json``. Everything else of a request is
+vLLM's own field, checked by vLLM's own validators.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
@@ -28,8 +30,8 @@ from vllm.entrypoints.openai.completion.protocol import (
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, OpenAIBaseModel
 from vllm.renderers.chat_utils import ChatCompletionMessageParam
 
-from dual_sampling.lockstep import RECORD_FIELDS
 from dual_sampling.records import DENSE_FIELDS, DENSE_ROLES
+from dual_sampling.roster import PAIR, Roster
 
 __all__ = [
     "DualChatCompletionRequest",
@@ -44,12 +46,17 @@ __all__ = [
     "UpdateWeightVersionRequest",
     "UpdateWeightsRequest",
     "WeightsFromPath",
+    "records_model",
+    "response_model",
 ]
 
 _HINT_DOC = (
     "A reference solution or other privileged text, rendered into the teacher's prompt only (with the template "
-    "of `dual-sampling generate`)."
+    "of `dual-sampling generate`). With several teachers, one hint every teacher sees, or {teacher name: hint}: a "
+    "teacher not named sees theta's prompt."
 )
+_PER_TEACHER = "With several teachers, one for every teacher or {teacher name: ...}; a teacher not named sees theta's."
+_TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
 def _dense_logprobs_field() -> Any:
@@ -65,10 +72,11 @@ def _dense_logprobs_field() -> Any:
 class DualCompletionRequest(CompletionRequest):
     """vLLM's completion request, plus the teacher's own prompt or a hint for it."""
 
-    teacher_prompt: str | list[Annotated[int, Field(ge=0)]] | None = Field(
-        default=None, description="The teacher's prompt (text or token ids); default: the same prompt as theta's."
+    teacher_prompt: str | _TokenIds | dict[str, str | _TokenIds] | None = Field(
+        default=None,
+        description="The teacher's prompt (text or token ids); default: the same prompt as theta's. " + _PER_TEACHER,
     )
-    hint: str | None = Field(default=None, description=_HINT_DOC)
+    hint: str | dict[str, str] | None = Field(default=None, description=_HINT_DOC)
     dense_logprobs: int | None = _dense_logprobs_field()
     best_of: int | None = Field(
         default=None,
@@ -87,10 +95,10 @@ class DualCompletionRequest(CompletionRequest):
 class DualChatCompletionRequest(ChatCompletionRequest):
     """vLLM's chat request, plus the teacher's own conversation or a hint for it."""
 
-    teacher_messages: list[ChatCompletionMessageParam] | None = Field(
-        default=None, description="The teacher's conversation; default: the same messages as theta's."
+    teacher_messages: list[ChatCompletionMessageParam] | dict[str, list[ChatCompletionMessageParam]] | None = Field(
+        default=None, description="The teacher's conversation; default: the same messages as theta's. " + _PER_TEACHER
     )
-    hint: str | None = Field(default=None, description=_HINT_DOC)
+    hint: str | dict[str, str] | None = Field(default=None, description=_HINT_DOC)
     dense_logprobs: int | None = _dense_logprobs_field()
 
     @model_validator(mode="after")
@@ -100,19 +108,12 @@ class DualChatCompletionRequest(ChatCompletionRequest):
         return self
 
 
-DualRecords = create_model(
-    "DualRecords",
-    __base__=OpenAIBaseModel,
-    __doc__="The mixture's records of a choice's tokens (of this chunk's tokens, when streaming). α is the "
-    "teacher weight; log-probabilities are natural logs; every list has one entry per token.",
-    token_ids=(list[int], Field(description="The generated token ids.")),
-    **{name: (list[float], Field(description=f"Per-token {name}.")) for name in RECORD_FIELDS},
-    log_w_theta=(
-        float | None,
-        Field(default=None, description="On a sample's last chunk: Σ(log π_θ − log q), the sequence log-weight."),
-    ),
-    error=(str | None, Field(default=None, description="On a sample's last chunk: why it failed, if it did.")),
-    **{
+@functools.cache
+def records_model(roster: Roster = PAIR) -> type[OpenAIBaseModel]:
+    """The ``dual_sampling`` field of a choice: the records of its tokens in ``roster``'s token columns (a pair's
+    ``alpha``, ``logp_teacher``, ``logp_theta``, ``logq``; with several teachers ``alpha_<teacher>`` per teacher and
+    ``logp_<model>`` per model); the dense top-k fields for a pair only."""
+    dense = {
         name: (
             list[list[int if part == 0 else float]] | None,
             Field(
@@ -127,52 +128,74 @@ DualRecords = create_model(
             ),
         )
         for name, (role, part) in DENSE_FIELDS.items()
-    },
-    teacher_version=(
-        str | None,
-        Field(default=None, description="On a sample's last chunk: the teacher's weight version that drew it."),
-    ),
-    theta_version=(
-        str | None,
-        Field(
-            default=None,
-            description="On a sample's last chunk: theta's weight version that drew it (the policy the "
-            "importance weights refer to).",
-        ),
-    ),
-)
-
-
-def _with_records(base: type, name: str) -> type:
-    """``base`` (a vLLM choice model) with the ``dual_sampling`` field."""
+    }
     return create_model(
-        name,
-        __base__=base,
-        __doc__=f"vLLM's {base.__name__} with the mixture's records.",
-        dual_sampling=(DualRecords | None, Field(default=None, description="The mixture's per-token records.")),
+        "DualRecords" if roster == PAIR else "DualRecords_" + "_".join(roster.names),
+        __base__=OpenAIBaseModel,
+        __doc__="The mixture's records of a choice's tokens (of this chunk's tokens, when streaming). α is a "
+        "teacher's weight; log-probabilities are natural logs; every list has one entry per token.",
+        token_ids=(list[int], Field(description="The generated token ids.")),
+        **{name: (list[float], Field(description=f"Per-token {name}.")) for name in roster.token_columns},
+        log_w_theta=(
+            float | None,
+            Field(default=None, description="On a sample's last chunk: Σ(log π_θ − log q), the sequence log-weight."),
+        ),
+        error=(str | None, Field(default=None, description="On a sample's last chunk: why it failed, if it did.")),
+        **(dense if roster == PAIR else {}),
+        teacher_version=(
+            str | None,
+            Field(
+                default=None,
+                description="On a sample's last chunk: the teacher's weight version that drew it (with several "
+                "teachers, the leading teacher's).",
+            ),
+        ),
+        theta_version=(
+            str | None,
+            Field(
+                default=None,
+                description="On a sample's last chunk: theta's weight version that drew it (the policy the "
+                "importance weights refer to).",
+            ),
+        ),
     )
 
 
-DualCompletionChoice = _with_records(CompletionResponseChoice, "DualCompletionChoice")
-DualCompletionStreamChoice = _with_records(CompletionResponseStreamChoice, "DualCompletionStreamChoice")
-DualChatCompletionChoice = _with_records(ChatCompletionResponseChoice, "DualChatCompletionChoice")
-DualChatCompletionStreamChoice = _with_records(ChatCompletionResponseStreamChoice, "DualChatCompletionStreamChoice")
+DualRecords = records_model(PAIR)
 
 
-class DualCompletionResponse(CompletionResponse):
-    choices: list[DualCompletionChoice]  # type: ignore[valid-type]
+@functools.cache
+def response_model(kind: str, roster: Roster = PAIR, stream: bool = False) -> type:
+    """The response body of a ``kind`` ("chat" or "completion") request to a server of ``roster``'s models (a stream's
+    chunk with ``stream``): vLLM's model, each choice with the ``dual_sampling`` records."""
+    response, choice = {
+        ("chat", False): (ChatCompletionResponse, ChatCompletionResponseChoice),
+        ("chat", True): (ChatCompletionStreamResponse, ChatCompletionResponseStreamChoice),
+        ("completion", False): (CompletionResponse, CompletionResponseChoice),
+        ("completion", True): (CompletionStreamResponse, CompletionResponseStreamChoice),
+    }[kind, stream]
+    suffix = "" if roster == PAIR else "_" + "_".join(roster.names)
+    with_records = create_model(
+        "Dual" + choice.__name__ + suffix,
+        __base__=choice,
+        __doc__=f"vLLM's {choice.__name__} with the mixture's records.",
+        dual_sampling=(
+            records_model(roster) | None,
+            Field(default=None, description="The mixture's per-token records."),
+        ),
+    )
+    return create_model(
+        "Dual" + response.__name__ + suffix,
+        __base__=response,
+        __doc__=f"vLLM's {response.__name__} with the mixture's records in each choice.",
+        choices=(list[with_records], ...),
+    )
 
 
-class DualCompletionStreamResponse(CompletionStreamResponse):
-    choices: list[DualCompletionStreamChoice]  # type: ignore[valid-type]
-
-
-class DualChatCompletionResponse(ChatCompletionResponse):
-    choices: list[DualChatCompletionChoice]  # type: ignore[valid-type]
-
-
-class DualChatCompletionStreamResponse(ChatCompletionStreamResponse):
-    choices: list[DualChatCompletionStreamChoice]  # type: ignore[valid-type]
+DualCompletionResponse = response_model("completion")
+DualCompletionStreamResponse = response_model("completion", stream=True)
+DualChatCompletionResponse = response_model("chat")
+DualChatCompletionStreamResponse = response_model("chat", stream=True)
 
 
 class _Strict(BaseModel):

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from dual_sampling.lockstep import RECORD_FIELDS
 from dual_sampling.records import DENSE_FIELDS, SampleDelta, SampleRecord
 from dual_sampling.server.translate import Job
 
@@ -46,12 +45,12 @@ def response_body(job: Job, samples: list[list[SampleDelta]], piece: Callable[[i
 
 def _choice(job: Job, index: int, deltas: list[SampleDelta], piece: Callable[[int], str]) -> dict[str, Any]:
     sample = deltas[-1].sample
-    records = np.concatenate([d.records for d in deltas]) if deltas else np.zeros((0, len(RECORD_FIELDS)))
+    records = np.concatenate([d.records for d in deltas]) if deltas else np.zeros((0, len(job.columns)))
     top = [d.top for d in deltas if d.top is not None]
     top_all = (np.concatenate([t[0] for t in top]), np.concatenate([t[1] for t in top])) if top else None
     dense = [d.dense for d in deltas if d.dense is not None]
     dense_all = tuple(np.concatenate(part) for part in zip(*dense)) if dense else None
-    extra = token_records(sample.teacher_token_ids, records, sample, dense_all)
+    extra = token_records(job.columns, sample.teacher_token_ids, records, sample, dense_all)
     logprobs = logprobs_block(job, sample.teacher_token_ids, records, top_all, piece)
     choice: dict[str, Any] = {"index": index}
     if job.kind == "chat":
@@ -75,7 +74,7 @@ def logprobs_block(
     the completion shape; None if the request asked for none. ``piece`` decodes one token."""
     if job.logprobs is None:
         return None
-    logq = records[:, RECORD_FIELDS.index("logq")].tolist()
+    logq = records[:, job.columns.index("logq")].tolist()
     token_ids = token_ids[: len(logq)]  # a failed row's forced token has no record
     strings = [piece(int(t)) for t in token_ids]
     alternatives = []
@@ -109,15 +108,17 @@ def logprobs_block(
 
 
 def token_records(
+    columns: Sequence[str],
     token_ids: Sequence[int],
     records: np.ndarray,
     sample: SampleRecord | None,
     dense: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> dict[str, Any]:
-    """The ``dual_sampling`` field of these tokens; ``dense`` (ids, own and other log-probabilities ``[r, 2, k]``)
-    adds each model's top k with both models' log-probabilities at them."""
+    """The ``dual_sampling`` field of these tokens: ``records`` ``[r, len(columns)]`` under the roster's token
+    ``columns``; ``dense`` (ids, own and other log-probabilities ``[r, 2, k]``, a pair's) adds each model's top k
+    with both models' log-probabilities at them."""
     out: dict[str, Any] = {"token_ids": list(token_ids)}
-    for k, name in enumerate(RECORD_FIELDS):
+    for k, name in enumerate(columns):
         out[name] = records[:, k].tolist()
     if dense is not None:
         for name, (role, part) in DENSE_FIELDS.items():

@@ -156,9 +156,8 @@ class DualService:
             raise BadRequest(message, None, 504, "timeout_error") from None
         answers = []
         for sample in beams:
-            records = np.array(
-                [sample.alpha, sample.logp_teacher, sample.logp_theta, sample.logq], dtype=np.float32
-            ).T.reshape(-1, 4)
+            columns = sample.columns()  # beam search is a pair's: its columns are job.columns
+            records = np.array([columns[c] for c in job.columns], dtype=np.float32).T.reshape(-1, len(job.columns))
             answers.append([SampleDelta(sample.token_ids, records, sample)])
             self.metrics.observe(sample)
         return await asyncio.to_thread(render.response_body, job, answers, self.piece)
@@ -177,7 +176,7 @@ class DualService:
             # aclosing: however this stream ends, its samples are aborted before the caller releases their room.
             async with contextlib.aclosing(self.samples(job)) as samples:
                 async for index, delta in samples:
-                    extra = render.token_records(delta.token_ids, delta.records, delta.sample, delta.dense)
+                    extra = render.token_records(job.columns, delta.token_ids, delta.records, delta.sample, delta.dense)
                     logprobs = render.logprobs_block(job, delta.token_ids, delta.records, delta.top, self.piece)
                     if delta.sample is None:
                         piece = texts[index].push(delta.token_ids)

@@ -11,6 +11,7 @@ from typing import Any
 
 from dual_sampling.options import SamplingOptions
 from dual_sampling.prompts import DEFAULT_TEACHER_TEMPLATE, user_template
+from dual_sampling.roster import PAIR
 from dual_sampling.server.serve_options import ServeOptions
 from dual_sampling.server.wire import BadRequest, invalid_field, parse_body
 
@@ -60,7 +61,10 @@ class Job:
     kind: str
     """"chat" or "completion"."""
     theta_ids: list[int]
-    teacher_ids: list[int]
+    teacher_ids: list[int] | dict[str, list[int]]
+    """The teacher's prompt; with several teachers, each named teacher's (the others see theta's)."""
+    columns: tuple[str, ...]
+    """The per-token record columns of the server's roster, in the order of a delta's records."""
     sampling: SamplingOptions
     stream: bool
     include_usage: bool
@@ -94,9 +98,11 @@ class Translator:
 
         body = parse_body(raw)
         if kind == "chat":  # the conversations' shape first: vLLM's validators raise TypeErrors on malformed ones
-            for name in ("messages", "teacher_messages"):
-                if name == "messages" or body.get(name) is not None:
-                    _messages(body.get(name), name)
+            _messages(body.get("messages"), "messages")
+            teacher = body.get("teacher_messages")
+            for name, conversation in teacher.items() if isinstance(teacher, dict) else [(None, teacher)]:
+                if conversation is not None:
+                    _messages(conversation, "teacher_messages" + ("" if name is None else f".{name}"))
         model_cls = DualChatCompletionRequest if kind == "chat" else DualCompletionRequest
         fields = _CHAT_FIELDS if kind == "chat" else _COMPLETION_FIELDS
         # Fields the mixture does not act on are refused before vLLM's validators see them: those run on the raw
@@ -126,8 +132,11 @@ class Translator:
         try:
             pair = self.dual.prepare(theta_text, teacher_text)
         except ValueError as exc:
-            raise BadRequest(
-                str(exc).replace("prompt 0", "the prompt"), "messages" if kind == "chat" else "prompt"
+            message = str(exc).replace("prompt 0", "the prompt")
+            raise (
+                _named_error(message, kind, "max_tokens")
+                if message.startswith("teacher_prompts")
+                else BadRequest(message, "messages" if kind == "chat" else "prompt")
             ) from None
         if kind == "chat" and req.max_completion_tokens is not None:
             max_tokens_field, max_tokens = "max_completion_tokens", req.max_completion_tokens
@@ -147,6 +156,10 @@ class Translator:
         n = 1 if req.n is None else req.n
         best_of = req.best_of if kind == "completion" else None
         dense = req.dense_logprobs or 0
+        if dense and self.dual.roster != PAIR:
+            raise BadRequest(
+                "dense_logprobs: several teachers' top k is served by the Python API only", "dense_logprobs"
+            )
         if dense > self.dual.max_dense_logprobs:
             raise BadRequest(
                 f"dense_logprobs={dense} exceeds this server's --max-dense-logprobs={self.dual.max_dense_logprobs}",
@@ -194,6 +207,7 @@ class Translator:
             kind,
             pair.theta_ids,
             pair.teacher_ids,
+            self.dual.roster.token_columns,
             sampling,
             bool(req.stream),
             bool(stream_options and stream_options.include_usage),
@@ -203,18 +217,26 @@ class Translator:
         )
 
     def _prompts(self, req: Any, kind: str) -> tuple[Any, Any]:
-        """(theta's prompt, teacher's prompt): text rendered with the chat template, or token ids."""
-        hint = req.hint
+        """(theta's prompt, the teacher's): text rendered with the chat template, or token ids. With several teachers
+        the teacher's is ``{teacher name: prompt}`` of the teachers given their own (the others see theta's)."""
+        field = "teacher_messages" if kind == "chat" else "teacher_prompt"
+        teachers = self._per_teacher(field, getattr(req, field))
+        hints = self._per_teacher("hint", req.hint)
         if kind == "chat":
             messages = _messages(req.messages, "messages")
-            teacher = _messages(req.teacher_messages, "teacher_messages") if req.teacher_messages is not None else None
-            if teacher is None:
-                teacher = [dict(m) for m in messages]
-                if hint is not None:
-                    last = max(i for i, m in enumerate(teacher) if m["role"] == "user")
-                    teacher[last]["content"] = self._with_hint(teacher[last]["content"], hint)
             generation = req.add_generation_prompt
-            return self._chat(messages, "messages", generation), self._chat(teacher, "teacher_messages", generation)
+            own = {}
+            for name in self.dual.roster.teachers:
+                if teachers.get(name) is not None:
+                    conversation = _messages(teachers[name], _name(field, name, req))
+                elif hints.get(name) is not None:
+                    conversation = [dict(m) for m in messages]
+                    last = max(i for i, m in enumerate(conversation) if m["role"] == "user")
+                    conversation[last]["content"] = self._with_hint(conversation[last]["content"], hints[name])
+                else:
+                    continue
+                own[name] = self._chat(conversation, _name(field, name, req), generation)
+            return self._chat(messages, "messages", generation), self._teacher(own)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -222,12 +244,38 @@ class Translator:
             prompt = prompt[0]
         if prompt in ("", [], None):
             raise BadRequest("prompt is empty", "prompt")
-        teacher = req.teacher_prompt
-        if teacher is None:
-            teacher = self._with_hint(prompt, hint) if hint is not None else prompt
-        for name, text in (("prompt", prompt), ("teacher_prompt", teacher)):
-            self._check_length(text, name)
-        return prompt, teacher
+        self._check_length(prompt, "prompt")
+        own = {}
+        for name in self.dual.roster.teachers:
+            if teachers.get(name) is not None:
+                own[name] = teachers[name]
+            elif hints.get(name) is not None:
+                own[name] = self._with_hint(prompt, hints[name])
+            else:
+                continue
+            self._check_length(own[name], _name(field, name, req))
+        return prompt, self._teacher(own)
+
+    def _per_teacher(self, field: str, value: Any) -> dict[str, Any]:
+        """A request's teacher setting as ``{teacher name: value}``: one value goes to every teacher; a mapping
+        (several teachers only) names some of them."""
+        teachers = self.dual.roster.teachers
+        if not isinstance(value, dict):
+            return dict.fromkeys(teachers, value)
+        if len(teachers) == 1:
+            raise BadRequest(f"{field}: a value per teacher name needs a server of several teachers", field)
+        unknown = sorted(set(value) - set(teachers))
+        if unknown:
+            raise BadRequest(f"{field}: {unknown[0]!r} is not a teacher here ({', '.join(teachers)})", field)
+        return value
+
+    def _teacher(self, own: dict[str, Any]) -> Any:
+        """What :meth:`~dual_sampling.api.OptimalSamplingDual.prepare` takes as the teacher's prompt: the one
+        teacher's (None: theta's), or the mapping of the teachers with their own."""
+        if self.dual.roster != PAIR:
+            return own
+        (teacher,) = self.dual.roster.teachers
+        return own.get(teacher)
 
     def _check_length(self, text: Any, param: str) -> None:
         if isinstance(text, str) and len(text) > self.max_prompt_chars:
@@ -264,6 +312,12 @@ class Translator:
                 return None
             return int(req.top_logprobs or 0)
         return None if req.logprobs is None else int(req.logprobs)
+
+
+def _name(field: str, teacher: str, req: Any) -> str:
+    """The request's name of ``field``'s value for ``teacher``: ``field`` itself when one value goes to every
+    teacher, ``field.teacher`` when it is given per teacher name."""
+    return f"{field}.{teacher}" if isinstance(getattr(req, field), dict) else field
 
 
 def _named_error(message: str, kind: str, max_tokens_field: str) -> BadRequest:
