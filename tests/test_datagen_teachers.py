@@ -72,7 +72,6 @@ def test_teacher_flags_name_each_teacher_and_its_hint(tiny_same, tmp_path):
         ({"teacher_template": {"physics": "{{ problem }}"}}, "teacher_template: 'physics' names no teacher"),
         ({"system_prompt_teacher": {"math": 3}}, "system_prompt_teacher: each teacher's value must be a string"),
         ({"alpha_config": {"alpha": 0.3}}, "alpha must list one weight per teacher (2)"),
-        ({"ray": True}, "ray: runs of several teachers"),
         ({"teacher": {"math": "a"}}, "teacher: a mapping names several teachers"),
         ({"teacher": {"math": "a", "theta": "b"}}, "teacher: names must be unique"),
         ({"teacher": {"math": "a", "two words": "b"}}, "teacher: names: 'two words' is not a model name"),

@@ -362,3 +362,36 @@ def test_a_batch_that_always_kills_its_replica_fails_after_ray_max_retries(
         ("p3", 0),
         ("p3", 1),
     }
+
+
+class ScriptedStage(DualSamplingStage):
+    """The command line's stage with a :class:`ScriptedSampler` of the run's models instead of engines."""
+
+    def __init__(self, settings=None, emit="records", attempts=None, models=None):
+        self.cfg = _run_config(settings or {})
+        self.emit, self.attempts, self.replica, self.models = emit, attempts, str(os.getpid()), models
+        self.sampler = ScriptedSampler((self.cfg.source.teacher, self.cfg.source.theta))
+
+
+def test_a_run_of_two_teachers_on_ray_writes_what_the_same_run_writes_here(
+    ray_cluster, tiny_same, tmp_path, monkeypatch
+):
+    """No engines (tests/test_teachers_engine.py runs a trio's): a run of two teachers, each with its own hint field,
+    planned here, drawn by a Ray replica (each model's prompt crossing as a struct column) and written in the
+    roster's schema, holds the same records as the same run drawn on this machine."""
+    from tests.test_datagen_teachers import teachers_config
+
+    local = teachers_config(tiny_same, tmp_path, output=str(tmp_path / "here.jsonl"))
+    run_generation(local, ScriptedSampler((local.source.teacher, local.source.theta)))
+    monkeypatch.setattr(dual_sampling.datagen.ray_stage, "DualSamplingStage", ScriptedStage)
+    on_ray = teachers_config(
+        tiny_same, tmp_path, output=str(tmp_path / "ray.parquet"), ray=True, replicas=1, cpus_per_replica=1
+    )
+    summary = run_generation(on_ray)
+    assert summary["samples_written"] == 12 and summary["alpha_mean_by_teacher"] == pytest.approx(
+        {"math": 0.25, "general": 0.25}
+    )
+    here = {(r["id"], r["sample_index"]): r for r in read_records(str(tmp_path / "here.jsonl"))}
+    there = {(r["id"], r["sample_index"]): r for r in read_records(str(tmp_path / "ray.parquet"))}
+    assert here.keys() == all_pairs() and here == there
+    assert all(r["math_prompt"] != r["general_prompt"] and r["alpha_math"] for r in there.values())

@@ -10,7 +10,7 @@ from typing import Any
 
 from dual_sampling.checks import need_int, need_number
 from dual_sampling.options import RUNTIME_ONLY, EngineOptions, SamplingOptions
-from dual_sampling.roster import PAIR, THETA, Roster
+from dual_sampling.roster import THETA, Roster
 from dual_sampling.run_settings import (
     ModelsAndPrompts,
     PerTeacher,
@@ -95,8 +95,6 @@ class RunConfig:
         for name in ("system_prompt_teacher", "teacher_template"):
             per_teacher(name, getattr(self, name), self.roster)
         self.engine.check_teacher_count(len(self.roster.teachers))
-        if self.ray and self.roster != PAIR:
-            raise ValueError("ray: runs of several teachers draw on this machine; Ray replicas run one teacher yet")
         for name, least in (("batch_size", 1), ("replicas", 1), ("ray_max_retries", 0)):
             need_int(name, getattr(self, name), least)
         for name in ("cpus_per_replica", "gpus_per_replica"):
