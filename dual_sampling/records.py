@@ -144,6 +144,22 @@ class SampleRecord(TokenRecords):
         :attr:`roster_columns`), in roster order."""
         return dict(self.roster_columns) or {name: getattr(self, name) for name in TOKEN_COLUMNS}
 
+    def dense_pair(self, teacher: int, theta: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The dense records of two models of the sample's roster (positions ``teacher`` and ``theta``) in a pair's
+        form, ``[n, 2, k]`` each: their top ids (the teacher's first), each one's log π at its own ids, and the other
+        one's at them, as :attr:`dense_ids`, :attr:`dense_logp` and :attr:`dense_other_logp` hold a pair's (which a
+        sample of one teacher returns as they are)."""
+        if self.dense_ids is None:
+            raise ValueError("dense_pair: the sample was drawn without dense_logprobs")
+        if self.dense_logp.ndim == 3:  # a pair's
+            return self.dense_ids, self.dense_logp, self.dense_other_logp
+        both = np.array([teacher, theta])
+        return (
+            self.dense_ids[:, both],
+            self.dense_logp[:, both, both],
+            self.dense_logp[:, both, both[::-1]],
+        )
+
     @property
     def total_alpha(self) -> list[float]:
         """The total teacher weight Σα at each token: :attr:`alpha` for one teacher; with several, the sum of their

@@ -170,6 +170,42 @@ def test_the_reverse_kl_of_a_samples_dense_records_is_the_kl_over_the_union_of_b
     assert overlaps >= 3 * 3  # the overlapping rows were exercised
 
 
+def test_a_named_teachers_dense_records_of_several_give_the_kl_to_that_teacher():
+    """A sample of three models (two teachers and θ) records every model's top k and every model's log π at them
+    (``[n, 3, k]``, ``[n, 3, 3, k]``, float32); its pair form for (teacher 1, θ) gives the coarsened reverse KL(π_θ‖π_1)
+    over the union of their top k and the forward KL on teacher 1's top k, against float64 NumPy on those two models'
+    rows alone: the other teacher's records play no part. A sample of one teacher's pair form is its own records."""
+    from dual_sampling.records import SampleRecord
+
+    rng = np.random.default_rng(8)
+    n, vocab, k = 5, 40, 4
+    rows = [_log_softmax(rng.normal(0, 2.5, (n, vocab))) for _ in range(3)]  # teacher 0, teacher 1, θ
+    tops = np.stack([np.argsort(-r, -1)[:, :k] for r in rows], 1)  # [n, 3, k]
+    at = np.stack([np.stack([np.take_along_axis(rows[j], tops[:, i], -1) for j in range(3)], 1) for i in range(3)], 1)
+    sample = SampleRecord(text="", token_ids=[0] * n, finish_reason="length", seed=0)
+    sample.dense_ids, sample.dense_logp = tops.astype(np.int32), at.astype(np.float32)  # [n, 3, 3, k]: [:, i, j]
+    ids, own, other = sample.dense_pair(1, 2)
+    assert ids.shape == own.shape == other.shape == (n, 2, k)
+    records = [torch.from_numpy(np.ascontiguousarray(a)) for a in (ids, own, other)]
+    union_ids, teacher_at = recorded_teacher_logp(*records)
+    student = torch.tensor(rows[2])
+    reverse = recorded_reverse_kl(student, union_ids, teacher_at.double())
+    forward = top_k_forward_kl(student, records[0][:, 0].long(), records[1][:, 0].double())
+    lt, ls = rows[1], rows[2]
+    for i in range(n):
+        union = sorted(set(tops[i, 1]) | set(tops[i, 2]))
+        ps, pt = np.exp(ls[i, union]), np.exp(lt[i, union])
+        want = (ps * np.log(ps / pt)).sum() + (1 - ps.sum()) * math.log((1 - ps.sum()) / (1 - pt.sum()))
+        assert reverse[i].item() == pytest.approx(want, rel=1e-5, abs=1e-6)
+        top = tops[i, 1]
+        pt, ps = np.exp(lt[i, top]), np.exp(ls[i, top])
+        want = (pt * np.log(pt / ps)).sum() + (1 - pt.sum()) * math.log((1 - pt.sum()) / (1 - ps.sum()))
+        assert forward[i].item() == pytest.approx(want, rel=1e-5, abs=1e-6)
+    pair = SampleRecord(text="", token_ids=[0] * n, finish_reason="length", seed=0)
+    pair.dense_ids, pair.dense_logp, pair.dense_other_logp = ids, own, other
+    assert all(a is b for a, b in zip(pair.dense_pair(0, 1), (ids, own, other)))
+
+
 def test_steps_on_the_recorded_reverse_kl_lower_the_full_reverse_kl():
     """The reverse loss as a training signal: a small student takes AdamW steps on the coarsened KL(π_θ‖π_t) of
     records made at its own states (both models' top 8 of 64 tokens, as the engine records them), and the full reverse

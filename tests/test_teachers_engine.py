@@ -321,6 +321,61 @@ def test_a_trl_trainer_trains_on_rollouts_of_two_teachers_each_with_its_own_hint
     assert all(row["mixture/alpha_qwen_mean"] == pytest.approx(ALPHA[0]) for row in rows)
 
 
+def test_distillation_samples_from_both_teachers_and_trains_towards_the_named_one(trio, tmp_path):
+    """``dual-sampling distill`` with two teachers (the qwen teacher hinted by its own field) and ``loss_teacher=
+    "llama"``: a round samples from the trio, trains on the recorded reverse KL to the llama teacher (its dense pair
+    form: tests/test_distill.py) and pushes θ into its engine; the held-out KL is the llama teacher's, measured by the
+    trainer's copy of that teacher. The trio's θ weights are put back after."""
+    from dual_sampling.distill import DistillConfig, Distiller
+    from dual_sampling.distill.evaluate import forced_logp
+    from dual_sampling.options import EngineOptions, SamplingOptions
+    from dual_sampling.run_settings import ModelsAndPrompts
+
+    engine, hf = trio
+    folders = {model.name: model.folder for model in engine.config.model_engines()}
+    rows = [{"question": " ".join(random.Random(i).choices(WORDS, k=6)), "answer": LONG_HINT} for i in range(12)]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    teachers = {name: folders[name] for name in ("qwen", "llama")}
+    config = DistillConfig(
+        prompts=str(prompts),
+        output=str(tmp_path / "run"),
+        source=ModelsAndPrompts(
+            teachers, folders[THETA], prompt_field="question", hint_field={"qwen": "answer"}, chat_template=False
+        ),
+        loss="reverse",
+        loss_teacher="llama",
+        loss_top_k=DENSE_K,
+        eval_prompts=2,
+        eval_max_tokens=4,
+        rounds=1,
+        prompts_per_round=4,
+        steps_per_round=1,
+        learning_rate=1e-2,
+        engine=EngineOptions(alpha_method="fixed", alpha_config={"alpha": list(ALPHA)}, max_dense_logprobs=DENSE_K),
+        sampling=SamplingOptions(max_tokens=6),
+    )
+    try:
+        distiller = Distiller(config, engine)
+        assert distiller.teacher.config.model_type == hf["llama"].config.model_type  # the loss's teacher is llama's
+        rows_out = distiller.run()
+        assert engine.weight_versions["theta"] == "round-1"
+    finally:
+        engine.update_theta(folders[THETA], version="trio-after-distill")
+    assert [r["round"] for r in rows_out] == [0, 1]
+    last = rows_out[-1]
+    assert last["mean_alpha"] == pytest.approx(sum(ALPHA)) and last["sampler_mismatch_max"] <= RESCORE_ATOL
+    assert np.isfinite(last["loss"]) and last["kl_student_teacher"] < rows_out[0]["kl_student_teacher"]
+    # The held-out KL is against the llama teacher: its first reference token's log π matches the llama model's own.
+    held_out = distiller.eval_set
+    k = next(i for i, tokens in enumerate(held_out.references) if tokens)
+    reference, prompt = held_out.references[k], held_out.prompts[k]
+    llama = forced_logp(hf["llama"], prompt, reference, engine.vocab)
+    qwen = forced_logp(hf["qwen"], prompt, reference, engine.vocab)
+    mine = forced_logp(distiller.teacher, prompt, reference, engine.vocab)
+    assert torch.allclose(mine, llama) and not torch.allclose(mine, qwen, atol=1e-2)
+
+
 def test_dense_top_k_of_every_model_matches_rescoring(trio):
     """``dense_logprobs``: before each token, each model's top k ids ``[n, 3, k]`` and every model's log π at them
     ``[n, 3, 3, k]`` (``[:, i, j]``: model j's at model i's ids), against the re-scored rows."""

@@ -14,7 +14,6 @@ from dual_sampling.checks import need_int, need_number
 from dual_sampling.distill.loss import LOSSES, WEIGHTINGS
 from dual_sampling.modes import mode_of, modes_with
 from dual_sampling.options import RUNTIME_ONLY, EngineOptions, SamplingOptions
-from dual_sampling.roster import PAIR
 from dual_sampling.run_settings import ModelsAndPrompts, compose_settings, flat_settings, runtime_only
 
 __all__ = ["TRAINER_DTYPES", "DistillConfig"]
@@ -75,6 +74,11 @@ class DistillConfig:
     KL(π_t ‖ π_θ) on the teacher's top ``loss_top_k``; ``reverse``, KL(π_θ ‖ π_t) on both models' top ``loss_top_k``
     (the per-prefix loss of on-policy distillation), each with a bucket for the rest of the vocabulary;
     ``reverse_full``, KL(π_θ ‖ π_t) over the whole vocabulary with the teacher run in the trainer."""
+    loss_teacher: str | None = None
+    """With several teachers, the one whose log π the loss pulls θ towards (default: the first); the samples still
+    come from the mixture of all, weighted by π_θ/q. One named teacher, not their geometric mixture: the records
+    carry each teacher's top k, and a KL to the mixture needs its normalizer over the whole vocabulary, which no
+    top k holds. None with one teacher."""
     weighting: str = "sequence_mean"
     """How importance weights π_θ/q enter the loss: none, token, sequence_mean or sequence (docs/theory.md)."""
     max_weight: float = 5.0
@@ -123,12 +127,19 @@ class DistillConfig:
     engine: EngineOptions = field(default_factory=EngineOptions)
     """How the dual engine runs; its fields are flat keys."""
 
+    @property
+    def loss_teacher_name(self) -> str:
+        """The roster name of the teacher the loss reads: :attr:`loss_teacher`, else the first teacher."""
+        return self.loss_teacher or self.source.roster.teachers[0]
+
     def __post_init__(self) -> None:
-        if self.source.roster != PAIR:
-            raise ValueError(
-                "teacher: distillation runs one teacher (its loss's teacher); several teachers are sampled by the "
-                "Python API and data runs, not yet distilled"
-            )
+        teachers = self.source.roster.teachers
+        if len(teachers) == 1:
+            if self.loss_teacher is not None:
+                raise ValueError(f"loss_teacher={self.loss_teacher!r} names one of several teachers; this run has one")
+        elif self.loss_teacher is not None and self.loss_teacher not in teachers:
+            raise ValueError(f"loss_teacher={self.loss_teacher!r} is not a teacher of this run ({', '.join(teachers)})")
+        self.engine.check_teacher_count(len(teachers))
         for name, least in (
             ("eval_prompts", 1),
             ("eval_max_tokens", 1),

@@ -41,8 +41,12 @@ class EvalSet:
     eos_ids: list[int]
 
 
-def greedy(model: Any, prompts: Sequence[Sequence[int]], max_tokens: int, eos_ids: Sequence[int]) -> list[list[int]]:
-    """Each prompt's greedy continuation (at most ``max_tokens``, ending at and without an EOS id)."""
+def greedy(
+    model: Any, prompts: Sequence[Sequence[int]], max_tokens: int, eos_ids: Sequence[int], vocab: int
+) -> list[list[int]]:
+    """Each prompt's greedy continuation (at most ``max_tokens``, ending at and without an EOS id), over the first
+    ``vocab`` tokens: a padded model's rows past the tokenizer's are never chosen (another model of the run may not
+    have them, and the engines never sample them)."""
     out = []
     for prompt in prompts:
         ids = torch.tensor([list(prompt)], device=model.device)
@@ -54,6 +58,7 @@ def greedy(model: Any, prompts: Sequence[Sequence[int]], max_tokens: int, eos_id
                 do_sample=False,
                 eos_token_id=list(eos_ids),
                 pad_token_id=eos_ids[0],
+                suppress_tokens=_padding_rows(model, vocab),
             )[0, len(prompt) :].tolist()
         end = next((i for i, t in enumerate(gen) if t in eos_ids), len(gen))
         out.append(gen[:end])
@@ -105,8 +110,17 @@ def sample(
     return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 
-def build_eval_set(teacher: Any, prompts: Sequence[Sequence[int]], max_tokens: int, eos_ids: Sequence[int]) -> EvalSet:
-    return EvalSet([list(p) for p in prompts], greedy(teacher, prompts, max_tokens, eos_ids), sorted(eos_ids))
+def build_eval_set(
+    teacher: Any, prompts: Sequence[Sequence[int]], max_tokens: int, eos_ids: Sequence[int], vocab: int
+) -> EvalSet:
+    references = greedy(teacher, prompts, max_tokens, eos_ids, vocab)
+    return EvalSet([list(p) for p in prompts], references, sorted(eos_ids))
+
+
+def _padding_rows(model: Any, vocab: int) -> list[int] | None:
+    """The ids of ``model``'s output rows past the first ``vocab`` (None if it has none)."""
+    rows = model.get_output_embeddings().weight.shape[0]
+    return list(range(vocab, rows)) or None
 
 
 def forced_logp(model: Any, prompt: Sequence[int], tokens: Sequence[int], vocab: int) -> torch.Tensor:
@@ -198,7 +212,7 @@ def evaluate(student: Any, teacher: Any, eval_set: EvalSet, vocab: int, max_toke
         kl_ts = sum(s["kl_teacher_student"] for s in sums)
         kl_st = sum(s["kl_student_teacher"] for s in sums)
         n = sum(s["tokens"] for s in sums)
-        answers = greedy(student, eval_set.prompts, max_tokens, eval_set.eos_ids)
+        answers = greedy(student, eval_set.prompts, max_tokens, eval_set.eos_ids, vocab)
         ll, m = 0.0, 0
         for prompt, answer in zip(eval_set.prompts, answers):
             if answer:

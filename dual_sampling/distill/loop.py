@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from dual_sampling.distill.config import DistillConfig
@@ -37,7 +38,7 @@ from dual_sampling.distill.loss import (
 )
 from dual_sampling.distill.mismatch import Mismatch, SamplerMismatchError, record_gaps
 from dual_sampling.records import RequestRecord, SampleRecord
-from dual_sampling.roster import PAIR
+from dual_sampling.roster import THETA
 from dual_sampling.run_output import fresh_dir, own_dir, remove_path, single_writer, write_no_follow
 from dual_sampling.run_settings import changed_settings
 
@@ -144,13 +145,21 @@ class Distiller:
         ]
         if missing:
             raise ValueError(f"prompts row {missing[0]} has no text field {config.source.prompt_field!r}")
-        renderer = Renderer(dual.tokenizer, dict.fromkeys(PAIR.names), config.source.chat_template)
-        self._render = lambda row, hint: tuple(
-            renderer.prompt(user, None)
-            for user in renderer.user_messages(
-                row[config.source.prompt_field], dict.fromkeys(PAIR.names, hint), row
-            ).values()
-        )
+        roster = config.source.roster
+        renderer = Renderer(dual.tokenizer, dict.fromkeys(roster.names), config.source.chat_template)
+        fields = config.source.hint_fields
+        shared = set(fields.values())
+        fields[THETA] = shared.pop() if len(shared) == 1 else None  # θ's template sees a hint all teachers share
+        self._render = lambda row, hinted: {
+            name: renderer.prompt(user, None)
+            for name, user in renderer.user_messages(
+                row[config.source.prompt_field],
+                {name: row.get(field) if hinted and field else None for name, field in fields.items()},
+                row,
+            ).items()
+        }
+        self._loss_teacher = config.loss_teacher_name
+        self._dense_pair = (roster.position(self._loss_teacher), roster.position(THETA))
         self.train_rows = rows[: -config.eval_prompts]
         self.order = list(range(len(self.train_rows)))
         random.Random(config.sampling.seed).shuffle(self.order)
@@ -164,16 +173,17 @@ class Distiller:
         )
         self.teacher, self.eval_set = None, None
         if config.eval_every or config.loss == "reverse_full":
-            self.teacher = self._load(config.source.teacher).eval()
+            self.teacher = self._load(config.source.folders[self._loss_teacher]).eval()
         if config.eval_every:
             saved_eval = self.out / "eval_set.json"
             if eval_set is None and config.resume and saved_eval.exists():  # the held-out set of the run resumed
                 eval_set = EvalSet(**json.loads(saved_eval.read_text()))
             self.eval_set = eval_set or build_eval_set(
                 self.teacher,
-                [dual.tokenizer.encode(self._render(r, None)[1], add_special_tokens=False) for r in held_out],
+                [dual.tokenizer.encode(self._render(r, False)[THETA], add_special_tokens=False) for r in held_out],
                 config.eval_max_tokens,
                 self.eos_ids,
+                self.vocab,
             )
 
     def _load(self, folder: str) -> Any:
@@ -299,11 +309,14 @@ class Distiller:
         problems used after the round (``used`` before it): :func:`draw_round` over the seeded order."""
         cfg = self.config
 
+        teachers = cfg.source.roster.teachers
+
         def draw(picks: list[int]) -> list[RequestRecord]:
-            pairs = [self._render(self.train_rows[i], self._hint(self.train_rows[i])) for i in picks]
+            prompts = [self._render(self.train_rows[i], True) for i in picks]
+            own = {name: [p[name] for p in prompts] for name in teachers}
             return self.dual.generate(
-                [theta for _, theta in pairs],
-                teacher_prompts=[teacher for teacher, _ in pairs],
+                [p[THETA] for p in prompts],
+                teacher_prompts=own if len(teachers) > 1 else own[teachers[0]],
                 sampling=dataclasses.replace(cfg.sampling, seed=cfg.sampling.seed + r),
                 prompt_keys=[str(i) for i in picks],
                 use_tqdm=False,
@@ -311,11 +324,13 @@ class Distiller:
 
         per_problem = cfg.sampling.max_tokens * cfg.sampling.n
         taken, used = draw_round(r, draw, self.order, used, cfg.prompts_per_round, cfg.tokens_per_round, per_problem)
-        prompt_ids = [(list(req.teacher_prompt_token_ids), list(req.theta_prompt_token_ids)) for _, req in taken]
+        prompt_ids = [(self._teacher_ids(req), list(req.theta_prompt_token_ids)) for _, req in taken]
         return [s for s, _ in taken], prompt_ids, used
 
-    def _hint(self, row: dict[str, Any]) -> str | None:
-        return row.get(self.config.source.hint_field) if self.config.source.hint_field else None
+    def _teacher_ids(self, request: RequestRecord) -> list[int]:
+        """The prompt ids of the loss's teacher in ``request``."""
+        ids = request.teacher_prompt_token_ids
+        return list(ids[self._loss_teacher] if isinstance(ids, dict) else ids)
 
     def _train(
         self, r: int, samples: list[SampleRecord], prompt_ids: list[tuple[list[int], list[int]]]
@@ -363,7 +378,7 @@ class Distiller:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             losses.append(total)
-        alphas = [a for s in samples for a in s.alpha]
+        alphas = [a for s in samples for a in s.total_alpha]  # with several teachers, their total weight
         return {
             "loss": statistics.fmean(losses),
             "mean_alpha": statistics.fmean(alphas),
@@ -383,11 +398,12 @@ class Distiller:
                 teacher_logp = forced_logp(self.teacher, teacher_prompt, s.token_ids, self.vocab).float()
             logp = torch.log_softmax(logits.float(), -1)
             return (logp.exp() * (logp - teacher_logp)).sum(-1)
-        on_device = lambda a: torch.from_numpy(a).to(logits.device)
+        on_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(logits.device)
+        dense_ids, dense_logp, dense_other_logp = s.dense_pair(*self._dense_pair)  # the loss's teacher and θ
         if self.config.loss == "reverse":
-            ids, teacher_logp = recorded_teacher_logp(*map(on_device, (s.dense_ids, s.dense_logp, s.dense_other_logp)))
+            ids, teacher_logp = recorded_teacher_logp(*map(on_device, (dense_ids, dense_logp, dense_other_logp)))
             return recorded_reverse_kl(logits, ids, teacher_logp)
-        return top_k_forward_kl(logits, on_device(s.dense_ids[:, 0].astype("int64")), on_device(s.dense_logp[:, 0]))
+        return top_k_forward_kl(logits, on_device(dense_ids[:, 0].astype("int64")), on_device(dense_logp[:, 0]))
 
     def _evaluate(self) -> dict[str, float]:
         if self.eval_set is None:
