@@ -82,16 +82,19 @@ def test_a_setting_that_does_not_fit_the_teachers_is_refused_by_name(tiny_same, 
         teachers_config(tiny_same, tmp_path, **overrides)
 
 
-def test_a_pair_refuses_settings_per_teacher_and_distillation_refuses_several_teachers(tiny_same, tmp_path):
+def test_a_pair_refuses_settings_per_teacher_and_distillation_names_its_loss_teacher(tiny_same, tmp_path):
     teacher, theta = tiny_same
     with pytest.raises(ValueError, match="^hint_field: a value per teacher name needs several teachers"):
         RunConfig.from_settings(
             {"input": "x", "output": "y.jsonl", "teacher": str(teacher), "theta": str(theta), "hint_field": {"a": "b"}}
         )
-    with pytest.raises(ValueError, match="^teacher: distillation runs one teacher"):
-        DistillConfig.from_settings(
-            {"prompts": "x", "output": "y", "teacher": {"a": str(teacher), "b": str(theta)}, "theta": str(theta)}
-        )
+    several = {"prompts": "x", "output": "y", "teacher": {"a": str(teacher), "b": str(theta)}, "theta": str(theta)}
+    assert DistillConfig.from_settings(several).loss_teacher_name == "a"  # the first teacher by default
+    assert DistillConfig.from_settings({**several, "loss_teacher": "b"}).loss_teacher_name == "b"
+    with pytest.raises(ValueError, match="^loss_teacher='coach' is not a teacher of this run"):
+        DistillConfig.from_settings({**several, "loss_teacher": "coach"})
+    with pytest.raises(ValueError, match="^loss_teacher='a' names one of several teachers"):
+        DistillConfig.from_settings({**several, "teacher": str(teacher), "loss_teacher": "a"})
 
 
 def test_records_of_two_teachers_follow_the_roster_in_jsonl_parquet_and_parts(tiny_same, tmp_path):
@@ -172,3 +175,28 @@ def test_a_sampler_of_other_models_is_refused_by_name(tiny_same, tmp_path):
         run_generation(config, ScriptedSampler((swapped, tiny_same[1])))
     # Refused before anything was written (the lock file stays, as after every run).
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl.lock"]
+
+
+def test_the_report_of_a_run_of_two_teachers_shows_the_total_weight_and_each_teachers(tiny_same, tmp_path):
+    """``dual-sampling report`` on a run of two teachers: Σα per token (the scripted 0.25, 0.5, 0.75 split evenly),
+    each teacher's mean α, and a log weight per model; a pair's run reports α as before."""
+    from dual_sampling.datagen.report import write_report
+
+    config = teachers_config(tiny_same, tmp_path, output=str(tmp_path / "two.parquet"))
+    run_generation(config, ScriptedSampler((config.source.teacher, config.source.theta)))
+    summary = (write_report(tmp_path / "two.parquet", tmp_path / "two-report") / "summary.md").read_text()
+    assert "| Σα (total teacher weight) mean ± std | 0.500 ± 0.204 |" in summary
+    assert "| alpha_math mean | 0.250 |" in summary and "| alpha_general mean | 0.250 |" in summary
+    assert all((tmp_path / "two-report" / f"{plot}.png").stat().st_size for plot in ("alpha_hist", "log_weights"))
+    pair = teachers_config(
+        tiny_same,
+        tmp_path,
+        output=str(tmp_path / "pair.jsonl"),
+        teacher=str(tiny_same[0]),
+        hint_field="solution",
+        system_prompt_teacher=None,
+        alpha_config={"alpha": 0.5},
+    )
+    run_generation(pair, ScriptedSampler(tiny_same))
+    summary = (write_report(tmp_path / "pair.jsonl", tmp_path / "pair-report") / "summary.md").read_text()
+    assert "| α (teacher weight) mean ± std | 0.500 ± 0.204 |" in summary and "alpha_math" not in summary

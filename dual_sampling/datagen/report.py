@@ -3,6 +3,9 @@
 Plots: the distribution of α (teacher weight) over all tokens; mean α against token
 position with its interquartile band; the distribution of the sequence log-weights
 log w_θ = Σ(log π_θ − log q) and log w_t = Σ(log π_t − log q); response lengths.
+
+A run of several teachers (records with an ``alpha_<teacher>`` column each) is reported on the total teacher weight
+Σα at each token, with each teacher's α beside it, and a log weight ``log_w_<model>`` per model.
 """
 
 from __future__ import annotations
@@ -24,9 +27,7 @@ def load_records(path: str | Path) -> list[dict]:
     from dual_sampling.datagen.sinks import read_records
 
     records = read_records(str(path))
-    if records and "alpha" not in records[0] and "sum_logq" in records[0]:
-        raise ValueError(f"{path} holds a run of several teachers (an α column each): report plots one teacher's yet")
-    if records and "alpha" not in records[0]:
+    if records and not _alpha_columns(records[0]):
         raise ValueError(f"{path} has no per-token alpha: report needs the 'records' format, not 'messages'")
     return records
 
@@ -43,21 +44,28 @@ def write_report(records_path: str | Path, out_dir: str | Path | None = None) ->
         raise ValueError(f"{records_path} holds no records")
     out = own_dir(Path(out_dir) if out_dir else Path(str(records_path) + ".report"))
     ok = [r for r in records if not r.get("error")]
-    alphas = np.array([a for r in ok for a in r["alpha"]], dtype=float)
+    columns = _alpha_columns(records[0])
+    several = len(columns) > 1
+    total = [np.sum([r[c] for c in columns], axis=0, dtype=float) for r in ok]  # Σα at each token, per record
+    alphas = np.concatenate(total) if total else np.zeros(0)
     lengths = np.array([r["num_tokens"] for r in records])
-    log_w_theta = np.array([r["log_w_theta"] for r in ok])
-    log_w_teacher = np.array([r["log_w_teacher"] for r in ok])
+    log_w = {key[len("log_w_") :]: np.array([r[key] for r in ok]) for key in records[0] if key.startswith("log_w_")}
+    log_w_theta = log_w["theta"]
     style = {"color": "#3366aa", "edgecolor": "white"}
+    what = "Σα (total teacher weight)" if several else "α (teacher weight)"
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.hist(alphas, bins=50, range=(0, 1), **style)
     ax.axvline(alphas.mean(), color="#cc4422", label=f"mean {alphas.mean():.3f}")
-    ax.set(xlabel="α (teacher weight)", ylabel="tokens", title=f"α over {alphas.size} generated tokens")
+    for column in columns if several else ():
+        values = np.concatenate([np.asarray(r[column], dtype=float) for r in ok])
+        ax.hist(values, bins=50, range=(0, 1), histtype="step", label=f"{column} (mean {values.mean():.3f})")
+    ax.set(xlabel=what, ylabel="tokens", title=f"{what} over {alphas.size} generated tokens")
     ax.legend()
     _save(fig, out / "alpha_hist.png")
 
     longest = int(lengths.max())
-    by_pos = [[r["alpha"][i] for r in ok if len(r["alpha"]) > i] for i in range(longest)]
+    by_pos = [[t[i] for t in total if len(t) > i] for i in range(longest)]
     keep = [i for i, v in enumerate(by_pos) if len(v) >= 3] or [i for i, v in enumerate(by_pos) if v]
     pos = np.array(keep) + 1
     mean = np.array([statistics.fmean(by_pos[i]) for i in keep])
@@ -68,17 +76,18 @@ def write_report(records_path: str | Path, out_dir: str | Path | None = None) ->
     ax.plot(pos, mean, color="#3366aa", label="mean")
     ax.set(
         xlabel="token position",
-        ylabel="α (teacher weight)",
+        ylabel=what,
         ylim=(0, 1),
-        title="α against position (positions with at least 3 sequences)",
+        title=f"{what.split(' ')[0]} against position (positions with at least 3 sequences)",
     )
     ax.legend()
     _save(fig, out / "alpha_by_position.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    bins = np.histogram_bin_edges(np.concatenate([log_w_theta, log_w_teacher]), bins=40)
-    ax.hist(log_w_theta, bins=bins, alpha=0.6, color="#3366aa", label="log w_θ = Σ(log π_θ − log q)")
-    ax.hist(log_w_teacher, bins=bins, alpha=0.6, color="#cc4422", label="log w_t = Σ(log π_t − log q)")
+    bins = np.histogram_bin_edges(np.concatenate(list(log_w.values())), bins=40)
+    for name, values in log_w.items():
+        shown = {"theta": "θ", "teacher": "t"}.get(name, name)
+        ax.hist(values, bins=bins, alpha=0.6, label=f"log w_{shown} = Σ(log π_{shown} − log q)")
     ax.set(xlabel="sequence log-weight (nats)", ylabel="sequences", title="Importance log-weights")
     ax.legend()
     _save(fig, out / "log_weights.png")
@@ -108,8 +117,12 @@ def write_report(records_path: str | Path, out_dir: str | Path | None = None) ->
         f"| samples | {len(records)} ({len(records) - len(ok)} with sync errors) |",
         f"| problems | {len({r['id'] for r in records})} |",
         f"| generated tokens | {int(lengths.sum())} (mean {lengths.mean():.1f}, max {longest}) |",
-        f"| α mean ± std | {alphas.mean():.3f} ± {alphas.std():.3f} |",
-        f"| α min / median / max | {alphas.min():.3f} / {np.median(alphas):.3f} / {alphas.max():.3f} |",
+        f"| {what} mean ± std | {alphas.mean():.3f} ± {alphas.std():.3f} |",
+        f"| {what} min / median / max | {alphas.min():.3f} / {np.median(alphas):.3f} / {alphas.max():.3f} |",
+        *(
+            f"| {column} mean | {np.mean(np.concatenate([np.asarray(r[column], dtype=float) for r in ok])):.3f} |"
+            for column in (columns if several else ())
+        ),
         f"| ESS of w_θ | {ess_line} |",
         f"| finish reasons | {json.dumps(finish)} |",
         "",
@@ -121,6 +134,12 @@ def write_report(records_path: str | Path, out_dir: str | Path | None = None) ->
     ]
     write_no_follow(out / "summary.md", "\n".join(lines))
     return out
+
+
+def _alpha_columns(record: dict) -> list[str]:
+    """The record's per-token α columns: ``alpha`` for one teacher, ``alpha_<teacher>`` for each of several
+    (:attr:`~dual_sampling.roster.Roster.alpha_columns`); none in a ``messages`` record."""
+    return [k for k, v in record.items() if (k == "alpha" or k.startswith("alpha_")) and isinstance(v, list)]
 
 
 def _save(fig, path: Path) -> None:
