@@ -70,24 +70,53 @@ class _Switch(argparse.Action):
         setattr(namespace, self.dest, option_string not in self.negatives)
 
 
+class _Given(list):
+    """The values of a setting given once or once per teacher (:class:`_OneOrNamed`), as typed; :func:`_per_teacher`
+    reads them once every setting is known."""
+
+
 class _OneOrNamed(argparse.Action):
-    """A setting of one value or one per name: ``--teacher PATH`` once, or ``--teacher NAME=PATH`` once per name (a
-    ``{name: value}`` dict). A name is a Python identifier, so a path holding "=" after a non-identifier stays a
-    path."""
+    """A setting of one value or one per teacher: ``--teacher PATH`` once, or ``--teacher NAME=PATH`` once per
+    teacher. The values are kept as typed (:class:`_Given`) and read by :func:`_per_teacher`, which knows the
+    teachers: a value given once is read as ``NAME=VALUE`` only where NAME names a teacher, so a path or a system
+    message holding "=" stays whole."""
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
-        name, sep, value = str(values).partition("=")
-        named = bool(sep) and name.isidentifier()
-        before = getattr(namespace, self.dest, None)
-        flag = option_string or self.dest
-        if before is None:
-            setattr(namespace, self.dest, {name: value} if named else str(values))
-        elif not (named and isinstance(before, dict)):
-            parser.error(f"{flag}: give one value, or NAME=VALUE once per name; got {before!r} and {values!r}")
-        elif name in before:
-            parser.error(f"{flag}: {name!r} is named twice")
-        else:
-            before[name] = value
+        given = getattr(namespace, self.dest, None)
+        if not isinstance(given, _Given):
+            given = _Given()
+            setattr(namespace, self.dest, given)
+        given.append(str(values))
+
+
+def _per_teacher(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with each value of :class:`_OneOrNamed` read: the teachers first (one folder, or ``NAME=PATH``
+    each when given more than once), then the other settings per teacher against their names."""
+
+    def read(name: str, given: _Given, teachers: frozenset[str] | None) -> str | dict[str, str]:
+        if len(given) == 1:
+            key, sep, value = given[0].partition("=")
+            return {key: value} if sep and teachers is not None and key in teachers else given[0]
+        named: dict[str, str] = {}
+        for text in given:
+            key, sep, value = text.partition("=")
+            if not (sep and key.isidentifier()):
+                raise SystemExit(
+                    f"--{name.replace('_', '-')}: given more than once, each must be NAME=VALUE; got {text!r}"
+                )
+            if key in named:
+                raise SystemExit(f"--{name.replace('_', '-')}: {key!r} is named twice")
+            named[key] = value
+        return named
+
+    out = dict(settings)
+    if isinstance(out.get("teacher"), _Given):
+        out["teacher"] = read("teacher", out["teacher"], None)
+    teachers = frozenset(out["teacher"]) if isinstance(out.get("teacher"), dict) else frozenset()
+    for name, value in out.items():
+        if isinstance(value, _Given):
+            out[name] = read(name, value, teachers)
+    return out
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -172,7 +201,7 @@ def _run_settings(args: argparse.Namespace) -> dict[str, Any]:
 
     A key that is no setting is refused by :meth:`RunConfig.from_settings`, naming it."""
     given = {k: v for k, v in vars(args).items() if k not in ("config", "run", "command")}
-    return {**(_read_config(args.config) if args.config else {}), **given}
+    return _per_teacher({**(_read_config(args.config) if args.config else {}), **given})
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -239,7 +268,7 @@ def _serve(args: argparse.Namespace) -> int:
     from dual_sampling.options import EngineOptions
     from dual_sampling.server.serve_options import ServeOptions
 
-    settings = {k: v for k, v in vars(args).items() if k not in ("run", "command")}
+    settings = _per_teacher({k: v for k, v in vars(args).items() if k not in ("run", "command")})
     teacher, theta = models.default_pair(settings.pop("teacher", None), settings.pop("theta", None))
     serve_keys = {f.name for f in dataclasses.fields(ServeOptions)}
     options = ServeOptions(**{k: v for k, v in settings.items() if k in serve_keys})

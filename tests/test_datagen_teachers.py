@@ -10,7 +10,7 @@ import math
 import pyarrow.parquet as pq
 import pytest
 
-from dual_sampling.cli import _run_settings, build_parser
+from dual_sampling.cli import _per_teacher, _run_settings, build_parser
 from dual_sampling.datagen.run import run_generation
 from dual_sampling.datagen.run_config import RunConfig
 from dual_sampling.datagen.schema import record_fields, record_schema
@@ -47,22 +47,34 @@ def teachers_config(tiny_same, tmp_path, **overrides) -> RunConfig:
 
 def test_teacher_flags_name_each_teacher_and_its_hint(tiny_same, tmp_path):
     teacher, theta = tiny_same
-    flags = ["generate", "--input", "in.jsonl", "--output", str(tmp_path / "o.jsonl"), "--theta", str(theta)]
-    flags += ["--teacher", f"math={teacher}", "--teacher", f"general={theta}", "--hint-field", "math=solution"]
-    flags += ["--alpha-method", "fixed", "--alpha-config", '{"alpha": [0.3, 0.2]}']
-    settings = _run_settings(build_parser().parse_args(flags))
-    assert settings["teacher"] == {"math": str(teacher), "general": str(theta)}
-    config = RunConfig.from_settings(settings)
+
+    def settings(*flags: str) -> dict:
+        return _run_settings(build_parser().parse_args(["generate", *flags]))
+
+    out = ["--input", "in.jsonl", "--output", str(tmp_path / "o.jsonl"), "--theta", str(theta)]
+    named = settings(
+        *out,
+        *("--teacher", f"math={teacher}", "--teacher", f"general={theta}", "--hint-field", "math=solution"),
+        *("--system-prompt-teacher", "Note=be brief"),
+        *("--alpha-method", "fixed", "--alpha-config", '{"alpha": [0.3, 0.2]}'),
+    )
+    assert named["teacher"] == {"math": str(teacher), "general": str(theta)}
+    # A value given once is NAME=VALUE only where NAME is a teacher's: this system message is one for every teacher.
+    assert named["hint_field"] == {"math": "solution"} and named["system_prompt_teacher"] == "Note=be brief"
+    config = RunConfig.from_settings(named)
     assert config.roster == ROSTER
     assert config.source.hint_fields == {"math": "solution", "general": None}
     assert list(config.source.folders) == ["math", "general", THETA]
-    served = build_parser().parse_args(["serve", "--teacher", f"math={teacher}", "--teacher", f"general={theta}"])
-    assert served.teacher == {"math": str(teacher), "general": str(theta)}  # the server takes them alike
-    one = build_parser().parse_args(["generate", "--teacher", str(teacher)])
-    assert one.teacher == str(teacher)  # one folder stays a string: a pair, as before
+    served = _per_teacher(
+        vars(build_parser().parse_args(["serve", "--teacher", f"math={teacher}", "--teacher", "g=x"]))
+    )
+    assert served["teacher"] == {"math": str(teacher), "g": "x"}  # the server takes them alike
+    # One teacher: every value stays whole, "=" and all (a folder, a field, a system message).
+    pair = settings(*out, "--teacher", "runs/lr=3e-4/model", "--hint-field", "a=b", "--system-prompt-teacher", "x=1")
+    assert (pair["teacher"], pair["hint_field"], pair["system_prompt_teacher"]) == ("runs/lr=3e-4/model", "a=b", "x=1")
     for mixed in (["--teacher", str(teacher), "--teacher", f"b={theta}"], ["--teacher", "a=x", "--teacher", "a=y"]):
-        with pytest.raises(SystemExit):
-            build_parser().parse_args(["generate", *mixed])
+        with pytest.raises(SystemExit, match="--teacher: "):
+            settings(*out, *mixed)
 
 
 @pytest.mark.parametrize(
