@@ -94,18 +94,23 @@ def _per_teacher(settings: dict[str, Any]) -> dict[str, Any]:
     each when given more than once), then the other settings per teacher against their names."""
 
     def read(name: str, given: _Given, teachers: frozenset[str] | None) -> str | dict[str, str]:
-        if len(given) == 1:
-            key, sep, value = given[0].partition("=")
-            return {key: value} if sep and teachers is not None and key in teachers else given[0]
+        flag = "--" + name.replace("_", "-")
+        keys = [text.partition("=")[0] if "=" in text else None for text in given]
+        if teachers is not None:  # a setting per teacher: NAME=VALUE where NAME is a teacher's, else one value
+            by_name = [key in teachers for key in keys]
+            if any(by_name) and not all(by_name):
+                raise SystemExit(f"{flag}: give one value, or TEACHER=VALUE for teachers of {sorted(teachers)}")
+        else:  # the teachers themselves: NAME=PATH where given more than once
+            by_name = [len(given) > 1 and any(key is not None and key.isidentifier() for key in keys)]
+        if not all(by_name):
+            return given[-1]  # one value; given again, the last wins, as for every other flag
         named: dict[str, str] = {}
         for text in given:
             key, sep, value = text.partition("=")
             if not (sep and key.isidentifier()):
-                raise SystemExit(
-                    f"--{name.replace('_', '-')}: given more than once, each must be NAME=VALUE; got {text!r}"
-                )
+                raise SystemExit(f"{flag}: given more than once, each must be NAME=VALUE; got {text!r}")
             if key in named:
-                raise SystemExit(f"--{name.replace('_', '-')}: {key!r} is named twice")
+                raise SystemExit(f"{flag}: {key!r} is named twice")
             named[key] = value
         return named
 
@@ -264,15 +269,17 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from dual_sampling import models
     from dual_sampling.options import EngineOptions
+    from dual_sampling.run_settings import ModelsAndPrompts
     from dual_sampling.server.serve_options import ServeOptions
 
     settings = _per_teacher({k: v for k, v in vars(args).items() if k not in ("run", "command")})
-    teacher, theta = models.default_pair(settings.pop("teacher", None), settings.pop("theta", None))
+    source = ModelsAndPrompts(settings.pop("teacher", None), settings.pop("theta", None))
     serve_keys = {f.name for f in dataclasses.fields(ServeOptions)}
     options = ServeOptions(**{k: v for k, v in settings.items() if k in serve_keys})
     engine = EngineOptions(**{k: v for k, v in settings.items() if k not in serve_keys})
+    engine.check_roster(source.roster)  # before the fork server starts: a refused command waits for nothing
+    teacher, theta = source.teacher, source.theta
     _start_engine_server_early()
     from dual_sampling.api import OptimalSamplingDual
     from dual_sampling.server.app import serve

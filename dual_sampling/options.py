@@ -327,10 +327,29 @@ class EngineOptions:
         once for the engines, the validation and the records."""
         return {"alpha_min": self.alpha_min, "alpha_max": self.alpha_max, **self.alpha_config}
 
-    def check_teacher_count(self, teachers: int) -> None:
-        """ValueError naming the α setting if the α computer cannot weight ``teachers`` teachers (a fixed α must
-        list one weight per teacher, a method must have a form for several)."""
-        self._checked_alpha.check_teacher_count(teachers)
+    def check_roster(self, roster: Roster) -> None:
+        """ValueError naming the setting that does not fit the models of ``roster``: an α computer that cannot weight
+        its teachers (a fixed α must list one weight per teacher, a method must have a form for several); with
+        several teachers, ``teacher_engine_kwargs`` not keyed by teacher name, and what is not built for several
+        (GPU placement, the speculative mode). Run configs call it before anything starts or is written."""
+        self._checked_alpha.check_teacher_count(len(roster.teachers))
+        names = roster.teachers
+        if len(names) == 1:
+            return
+        kwargs = self.teacher_engine_kwargs
+        require(
+            isinstance(kwargs, Mapping)
+            and set(kwargs) <= set(names)
+            and all(isinstance(v, Mapping) for v in kwargs.values()),
+            f"teacher_engine_kwargs: with several teachers, a dict of vLLM engine arguments per teacher name "
+            f"({', '.join(names)}), got {kwargs!r}",
+        )
+        for name in ("teacher_device", "teacher_gpu_memory"):
+            require(getattr(self, name) is None, f"{name}: placing several teachers on GPUs is not built yet")
+        require(
+            modes.mode_of(self.mode).theta_engine,
+            f"mode={self.mode!r} runs one teacher (theta is its draft model); several teachers need mode='lockstep'",
+        )
 
     def alpha_computer(self) -> AlphaComputer:
         """A fresh α computer of :attr:`alpha_method` with :attr:`alpha_kwargs`."""
@@ -427,7 +446,7 @@ class DualEngineConfig(EngineOptions):
     def __post_init__(self) -> None:
         self._check_models()
         super().__post_init__()
-        self.check_teacher_count(self.teacher_count)
+        self.check_roster(self.roster)
 
     def _check_models(self) -> None:
         teachers = self.model_teacher
@@ -440,29 +459,9 @@ class DualEngineConfig(EngineOptions):
             Roster((*teachers, THETA))  # names: identifiers, unique, none "theta"; errors name them
             teachers = {name: _model_folder(f"model_teacher[{name!r}]", path) for name, path in teachers.items()}
             object.__setattr__(self, "model_teacher", teachers)
-            self._check_several_teachers()
         else:
             object.__setattr__(self, "model_teacher", _model_folder("model_teacher", teachers))
         object.__setattr__(self, "model_theta", _model_folder("model_theta", self.model_theta))
-
-    def _check_several_teachers(self) -> None:
-        """With several teachers, the per-teacher settings are keyed by teacher name; the ones not built for several
-        (placement, the speculative mode) are refused by name."""
-        names = tuple(self.model_teacher)
-        kwargs = self.teacher_engine_kwargs
-        require(
-            isinstance(kwargs, Mapping)
-            and set(kwargs) <= set(names)
-            and all(isinstance(v, Mapping) for v in kwargs.values()),
-            f"teacher_engine_kwargs: with several teachers, a dict of vLLM engine arguments per teacher name "
-            f"({', '.join(names)}), got {kwargs!r}",
-        )
-        for name in ("teacher_device", "teacher_gpu_memory"):
-            require(getattr(self, name) is None, f"{name}: placing several teachers on GPUs is not built yet")
-        require(
-            modes.mode_of(self.mode).theta_engine,
-            f"mode={self.mode!r} runs one teacher (theta is its draft model); several teachers need mode='lockstep'",
-        )
 
     @property
     def roster(self) -> Roster:
@@ -533,7 +532,7 @@ class DualEngineConfig(EngineOptions):
             object.__setattr__(config, name, value)
         config._check_models()
         object.__setattr__(config, "_checked_alpha", options._checked_alpha)
-        config.check_teacher_count(config.teacher_count)  # the options knew no models
+        config.check_roster(config.roster)  # the options knew no models
         return config
 
 

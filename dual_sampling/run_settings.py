@@ -26,6 +26,7 @@ __all__ = [
     "composed_parts",
     "flat_keys",
     "flat_settings",
+    "identity_settings",
     "per_teacher",
     "runtime_only",
 ]
@@ -71,8 +72,11 @@ class ModelsAndPrompts:
                 raise ValueError(f"teacher: {exc}") from None
         for name in ("teacher", "theta"):
             value = getattr(self, name)
-            folders = value.values() if name == "teacher" and isinstance(value, dict) else [value]
-            if not all(v is None or isinstance(v, str) for v in folders):
+            if name == "teacher" and isinstance(value, dict):
+                bad = not all(isinstance(v, str) and v for v in value.values())  # each teacher's folder named
+            else:
+                bad = value is not None and not isinstance(value, str)
+            if bad:
                 raise ValueError(f"{name} must be a model folder (or, for teacher, {{name: folder}}), got {value!r}")
         if self.teacher is None or self.theta is None:
             from dual_sampling import models
@@ -104,6 +108,8 @@ def per_teacher(name: str, value: PerTeacher | None, roster: Roster) -> dict[str
     if not isinstance(value, dict):
         return dict.fromkeys(roster.teachers, value)
     teachers = roster.teachers
+    if not value:
+        raise ValueError(f"{name}: an empty mapping names no teacher; leave it unset for none")
     if len(teachers) == 1:
         raise ValueError(f"{name}: a value per teacher name needs several teachers (teacher as {{name: folder}})")
     unknown = sorted(set(value) - set(teachers))
@@ -160,6 +166,16 @@ def flat_settings(config: Any) -> dict[str, Any]:
     out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in parts}
     for part in parts:
         out.update(dataclasses.asdict(getattr(config, part)))
+    return out
+
+
+def identity_settings(config: Any, excluded: frozenset[str]) -> dict[str, Any]:
+    """The flat settings of ``config`` but ``excluded``, as a run's identity holds them: several teachers as
+    ``[name, folder]`` pairs in order (their order names the leading teacher and whose weight each α is, which a
+    mapping's comparison would not see)."""
+    out = {k: v for k, v in flat_settings(config).items() if k not in excluded}
+    if isinstance(out.get("teacher"), dict):
+        out["teacher"] = [[name, folder] for name, folder in out["teacher"].items()]
     return out
 
 

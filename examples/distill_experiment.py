@@ -200,8 +200,8 @@ def theta_prompts(tokenizer: Any, rows: list[dict], design: Design) -> list[str]
     """The problems as the student sees them (no hint; chat template but for --quick), as the Distiller renders them."""
     from dual_sampling.prompts import Renderer
 
-    renderer = Renderer(tokenizer, None, None, not design.quick)
-    return [renderer.prompt(renderer.user_messages(r["question"], None, r)[1], None) for r in rows]
+    renderer = Renderer(tokenizer, {"teacher": None, "theta": None}, not design.quick)
+    return [renderer.prompt(renderer.user_messages(r["question"], {}, r)["theta"], None) for r in rows]
 
 
 def final_answer(text: str, last_number: bool = False) -> str | None:

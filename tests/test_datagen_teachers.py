@@ -75,6 +75,11 @@ def test_teacher_flags_name_each_teacher_and_its_hint(tiny_same, tmp_path):
     for mixed in (["--teacher", str(teacher), "--teacher", f"b={theta}"], ["--teacher", "a=x", "--teacher", "a=y"]):
         with pytest.raises(SystemExit, match="--teacher: "):
             settings(*out, *mixed)
+    # Given again, one value is replaced by the last, as every other flag is; names and values do not mix.
+    again = settings(*out, "--teacher", "/m/a", "--teacher", "/m/b", "--hint-field", "a", "--hint-field", "b")
+    assert (again["teacher"], again["hint_field"]) == ("/m/b", "b")
+    with pytest.raises(SystemExit, match="--hint-field: give one value, or TEACHER=VALUE"):
+        settings(*out, "--teacher", "m=x", "--teacher", "g=y", "--hint-field", "m=a", "--hint-field", "b")
 
 
 @pytest.mark.parametrize(
@@ -87,6 +92,11 @@ def test_teacher_flags_name_each_teacher_and_its_hint(tiny_same, tmp_path):
         ({"teacher": {"math": "a"}}, "teacher: a mapping names several teachers"),
         ({"teacher": {"math": "a", "theta": "b"}}, "teacher: names must be unique"),
         ({"teacher": {"math": "a", "two words": "b"}}, "teacher: names: 'two words' is not a model name"),
+        ({"teacher": {"math": "a", "general": ""}}, "teacher must be a model folder"),
+        ({"teacher": {"config": "a", "general": "b"}, "hint_field": None}, "teacher: the teachers' names make record"),
+        ({"hint_field": {}}, "hint_field: an empty mapping names no teacher"),
+        ({"mode": "speculative"}, "mode='speculative' runs one teacher"),
+        ({"teacher_engine_kwargs": {"max_num_seqs": 4}}, "teacher_engine_kwargs: with several teachers"),
     ],
 )
 def test_a_setting_that_does_not_fit_the_teachers_is_refused_by_name(tiny_same, tmp_path, overrides, field):
@@ -170,8 +180,15 @@ def test_a_non_finite_teacher_column_fails_its_sample_and_a_resume_draws_only_it
     resumed = run_generation(teachers_config(tiny_same, tmp_path, resume=True), again)
     assert {key for key, _ in again.drawn} == {"p2", "p4"} and resumed["samples_written"] == 2
     assert {(r["id"], r["sample_index"]) for r in read_records(str(tmp_path / "out.jsonl"))} == all_pairs()
+    # The teachers in another order weight other models (each α is its teacher's, the first leads): refused.
+    swapped = {"general": config.source.teacher["general"], "math": config.source.teacher["math"]}
+    with pytest.raises(ValueError, match="the configuration differs .*teacher"):
+        run_generation(
+            teachers_config(tiny_same, tmp_path, resume=True, teacher=swapped), ScriptedSampler((swapped, models[1]))
+        )
     manifest = json.loads((tmp_path / "out.jsonl.manifest.json").read_text())
-    assert manifest["config"]["teacher"] == config.source.teacher and manifest["config"]["models"].keys() == {
+    assert manifest["config"]["teacher"] == [[k, v] for k, v in config.source.teacher.items()]
+    assert manifest["config"]["models"].keys() == {
         "math",
         "general",
         THETA,
@@ -211,4 +228,4 @@ def test_the_report_of_a_run_of_two_teachers_shows_the_total_weight_and_each_tea
     )
     run_generation(pair, ScriptedSampler(tiny_same))
     summary = (write_report(tmp_path / "pair.jsonl", tmp_path / "pair-report") / "summary.md").read_text()
-    assert "| α (teacher weight) mean ± std | 0.500 ± 0.204 |" in summary and "alpha_math" not in summary
+    assert "| α mean ± std | 0.500 ± 0.204 |" in summary and "alpha_math" not in summary

@@ -275,6 +275,8 @@ def test_a_server_of_several_teachers_describes_their_records_and_a_pair_refuses
     response = schema["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]["application/json"]
     records = next(v for k, v in schema["components"]["schemas"].items() if k.startswith("DualRecords_"))
     assert response["schema"]["$ref"].endswith("_math_general_theta")
+    pair = TestClient(build_app(Idle(), ServeOptions(api_key=KEY))).get("/openapi.json").json()["components"]["schemas"]
+    assert {"DualCompletionChoice", "DualChatCompletionChoice", "DualRecords"} <= set(pair)  # names kept
     columns = {"alpha_math", "alpha_general", "logp_math", "logp_general", "logp_theta", "logq"}
     assert columns <= set(records["properties"]) and not {"alpha", "logp_teacher"} & set(records["properties"])
     _, translator = speculative

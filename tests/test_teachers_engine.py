@@ -243,6 +243,8 @@ def test_the_server_takes_prompts_per_teacher_and_answers_with_every_models_reco
             ({"teacher_prompt": {"qwen": "x", "bard": "y"}}, "teacher_prompt"),
             ({"dense_logprobs": 2}, "dense_logprobs"),
             ({"use_beam_search": True, "n": 2}, "use_beam_search"),
+            ({"hint": {}}, "hint"),
+            ({"teacher_prompt": {"qwen": []}}, "teacher_prompt"),
         ):
             refused = httpx.post(server.url + "/v1/completions", json={**prompt_only, **extra}, headers=headers)
             assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text

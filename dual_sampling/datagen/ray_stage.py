@@ -150,7 +150,7 @@ class DualSamplingStage:
 
     def _items(self, batch: dict[str, Any]) -> list[WorkItem]:
         rows = _rows(batch)
-        if rows and "prompts" in rows[0]:  # planned by the command line
+        if rows and {f.name for f in dataclasses.fields(WorkItem)} <= set(rows[0]):  # planned by the command line
             return [WorkItem(**{f.name: _plain(r[f.name]) for f in dataclasses.fields(WorkItem)}) for r in rows]
         selected, _ = select_rows(self.cfg, rows)
         items, _ = plan_items(self.cfg, selected, set(), self.sampler.tokenizer, self.sampler.max_model_len)

@@ -53,6 +53,7 @@ def write_report(records_path: str | Path, out_dir: str | Path | None = None) ->
     log_w_theta = log_w["theta"]
     style = {"color": "#3366aa", "edgecolor": "white"}
     what = "Σα (total teacher weight)" if several else "α (teacher weight)"
+    label = what if several else "α"  # the summary's rows, as a pair's report has always named them
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.hist(alphas, bins=50, range=(0, 1), **style)
@@ -117,8 +118,8 @@ def write_report(records_path: str | Path, out_dir: str | Path | None = None) ->
         f"| samples | {len(records)} ({len(records) - len(ok)} with sync errors) |",
         f"| problems | {len({r['id'] for r in records})} |",
         f"| generated tokens | {int(lengths.sum())} (mean {lengths.mean():.1f}, max {longest}) |",
-        f"| {what} mean ± std | {alphas.mean():.3f} ± {alphas.std():.3f} |",
-        f"| {what} min / median / max | {alphas.min():.3f} / {np.median(alphas):.3f} / {alphas.max():.3f} |",
+        f"| {label} mean ± std | {alphas.mean():.3f} ± {alphas.std():.3f} |",
+        f"| {label} min / median / max | {alphas.min():.3f} / {np.median(alphas):.3f} / {alphas.max():.3f} |",
         *(
             f"| {column} mean | {np.mean(np.concatenate([np.asarray(r[column], dtype=float) for r in ok])):.3f} |"
             for column in (columns if several else ())

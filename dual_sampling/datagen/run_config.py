@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dual_sampling.checks import need_int, need_number
+from dual_sampling.datagen.schema import record_fields
 from dual_sampling.options import RUNTIME_ONLY, EngineOptions, SamplingOptions
 from dual_sampling.roster import THETA, Roster
 from dual_sampling.run_settings import (
@@ -16,6 +17,7 @@ from dual_sampling.run_settings import (
     PerTeacher,
     compose_settings,
     flat_settings,
+    identity_settings,
     per_teacher,
     runtime_only,
 )
@@ -94,7 +96,8 @@ class RunConfig:
         self.shard_index, self.shard_count = _parse_shard(self.shard)
         for name in ("system_prompt_teacher", "teacher_template"):
             per_teacher(name, getattr(self, name), self.roster)
-        self.engine.check_teacher_count(len(self.roster.teachers))
+        self.engine.check_roster(self.roster)
+        record_fields(self.format, self.roster)  # column names the teachers' names make must be new ones
         for name, least in (("batch_size", 1), ("replicas", 1), ("ray_max_retries", 0)):
             need_int(name, getattr(self, name), least)
         for name in ("cpus_per_replica", "gpus_per_replica"):
@@ -125,7 +128,7 @@ class RunConfig:
 
     def identity(self) -> dict[str, Any]:
         """The settings that decide what the records contain (compared on --resume)."""
-        return {k: v for k, v in self.flat().items() if k not in _NOT_IDENTITY}
+        return identity_settings(self, _NOT_IDENTITY)
 
 
 _NOT_IDENTITY = runtime_only(RunConfig)

@@ -111,7 +111,8 @@ def _record_class(fmt: str) -> type:
 def record_fields(fmt: str = "records", roster: Roster = PAIR) -> dict[str, Any]:
     """Each field of a record in format ``fmt`` of a run of ``roster``, with its type, in order: the record class's
     fields, each group of columns the pair names (its prompts, token columns, their sums, its log weights) in
-    place of the first of them, as ``roster`` names it."""
+    place of the first of them, as ``roster`` names it. ValueError naming ``teacher`` where a teacher's name makes a
+    column the record has already (a teacher named "config" would write its α over ``alpha_config``)."""
     cls = _record_class(fmt)
     hints = typing.get_type_hints(cls)
     groups = {
@@ -120,13 +121,17 @@ def record_fields(fmt: str = "records", roster: Roster = PAIR) -> dict[str, Any]
         PAIR.sum_columns: roster.sum_columns,
         PAIR.weight_columns: roster.weight_columns,
     }
-    out: dict[str, Any] = {}
+    names: list[tuple[str, Any]] = []
     for f in dataclasses.fields(cls):
         group = next((g for g in groups if f.name in g), None)
         if group is None:
-            out[f.name] = hints[f.name]
+            names.append((f.name, hints[f.name]))
         elif f.name == group[0]:
-            out.update(dict.fromkeys(groups[group], hints[f.name]))
+            names += [(name, hints[f.name]) for name in groups[group]]
+    out = dict(names)
+    if len(out) < len(names):
+        twice = sorted({n for n, _ in names if sum(m == n for m, _ in names) > 1})
+        raise ValueError(f"teacher: the teachers' names make record columns the record has already: {twice}")
     return out
 
 

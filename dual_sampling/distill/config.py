@@ -14,7 +14,12 @@ from dual_sampling.checks import need_int, need_number
 from dual_sampling.distill.loss import LOSSES, WEIGHTINGS
 from dual_sampling.modes import mode_of, modes_with
 from dual_sampling.options import RUNTIME_ONLY, EngineOptions, SamplingOptions
-from dual_sampling.run_settings import ModelsAndPrompts, compose_settings, flat_settings, runtime_only
+from dual_sampling.run_settings import (
+    ModelsAndPrompts,
+    compose_settings,
+    identity_settings,
+    runtime_only,
+)
 
 __all__ = ["TRAINER_DTYPES", "DistillConfig"]
 
@@ -139,7 +144,7 @@ class DistillConfig:
                 raise ValueError(f"loss_teacher={self.loss_teacher!r} names one of several teachers; this run has one")
         elif self.loss_teacher is not None and self.loss_teacher not in teachers:
             raise ValueError(f"loss_teacher={self.loss_teacher!r} is not a teacher of this run ({', '.join(teachers)})")
-        self.engine.check_teacher_count(len(teachers))
+        self.engine.check_roster(self.source.roster)
         for name, least in (
             ("eval_prompts", 1),
             ("eval_max_tokens", 1),
@@ -217,7 +222,7 @@ class DistillConfig:
 
     def identity(self) -> dict[str, Any]:
         """The settings a resumed run must share with the run it continues (all but the runtime ones and rounds)."""
-        return {k: v for k, v in flat_settings(self).items() if k not in _NOT_IDENTITY}
+        return identity_settings(self, _NOT_IDENTITY)
 
 
 _NOT_IDENTITY = runtime_only(DistillConfig) | {"rounds"}

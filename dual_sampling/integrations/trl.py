@@ -111,11 +111,13 @@ class MixtureRolloutsConfig:
                 )
         elif not isinstance(self.teacher, (str, os.PathLike)):
             raise ValueError(f"teacher: a model folder, or {{name: folder}} for several, got {self.teacher!r}")
-        self.engine.check_teacher_count(len(teachers))
+        self.engine.check_roster(self.roster)
         hints = self.teacher_prompt
         if isinstance(hints, Mapping):
             if len(teachers) == 1:
                 raise ValueError("teacher_prompt: a function per teacher name needs several teachers")
+            if not hints:
+                raise ValueError("teacher_prompt: an empty mapping names no teacher; leave it None for none")
             unknown = sorted(set(hints) - set(teachers))
             if unknown:
                 raise ValueError(f"teacher_prompt: {unknown[0]!r} is not a teacher ({', '.join(teachers)})")

@@ -311,7 +311,7 @@ class MixtureRolloutWorker:
         ids = list(request.theta_prompt_token_ids)
         result = []
         for i, s in enumerate(samples):
-            alpha = statistics.fmean(s.alpha) if s.alpha else float("nan")
+            alpha = statistics.fmean(s.total_alpha) if s.total_alpha else float("nan")
             metrics = {
                 "reward": rewards[i],
                 "reward_std": reward_std,
@@ -361,7 +361,7 @@ class MixtureRolloutWorker:
         return advantages, rewards, per_func, reward_std
 
     def _metrics(self, samples: list) -> None:
-        per_rollout = [statistics.fmean(s.alpha) for s in samples if s.alpha]
+        per_rollout = [statistics.fmean(alpha) for alpha in (s.total_alpha for s in samples) if alpha]
         gaps = [t - q for s in samples for t, q in zip(s.logp_theta, s.logq)]
         metrics: dict[str, float] = {}
         if per_rollout:  # the mean is each sample's own metric (mixture/alpha_mean), averaged by TRL's collator

@@ -176,7 +176,7 @@ def response_model(kind: str, roster: Roster = PAIR, stream: bool = False) -> ty
     }[kind, stream]
     suffix = "" if roster == PAIR else "_" + "_".join(roster.names)
     with_records = create_model(
-        "Dual" + choice.__name__ + suffix,
+        "Dual" + choice.__name__.replace("Response", "") + suffix,  # DualChatCompletionStreamChoice, as before
         __base__=choice,
         __doc__=f"vLLM's {choice.__name__} with the mixture's records.",
         dual_sampling=(

@@ -264,6 +264,8 @@ class Translator:
             return dict.fromkeys(teachers, value)
         if len(teachers) == 1:
             raise BadRequest(f"{field}: a value per teacher name needs a server of several teachers", field)
+        if not value:
+            raise BadRequest(f"{field}: an empty mapping names no teacher; leave it out for none", field)
         unknown = sorted(set(value) - set(teachers))
         if unknown:
             raise BadRequest(f"{field}: {unknown[0]!r} is not a teacher here ({', '.join(teachers)})", field)
@@ -332,7 +334,7 @@ def _request_field(message: str, kind: str, max_tokens_field: str) -> str:
     """The request's name for the field a SamplingOptions or engine check's message begins with ("top_logprobs ...",
     "prompt: ..."): a completion asks for logprobs where a chat asks for top_logprobs, and a chat's prompt is its
     messages."""
-    name = message.split(" ")[0].rstrip(":")
+    name = message.split(" ")[0].rstrip(":").split("[")[0]  # teacher_prompts[0] and ['math'][0]: one field
     chat = kind == "chat"
     renamed = {
         "max_tokens": max_tokens_field,
