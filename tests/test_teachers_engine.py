@@ -146,7 +146,13 @@ def test_a_data_run_of_two_teachers_writes_records_that_match_rescoring(trio, tm
     flags += ["--theta", folders[THETA], "--hint-field", "qwen=solution", "--id-field", "id", "--no-chat-template"]
     flags += ["--alpha-method", "fixed", "--alpha-config", json.dumps({"alpha": list(ALPHA)})]
     flags += ["--n", "2", "--max-tokens", "10", "--max-model-len", "256", "--no-use-tqdm"]
-    config = RunConfig.from_settings(_run_settings(build_parser().parse_args(flags)))
+    settings = _run_settings(build_parser().parse_args(flags))
+    # A run configured with another α method than the engines decide with is refused before it writes anything.
+    other = {**settings, "alpha_method": "kl_symmetry", "alpha_config": {}, "output": str(tmp_path / "other.jsonl")}
+    with pytest.raises(ValueError, match="^alpha_method/alpha_config: the sampler decides with 'fixed'"):
+        run_generation(RunConfig.from_settings(other), engine)
+    assert [f.name for f in tmp_path.glob("other*")] == ["other.jsonl.lock"]  # no records, journal or manifest
+    config = RunConfig.from_settings(settings)
     summary = run_generation(config, engine)
     assert summary["samples_written"] == 6 and summary["failed_samples"] == 0, summary
     assert summary["alpha_mean_by_teacher"] == pytest.approx(dict(zip(names, ALPHA)))

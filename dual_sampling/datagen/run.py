@@ -91,6 +91,14 @@ def _run(cfg: RunConfig, sampler: Any, paths: dict[str, Path], started: float) -
         for name, wanted in folders.items():
             if Path(wanted).resolve() != Path(running[name]).resolve():
                 raise ValueError(f"the sampler runs {name} {running[name]!r} but the run configures {wanted!r}")
+        # Every record names the run's α method and options: the sampler must decide with those.
+        deciding = getattr(sampler, "alpha_settings", None)  # None: a stand-in without engines
+        configured = (cfg.engine.alpha_method, cfg.engine.alpha_kwargs)
+        if deciding is not None and (deciding[0], dict(deciding[1])) != configured:
+            raise ValueError(
+                f"alpha_method/alpha_config: the sampler decides with {deciding[0]!r} {dict(deciding[1])} but the run "
+                f"configures {configured[0]!r} {configured[1]}; its records would name the run's"
+            )
     check_manifest(cfg, paths, models, inputs)
     sink = open_sink(paths, cfg.resume, cfg.format, cfg.roster)
     logs: list[Journal] = []
