@@ -1051,6 +1051,49 @@ def test_ctrl_c_waits_for_the_call_to_wind_down_and_a_second_one_propagates():
         loop.stop()
 
 
+@pytest.mark.parametrize("running", [True, False], ids=["coroutine-running", "coroutine-not-yet-begun"])
+def test_ctrl_c_before_the_call_holds_its_future_still_ends_the_coroutine(monkeypatch, running):
+    """Ctrl-C can land after the coroutine is handed to the loop but before the blocking call holds its future (a
+    generate() once returned from Ctrl-C with 9 requests still in flight). Either the running coroutine is cancelled
+    and waited out, or one that had not begun ends before it does any work."""
+    from dual_sampling.driver import loop_thread as module
+
+    loop = module.LoopThread("interrupted-early", interrupt_wait=60.0)
+    began, ended, gate = threading.Event(), threading.Event(), threading.Event()
+    real = asyncio.run_coroutine_threadsafe
+
+    async def work() -> None:
+        began.set()
+        try:
+            await asyncio.sleep(60)
+        finally:
+            await asyncio.sleep(0.2)  # releasing its requests takes a while
+            ended.set()
+
+    def interrupted_on_the_way(coro, event_loop):
+        if not running:
+            event_loop.call_soon_threadsafe(gate.wait, 10)  # the loop is busy: the coroutine cannot begin yet
+        real(coro, event_loop)
+        if running:
+            assert began.wait(10)
+        raise KeyboardInterrupt  # as if Ctrl-C came before run_coroutine_threadsafe's future was returned
+
+    monkeypatch.setattr(module.asyncio, "run_coroutine_threadsafe", interrupted_on_the_way)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            loop.call(work())
+        if running:
+            assert ended.is_set(), "call() re-raised while the coroutine still ran"
+        else:
+            gate.set()
+            time.sleep(0.3)
+            assert not began.is_set(), "the abandoned coroutine began its work after call() re-raised"
+    finally:
+        gate.set()
+        monkeypatch.undo()
+        loop.stop()
+
+
 def test_a_sample_with_a_non_finite_record_fails_by_name():
     """The driver's last check: whatever the engines wrote, a non-finite record never leaves as data."""
     from dual_sampling.driver.requests import DualRequest, Flight

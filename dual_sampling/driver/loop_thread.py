@@ -51,25 +51,39 @@ class LoopThread:
 
         A KeyboardInterrupt (or a SystemExit from SIGTERM) while waiting cancels it: its
         requests are aborted on both engines, and it is raised again once they are released.
+        That holds wherever the interrupt lands, even before the future is in hand (between
+        scheduling the coroutine and waiting on it, where the loop may already run it).
         """
-        started, finished = threading.Event(), threading.Event()
+        started, finished, abandoned = threading.Event(), threading.Event(), threading.Event()
+        tasks: list[asyncio.Task] = []
 
         async def tracked() -> T:
+            tasks.append(asyncio.current_task())
             started.set()
             try:
+                if abandoned.is_set():  # interrupted before it began: none of its work starts
+                    coro.close()
+                    raise asyncio.CancelledError
                 return await coro
             finally:
                 finished.set()
 
-        future = asyncio.run_coroutine_threadsafe(tracked(), self.loop)
+        future = None
         try:
+            future = asyncio.run_coroutine_threadsafe(tracked(), self.loop)
             return future.result(timeout)
         except (KeyboardInterrupt, SystemExit):
-            # cancel() marks the future cancelled at once, before the coroutine has even seen it: its own end (its
-            # requests released) is waited out on the event its finally sets, if it began. A second interrupt
-            # meanwhile propagates at once.
-            future.cancel()
+            # Set before ``started`` is read, as tracked() sets ``started`` before it reads this: one of the two sees
+            # the other, so a coroutine that begins late ends at once, and one that began is cancelled once.
+            abandoned.set()
+            if future is not None:
+                # cancel() marks the future cancelled at once, before the coroutine has even seen it: its own end
+                # (its requests released) is waited out on the event its finally sets, if it began.
+                future.cancel()
+            elif started.is_set():  # the interrupt came before the future was in hand, the coroutine running
+                self.loop.call_soon_threadsafe(tasks[0].cancel)
             if started.is_set():
+                # A second interrupt meanwhile propagates at once.
                 finished.wait(self.interrupt_wait)
             raise
 
