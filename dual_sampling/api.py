@@ -90,8 +90,8 @@ def context_length(folders: Sequence[str], max_model_len: int | None) -> int:
 
 
 TeacherPrompt = str | Sequence[int] | Mapping[str, str | Sequence[int]]
-"""The teacher's prompt (text or token ids); with several teachers, a mapping from a teacher's name to its own (a
-teacher it does not name sees theta's)."""
+"""The teacher's prompt (text or token ids); or a mapping from a teacher's name to its own, the form several teachers
+need (a teacher it does not name sees theta's)."""
 
 
 def _copied(teacher_ids: list[int] | Mapping[str, list[int]]) -> list[int] | dict[str, list[int]]:
@@ -185,8 +185,8 @@ class OptimalSamplingDual:
         """Generate ``n`` samples per prompt. Prompts are text or token ids.
 
         ``teacher_prompts`` (same length) lets the teacher see a different prompt from theta's,
-        for example with a reference solution as a hint; with several teachers, a mapping from a teacher's name to
-        its prompts (a teacher it does not name sees theta's). Sampling is set either by keywords
+        for example with a reference solution as a hint; or a mapping from a teacher's name to its prompts (the
+        form several teachers need; a teacher it does not name sees theta's). Sampling is set either by keywords
         (the fields of :class:`SamplingOptions`, with its defaults: max_tokens=256,
         temperature=1.0, top_p=1.0, top_k=-1, n=1, seed=0, ...) or by one ``sampling`` object. Sample j of
         prompt i is drawn with a seed derived from (seed, i, j); ``prompt_keys`` (stable ids,
@@ -536,7 +536,7 @@ class OptimalSamplingDual:
         """One prompt tokenized for each engine (theta's ``prompt``; the teacher's ``teacher_prompt``, or the same),
         with the room it leaves for generated tokens. ValueError, naming the prompt, for an empty prompt, token ids
         outside the vocabulary, or a prompt that leaves no room in max_model_len."""
-        if teacher_prompt is None or (isinstance(teacher_prompt, Mapping) and not teacher_prompt):
+        if teacher_prompt is None:
             teacher = None
         elif isinstance(teacher_prompt, Mapping):
             teacher = {name: [p] for name, p in teacher_prompt.items()}

@@ -293,16 +293,18 @@ class EngineOptions:
     """How theta's rows reach the teacher's decision (``lockstep.row_channel``): "host" (shared memory, the CPU's),
     "pinned" (that memory page-locked for the GPUs), "device" (a buffer on the teacher's GPU, shared by CUDA IPC),
     or "auto": device, then pinned, then host, whichever these engines can use. Refused by name at start if not."""
-    teacher_device: int | None = field(default=None, metadata=RUNTIME_ONLY)
+    teacher_device: int | Mapping[str, int] | None = field(default=None, metadata=RUNTIME_ONLY)
     """CUDA only: the GPU the teacher engine runs on, by this process's numbering (a CUDA_VISIBLE_DEVICES of this
-    process applies first); None: the first. Its processes see that GPU alone (driver/placement.py)."""
+    process applies first); None: the first. Its processes see that GPU alone (driver/placement.py). With several
+    teachers, one GPU for every teacher's engine or ``{teacher name: GPU}`` (a teacher not named: the first)."""
     theta_device: int | None = field(default=None, metadata=RUNTIME_ONLY)
     """CUDA only: the GPU the theta engine runs on, as teacher_device; the same GPU as the teacher's or another."""
-    teacher_gpu_memory: float | None = field(default=None, metadata=RUNTIME_ONLY)
+    teacher_gpu_memory: float | Mapping[str, float] | None = field(default=None, metadata=RUNTIME_ONLY)
     """CUDA only: the share of its GPU's memory the teacher engine must find free when it starts, in (0, 1) (vLLM's
     gpu_memory_utilization). The pair fixes each engine's KV cache, so vLLM sizes nothing from it: it gates the start.
     None: the engine's need (weights and KV cache) over its GPU's memory. A layout that cannot start is refused
-    before any engine does (driver/placement.py)."""
+    before any engine does (driver/placement.py). With several teachers, one share for each teacher's engine or
+    ``{teacher name: share}``."""
     theta_gpu_memory: float | None = field(default=None, metadata=RUNTIME_ONLY)
     """CUDA only: the theta engine's share, as teacher_gpu_memory."""
     max_dense_logprobs: int = field(default=0, metadata=RUNTIME_ONLY)
@@ -329,11 +331,14 @@ class EngineOptions:
 
     def check_roster(self, roster: Roster) -> None:
         """ValueError naming the setting that does not fit the models of ``roster``: an α computer that cannot weight
-        its teachers (a fixed α must list one weight per teacher, a method must have a form for several); with
-        several teachers, ``teacher_engine_kwargs`` not keyed by teacher name, and what is not built for several
-        (GPU placement, the speculative mode). Run configs call it before anything starts or is written."""
+        its teachers (a fixed α must list one weight per teacher, a method must have a form for several); a
+        per-teacher placement that names no teacher of the roster (or is given per name to one teacher); with
+        several teachers, ``teacher_engine_kwargs`` not keyed by teacher name, and the speculative mode. Run configs
+        call it before anything starts or is written."""
         self._checked_alpha.check_teacher_count(len(roster.teachers))
         names = roster.teachers
+        for name in ("teacher_device", "teacher_gpu_memory"):
+            roster.per_teacher(name, getattr(self, name))  # a mapping names teachers, and several of them
         if len(names) == 1:
             return
         kwargs = self.teacher_engine_kwargs
@@ -344,8 +349,6 @@ class EngineOptions:
             f"teacher_engine_kwargs: with several teachers, a dict of vLLM engine arguments per teacher name "
             f"({', '.join(names)}), got {kwargs!r}",
         )
-        for name in ("teacher_device", "teacher_gpu_memory"):
-            require(getattr(self, name) is None, f"{name}: placing several teachers on GPUs is not built yet")
         require(
             modes.mode_of(self.mode).theta_engine,
             f"mode={self.mode!r} runs one teacher (theta is its draft model); several teachers need mode='lockstep'",
@@ -397,14 +400,16 @@ class EngineOptions:
             f"row_transport must be one of {ROW_TRANSPORTS}, got {self.row_transport!r}",
         )
         for name in ("teacher_device", "theta_device"):
-            value = getattr(self, name)
-            require(value is None or (is_int(value) and value >= 0), f"{name} must be a GPU index >= 0, got {value!r}")
+            for label, value in _each_value(name, getattr(self, name), per_teacher=name.startswith("teacher")):
+                require(
+                    value is None or (is_int(value) and value >= 0), f"{label} must be a GPU index >= 0, got {value!r}"
+                )
         for name in ("teacher_gpu_memory", "theta_gpu_memory"):
-            value = getattr(self, name)
-            require(
-                value is None or (is_number(value) and 0 < value < 1),
-                f"{name} must be a share of the GPU's memory in (0, 1), got {value!r}",
-            )
+            for label, value in _each_value(name, getattr(self, name), per_teacher=name.startswith("teacher")):
+                require(
+                    value is None or (is_number(value) and 0 < value < 1),
+                    f"{label} must be a share of the GPU's memory in (0, 1), got {value!r}",
+                )
         for name in ("teacher_engine_kwargs", "theta_engine_kwargs"):
             require(isinstance(getattr(self, name), dict), f"{name} must be a dict of vLLM engine arguments")
         mode = modes.mode_of(self.mode)
@@ -427,7 +432,7 @@ class ModelEngine:
     engine_kwargs: Mapping[str, Any]
     """Extra vLLM engine arguments of its engine."""
     device: int | None = None
-    """CUDA only: its GPU (``teacher_device``/``theta_device``); None: the first."""
+    """CUDA only: its GPU (``teacher_device``/``theta_device``, a teacher's entry with several); None: the first."""
     gpu_memory: float | None = None
     """CUDA only: the share of its GPU it must find free at start (``teacher_gpu_memory``/``theta_gpu_memory``)."""
 
@@ -479,8 +484,10 @@ class DualEngineConfig(EngineOptions):
         """Each model of the :attr:`roster` with its engine's settings, in roster order: the one home of which folder
         and which per-engine setting belong to which model."""
         if isinstance(self.model_teacher, Mapping):
+            devices = self.roster.per_teacher("teacher_device", self.teacher_device)
+            shares = self.roster.per_teacher("teacher_gpu_memory", self.teacher_gpu_memory)
             teachers = tuple(
-                ModelEngine(name, folder, dict(self.teacher_engine_kwargs.get(name, {})))
+                ModelEngine(name, folder, dict(self.teacher_engine_kwargs.get(name, {})), devices[name], shares[name])
                 for name, folder in self.model_teacher.items()
             )
         else:
@@ -534,6 +541,23 @@ class DualEngineConfig(EngineOptions):
         object.__setattr__(config, "_checked_alpha", options._checked_alpha)
         config.check_roster(config.roster)  # the options knew no models
         return config
+
+
+def _each_value(name: str, value: Any, per_teacher: bool) -> list[tuple[str, Any]]:
+    """The values of setting ``name`` to check, each with the name an error gives it: the one value, or with a
+    per-teacher setting given as ``{teacher: value}`` each entry (``name['math']``)."""
+    if per_teacher and isinstance(value, Mapping):
+        return [(f"{name}[{teacher!r}]", v) for teacher, v in value.items()]
+    return [(name, value)]
+
+
+def model_setting(roster: Roster, name: str, setting: str) -> str:
+    """The setting of model ``name``'s engine called ``setting`` (``device``, ``gpu_memory``, ``engine_kwargs``) as the
+    user gave it, for messages: ``<name>_<setting>`` in a pair and for θ, one teacher's entry of
+    ``teacher_<setting>`` with several."""
+    if roster == PAIR or name == THETA:
+        return f"{name}_{setting}"
+    return f"teacher_{setting}[{name!r}]"
 
 
 def _model_folder(name: str, path: object) -> str:

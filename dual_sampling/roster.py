@@ -15,9 +15,10 @@ teacher, in roster order, and q ∝ π_θ^(1−Σα)·Π π_i^α_i.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -61,6 +62,23 @@ class Roster:
     def teachers(self) -> tuple[str, ...]:
         """Every model but θ, in roster order: each has a weight α."""
         return tuple(n for n in self.names if n != THETA)
+
+    def per_teacher(self, field: str, value: Any) -> dict[str, Any]:
+        """A teacher setting ``field`` of every front end as ``{teacher: value}``, in roster order: one value (not a
+        mapping) goes to every teacher; a mapping names some teachers (a teacher it leaves out gets None), and only a
+        roster of several teachers takes one. ValueError naming ``field`` otherwise; the values are the caller's to
+        check."""
+        teachers = self.teachers
+        if not isinstance(value, Mapping):
+            return dict.fromkeys(teachers, value)
+        if not value:
+            raise ValueError(f"{field}: an empty mapping names no teacher; leave it out for none")
+        if len(teachers) == 1:
+            raise ValueError(f"{field}: a value per teacher name needs several teachers")
+        unknown = sorted(map(str, set(value) - set(teachers)))
+        if unknown:
+            raise ValueError(f"{field}: {', '.join(map(repr, unknown))} names no teacher here ({', '.join(teachers)})")
+        return {t: value.get(t) for t in teachers}
 
     @property
     def prompt_columns(self) -> tuple[str, ...]:

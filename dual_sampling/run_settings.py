@@ -101,24 +101,22 @@ class ModelsAndPrompts:
         """Each teacher's hint field (:attr:`hint_field`), in roster order."""
         return per_teacher("hint_field", self.hint_field, self.roster)
 
+    @property
+    def model_hint_fields(self) -> dict[str, str | None]:
+        """Each model's hint field by roster name, the one rule of who sees a hint: each teacher its own
+        (:attr:`hint_fields`); θ's template the field every teacher shares (as in a pair), else none."""
+        fields = self.hint_fields
+        shared = set(fields.values())
+        return {**fields, THETA: shared.pop() if len(shared) == 1 else None}
+
 
 def per_teacher(name: str, value: PerTeacher | None, roster: Roster) -> dict[str, str | None]:
     """The setting ``name`` of each teacher of ``roster`` (a :data:`PerTeacher` value): ``{teacher: value}`` in roster
-    order. A mapping must name teachers of the roster, and only a roster of several teachers takes one."""
-    if not isinstance(value, dict):
-        return dict.fromkeys(roster.teachers, value)
-    teachers = roster.teachers
-    if not value:
-        raise ValueError(f"{name}: an empty mapping names no teacher; leave it unset for none")
-    if len(teachers) == 1:
-        raise ValueError(f"{name}: a value per teacher name needs several teachers (teacher as {{name: folder}})")
-    unknown = sorted(set(value) - set(teachers))
-    if unknown:
-        named = ", ".join(map(repr, unknown))
-        raise ValueError(f"{name}: {named} names no teacher of this run ({', '.join(teachers)})")
-    if not all(isinstance(v, str) for v in value.values()):
+    order, by the roster's rules (:meth:`~dual_sampling.roster.Roster.per_teacher`); each value a string or None."""
+    own = roster.per_teacher(name, value)
+    if isinstance(value, dict) and not all(isinstance(v, str) for v in value.values()):
         raise ValueError(f"{name}: each teacher's value must be a string, got {value!r}")
-    return {t: value.get(t) for t in teachers}
+    return own
 
 
 def composed_parts(cls: type) -> dict[str, type]:

@@ -4,6 +4,7 @@ stands in for the engines; ``tests/test_teachers_engine.py`` runs one on a trio 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -64,6 +65,10 @@ def test_teacher_flags_name_each_teacher_and_its_hint(tiny_same, tmp_path):
     config = RunConfig.from_settings(named)
     assert config.roster == ROSTER
     assert config.source.hint_fields == {"math": "solution", "general": None}
+    # θ's template is given a hint only where every teacher sees the same field, as a pair's is.
+    assert config.source.model_hint_fields == {"math": "solution", "general": None, THETA: None}
+    shared = dataclasses.replace(config.source, hint_field="solution")
+    assert shared.model_hint_fields == {"math": "solution", "general": "solution", THETA: "solution"}
     assert list(config.source.folders) == ["math", "general", THETA]
     served = _per_teacher(
         vars(build_parser().parse_args(["serve", "--teacher", f"math={teacher}", "--teacher", "g=x"]))

@@ -14,17 +14,41 @@ import pytest
 
 from dual_sampling.driver import placement
 from dual_sampling.driver.pair import EnginePair, _resolve_row_transport
-from dual_sampling.options import EngineOptions
-from dual_sampling.roster import Role
+from dual_sampling.options import DualEngineConfig, EngineOptions
+from dual_sampling.roster import PAIR, THETA, Role, Roster
 from dual_sampling.testing import tiny_models
 
 GiB = 1 << 30
 BOTH = (Role.TEACHER, Role.THETA)
+TRIO = Roster(("math", "general", THETA))
 
 
-def plan(needs_gib: tuple[float, float], gpus_gib: list[float], visible: str | None = None, roles=BOTH, **options):
-    needs = {role: int(n * GiB) for role, n in zip(BOTH, needs_gib)}
-    return placement.plan_placement(EngineOptions(**options), roles, needs, [int(g * GiB) for g in gpus_gib], visible)
+@pytest.fixture(scope="module", autouse=True)
+def model_folders(tmp_path_factory):
+    """A folder per model name (a config.json is all the placement settings' checks read)."""
+    root = tmp_path_factory.mktemp("placed-models")
+    for name in ("teacher", *TRIO.names):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text("{}")
+    MODELS.clear()
+    MODELS.update({name: str(root / name) for name in ("teacher", *TRIO.names)})
+    return root
+
+
+MODELS: dict[str, str] = {}
+
+
+def config(roster: Roster = PAIR, **options) -> DualEngineConfig:
+    """The run's config for ``roster``'s models with ``options``, as a user gives them."""
+    teachers = MODELS["teacher"] if roster == PAIR else {t: MODELS[t] for t in roster.teachers}
+    return DualEngineConfig(teachers, MODELS[THETA], **options)
+
+
+def plan(needs_gib, gpus_gib: list[float], visible: str | None = None, roles=BOTH, roster: Roster = PAIR, **options):
+    """The placement of the engines of ``roles`` (by name), each needing ``needs_gib`` (in roster order)."""
+    models = tuple(m for m in config(roster, **options).model_engines() if m.name in roles)
+    needs = {name: int(n * GiB) for name, n in zip(roster.names, needs_gib)}
+    return placement.plan_placement(models, roster, needs, [int(g * GiB) for g in gpus_gib], visible)
 
 
 def test_two_engines_on_one_gpu_each_ask_for_their_own_need():
@@ -63,7 +87,7 @@ def test_a_share_may_ask_for_whatever_the_other_engine_leaves():
         ((16, 4), [80], {"theta_device": 1}, r"theta_device=1: this process sees 1 CUDA device\(s\), 0 to 0"),
         ((29.6, 10.6), [32], {}, r"GPU 0 has 32.0 GiB; the teacher engine 29.6 GiB and the theta engine 10.6 GiB"),
         ((29.6, 10.6), [80], {"teacher_gpu_memory": 0.9}, r"teacher_gpu_memory=0.90 asks GPU 0 \(80.0 GiB\) for 72.0"),
-        ((29.6, 10.6), [80], {"theta_gpu_memory": 0.7}, r"but the other engine on it takes at least 29.6 GiB: lower"),
+        ((29.6, 10.6), [80], {"theta_gpu_memory": 0.7}, r"but the other engines on it take at least 29.6 GiB: lower"),
         ((16, 4), [], {}, "no CUDA device is visible"),
     ],
 )
@@ -75,6 +99,91 @@ def test_layouts_that_cannot_start_are_refused_naming_the_setting(needs, gpus, o
 def test_the_speculative_mode_places_its_one_engine():
     places = plan((20, 0), [80], roles=(Role.TEACHER,), mode="speculative", teacher_device=0)
     assert list(places) == [Role.TEACHER] and places[Role.TEACHER].memory_share == pytest.approx(0.25)
+
+
+def test_several_teachers_each_take_the_gpu_and_share_given_by_name():
+    """Two teachers and theta over two GPUs: each teacher's engine goes where ``teacher_device`` names it (one GPU for
+    all when given once), each asks for its own need, and the rows take host memory (the device buffer holds one
+    follower's)."""
+    from dual_sampling.lockstep.row_channel import resolve_transport
+
+    trio = dict(roster=TRIO, roles=TRIO.names)
+    places = plan((29.6, 14.0, 10.6), [80, 40], visible="3,6", teacher_device={"general": 1}, theta_device=1, **trio)
+    assert {n: (p.device, p.visible_devices) for n, p in places.items()} == {
+        "math": (0, "3"),  # not named: the first GPU
+        "general": (1, "6"),
+        THETA: (1, "6"),
+    }
+    assert places["general"].memory_share == pytest.approx(14.0 / 40)
+    assert places[THETA].memory_share == pytest.approx(10.6 / 40)
+    one = plan((20, 20, 10), [80], teacher_device=0, teacher_gpu_memory={"math": 0.4}, **trio)
+    assert (one["math"].memory_share, one["general"].memory_share) == (0.4, pytest.approx(0.25))
+    assert resolve_transport("auto", "cuda", same_device=True, followers=2) == "pinned"
+    with pytest.raises(ValueError, match="row_transport='device' shares one follower's rows buffer; these engines"):
+        resolve_transport("device", "cuda", same_device=True, followers=2)
+
+
+@pytest.mark.parametrize(
+    ("needs", "gpus", "options", "named"),
+    [
+        (
+            (20, 20, 10),
+            [80],
+            {"teacher_device": {"general": 2}},
+            r"^teacher_device\['general'\]=2: this process sees 1 CUDA device\(s\)",
+        ),
+        (
+            (40, 30, 10),
+            [80, 80],
+            {"teacher_device": {"general": 1}, "theta_device": 1, "teacher_gpu_memory": {"general": 0.9}},
+            r"^teacher_gpu_memory\['general'\]=0.90 asks GPU 1 \(80.0 GiB\) for 72.0 GiB free when the general "
+            r"engine starts, but the other engines on it take at least 10.0 GiB",
+        ),
+        (
+            (40, 30, 20),
+            [80],
+            {},
+            r"^GPU 0 has 80.0 GiB; the math engine 40.0 GiB and the general engine 30.0 GiB and the theta engine 20.0 "
+            r"GiB need more at least .*: place theta on another GPU \(theta_device\)",
+        ),
+    ],
+)
+def test_several_teachers_layouts_that_cannot_start_are_refused_naming_the_teachers_setting(
+    needs, gpus, options, named
+):
+    with pytest.raises(ValueError, match=named):
+        plan(needs, gpus, roster=TRIO, roles=TRIO.names, **options)
+
+
+@pytest.mark.parametrize(
+    ("roster", "options", "named"),
+    [
+        (
+            TRIO,
+            {"teacher_device": {"physics": 1}},
+            r"^teacher_device: 'physics' names no teacher here \(math, general\)",
+        ),
+        (TRIO, {"teacher_gpu_memory": {}}, "^teacher_gpu_memory: an empty mapping names no teacher"),
+        (TRIO, {"teacher_device": {"math": -1}}, r"^teacher_device\['math'\] must be a GPU index >= 0, got -1"),
+        (TRIO, {"teacher_gpu_memory": {"math": 1.5}}, r"^teacher_gpu_memory\['math'\] must be a share"),
+        (PAIR, {"teacher_device": {"teacher": 1}}, "^teacher_device: a value per teacher name needs several teachers"),
+        (PAIR, {"theta_device": {"theta": 1}}, "^theta_device must be a GPU index >= 0"),
+    ],
+)
+def test_per_teacher_placement_values_are_refused_by_name(roster, options, named):
+    with pytest.raises(ValueError, match=named):
+        config(roster, **options)
+
+
+def test_a_teachers_placement_off_cuda_or_given_twice_is_refused_by_its_entry():
+    cfg = config(TRIO, teacher_device={"general": 0})
+    with pytest.raises(ValueError, match=r"^teacher_device\['general'\]=0 places an engine on a CUDA device"):
+        placement.check_placement_settings(cfg, cfg.model_engines(), TRIO, "cpu")
+    cfg = config(
+        TRIO, teacher_gpu_memory={"math": 0.3}, teacher_engine_kwargs={"math": {"gpu_memory_utilization": 0.2}}
+    )
+    with pytest.raises(ValueError, match=r"^teacher_gpu_memory\['math'\] and teacher_engine_kwargs\['math'\]"):
+        placement.check_placement_settings(cfg, cfg.model_engines(), TRIO, "cuda")
 
 
 @pytest.mark.parametrize(
@@ -95,8 +204,9 @@ def test_the_speculative_mode_places_its_one_engine():
     ],
 )
 def test_placement_settings_these_engines_cannot_use_are_refused(options, device_type, named):
+    cfg = config(**options)
     with pytest.raises(ValueError, match=named):
-        placement.check_placement_settings(EngineOptions(**options), device_type)
+        placement.check_placement_settings(cfg, cfg.model_engines(), PAIR, device_type)
 
 
 @pytest.mark.parametrize(
@@ -220,7 +330,8 @@ def _write_visible_devices(path: str) -> None:
     Path(path).write_text(" ".join(seen))
 
 
-def test_each_engine_process_is_spawned_seeing_its_own_gpu(tmp_path, monkeypatch):
+@pytest.mark.parametrize("roster", [PAIR, TRIO], ids=["pair", "two-teachers"])
+def test_each_engine_process_is_spawned_seeing_its_own_gpu(tmp_path, monkeypatch, roster):
     """The pair's real start path, with vLLM's engine replaced by a stand-in that spawns one process (as vLLM's
     EngineCore is spawned) and records the CUDA_VISIBLE_DEVICES it sees, and the start method vLLM is told to use
     (spawn: on CUDA vLLM would fork, and the pair waits for a spawned process before switching the environment)."""
@@ -241,23 +352,21 @@ def test_each_engine_process_is_spawned_seeing_its_own_gpu(tmp_path, monkeypatch
     monkeypatch.setattr(vllm.v1.engine.async_llm.AsyncLLM, "from_engine_args", staticmethod(spawn_like_an_engine))
     monkeypatch.setattr(EnginePair, "engine_kwargs", lambda self, role: {"role": str(role)})
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,7")
-    from dual_sampling.options import DualEngineConfig
-
-    for role in ("teacher", "theta"):
-        (tmp_path / f"{role}-model").mkdir()
-        (tmp_path / f"{role}-model" / "config.json").write_text("{}")
     pair = object.__new__(EnginePair)  # its start path alone: no engines, no session
-    pair.config = DualEngineConfig(str(tmp_path / "teacher-model"), str(tmp_path / "theta-model"))
+    # A trio: the second teacher shares theta's GPU.
+    devices = {"theta_device": 1} if roster == PAIR else {"theta_device": 1, "teacher_device": {"general": 1}}
+    pair.config = config(roster, **devices)
     pair.binding, pair.engines = {}, {}
     pair.from_forkserver = False  # as __init__ sets it where engines are placed on GPUs
-    pair.places = plan((16, 4), [80, 80], visible="4,7", theta_device=1)
+    pair.places = plan((16, 4, 4), [80, 80], visible="4,7", roles=roster.names, roster=roster, **devices)
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
     try:
         pair._start_engines()
     finally:
         shutil.rmtree(pair.ipc_dir, ignore_errors=True)
-    seen = {role: (tmp_path / role).read_text() for role in ("teacher", "theta")}
-    assert seen == {"teacher": "4 spawn", "theta": "7 spawn"}
+    seen = {name: (tmp_path / name).read_text() for name in roster.names}
+    wanted = {"teacher": "4", "math": "4", "general": "7", THETA: "7"}
+    assert seen == {name: f"{wanted[name]} spawn" for name in roster.names}
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,7" and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
-    assert pair.engines == {Role.TEACHER: "engine of teacher", Role.THETA: "engine of theta"}
+    assert pair.engines == {name: f"engine of {name}" for name in roster.names}

@@ -207,3 +207,25 @@ def test_more_engines_than_cpus_are_placed_by_their_weights_bytes(tmp_path, monk
     assert engine_processes.split_cpu_binding(config.roster.names, loads) == {"math": "0", "general": "1", THETA: "1"}
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2})
     assert pair._loads() is None  # an engine per CPU: no weight file is read
+
+
+def test_teacher_prompts_by_name_take_the_same_form_for_one_teacher_as_for_several():
+    """Front ends hand ``generate`` each teacher's prompts by name whatever the roster; a pair reads the mapping as it
+    reads the list, and a name that is no teacher is refused on both."""
+    from dual_sampling.driver.requests import prompt_pairs
+
+    theta, hinted = [[5, 6], [7]], [[5, 6, 9], [7, 9]]
+
+    def ids(teachers, roster=PAIR):
+        return [p.teacher_ids for p in prompt_pairs(None, 100, 64, theta, teachers, roster)]
+
+    assert ids({"teacher": hinted}) == ids(hinted) == hinted
+    assert ids({}) == ids(None) == theta
+    with pytest.raises(
+        ValueError, match=r"a mapping from teacher names \(teacher\) to their prompts, got dict \['math'\]"
+    ):
+        ids({"math": hinted})
+    trio = Roster(("math", "general", THETA))
+    assert ids({"math": hinted}, trio) == [{"math": h, "general": t} for h, t in zip(hinted, theta)]
+    with pytest.raises(ValueError, match="with several teachers, a mapping"):
+        ids(hinted, trio)

@@ -207,7 +207,8 @@ class SpeculativeChecks:
         def ids(p):
             return list(p) if isinstance(p, list) else self.tokenizer(p)["input_ids"]
 
-        teacher, theta = ids(prompt if teacher_prompt is None else teacher_prompt), ids(prompt)
+        own = teacher_prompt.get("teacher") if isinstance(teacher_prompt, dict) else teacher_prompt  # by name or not
+        teacher, theta = ids(prompt if own is None else own), ids(prompt)
         return PromptPair(teacher, theta, self.max_model_len - max(len(teacher), len(theta)))
 
     def check(self, pair, sampling) -> None:

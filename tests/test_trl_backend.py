@@ -733,8 +733,11 @@ def test_backend_settings_are_checked_at_construction(settings, field):
     [
         (dict(teacher={"math": "a"}), "teacher: a mapping names several teachers"),
         (dict(teacher={"math": "a", "theta": "b"}), "teacher: names must be unique"),
-        (dict(teacher={"math": "a", "general": "b"}, teacher_prompt={"coach": str}), "teacher_prompt: 'coach' is not"),
-        (dict(teacher="a", teacher_prompt={"math": str}), "teacher_prompt: a function per teacher name needs several"),
+        (
+            dict(teacher={"math": "a", "general": "b"}, teacher_prompt={"coach": str}),
+            "teacher_prompt: 'coach' names no teacher",
+        ),
+        (dict(teacher="a", teacher_prompt={"math": str}), "teacher_prompt: a value per teacher name needs several"),
         (dict(teacher={"math": "a", "general": "b"}, teacher_prompt={}), "teacher_prompt: an empty mapping"),
         (dict(teacher={"math": "a", "general": "b"}, engine=EngineOptions(mode="speculative")), "engine.mode"),
         (dict(teacher={"math": "a", "general": "b"}, teacher_prompt={"math": "x"}), r"teacher_prompt\['math'\] must"),

@@ -16,7 +16,7 @@ from dual_sampling.datagen.inputs import batched
 from dual_sampling.datagen.plan import WorkItem
 from dual_sampling.datagen.run_config import RunConfig
 from dual_sampling.datagen.schema import Message, MessagesRecord, record_fields
-from dual_sampling.roster import PAIR, THETA
+from dual_sampling.roster import THETA
 
 __all__ = ["Outcome", "sample_here", "sample_items"]
 
@@ -41,10 +41,9 @@ class Outcome:
 
 def sample_items(sampler: Any, cfg: RunConfig, items: list[WorkItem], models: dict) -> list[Outcome]:
     """Draw the missing samples of ``items`` (seeds from (seed, id, sample_index)); one outcome per sample."""
-    teachers = {name: [i.prompts[name] for i in items] for name in cfg.roster.teachers}
     out = sampler.generate(
         [i.prompts[THETA] for i in items],
-        teacher_prompts=teachers if len(teachers) > 1 else teachers[PAIR.teachers[0]],
+        teacher_prompts={name: [i.prompts[name] for i in items] for name in cfg.roster.teachers},
         prompt_keys=[i.id for i in items],
         sampling=cfg.sampling,
         use_tqdm=False,

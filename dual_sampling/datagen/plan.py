@@ -11,7 +11,6 @@ from typing import Any
 
 from dual_sampling.datagen.run_config import RunConfig
 from dual_sampling.prompts import Renderer
-from dual_sampling.roster import THETA
 
 __all__ = ["WorkItem", "iter_items", "plan_items"]
 
@@ -39,12 +38,10 @@ def iter_items(
     """The work items of ``selected`` rows as they come: every model's prompt rendered for every problem with samples
     not in ``done``; a problem too long for the context goes to ``rejects`` instead.
 
-    A teacher sees its hint field's value; θ sees the hint too when every teacher shares one field (as in a pair)."""
+    Each model sees its hint field's value (:attr:`~dual_sampling.run_settings.ModelsAndPrompts.model_hint_fields`)."""
     renderer = Renderer(tokenizer, cfg.templates(), cfg.source.chat_template)
     system = cfg.system_prompts()
-    fields = cfg.source.hint_fields
-    shared = set(fields.values())
-    fields[THETA] = shared.pop() if len(shared) == 1 else None
+    fields = cfg.source.model_hint_fields
     for number, row, row_id in selected:
         missing = [j for j in range(cfg.sampling.n) if (row_id, j) not in done]
         if not missing:

@@ -147,9 +147,7 @@ class Distiller:
             raise ValueError(f"prompts row {missing[0]} has no text field {config.source.prompt_field!r}")
         roster = config.source.roster
         renderer = Renderer(dual.tokenizer, dict.fromkeys(roster.names), config.source.chat_template)
-        fields = config.source.hint_fields
-        shared = set(fields.values())
-        fields[THETA] = shared.pop() if len(shared) == 1 else None  # θ's template sees a hint all teachers share
+        fields = config.source.model_hint_fields
         self._render = lambda row, hinted: {
             name: renderer.prompt(user, None)
             for name, user in renderer.user_messages(
@@ -313,10 +311,9 @@ class Distiller:
 
         def draw(picks: list[int]) -> list[RequestRecord]:
             prompts = [self._render(self.train_rows[i], True) for i in picks]
-            own = {name: [p[name] for p in prompts] for name in teachers}
             return self.dual.generate(
                 [p[THETA] for p in prompts],
-                teacher_prompts=own if len(teachers) > 1 else own[teachers[0]],
+                teacher_prompts={name: [p[name] for p in prompts] for name in teachers},
                 sampling=dataclasses.replace(cfg.sampling, seed=cfg.sampling.seed + r),
                 prompt_keys=[str(i) for i in picks],
                 use_tqdm=False,

@@ -30,8 +30,14 @@ from dual_sampling.lockstep import (
 )
 from dual_sampling.lockstep.janitor import scratch_dir
 from dual_sampling.lockstep.row_channel import resolve_transport
-from dual_sampling.options import DualEngineConfig, ModelEngine, default_kv_cache_bytes, kv_cache_bytes_needed
-from dual_sampling.roster import PAIR, THETA, Role, Roster
+from dual_sampling.options import (
+    DualEngineConfig,
+    ModelEngine,
+    default_kv_cache_bytes,
+    kv_cache_bytes_needed,
+    model_setting,
+)
+from dual_sampling.roster import THETA, Role, Roster
 
 __all__ = ["LOCKSTEP_SETTINGS", "EnginePair", "qualified_name", "start_lockstep"]
 
@@ -83,13 +89,14 @@ class EnginePair:
         for model in self.models.values():
             overridden = sorted(set(model.engine_kwargs) & set(LOCKSTEP_SETTINGS))
             if overridden:
+                setting = model_setting(self.roster, model.name, "engine_kwargs")
                 raise ValueError(
-                    f"{_kwargs_setting(self.roster, model.name)} sets {', '.join(overridden)}; the dual engine sets "
-                    "these itself (use the DualEngineConfig fields where one exists)"
+                    f"{setting} sets {', '.join(overridden)}; the dual engine sets these itself (use the "
+                    "DualEngineConfig fields where one exists)"
                 )
         self.places = self._place()
         """Each engine's GPU and share of its memory (``driver.placement``); empty off CUDA."""
-        self.row_transport = _resolve_row_transport(config.row_transport, self.places)
+        self.row_transport = _resolve_row_transport(config.row_transport, self.places, len(self.roster.names) - 1)
         """The row channel both engines open (``lockstep.row_channel``), resolved here, before either starts."""
         self.binding = (
             engine_processes.split_cpu_binding(self.roster.names, self._loads())
@@ -136,8 +143,11 @@ class EnginePair:
 
     # ------------------------------------------------------------------ start
 
-    ROLES: tuple[Role, ...] = (Role.TEACHER, Role.THETA)
-    """The engines a pair starts (the models of :data:`~dual_sampling.roster.PAIR`; GPU placement plans them)."""
+    @property
+    def started(self) -> tuple[str, ...]:
+        """The models whose engines this pair starts, by name: every model of the roster (GPU placement plans
+        them)."""
+        return self.roster.names
 
     def kv_cache_bytes(self, name: str) -> int:
         """The KV cache the engine of model ``name`` gets, in bytes: ``kv_cache_memory_bytes``, or room for
@@ -161,24 +171,19 @@ class EnginePair:
         dtype = placement.engine_dtype(self.config, model)
         return placement.engine_need_bytes([model.folder], dtype, self.kv_cache_bytes(name))
 
-    def _place(self) -> dict[Role, placement.EnginePlace]:
+    def _place(self) -> dict[str, placement.EnginePlace]:
         """Each engine's place on CUDA, checked before any starts (off CUDA, placement settings are refused)."""
         from vllm.platforms import current_platform
 
-        placement.check_placement_settings(self.config, current_platform.device_type)
+        models = self.config.model_engines()
+        placement.check_placement_settings(self.config, models, self.roster, current_platform.device_type)
         if current_platform.device_type != "cuda":
             return {}
-        if self.roster != PAIR:
-            raise ValueError(
-                f"model_teacher: several teachers ({', '.join(self.roster.teachers)}) on CUDA need each engine placed "
-                "on a GPU, which is not built yet"
-            )
         # NVML's figures: no CUDA context is made in this process, which would take memory on the engines' GPU.
         gpu_bytes = [current_platform.get_device_total_memory(i) for i in range(current_platform.device_count())]
-        needs = {role: self.engine_need_bytes(role) for role in self.ROLES}
-        return placement.plan_placement(
-            self.config, self.ROLES, needs, gpu_bytes, os.environ.get("CUDA_VISIBLE_DEVICES")
-        )
+        started = tuple(m for m in models if m.name in self.started)
+        needs = {m.name: self.engine_need_bytes(m.name) for m in started}
+        return placement.plan_placement(started, self.roster, needs, gpu_bytes, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def _placement_kwargs(self, role: Role) -> dict[str, Any]:
         place = self.places.get(role)
@@ -491,14 +496,6 @@ class EnginePair:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-def _kwargs_setting(roster: object, name: str) -> str:
-    """The setting model ``name``'s engine arguments come from: ``<name>_engine_kwargs`` in a pair, one teacher's entry
-    of ``teacher_engine_kwargs`` with several."""
-    if roster == PAIR or name == THETA:
-        return f"{name}_engine_kwargs"
-    return f"teacher_engine_kwargs[{name!r}]"
-
-
 def qualified_name(cls: type) -> str:
     """The dotted path vLLM resolves a class setting from (``module.Class``)."""
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -524,13 +521,14 @@ _RPC_BASE_LOCK = threading.Lock()
 """One pair of this process starts at a time: VLLM_RPC_BASE_PATH is process-wide while it is set."""
 
 
-def _resolve_row_transport(requested: str, places: dict[Role, placement.EnginePlace]) -> str:
-    """The ``row_transport`` for engines on vLLM's platform here, placed at ``places``: the device transport needs
-    both on one GPU (engines not placed see the same GPUs and take the same one)."""
+def _resolve_row_transport(requested: str, places: dict[str, placement.EnginePlace], followers: int = 1) -> str:
+    """The ``row_transport`` for engines on vLLM's platform here, placed at ``places``, with ``followers`` following
+    engines: the device transport needs a pair on one GPU (engines not placed see the same GPUs and take the same
+    one)."""
     from vllm.platforms import current_platform
 
     devices = {place.visible_devices for place in places.values()}
-    return resolve_transport(requested, current_platform.device_type, same_device=len(devices) <= 1)
+    return resolve_transport(requested, current_platform.device_type, len(devices) <= 1, followers)
 
 
 def start_lockstep(config: DualEngineConfig, tokenizer: Any, engine_len: int, **settings: Any) -> LockstepDriver:

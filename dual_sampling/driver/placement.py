@@ -1,27 +1,30 @@
-"""Where each engine of a pair runs on CUDA: its GPU, and the memory it must find free there when it starts.
+"""Where each engine of a run runs on CUDA: its GPU, and the memory it must find free there when it starts.
 
-Each engine of a dual engine runs on one GPU (lockstep refuses tensor parallelism). The two may share one GPU or
-take one each:
+Each engine of a dual engine (one per model of the roster) runs on one GPU (lockstep refuses tensor parallelism).
+They may share one GPU or take one each, in any grouping:
 
 - **Its GPU** reaches the engine through its processes' environment: vLLM reads ``CUDA_VISIBLE_DEVICES`` when its
   processes start, so the pair starts each engine with that variable set to its one device (``teacher_device``,
-  ``theta_device``: indices in this process's own numbering, which a ``CUDA_VISIBLE_DEVICES`` of this process maps
-  to physical ids first).
+  ``theta_device``, with several teachers one entry of ``teacher_device`` per teacher: indices in this process's own
+  numbering, which a ``CUDA_VISIBLE_DEVICES`` of this process maps to physical ids first).
 - **Its share** is vLLM's ``gpu_memory_utilization``. The pair fixes each engine's KV cache
   (``kv_cache_memory_bytes``, sized so nothing is ever preempted), and with a fixed cache vLLM sizes nothing from the
   share: an engine takes its weights, its cache and its activations whatever the share says. What the share still
   does is gate the start: the worker refuses to start unless the GPU has share × its memory free at that moment
-  (``vllm/v1/worker/utils.py``, ``request_memory``). Two engines on one GPU start at once, so either may find the
-  other's weights and cache already there. Unset, an engine's share is its own need (weights at its dtype and its
+  (``vllm/v1/worker/utils.py``, ``request_memory``). The engines on one GPU start at once, so any of them may find
+  the others' weights and caches already there. Unset, an engine's share is its own need (weights at its dtype and its
   KV cache) over its GPU's memory: the least that lets it start where it can run.
 
 The arithmetic is checked before any engine starts, and a layout that cannot start is refused by name: the needs of
 the engines on one GPU must fit its memory together, and each engine's share, with the other engines' needs taken
-out first, must fit too. The needs are lower bounds (activations and CUDA contexts come on top, and memory other
-processes hold is not seen here): vLLM's own gate and its first allocation are the final word.
+out first, must fit too. Each refusal names the setting as the user gave it (``teacher_device['math']`` for one of
+several teachers: :func:`~dual_sampling.options.model_setting`). The needs are lower bounds (activations and CUDA
+contexts come on top, and memory other processes hold is not seen here): vLLM's own gate and its first allocation
+are the final word.
 
-Where the engines sit decides how theta's rows reach the teacher (``row_transport="auto"``): through a buffer on the
-teacher's GPU when both share it, through page-locked host memory when they do not.
+Where the engines sit decides how the followers' rows reach the leader (``row_transport="auto"``): through a buffer
+on the leader's GPU when a pair shares it, through page-locked host memory otherwise (that buffer holds one
+follower's rows, so several teachers always take host memory).
 """
 
 from __future__ import annotations
@@ -30,12 +33,11 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from dual_sampling.driver import weights
 from dual_sampling.modes import mode_of
-from dual_sampling.options import ENGINE_DTYPE_BYTES, EngineOptions, ModelEngine
-from dual_sampling.roster import Role
+from dual_sampling.options import ENGINE_DTYPE_BYTES, EngineOptions, ModelEngine, model_setting
+from dual_sampling.roster import THETA, Roster
 
 __all__ = [
     "EnginePlace",
@@ -92,12 +94,10 @@ def engine_need_bytes(models: list[str], dtype: str, kv_cache_bytes: int) -> int
     return sum(weight_bytes(model, dtype) for model in models) + kv_cache_bytes
 
 
-def _given_share(cfg: EngineOptions, role: Role) -> float | None:
-    """The share of its GPU ``role``'s engine was given: ``*_gpu_memory``, or ``gpu_memory_utilization`` in its
-    ``*_engine_kwargs`` (never both: :func:`check_placement_settings`)."""
-    kwargs = role.pick(cfg.teacher_engine_kwargs, cfg.theta_engine_kwargs)
-    given = getattr(cfg, f"{role}_gpu_memory")
-    return kwargs.get("gpu_memory_utilization") if given is None else given
+def _given_share(model: ModelEngine) -> float | None:
+    """The share of its GPU ``model``'s engine was given: its ``*_gpu_memory``, or ``gpu_memory_utilization`` in its
+    engine arguments (never both: :func:`check_placement_settings`)."""
+    return model.engine_kwargs.get("gpu_memory_utilization") if model.gpu_memory is None else model.gpu_memory
 
 
 def _gib(n: float) -> str:
@@ -105,76 +105,80 @@ def _gib(n: float) -> str:
 
 
 def plan_placement(
-    cfg: EngineOptions,
-    roles: tuple[Role, ...],
-    needs: dict[Role, int],
+    models: tuple[ModelEngine, ...],
+    roster: Roster,
+    needs: dict[str, int],
     gpu_bytes: list[int],
     visible: str | None,
-) -> dict[Role, EnginePlace]:
-    """Each engine's place, or ValueError naming the setting that makes the layout impossible.
+) -> dict[str, EnginePlace]:
+    """Each started engine's place by model name, or ValueError naming the setting that makes the layout impossible.
 
-    ``roles``: the engines started (both in lockstep; the teacher alone in the speculative mode); ``needs``: the
-    bytes each needs at least (:func:`engine_need_bytes`); ``gpu_bytes``: each GPU's memory, by this process's
-    numbering; ``visible``: this process's ``CUDA_VISIBLE_DEVICES`` (None: unset). See the module docstring for
-    what the shares mean and what is checked.
+    ``models``: the models whose engines start (every model of ``roster`` in lockstep; the teacher alone in the
+    speculative mode); ``needs``: the bytes each needs at least, by name (:func:`engine_need_bytes`); ``gpu_bytes``:
+    each GPU's memory, by this process's numbering; ``visible``: this process's ``CUDA_VISIBLE_DEVICES`` (None:
+    unset). See the module docstring for what the shares mean and what is checked.
     """
     if not gpu_bytes:
         raise ValueError("teacher_device/theta_device: no CUDA device is visible to this process")
     physical = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(len(gpu_bytes))]
-    devices: dict[Role, int] = {}
-    for role in roles:
-        name = f"{role}_device"
-        device = getattr(cfg, name)
-        device = 0 if device is None else device
+    devices: dict[str, int] = {}
+    for model in models:
+        device = 0 if model.device is None else model.device
         if not 0 <= device < len(gpu_bytes):
             raise ValueError(
-                f"{name}={device}: this process sees {len(gpu_bytes)} CUDA device(s), 0 to {len(gpu_bytes) - 1}"
+                f"{model_setting(roster, model.name, 'device')}={device}: this process sees {len(gpu_bytes)} CUDA "
+                f"device(s), 0 to {len(gpu_bytes) - 1}"
             )
-        devices[role] = device
-    shares: dict[Role, float] = {}
+        devices[model.name] = device
+    shares: dict[str, float] = {}
     for device in sorted(set(devices.values())):
-        on_it = [r for r in roles if devices[r] == device]
+        on_it = [m for m in models if devices[m.name] == device]
         total = gpu_bytes[device]
-        if sum(needs[r] for r in on_it) > total:
-            each = " and ".join(f"the {r} engine {_gib(needs[r])}" for r in on_it)
+        if sum(needs[m.name] for m in on_it) > total:
+            each = " and ".join(f"the {m.name} engine {_gib(needs[m.name])}" for m in on_it)
+            move = "theta" if any(m.name == THETA for m in on_it) and len(on_it) > 1 else on_it[-1].name
             raise ValueError(
-                f"GPU {device} has {_gib(total)}; {each} need more at least (weights and KV cache): place theta on "
-                "another GPU (theta_device), or lower max_num_seqs or max_model_len"
+                f"GPU {device} has {_gib(total)}; {each} need more at least (weights and KV cache): place {move} on "
+                f"another GPU ({model_setting(roster, move, 'device')}), or lower max_num_seqs or max_model_len"
             )
-        for role in on_it:
-            given = _given_share(cfg, role)
-            share = min(1.0, needs[role] / total) if given is None else given
-            others = sum(needs[r] for r in on_it if r != role)
+        for model in on_it:
+            given = _given_share(model)
+            share = min(1.0, needs[model.name] / total) if given is None else given
+            others = sum(needs[m.name] for m in on_it if m is not model)
             if share * total + others > total:
                 raise ValueError(
-                    f"{role}_gpu_memory={share:.2f} asks GPU {device} ({_gib(total)}) for {_gib(share * total)} free "
-                    f"when the {role} engine starts, but the other engine on it takes at least {_gib(others)}: lower "
-                    f"it to {(total - others) / total:.2f} or less, or leave it unset"
+                    f"{model_setting(roster, model.name, 'gpu_memory')}={share:.2f} asks GPU {device} "
+                    f"({_gib(total)}) for {_gib(share * total)} free when the {model.name} engine starts, but the "
+                    f"other engines on it take at least {_gib(others)}: lower it to {(total - others) / total:.2f} "
+                    "or less, or leave it unset"
                 )
-            shares[role] = share
-    return {role: EnginePlace(devices[role], physical[devices[role]], shares[role]) for role in roles}
+            shares[model.name] = share
+    return {m.name: EnginePlace(devices[m.name], physical[devices[m.name]], shares[m.name]) for m in models}
 
 
-def check_placement_settings(cfg: EngineOptions, device_type: str) -> None:
+def check_placement_settings(
+    cfg: EngineOptions, models: tuple[ModelEngine, ...], roster: Roster, device_type: str
+) -> None:
     """Refuse placement settings these engines cannot use: any on a platform other than CUDA, a share outside
-    (0, 1), a share given twice (``*_gpu_memory`` and ``gpu_memory_utilization`` in ``*_engine_kwargs``), and
-    theta's in the speculative mode (theta runs inside the teacher's engine)."""
-    for role in Role:
-        for name in (f"{role}_device", f"{role}_gpu_memory"):
-            value = getattr(cfg, name)
+    (0, 1), a share given twice (``*_gpu_memory`` and ``gpu_memory_utilization`` in the model's engine arguments),
+    and theta's in the speculative mode (theta runs inside the teacher's engine). ``models``: every model of
+    ``roster`` with its settings."""
+    for model in models:
+        for setting, value in (("device", model.device), ("gpu_memory", model.gpu_memory)):
+            name = model_setting(roster, model.name, setting)
             if value is None:
                 continue
             if device_type != "cuda":
                 raise ValueError(
                     f"{name}={value!r} places an engine on a CUDA device; these engines run on {device_type!r}"
                 )
-            if role == Role.THETA and not mode_of(cfg.mode).theta_engine:
+            if model.name == THETA and not mode_of(cfg.mode).theta_engine:
                 raise ValueError(
-                    f"{name}: in mode={cfg.mode!r} theta runs in the teacher's engine (use teacher_{name[6:]})"
+                    f"{name}: in mode={cfg.mode!r} theta runs in the teacher's engine (use teacher_{setting})"
                 )
-        kwargs: dict[str, Any] = role.pick(cfg.teacher_engine_kwargs, cfg.theta_engine_kwargs)
-        if getattr(cfg, f"{role}_gpu_memory") is not None and "gpu_memory_utilization" in kwargs:
+        if model.gpu_memory is not None and "gpu_memory_utilization" in model.engine_kwargs:
+            share = model_setting(roster, model.name, "gpu_memory")
             raise ValueError(
-                f"{role}_gpu_memory and {role}_engine_kwargs['gpu_memory_utilization'] both set the {role} engine's "
-                "share of its GPU; set one"
+                f"{share} and {model_setting(roster, model.name, 'engine_kwargs')}['gpu_memory_utilization'] both set "
+                f"the {model.name} engine's share of its GPU; set one"
             )

@@ -152,10 +152,10 @@ def prompt_pairs(
     roster: Roster | None = None,
 ) -> list[PromptPair]:
     """Each prompt tokenized for each engine (text with the tokenizer's special tokens, or token ids; theta's
-    ``prompts``, the teacher's ``teacher_prompts`` or the same), with its room in ``max_model_len``. With several
-    teachers (``roster``), ``teacher_prompts`` maps a teacher's name to its prompts, and a teacher it does not name
-    sees theta's. ValueError, naming the prompt, for an empty one, ids outside [0, vocab), or one that leaves no
-    room."""
+    ``prompts``, the teacher's ``teacher_prompts`` or the same), with its room in ``max_model_len``.
+    ``teacher_prompts`` may also map a teacher's name (``roster``'s) to its prompts, as it must with several teachers;
+    a teacher it does not name sees theta's. ValueError, naming the prompt, for an empty one, ids outside
+    [0, vocab), or one that leaves no room."""
     if isinstance(prompts, str):
         raise ValueError("prompts must be a list of prompts, not one string")
     teachers = (roster or PAIR).teachers
@@ -181,22 +181,26 @@ def prompt_pairs(
 
     theta_ids = [tokenize(p, i, "prompts") for i, p in enumerate(prompts)]
     teacher_ids: list[Any]
-    if len(teachers) == 1:
-        if isinstance(teacher_prompts, Mapping):
-            raise ValueError("teacher_prompts: one teacher takes a list of prompts, not a mapping")
+    if not isinstance(teacher_prompts, Mapping) and len(teachers) == 1:
         teacher_ids = theta_ids if teacher_prompts is None else tokenize_all(teacher_prompts, "teacher_prompts")
     else:
         given = {} if teacher_prompts is None else teacher_prompts
         if not isinstance(given, Mapping) or not set(given) <= set(teachers):
+            got = f"{type(given).__name__} {list(given)[:5] if isinstance(given, Mapping) else ''}"
+            several = "with several teachers, " if len(teachers) > 1 else ""
             raise ValueError(
-                f"teacher_prompts: with several teachers, a mapping from teacher names ({', '.join(teachers)}) to "
-                f"their prompts, got {type(given).__name__} {list(given)[:5] if isinstance(given, Mapping) else ''}"
+                f"teacher_prompts: {several}a mapping from teacher names ({', '.join(teachers)}) to their prompts, "
+                f"got {got}"
             )
         per_teacher = {
             name: tokenize_all(given[name], f"teacher_prompts[{name!r}]") if name in given else theta_ids
             for name in teachers
         }
-        teacher_ids = [{name: per_teacher[name][i] for name in teachers} for i in range(len(prompts))]
+        teacher_ids = (
+            per_teacher[teachers[0]]
+            if len(teachers) == 1
+            else [{name: per_teacher[name][i] for name in teachers} for i in range(len(prompts))]
+        )
     pairs = []
     for i, (t, th) in enumerate(zip(teacher_ids, theta_ids)):
         room = generation_room(max_model_len, t, th)

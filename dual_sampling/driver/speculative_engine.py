@@ -44,7 +44,10 @@ class SpeculativeEngine(EnginePair):
     def gamma(self) -> int:
         return self.config.num_speculative_tokens
 
-    ROLES = (Role.TEACHER,)
+    @property
+    def started(self) -> tuple[str, ...]:
+        """One engine: the teacher's (theta drafts inside it)."""
+        return (Role.TEACHER.value,)
 
     def kv_cache_bytes(self, role: Role = Role.TEACHER) -> int:
         """Both models' KV share the engine's cache (max_model_len already holds the drafts' room), in bytes; the

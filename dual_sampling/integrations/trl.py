@@ -103,7 +103,6 @@ class MixtureRolloutsConfig:
                 f"engine.mode={self.engine.mode!r}: a trainer's rollouts need {modes_with('takes_new_theta')} (the "
                 "speculative mode's theta engine cannot take new weights)"
             )
-        teachers = self.roster.teachers
         if isinstance(self.teacher, Mapping):
             if len(self.teacher) < 2 or not all(isinstance(v, (str, os.PathLike)) for v in self.teacher.values()):
                 raise ValueError(
@@ -112,18 +111,10 @@ class MixtureRolloutsConfig:
         elif not isinstance(self.teacher, (str, os.PathLike)):
             raise ValueError(f"teacher: a model folder, or {{name: folder}} for several, got {self.teacher!r}")
         self.engine.check_roster(self.roster)
-        hints = self.teacher_prompt
-        if isinstance(hints, Mapping):
-            if len(teachers) == 1:
-                raise ValueError("teacher_prompt: a function per teacher name needs several teachers")
-            if not hints:
-                raise ValueError("teacher_prompt: an empty mapping names no teacher; leave it None for none")
-            unknown = sorted(set(hints) - set(teachers))
-            if unknown:
-                raise ValueError(f"teacher_prompt: {unknown[0]!r} is not a teacher ({', '.join(teachers)})")
-        for name, function in hints.items() if isinstance(hints, Mapping) else [(None, hints)]:
+        hints = self.roster.per_teacher("teacher_prompt", self.teacher_prompt)
+        for name, function in hints.items():
             if function is not None and not callable(function):
-                shown = "teacher_prompt" if name is None else f"teacher_prompt[{name!r}]"
+                shown = f"teacher_prompt[{name!r}]" if isinstance(self.teacher_prompt, Mapping) else "teacher_prompt"
                 raise ValueError(f"{shown} must be callable, got {function!r}")
         need_number("max_sampler_mismatch", self.max_sampler_mismatch, finite=False)
         need_int("mismatch_samples", self.mismatch_samples, 1)
@@ -389,7 +380,7 @@ def teacher_prompts(rollouts: MixtureRollouts, tokenizer: Any, prompts: list[lis
     if hints is None:
         return None
     teachers = rollouts.config.roster.teachers
-    functions = hints if isinstance(hints, Mapping) else dict.fromkeys(teachers, hints)
+    functions = rollouts.config.roster.per_teacher("teacher_prompt", hints)
     out = []
     for prompt in prompts:
         text = tokenizer.decode(prompt, skip_special_tokens=False)

@@ -60,9 +60,10 @@ ROW_TRANSPORTS = ("auto", "host", "pinned", "device")
 """Values of the ``row_transport`` engine option."""
 
 
-def resolve_transport(requested: str, device_type: str, same_device: bool = True) -> str:
+def resolve_transport(requested: str, device_type: str, same_device: bool = True, followers: int = 1) -> str:
     """The transport for engines on ``device_type`` ("cpu", "cuda", ...): ``requested``, or for "auto" the fastest
-    that works (device, then pinned, then host). ``same_device``: both engines on one GPU.
+    that works (device, then pinned, then host). ``same_device``: every engine on one GPU; ``followers``: the
+    engines whose rows reach the leader (the device transport's one buffer holds one follower's).
 
     Raises ValueError naming ``row_transport`` for an unknown value or one these engines cannot use.
     """
@@ -70,7 +71,12 @@ def resolve_transport(requested: str, device_type: str, same_device: bool = True
         raise ValueError(f"row_transport must be one of {ROW_TRANSPORTS}, got {requested!r}")
     cuda = device_type == "cuda"
     if requested == "auto":
-        return ("device" if same_device else "pinned") if cuda else "host"
+        return ("device" if same_device and followers == 1 else "pinned") if cuda else "host"
+    if requested == "device" and followers > 1:
+        raise ValueError(
+            f"row_transport='device' shares one follower's rows buffer; these engines have {followers} followers: "
+            "use 'pinned'"
+        )
     if requested != "host" and not cuda:
         raise ValueError(f"row_transport={requested!r} needs CUDA engines; these engines run on {device_type!r}")
     if requested == "device" and not same_device:

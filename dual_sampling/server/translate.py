@@ -236,7 +236,7 @@ class Translator:
                 else:
                     continue
                 own[name] = self._chat(conversation, _name(field, name, req), generation)
-            return self._chat(messages, "messages", generation), self._teacher(own)
+            return self._chat(messages, "messages", generation), own
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -254,30 +254,15 @@ class Translator:
             else:
                 continue
             self._check_length(own[name], _name(field, name, req))
-        return prompt, self._teacher(own)
+        return prompt, own
 
     def _per_teacher(self, field: str, value: Any) -> dict[str, Any]:
-        """A request's teacher setting as ``{teacher name: value}``: one value goes to every teacher; a mapping
-        (several teachers only) names some of them."""
-        teachers = self.dual.roster.teachers
-        if not isinstance(value, dict):
-            return dict.fromkeys(teachers, value)
-        if len(teachers) == 1:
-            raise BadRequest(f"{field}: a value per teacher name needs a server of several teachers", field)
-        if not value:
-            raise BadRequest(f"{field}: an empty mapping names no teacher; leave it out for none", field)
-        unknown = sorted(set(value) - set(teachers))
-        if unknown:
-            raise BadRequest(f"{field}: {unknown[0]!r} is not a teacher here ({', '.join(teachers)})", field)
-        return value
-
-    def _teacher(self, own: dict[str, Any]) -> Any:
-        """What :meth:`~dual_sampling.api.OptimalSamplingDual.prepare` takes as the teacher's prompt: the one
-        teacher's (None: theta's), or the mapping of the teachers with their own."""
-        if self.dual.roster != PAIR:
-            return own
-        (teacher,) = self.dual.roster.teachers
-        return own.get(teacher)
+        """A request's teacher setting as ``{teacher name: value}`` (the roster's rules: one value for every teacher,
+        or a mapping naming some of several)."""
+        try:
+            return self.dual.roster.per_teacher(field, value)
+        except ValueError as exc:
+            raise BadRequest(str(exc), field) from None
 
     def _check_length(self, text: Any, param: str) -> None:
         if isinstance(text, str) and len(text) > self.max_prompt_chars:
