@@ -33,6 +33,12 @@ K = 1 is the pair call above, to the bit. For K > 1, ``alpha_min`` and ``alpha_m
 the teachers' *total* weight Σα_i, and each α_i is at least 0. A method with no sound
 K-teacher form keeps ``several_teachers = False`` and is refused by name
 (:meth:`AlphaComputer.check_teacher_count`), which a run calls before any engine starts.
+
+A row may leave teachers out (``absent``, ``[B, K]``: a request that names some teachers
+only). An absent teacher's weight is exactly 0, and the others get what the method gives
+the teachers present alone, their own settings kept (:meth:`AlphaComputer.for_teachers`:
+``fixed``'s weights and ``trust_region``'s shares of those teachers): the rows are solved in
+groups of one pattern of present teachers, so bounds on the total weight bind among them.
 """
 
 from __future__ import annotations
@@ -217,12 +223,17 @@ class AlphaComputer:
         logp_teachers: Tensor | Sequence[Tensor],
         alpha_init: Tensor | None = None,
         normalized: bool = False,
+        absent: Tensor | None = None,
     ) -> AlphaResult:
         """One α per teacher: ``alpha`` is ``[B, K]`` (``[K]`` for 1-D rows); see "Several teachers" above.
 
         ``alpha_init`` (``[B, K]`` or ``[K]``) warm-starts iterative methods. K = 1 returns :meth:`compute`'s α.
+        ``absent`` (bool, ``[B, K]`` or ``[K]``; K > 1 only) marks the teachers a row leaves out: their weight is 0,
+        their rows are never read (any values will do), and a row keeps at least one teacher.
         """
         one_row = logp_theta.dim() == 1
+        if absent is not None:
+            return self._compute_present(logp_theta, logp_teachers, alpha_init, normalized, absent)
         theta, teachers = check_log_prob_rows(logp_theta, logp_teachers)
         count = teachers.shape[0]
         self.check_teacher_count(count)
@@ -242,6 +253,48 @@ class AlphaComputer:
             alpha = clamp_total(alpha, self.alpha_min, self.alpha_max)
         return AlphaResult(alpha[0] if one_row else alpha, passes)
 
+    def _compute_present(
+        self,
+        logp_theta: Tensor,
+        logp_teachers: Tensor | Sequence[Tensor],
+        alpha_init: Tensor | None,
+        normalized: bool,
+        absent: Tensor,
+    ) -> AlphaResult:
+        """:meth:`compute_teachers` for rows that leave teachers out: each group of rows of one pattern of present
+        teachers solved by :meth:`for_teachers` on those teachers' rows alone (the others are never read)."""
+        one_row = logp_theta.dim() == 1
+        theta = logp_theta.unsqueeze(0) if one_row else logp_theta
+        teachers = torch.stack(list(logp_teachers)) if not isinstance(logp_teachers, Tensor) else logp_teachers
+        teachers = teachers.reshape(teachers.shape[0], theta.shape[0], -1)
+        rows, count = theta.shape[0], teachers.shape[0]
+        absent = torch.as_tensor(absent, dtype=torch.bool, device=theta.device)
+        if count < 2 or absent.shape not in ((count,), (rows, count)):
+            raise ValueError(f"absent must have shape [K] or [B, K] = [{rows}, {count}] with K > 1")
+        absent = absent.expand(rows, count)
+        if bool(absent.all(-1).any()):
+            raise ValueError(f"absent leaves no teacher in rows {row_list(absent.all(-1))}")
+        self.check_teacher_count(count)
+        if alpha_init is not None:
+            alpha_init = torch.as_tensor(alpha_init, dtype=theta.dtype, device=theta.device).expand(rows, count)
+        alpha = torch.zeros(rows, count, dtype=theta.dtype, device=theta.device)
+        passes = 0
+        for pattern in torch.unique(absent, dim=0):
+            group = (absent == pattern).all(-1).nonzero().flatten()
+            present = (~pattern).nonzero().flatten()
+            init = None if alpha_init is None else alpha_init[group][:, present]
+            part = self.for_teachers(present.tolist()).compute_teachers(
+                theta[group], teachers[present][:, group], init, normalized
+            )
+            alpha[group.unsqueeze(-1), present] = part.alpha.to(alpha.dtype)
+            passes += part.passes
+        return AlphaResult(alpha[0] if one_row else alpha, passes)
+
+    def for_teachers(self, present: Sequence[int]) -> AlphaComputer:
+        """This method for the teachers at positions ``present`` alone (in order), their own settings kept: itself
+        for a method with no setting per teacher."""
+        return self
+
     def solve_teachers(
         self, logp_theta: Tensor, logp_teachers: Tensor, alpha_init: Tensor | None
     ) -> tuple[Tensor, int]:
@@ -249,16 +302,17 @@ class AlphaComputer:
         raise NotImplementedError
 
 
-def clamp_total(alpha: Tensor, low: float, high: float) -> Tensor:
+def clamp_total(alpha: Tensor, low: float, high: float, absent: Tensor | None = None) -> Tensor:
     """Teacher weights ``[B, K]`` made non-negative with their total in [low, high], by scaling.
 
-    A row of zeros that must reach ``low`` > 0 takes equal shares.
+    A row of zeros that must reach ``low`` > 0 takes equal shares among its teachers not ``absent`` (``[B, K]``).
     """
     alpha = alpha.clamp_min(0.0)
     total = alpha.sum(-1, keepdim=True)
     target = total.clamp(low, high)
     scaled = alpha * (target / torch.where(total > 0, total, torch.ones_like(total)))
-    return torch.where(total > 0, scaled, target / alpha.shape[-1])
+    present = torch.ones_like(alpha) if absent is None else (~absent).to(alpha.dtype)
+    return torch.where(total > 0, scaled, target * present / present.sum(-1, keepdim=True))
 
 
 def several_teacher_methods() -> list[str]:

@@ -18,7 +18,9 @@ Several teachers (``compute_teachers``): ``fixed`` takes one weight per teacher,
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -66,6 +68,11 @@ class FixedAlpha(AlphaComputer):
     def solve(self, logp_theta: Tensor, logp_teacher: Tensor, alpha_init: Tensor | None) -> tuple[Tensor, int]:
         self.check_teacher_count(1)
         return torch.full(logp_theta.shape[:1], self.alpha, dtype=logp_theta.dtype, device=logp_theta.device), 0
+
+    def for_teachers(self, present: Sequence[int]) -> FixedAlpha:
+        weights = self.alpha if isinstance(self.alpha, tuple) else (self.alpha,)
+        chosen = tuple(weights[i] for i in present)
+        return dataclasses.replace(self, alpha=chosen[0] if len(chosen) == 1 else chosen)
 
     def solve_teachers(
         self, logp_theta: Tensor, logp_teachers: Tensor, alpha_init: Tensor | None
@@ -272,6 +279,13 @@ class TrustRegionAlpha(_MonotoneRootAlpha):
         super().check_teacher_count(teachers)
         if self.teacher_shares is not None and len(self.teacher_shares) != teachers:
             raise ValueError(f"teacher_shares must list one share per teacher ({teachers}), got {self.teacher_shares}")
+
+    def for_teachers(self, present: Sequence[int]) -> TrustRegionAlpha:
+        if self.teacher_shares is None:
+            return self
+        chosen = tuple(self.teacher_shares[i] for i in present)
+        # Present teachers of share 0 alone: the request asked for them, so they split the weight equally.
+        return dataclasses.replace(self, teacher_shares=chosen if sum(chosen) > 0 else None)
 
     def solve_teachers(
         self, logp_theta: Tensor, logp_teachers: Tensor, alpha_init: Tensor | None

@@ -39,7 +39,7 @@ from dual_sampling.checks import require
 from dual_sampling.decision.pipeline import RowSampling, check_stages_for_teachers
 from dual_sampling.driver.engine_start import start_early as start_engine_server_early
 from dual_sampling.driver.loop_thread import as_coroutine
-from dual_sampling.driver.requests import DualRequest, PromptPair, prompt_pairs
+from dual_sampling.driver.requests import DualRequest, PromptPair, check_teacher_set, prompt_pairs
 from dual_sampling.driver.speculative_engine import check_draft_model
 from dual_sampling.driver.versions import check_update
 from dual_sampling.driver.weights import WeightsCheck, prepared_weights, reload_from
@@ -47,7 +47,7 @@ from dual_sampling.lockstep import SyncError
 from dual_sampling.modes import mode_of, modes_with
 from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, EngineOptions, SamplingOptions, model_config
 from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleDelta, SampleRecord, best_of, scored
-from dual_sampling.roster import PAIR, Role
+from dual_sampling.roster import PAIR, THETA, Role
 from dual_sampling.text import sample_text
 from dual_sampling.vocab import check_embedding_rows, check_tokenizers_match, embedding_rows, eos_token_ids
 
@@ -131,11 +131,12 @@ class OptimalSamplingDual:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_folder)
-        for folder in cfg.folders[1:]:
-            check_tokenizers_match(self.tokenizer, AutoTokenizer.from_pretrained(folder))
+        for folder in cfg.folders:
+            if folder != cfg.tokenizer_folder:
+                check_tokenizers_match(self.tokenizer, AutoTokenizer.from_pretrained(folder))
         self.vocab = len(self.tokenizer)
         th_cfg = model_config(cfg.model_theta)
-        for model in cfg.model_engines()[:-1]:  # each teacher against θ
+        for model in (m for m in cfg.model_engines() if m.name != THETA):  # each teacher against θ
             teacher_rows = embedding_rows(model_config(model.folder))
             check_embedding_rows(teacher_rows, embedding_rows(th_cfg), self.vocab, cfg.mode)
         self.max_model_len = context_length(cfg.folders, cfg.max_model_len)
@@ -180,6 +181,7 @@ class OptimalSamplingDual:
         sampling: SamplingOptions | None = None,
         prompt_keys: Sequence[str] | None = None,
         use_tqdm: bool | None = None,
+        teachers: Sequence[str] | None = None,
         **options: Any,
     ) -> DualGenerationOutput:
         """Generate ``n`` samples per prompt. Prompts are text or token ids.
@@ -194,6 +196,10 @@ class OptimalSamplingDual:
         share the call (data-generation runs rely on this to resume). A sample that fails has
         ``finish_reason="error"`` and an ``error``; the call itself raises only for bad
         arguments or a dead engine.
+
+        ``teachers`` (several teachers only): the teachers this call's samples mix, by name; the others weigh 0, and
+        their engines do no work for these requests (θ's engine leads, so it runs every one). Each sample names them
+        (``SampleRecord.teachers``), and a teacher left out has no ``logp_<teacher>`` column. None: every teacher.
         """
         self._check_open()
         named = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n, seed=seed)
@@ -207,10 +213,11 @@ class OptimalSamplingDual:
         keys = list(prompt_keys) if prompt_keys is not None else list(range(len(prompts)))
         seeds = [[derive_seed(opts.seed, keys[i], j) for j in range(opts.draws)] for i in range(len(pairs))]
         if opts.use_beam_search:
+            require(teachers is None, "teachers: beam search runs every teacher")
             per_prompt = self.driver.call(self._search_all(pairs, opts, seeds))
         else:
             requests = [
-                [self.request(pair, opts, seeds[i][j], group, j) for j in range(opts.draws)]
+                [self.request(pair, opts, seeds[i][j], group, j, teachers) for j in range(opts.draws)]
                 for i, pair in enumerate(pairs)
                 # A diverse group's id pairs its samples in the teacher's processor only: any unique number will do.
                 for group in [secrets.randbits(62) + 1 if opts.diversity_penalty > 0 else 0]
@@ -461,12 +468,13 @@ class OptimalSamplingDual:
         sample_key: int | str = 0,
         sample_index: int = 0,
         request_id: str | None = None,
+        teachers: Sequence[str] | None = None,
         **options: Any,
     ) -> AsyncIterator[SampleDelta]:
         """Draw one sample and yield its tokens as they come, from any asyncio loop.
 
         The sample is drawn with the seed derived from (seed, sample_key, sample_index), as
-        sample ``sample_index`` of prompt ``sample_key`` in :meth:`generate`. The last delta
+        sample ``sample_index`` of prompt ``sample_key`` in :meth:`generate`; ``teachers`` as there. The last delta
         carries the verified :class:`SampleRecord` (with its user score, where ``score`` is set). :meth:`abort` with
         ``request_id``, or
         cancelling the task, ends the request on both engines.
@@ -475,7 +483,7 @@ class OptimalSamplingDual:
         opts = sampling or self._options(**options)
         require(not opts.use_beam_search, "use_beam_search returns whole beams: use generate(), not stream()")
         seed = derive_seed(opts.seed, sample_key, sample_index)
-        request = self.request(self.prepare(prompt, teacher_prompt), opts, seed)
+        request = self.request(self.prepare(prompt, teacher_prompt), opts, seed, teachers=teachers)
         request.request_id = request_id
         async for delta in self.driver.thread.bridge(self.driver.stream(request)):
             if delta.sample is not None and opts.score is not None:  # the user score runs here, in the caller's loop
@@ -511,10 +519,16 @@ class OptimalSamplingDual:
         return opts
 
     def request(
-        self, pair: PromptPair, opts: SamplingOptions, seed: int, group: int = 0, member: int = 0
+        self,
+        pair: PromptPair,
+        opts: SamplingOptions,
+        seed: int,
+        group: int = 0,
+        member: int = 0,
+        teachers: Sequence[str] | None = None,
     ) -> DualRequest:
         """The request for one sample of a prepared prompt pair (:meth:`prepare`); ``group`` and ``member`` place it in
-        its diverse group."""
+        its diverse group; ``teachers``: the teachers it mixes (:meth:`generate`)."""
         require(
             len(self.roster.teachers) == 1 or not opts.ranked_by.startswith("logp_teacher"),
             f"best_of_score={opts.ranked_by!r}: with several teachers there is no one teacher's log π to rank by",
@@ -522,7 +536,12 @@ class OptimalSamplingDual:
         row = opts.row(seed, self.eos_token_ids, pair.theta_ids, group, member, opts.draws if group else 1)
         check_stages_for_teachers([row], len(self.roster.teachers))  # refused here, not failed in the engine
         return DualRequest(
-            _copied(pair.teacher_ids), list(pair.theta_ids), row, min(opts.max_tokens, pair.room), tuple(opts.stop)
+            _copied(pair.teacher_ids),
+            list(pair.theta_ids),
+            row,
+            min(opts.max_tokens, pair.room),
+            tuple(opts.stop),
+            teachers=None if teachers is None else check_teacher_set(teachers, self.roster),
         )
 
     def check(self, pair: PromptPair, opts: SamplingOptions) -> None:

@@ -444,7 +444,7 @@ class DualEngineConfig(EngineOptions):
     model_teacher: str | Mapping[str, str]
     """Path of the teacher model (a local Hugging Face folder); or, for several teachers, ``{name: folder}`` of at
     least two, each name a Python identifier other than "theta": they name the records' columns (``alpha_<name>``,
-    ``logp_<name>``), and the roster is the teachers in this order, then θ (the first teacher's engine leads)."""
+    ``logp_<name>``), and the roster is θ, then the teachers in this order (θ's engine leads)."""
     model_theta: str
     """Path of the theta (student) model; must share the teacher's tokenizer."""
 
@@ -471,10 +471,8 @@ class DualEngineConfig(EngineOptions):
     @property
     def roster(self) -> Roster:
         """The run's models by name, the leading engine's first: :data:`~dual_sampling.roster.PAIR` for one teacher,
-        else the teachers in the order given, then θ."""
-        if isinstance(self.model_teacher, Mapping):
-            return Roster((*self.model_teacher, THETA))
-        return PAIR
+        else θ, then the teachers in the order given (:meth:`~dual_sampling.roster.Roster.of_teachers`)."""
+        return Roster.of_teachers(tuple(self.model_teacher) if isinstance(self.model_teacher, Mapping) else None)
 
     @property
     def teacher_count(self) -> int:
@@ -501,7 +499,8 @@ class DualEngineConfig(EngineOptions):
                 ),
             )
         theta = ModelEngine(THETA, self.model_theta, self.theta_engine_kwargs, self.theta_device, self.theta_gpu_memory)
-        return (*teachers, theta)
+        by_name = {model.name: model for model in (*teachers, theta)}
+        return tuple(by_name[name] for name in self.roster.names)
 
     def model_engine(self, name: str) -> ModelEngine:
         """The model named ``name`` (:meth:`model_engines`); ValueError naming the roster otherwise."""
@@ -514,8 +513,8 @@ class DualEngineConfig(EngineOptions):
 
     @property
     def tokenizer_folder(self) -> str:
-        """The folder whose tokenizer every engine and the front door use: the leading teacher's."""
-        return self.folders[0]
+        """The folder whose tokenizer every engine and the front door use: the first teacher's."""
+        return self.model_engine(self.roster.teachers[0]).folder
 
     @classmethod
     def of(

@@ -89,7 +89,7 @@ class SampleRecord(TokenRecords):
     seed: int
     _: KW_ONLY  # the rest by name: a positional value can never land in another field
     teacher_token_ids: list[int] = field(default_factory=list)
-    """The token ids as the teacher engine emitted them (with several teachers, the leading teacher's engine)."""
+    """The token ids as the teacher engine emitted them (with several teachers, the first teacher's engine)."""
     theta_token_ids: list[int] = field(default_factory=list)
     """The token ids as the theta engine emitted them (equal to both others unless the sample failed)."""
     error: str | None = None
@@ -100,7 +100,7 @@ class SampleRecord(TokenRecords):
     because its engines took new weights."""
     teacher_version: str = "0"
     """The teacher's weight version that drew every token ("0": the weights it started with). With several teachers,
-    the leading teacher's (teachers of such a roster keep the weights they started with)."""
+    the first teacher's (teachers of such a roster keep the weights they started with)."""
     theta_version: str = "0"
     """Theta's weight version that drew every token: the policy whose π_θ the importance weights refer to."""
     dense_ids: np.ndarray | None = None
@@ -119,6 +119,10 @@ class SampleRecord(TokenRecords):
     (:attr:`~dual_sampling.roster.Roster.token_columns`: ``alpha_<teacher>`` per teacher, ``logp_<model>`` per model,
     ``logq``); :attr:`logp_theta` and :attr:`logq` hold theirs too, and :attr:`alpha` and :attr:`logp_teacher` are
     empty. Empty for one teacher, whose columns are the fields above."""
+    teachers: tuple[str, ...] | None = None
+    """The teachers the sample's mixture took, in roster order (``generate(..., teachers=...)``); None: every teacher. A
+    teacher left out weighs 0 at every token, and its ``logp_<teacher>`` column is absent from :attr:`roster_columns`
+    (its engine never saw the request)."""
     score: float | None = None
     """The user score of the sample (``SamplingOptions.score``), None without one or for a sample not complete."""
     score_name: str | None = None
@@ -207,6 +211,9 @@ class SampleDelta:
     """For requests with dense_logprobs k: a pair's (token ids, own log-probabilities, the other model's) ``[r, 2, k]``,
     the teacher's top k at ``[:, 0]`` and theta's at ``[:, 1]``; with several teachers (ids ``[r, M, k]``,
     log-probabilities ``[r, M, M, k]``) (see :attr:`SampleRecord.dense_ids`)."""
+    columns: tuple[str, ...] | None = None
+    """The names of :attr:`records`' columns where they are not all the roster's token columns: a request that left
+    teachers out has no ``logp_<teacher>`` column for them. None: the roster's."""
 
 
 _SCORED_RECORDS = ("logq", "logp_theta", "logp_teacher")

@@ -15,7 +15,7 @@ teacher, in roster order, and q ∝ π_θ^(1−Σα)·Π π_i^α_i.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
@@ -30,7 +30,8 @@ THETA = "theta"
 
 @dataclass(frozen=True)
 class Roster:
-    """The models of a run, by name: the one that decides first (its engine leads), then the ones that follow."""
+    """The models of a run, by name: the one that decides first (its engine leads), then the ones that follow
+    (:meth:`of_teachers` builds a run's)."""
 
     names: tuple[str, ...]
     """Model names, unique, each a Python identifier (they name record columns); :data:`THETA` among them."""
@@ -46,6 +47,15 @@ class Roster:
             raise ValueError(f"names must be unique, got {names!r}")
         if THETA not in names:
             raise ValueError(f"names must include {THETA!r} (the student), got {names!r}")
+
+    @classmethod
+    def of_teachers(cls, teachers: Sequence[str] | None) -> Roster:
+        """The roster of a run: :data:`PAIR` for one unnamed teacher (None), else θ, then the named ``teachers`` in
+        order. With several teachers θ's engine leads: θ takes part in every mixture, so a request that names some
+        teachers only (``generate(..., teachers=...)``) leaves every other engine idle."""
+        if teachers is None:
+            return PAIR
+        return cls((THETA, *teachers))
 
     @property
     def student(self) -> str:

@@ -46,8 +46,8 @@ class ModelsAndPrompts:
 
     teacher: PerTeacher | None = None
     """Teacher model folder; or ``{name: folder}`` for several teachers (at least two, each name a Python identifier
-    other than "theta": they name the records' columns; the first leads). None: the local SmolLM2-135M-Instruct. On
-    the command line, ``--teacher NAME=PATH`` once per teacher."""
+    other than "theta": they name the records' columns; θ's engine leads them). None: the local SmolLM2-135M-Instruct.
+    On the command line, ``--teacher NAME=PATH`` once per teacher."""
     theta: str | None = None
     """Theta (student) model folder, same tokenizer as the teacher; None: the 24-layer pruned SmolLM2."""
     prompt_field: str = "problem"
@@ -86,15 +86,16 @@ class ModelsAndPrompts:
 
     @property
     def roster(self) -> Roster:
-        """The run's models by name: :data:`~dual_sampling.roster.PAIR` for one teacher, else the teachers in the
-        order given, then θ."""
-        return Roster((*self.teacher, THETA)) if isinstance(self.teacher, dict) else PAIR
+        """The run's models by name: :data:`~dual_sampling.roster.PAIR` for one teacher, else θ, then the teachers in
+        the order given (:meth:`~dual_sampling.roster.Roster.of_teachers`)."""
+        return Roster.of_teachers(tuple(self.teacher) if isinstance(self.teacher, dict) else None)
 
     @property
     def folders(self) -> dict[str, str]:
         """Every model's folder by roster name, in roster order."""
         teachers = self.teacher if isinstance(self.teacher, dict) else {PAIR.teachers[0]: self.teacher}
-        return {**teachers, THETA: self.theta}
+        every = {**teachers, THETA: self.theta}
+        return {name: every[name] for name in self.roster.names}
 
     @property
     def hint_fields(self) -> dict[str, str | None]:
@@ -169,7 +170,7 @@ def flat_settings(config: Any) -> dict[str, Any]:
 
 def identity_settings(config: Any, excluded: frozenset[str]) -> dict[str, Any]:
     """The flat settings of ``config`` but ``excluded``, as a run's identity holds them: several teachers as
-    ``[name, folder]`` pairs in order (their order names the leading teacher and whose weight each α is, which a
+    ``[name, folder]`` pairs in order (their order names whose weight each α is, which a
     mapping's comparison would not see)."""
     out = {k: v for k, v in flat_settings(config).items() if k not in excluded}
     if isinstance(out.get("teacher"), dict):

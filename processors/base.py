@@ -76,6 +76,8 @@ class TrackedRow:
     alpha: Any = 0.5
     """Last α of this request (the leader's side; a list of one per teacher with several), the warm start of the
     next solve."""
+    participants: int = -1
+    """The roster positions whose engines run this request, one bit each (:attr:`Slot.PARTICIPANTS`); -1: all."""
     filler: int = field(init=False)
     """Token forced when the row is abandoned: never one of the request's stop tokens."""
 
@@ -132,9 +134,11 @@ class BaseSyncLogitsProcessor(BatchRowsProcessor[TrackedRow]):
 
     def track(self, params: Any, output_token_ids: list[int]) -> TrackedRow:
         pairing = request_pairing(params, self.role)
-        return TrackedRow(
-            int(pairing["slot"]), int(pairing["key"]), output_token_ids, RowSampling.from_dict(pairing["sampling"])
-        )
+        slot, key = int(pairing["slot"]), int(pairing["key"])
+        row = TrackedRow(slot, key, output_token_ids, RowSampling.from_dict(pairing["sampling"]))
+        if abs(int(self.session.control[slot, Slot.KEY])) == key:  # else the request is gone: its row is abandoned
+            row.participants = int(self.session.control[slot, Slot.PARTICIPANTS])
+        return row
 
     def untrack(self, row: TrackedRow) -> None:
         self.session.release(row.slot, row.key, self.position)

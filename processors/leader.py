@@ -5,7 +5,9 @@ rows that are ready at once: gathers every model's rows in roster order (``Model
 mixes, draws (``dual_sampling.decision.pipeline``), writes the token and its records (the roster's
 columns) to shared memory, and wakes the followers. Every engine runs the same requests at every
 step (the schedulers see to it), so the followers' rows for a step arrive in one round; rows are
-still served in whatever order they become ready.
+still served in whatever order they become ready. A request that names some teachers only
+(``Slot.PARTICIPANTS``) waits for their rows alone, and the rows of the teachers it leaves out are
+taken as θ's at weight 0 (``ModelRows.absent``).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class LeaderLogitsProcessor(BaseSyncLogitsProcessor):
         self.roster = Roster(self.config.roster)
         # The leader's rows are its raw logits; every follower's arrive normalised (its engine took the log-softmax).
         self._normalized = (False, *(True,) * (len(self.roster.names) - 1))
-        self._row_steps = [slot_word(ModelSlot.ROW_STEP, p) for p in range(1, len(self.roster.names))]
+        self._row_steps = [(p, slot_word(ModelSlot.ROW_STEP, p)) for p in range(1, len(self.roster.names))]
         self._own_rows = RowGatherer(self.vocab)
         self.alpha_computer = get_alpha_computer(self.config.alpha_method, **self.config.alpha_config)
         self._taken: dict[int, dict[int, int]] = {}
@@ -111,6 +113,7 @@ class LeaderLogitsProcessor(BaseSyncLogitsProcessor):
                 self.roster,
                 self._normalized,
                 (None, *(torch.from_numpy(normalisers[f, slots]) for f in range(len(rows) - 1))),
+                self._absent(part),
             )
             d = decide(
                 models,
@@ -174,7 +177,9 @@ class LeaderLogitsProcessor(BaseSyncLogitsProcessor):
                     decided[i] = row.filler
                     del pending[i]
                     s.add_model_stat(0, ModelWord.ABANDONED, 1)
-                elif all(control[row.slot, word] == row.step for word in self._row_steps):
+                elif all(
+                    control[row.slot, word] == row.step for p, word in self._row_steps if row.participants >> p & 1
+                ):
                     ready.append((i, row))
             if ready and len(ready) < len(pending) and self._publication_overlapped(publications):
                 # The scan raced a follower's stores: the rest of this step's rows are on their way. Deciding now
@@ -203,6 +208,15 @@ class LeaderLogitsProcessor(BaseSyncLogitsProcessor):
         s.add_model_stat(0, ModelWord.WAIT_NS, int((time.monotonic() - start - mixing_s) * 1e9))
         return decided
 
+    def _absent(self, part: list[tuple[int, TrackedRow]]) -> torch.Tensor | None:
+        """``[b, M]`` bool: per row, the models its request leaves out (their rows were never published); None when
+        every row has every model."""
+        models = len(self.roster.names)
+        every = (1 << models) - 1
+        if all(row.participants & every == every for _, row in part):
+            return None
+        return torch.tensor([[not row.participants >> p & 1 for p in range(models)] for _, row in part])
+
     def _publications(self) -> list[int]:
         """Each follower's publication sequence word."""
         return self.session.model_words[1:, ModelWord.PUBLICATIONS].tolist()
@@ -226,7 +240,12 @@ class LeaderLogitsProcessor(BaseSyncLogitsProcessor):
                 self._fail_row(row, "reading a follower's row")
             return {i: row.filler for i, row in ready}
         # One reduction per model: NaN or +inf makes the row max non-finite, and so does a row with nothing finite.
-        bad = torch.stack([~torch.isfinite(r.amax(-1)) for r in rows]).any(0).tolist()
+        # A model a request leaves out published nothing for it: whatever its slot holds is not looked at.
+        bad_rows = torch.stack([~torch.isfinite(r.amax(-1)) for r in rows])  # [M, b]
+        absent = self._absent(ready)
+        if absent is not None:
+            bad_rows &= ~absent.T.to(bad_rows.device)
+        bad = bad_rows.any(0).tolist()
         decided = {}
         for (i, row), is_bad in zip(ready, bad):
             if is_bad:

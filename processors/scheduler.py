@@ -60,6 +60,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 from dual_sampling.lockstep import (
+    PLAN_RING,
     Bell,
     ErrorCode,
     Finish,
@@ -517,8 +518,7 @@ class FollowerScheduler(LockstepScheduler):
         self.session.ring(Bell.TO_LEADER, self.writer)
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        number = self.plans_consumed
-        plan = self._await_plan(number)
+        number, plan = self._await_plan(self.plans_consumed)
         admit = [] if plan is None else self._apply_plan(number, plan)
         # Without a plan nothing runs here: _await_plan returns None only once no request is running.
         with self.queue_only(admit):
@@ -526,33 +526,38 @@ class FollowerScheduler(LockstepScheduler):
         if plan is not None:
             self.refuse_preemptions(out)
             self._check_batch(out, plan)
-            self.plans_consumed = number + 1
-            self.session.model_words[self.position, ModelWord.PLANS_CONSUMED] = number + 1
+            number += 1
+        self.plans_consumed = number  # the plans passed over (_skip_plans) count as consumed too
+        self.session.model_words[self.position, ModelWord.PLANS_CONSUMED] = number
         self.mark_scheduled(out)
         return out
 
     # ------------------------------------------------------------------ plans
 
-    def _await_plan(self, number: int) -> list[int] | None:
-        """Plan ``number``; None if it is not there and nothing here runs (after a short wait) or it never came."""
+    def _await_plan(self, number: int) -> tuple[int, list[int] | None]:
+        """The next plan to run from ``number`` on, with its number; (the number to look at next, None) if none is
+        there and nothing here runs (after a short wait) or it never came. While nothing runs here, plans that name
+        none of this engine's requests are passed over (:meth:`_skip_plans`)."""
         s = self.session
         start = time.monotonic()
         deadline = start + self.sync_timeout
         try:
             while True:
                 seen = s.bell_value(Bell.PLAN)
+                if not self.running:
+                    number = self._skip_plans(number)
                 plan = s.read_plan(number)
                 if plan is not None:
-                    return plan
+                    return number, plan
                 self._follow_endings(number)
                 now = time.monotonic()
                 if s.is_shut_down:
                     for request, ticket in self.live_requests():
                         self._end(request, ticket, Finish.ERROR, error=ErrorCode.SHUTDOWN)
-                    return None
+                    return number, None
                 if not self.running:
                     if now - start >= IDLE_WAIT_S:
-                        return None
+                        return number, None
                     s.wait_bell(Bell.PLAN, seen, IDLE_WAIT_S - (now - start))
                     continue
                 if now >= deadline:
@@ -566,10 +571,34 @@ class FollowerScheduler(LockstepScheduler):
                         ticket = self.tickets.get(request.request_id)
                         if ticket is not None:
                             self._end(request, ticket, Finish.ERROR, error=ErrorCode.SYNC_TIMEOUT)
-                    return None
+                    return number, None
                 s.wait_bell(Bell.PLAN, seen, min(deadline - now, WAIT_CAP_S))
         finally:
             s.add_model_stat(self.position, ModelWord.PLAN_WAIT_NS, int((time.monotonic() - start) * 1e9))
+
+    def _skip_plans(self, number: int) -> int:
+        """The first plan from ``number`` on that may concern this engine, which runs nothing now.
+
+        Where requests leave teachers out (:attr:`Slot.PARTICIPANTS`), the leader steps on without a follower that
+        runs none of them, and the plan ring moves past it. Each plan published since that names no request of this
+        engine is passed over, and so is one the ring overwrote: a plan that admits a request of this engine is kept
+        until this engine has run it, since the leader's step on it waits for this engine's row.
+        """
+        s = self.session
+        published = int(s.header[Header.PLANS_PUBLISHED])
+        number = max(number, published - PLAN_RING)  # the ring holds the last PLAN_RING plans only
+        held = {ticket.entry for ticket in self.tickets.values()}
+        while number < published:
+            plan = s.read_plan(number)
+            if plan is not None and any(entry in held or self._takes_part(entry) for entry in plan):
+                break
+            number += 1
+        return number
+
+    def _takes_part(self, entry: int) -> bool:
+        """Whether this engine runs the request of a plan entry (it was named among the request's participants)."""
+        slot, key = split_plan_entry(entry)
+        return self.session.takes_part(slot, key, self.position)
 
     def _follow_endings(self, number: int) -> None:
         """End every request the leader ended before plan ``number`` (or dropped before admitting it)."""
@@ -598,6 +627,8 @@ class FollowerScheduler(LockstepScheduler):
             request, ticket = by_entry.get(entry, (None, None))
             if request is not None and id(request) in running:
                 continue
+            if request is None and not self._takes_part(entry):
+                continue  # a request that leaves this model out: its engine never receives it
             if request is None or request.status != RequestStatus.WAITING:
                 # Not here, or not waiting: its slot gets the error even when this engine holds no request for it.
                 slot, key = split_plan_entry(entry)

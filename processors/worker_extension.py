@@ -3,7 +3,7 @@ worker to do, through ``collective_rpc``, while no request runs on it.
 
 - ``dual_sampling_reload_weights``: new weights in place (:mod:`processors.weights_reload` says why vLLM's own
   reload is not enough for tied models on the CPU).
-- ``dual_sampling_set_alpha``: a new alpha computer for the teacher's processor (a trust_region budget annealed
+- ``dual_sampling_set_alpha``: a new alpha computer for the leader's processor (a trust_region budget annealed
   between distillation rounds, say), built in the worker from its registry name and configuration.
 - ``dual_sampling_install_speculative``: in ``mode="speculative"``, the mixture's sampling step and theta's seeded
   drafts on the teacher engine's model runner (:mod:`processors.speculative`).

@@ -299,3 +299,50 @@ def test_a_bounded_total_is_exact_in_float64_and_unmixable_rows_keep_trust_regio
     assert result.passes == 0
     with pytest.raises(ValueError, match=r"alpha_init must have shape \[K\] or \[B, K\] = \[6, 2\], got \(6,\)"):
         get_alpha_computer("kl_symmetry").compute_teachers(theta, teachers, alpha_init=torch.zeros(6))
+
+
+@pytest.mark.parametrize(
+    ("method", "config"),
+    [
+        ("kl_symmetry", {}),
+        ("kl_symmetry", {"alpha_min": 0.2, "alpha_max": 0.6}),
+        ("kl_symmetry", {"alpha_min": 0.6, "alpha_max": 0.9}),  # a lower bound that binds among the present
+        ("trust_region", {"kl_budget": 0.05, "alpha_min": 0.3, "teacher_shares": [0.0, 2.0, 3.0]}),
+        ("trust_region", {"kl_budget": 0.3, "teacher_shares": [1.0, 2.0, 3.0]}),
+        ("fixed", {"alpha": [0.2, 0.3, 0.1]}),
+    ],
+)
+def test_a_row_that_leaves_teachers_out_weights_the_others_as_if_they_were_all_there_is(method, config):
+    """A request that names some teachers only (``absent``): each of its rows gets exactly what the method gives
+    the present teachers alone (SciPy's optimum for kl_symmetry), 0 for the others, whose rows are never read (NaN
+    here). Rows of one call may leave different teachers out."""
+    theta, teachers = random_rows(4, 3, 40, seed=21)
+    absent = torch.tensor([[False, True, False], [True, False, True], [False, False, False]])
+    blurred = torch.where(absent.T.unsqueeze(-1), torch.nan, teachers)  # an absent teacher's row: never computed
+    ac = get_alpha_computer(method, **config)
+    got = ac.compute_teachers(theta, blurred, normalized=True, absent=absent).alpha
+    assert bool((got[absent] == 0).all())
+    # A warm start (the previous token's α) moves no solution.
+    warm = ac.compute_teachers(theta, blurred, torch.full((3, 3), 0.3), normalized=True, absent=absent).alpha
+    np.testing.assert_allclose(warm.numpy(), got.numpy(), atol=1e-6)
+    for row in range(3):
+        present = (~absent[row]).nonzero().flatten().tolist()
+        alone = dict(config)
+        if method == "trust_region":
+            shares = [config["teacher_shares"][i] for i in present]
+            alone["teacher_shares"] = shares if sum(shares) > 0 else None  # asked for, so they split equally
+        if method == "fixed":
+            alone["alpha"] = [config["alpha"][i] for i in present]
+            alone["alpha"] = alone["alpha"][0] if len(present) == 1 else alone["alpha"]
+        want = (
+            get_alpha_computer(method, **alone)
+            .compute_teachers(theta[row], teachers[present, row], normalized=True)
+            .alpha
+        )
+        np.testing.assert_allclose(got[row, present].numpy(), want.numpy(), atol=1e-9, err_msg=f"row {row}")
+        if method == "kl_symmetry" and len(present) > 1:
+            lo, hi = config.get("alpha_min", 0.0), config.get("alpha_max", 1.0)
+            scipy = scipy_optimum(theta[row].numpy(), teachers[present, row].numpy(), lo, hi)
+            np.testing.assert_allclose(got[row, present].numpy(), scipy, atol=1e-5)
+    with pytest.raises(ValueError, match="absent leaves no teacher in rows 0"):
+        ac.compute_teachers(theta[:1], teachers[:, :1], normalized=True, absent=torch.ones(1, 3, dtype=torch.bool))

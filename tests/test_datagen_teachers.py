@@ -21,7 +21,7 @@ from dual_sampling.roster import THETA, Roster
 from dual_sampling.testing.scripted import ScriptedSampler
 from tests.test_datagen import all_pairs, problems, strict_json
 
-ROSTER = Roster(("math", "general", THETA))
+ROSTER = Roster.of_teachers(("math", "general"))
 
 
 def teachers_config(tiny_same, tmp_path, **overrides) -> RunConfig:
@@ -69,7 +69,7 @@ def test_teacher_flags_name_each_teacher_and_its_hint(tiny_same, tmp_path):
     assert config.source.model_hint_fields == {"math": "solution", "general": None, THETA: None}
     shared = dataclasses.replace(config.source, hint_field="solution")
     assert shared.model_hint_fields == {"math": "solution", "general": "solution", THETA: "solution"}
-    assert list(config.source.folders) == ["math", "general", THETA]
+    assert list(config.source.folders) == [THETA, "math", "general"]  # roster order: θ leads
     served = _per_teacher(
         vars(build_parser().parse_args(["serve", "--teacher", f"math={teacher}", "--teacher", "g=x"]))
     )

@@ -618,6 +618,7 @@ def test_lockstep_config_round_trips_through_vllm_and_refuses_by_name():
         LockstepConfig.from_vllm(engine, False, "P")
     with pytest.raises(ValueError, match="incomplete"):
         LockstepConfig.from_vllm(SimpleNamespace(additional_config={"dual_sampling": {"role": "theta"}}), False, "P")
+    assert LockstepConfig("theta", "s", 1.0, roster=("theta", "teacher", "coach")).leads  # several teachers' runs
     three = LockstepConfig("coach", "s", 1.0, roster=("teacher", "theta", "coach"))
     assert (
         three.position == 2
@@ -627,7 +628,7 @@ def test_lockstep_config_round_trips_through_vllm_and_refuses_by_name():
         ("sync_timeout", 0, "sync_timeout"),
         ("role", "student", "role"),
         ("roster", ("teacher", "coach"), "roster"),
-        ("roster", ("theta", "teacher"), "roster"),
+        ("roster", ("theta", "teacher"), "roster"),  # a pair: its one teacher leads
         ("mix_helper_cpus", (-1,), "mix_helper_cpus"),
     ):
         with pytest.raises(ValueError, match=f"^{name} must"):

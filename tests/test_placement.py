@@ -20,7 +20,7 @@ from dual_sampling.testing import tiny_models
 
 GiB = 1 << 30
 BOTH = (Role.TEACHER, Role.THETA)
-TRIO = Roster(("math", "general", THETA))
+TRIO = Roster.of_teachers(("math", "general"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,9 +45,9 @@ def config(roster: Roster = PAIR, **options) -> DualEngineConfig:
 
 
 def plan(needs_gib, gpus_gib: list[float], visible: str | None = None, roles=BOTH, roster: Roster = PAIR, **options):
-    """The placement of the engines of ``roles`` (by name), each needing ``needs_gib`` (in roster order)."""
+    """The placement of the engines of ``roles`` (by name), each needing ``needs_gib`` (the teachers', then θ's)."""
     models = tuple(m for m in config(roster, **options).model_engines() if m.name in roles)
-    needs = {name: int(n * GiB) for name, n in zip(roster.names, needs_gib)}
+    needs = {name: int(n * GiB) for name, n in zip((*roster.teachers, THETA), needs_gib)}
     return placement.plan_placement(models, roster, needs, [int(g * GiB) for g in gpus_gib], visible)
 
 
@@ -143,7 +143,7 @@ def test_several_teachers_each_take_the_gpu_and_share_given_by_name():
             (40, 30, 20),
             [80],
             {},
-            r"^GPU 0 has 80.0 GiB; the math engine 40.0 GiB and the general engine 30.0 GiB and the theta engine 20.0 "
+            r"^GPU 0 has 80.0 GiB; the theta engine 20.0 GiB and the math engine 40.0 GiB and the general engine 30.0 "
             r"GiB need more at least .*: place theta on another GPU \(theta_device\)",
         ),
     ],

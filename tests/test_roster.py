@@ -117,8 +117,8 @@ def _model_folder(path, name: str) -> str:
 def test_each_engine_of_several_teachers_gets_its_own_model_settings_and_role(tmp_path, monkeypatch):
     """Without engines: a trio's engine arguments, built as the engines would start. Each engine gets its model's
     folder and its own vLLM arguments (a teacher's by its name), the first teacher's engine leads and the others
-    follow, every engine knows the whole roster and reads the leading teacher's tokenizer; on two CPUs the engines
-    are placed by their models' size, and the leader borrows θ's CPU where it is not its own."""
+    follow, every engine knows the whole roster and reads the first teacher's tokenizer; on two CPUs the engines
+    are placed by their models' size, and the leader borrows the followers' CPUs that are not its own."""
     from dual_sampling.driver import engine_processes
     from dual_sampling.driver.pair import EnginePair
     from dual_sampling.lockstep import LockstepConfig
@@ -133,36 +133,38 @@ def test_each_engine_of_several_teachers_gets_its_own_model_settings_and_role(tm
         theta_engine_kwargs={"enforce_eager": True},
         kv_cache_memory_bytes=1 << 20,
     )
-    assert config.roster.names == ("math", "general", THETA)
+    assert config.roster.names == (THETA, "math", "general")  # θ leads: it takes part in every mixture
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    # By load: the largest first, each on the CPU with the least so far (θ joins the smaller teacher).
-    binding = engine_processes.split_cpu_binding(config.roster.names, [30, 27, 16])
+    # By load (in roster order: θ, math, general): the largest first, each on the CPU with the least so far (θ joins
+    # the smaller teacher).
+    binding = engine_processes.split_cpu_binding(config.roster.names, [16, 30, 27])
     assert binding == {"math": "0", "general": "1", THETA: "1"}
-    small_leader = engine_processes.split_cpu_binding(config.roster.names, [10, 27, 16])
-    assert small_leader == {"math": "1", "general": "0", THETA: "1"}
-    assert engine_processes.split_cpu_binding(config.roster.names) == {"math": "0", "general": "1", THETA: "0"}
-    binding = {"math": "0", "general": "1", THETA: "1"}
+    small_math = engine_processes.split_cpu_binding(config.roster.names, [16, 10, 27])
+    assert small_math == {"math": "1", "general": "0", THETA: "1"}
+    assert engine_processes.split_cpu_binding(config.roster.names) == {THETA: "0", "math": "1", "general": "0"}
     pair = object.__new__(EnginePair)  # its engine arguments alone: no engines, no session
     pair.config, pair.session_name, pair.max_model_len, pair.budget = config, "s", 256, 2048
     pair.binding, pair.places, pair.row_transport = binding, {}, "host"
     kwargs = {name: pair.engine_kwargs(name) for name in config.roster.names}
     assert {name: k["model"] for name, k in kwargs.items()} == folders
-    assert {k["tokenizer"] for k in kwargs.values()} == {folders["math"]}
-    assert [k.get("dtype") for k in kwargs.values()] == ["float32", "bfloat16", "float32"]
+    assert {k["tokenizer"] for k in kwargs.values()} == {folders["math"]}  # the first teacher's
+    assert [k.get("dtype") for k in kwargs.values()] == ["float32", "float32", "bfloat16"]
     assert kwargs[THETA]["enforce_eager"] is True
-    assert kwargs["math"]["scheduler_cls"] is LeaderScheduler
-    assert kwargs["math"]["logits_processors"] == [LeaderLogitsProcessor]
-    for name in ("general", THETA):
+    assert kwargs[THETA]["scheduler_cls"] is LeaderScheduler
+    assert kwargs[THETA]["logits_processors"] == [LeaderLogitsProcessor]
+    for name in ("math", "general"):
         assert kwargs[name]["scheduler_cls"] is FollowerScheduler
         assert kwargs[name]["logits_processors"] == [FollowerLogitsProcessor]
     engine_configs = {
-        name: LockstepConfig.from_vllm(SimpleNamespace(additional_config=k["additional_config"]), name == "math", name)
+        name: LockstepConfig.from_vllm(SimpleNamespace(additional_config=k["additional_config"]), name == THETA, name)
         for name, k in kwargs.items()
     }
     assert {name: c.role for name, c in engine_configs.items()} == {name: name for name in config.roster.names}
     assert {c.roster for c in engine_configs.values()} == {config.roster.names}
-    assert engine_configs["math"].mix_helper_cpus == (1,)  # θ's CPU, idle while the leader decides
+    # The math teacher's CPU, idle while θ decides (the general teacher shares θ's own).
+    assert engine_configs[THETA].mix_helper_cpus == (0,)
+    assert engine_configs["math"].mix_helper_cpus == engine_configs["general"].mix_helper_cpus == ()
 
 
 def test_several_teachers_settings_are_refused_by_the_field_that_holds_them(tmp_path):
@@ -177,8 +179,8 @@ def test_several_teachers_settings_are_refused_by_the_field_that_holds_them(tmp_
         DualEngineConfig({"math": folders["math"]}, folders[THETA])
     with pytest.raises(FileNotFoundError, match=r"model_teacher\['general'\]"):
         DualEngineConfig({"math": folders["math"], "general": str(tmp_path / "nowhere")}, folders[THETA])
-    with pytest.raises(ValueError, match="teacher_device: placing several teachers"):
-        DualEngineConfig(teachers, folders[THETA], teacher_device=0)
+    with pytest.raises(ValueError, match="teacher_device: 'coach' names no teacher here"):
+        DualEngineConfig(teachers, folders[THETA], teacher_device={"coach": 0})
     config = DualEngineConfig(teachers, folders[THETA], teacher_engine_kwargs={"general": {"max_num_seqs": 4}})
     with pytest.raises(ValueError, match=r"teacher_engine_kwargs\['general'\] sets max_num_seqs"):
         EnginePair(config, "s", 256)
@@ -203,7 +205,7 @@ def test_more_engines_than_cpus_are_placed_by_their_weights_bytes(tmp_path, monk
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     loads = pair._loads()
-    assert loads == [1200, 1080, 640]  # float32 bytes
+    assert loads == [640, 1200, 1080]  # float32 bytes, in roster order (θ, math, general)
     assert engine_processes.split_cpu_binding(config.roster.names, loads) == {"math": "0", "general": "1", THETA: "1"}
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2})
     assert pair._loads() is None  # an engine per CPU: no weight file is read

@@ -21,7 +21,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from alpha import get_alpha_computer
 from dual_sampling.decision.pipeline import ModelRows, RowSampling, decide
-from dual_sampling.lockstep import CONFIG_KEY, ErrorCode, SessionLayout, Slot, SyncError, SyncSession
+from dual_sampling.lockstep import CONFIG_KEY, PLAN_RING, ErrorCode, SessionLayout, Slot, SyncError, SyncSession
 from dual_sampling.roster import THETA, Roster
 from dual_sampling.testing.sim_engines import EOS, NAN_STEP, VOCAB, Adversity, SimEnginePair, sim_configs, sim_logits
 
@@ -60,18 +60,36 @@ async def final_tokens(
     return tokens, reason
 
 
-def expected_records(seed: int, steps: list[int], tokens: list[int]) -> np.ndarray:
-    """float64 records of each token in the roster's columns, recomputed from the simulated logits at the leader's
-    step of each token: α per teacher, log π of each model, log q."""
-    alpha = torch.tensor(ALPHA, dtype=torch.float64)
+def expected_records(
+    seed: int,
+    steps: dict[str, list[int]] | list[int],
+    tokens: list[int],
+    roster: Roster = ROSTER,
+    teachers: tuple[str, ...] | None = None,
+) -> np.ndarray:
+    """float64 records of each token in ``roster``'s columns, recomputed from the simulated logits at each model's
+    own step of each token (``steps`` by model name; one list: every model's is the leader's): α per teacher, log π
+    of each model, log q. ``teachers``: the request's teacher set (the others weigh 0; their log π columns are NaN
+    here, never compared)."""
+    chosen = roster.teachers if teachers is None else teachers
+    alpha = torch.tensor([a if t in chosen else 0.0 for t, a in zip(roster.teachers, ALPHA)], dtype=torch.float64)
     out = []
-    for position, (token, step) in enumerate(zip(tokens, steps)):
-        logp = {name: torch.log_softmax(sim_logits(name, seed, position, step).double(), -1) for name in ROSTER.names}
-        teachers = torch.stack([logp[name] for name in ROSTER.teachers])
-        mixed = (1 - alpha.sum()) * logp[THETA] + (alpha[:, None] * teachers).sum(0)
+    for position, token in enumerate(tokens):
+        logp = {
+            name: torch.log_softmax(
+                sim_logits(
+                    name, seed, position, (steps if isinstance(steps, list) else steps[name])[position]
+                ).double(),
+                -1,
+            )
+            for name in roster.names
+            if name == THETA or name in chosen
+        }
+        mixed = (1 - alpha.sum()) * logp[THETA] + sum(a * logp[t] for t, a in zip(roster.teachers, alpha) if a > 0)
         logq = torch.log_softmax(mixed, -1)
-        out.append([*ALPHA, *(float(logp[name][token]) for name in ROSTER.names), float(logq[token])])
-    return np.array(out).reshape(len(tokens), ROSTER_WIDTH)
+        logps = [float(logp[name][token]) if name in logp else float("nan") for name in roster.names]
+        out.append([*alpha.tolist(), *logps, float(logq[token])])
+    return np.array(out).reshape(len(tokens), len(roster.token_columns))
 
 
 @dataclass
@@ -91,19 +109,37 @@ class TrioRun:
     stats: dict
     batches: list
     token_steps: dict
+    """The leader's step of each token, per sample seed."""
+    model_steps: dict
+    """Each model's own step of each token, per model name and sample seed."""
+    admit_plans: list
+    """Per request, the number of the leader's plan that admitted it."""
 
 
-def run_trio(seed: int, count: int, adversity: Adversity, max_num_seqs: int = 4, **sampling: object) -> TrioRun:
-    """``count`` requests through three simulated engines (the roster :data:`ROSTER`), each with a distinct prompt of
-    its own on each engine, as a driver of three would submit them; ``sampling``: further RowSampling fields."""
+def run_trio(
+    seed: int,
+    count: int,
+    adversity: Adversity,
+    max_num_seqs: int = 4,
+    roster: Roster = ROSTER,
+    teacher_sets: list | None = None,
+    waves: list[int] | None = None,
+    **sampling: object,
+) -> TrioRun:
+    """``count`` requests through three simulated engines (``roster``'s), each with a distinct prompt of its own on
+    each engine, as a driver of three would submit them; ``teacher_sets``: per request, the teachers it takes (None:
+    all), its slot naming its participants and only their engines receiving it; ``waves``: per request, the wave it
+    is submitted in (each wave once the one before has ended; None: all at once); ``sampling``: further RowSampling
+    fields."""
     rng = random.Random(seed)
+    teacher_sets = teacher_sets or [None] * count
     configs = sim_configs(
         max_num_seqs,
         MAX_MODEL_LEN,
         MAX_MODEL_LEN,
         20.0,
         adversity.prefix_caching,
-        roster=ROSTER.names,
+        roster=roster.names,
         alpha_method="fixed",
         alpha_config={"alpha": ALPHA},
     )
@@ -111,7 +147,7 @@ def run_trio(seed: int, count: int, adversity: Adversity, max_num_seqs: int = 4,
     requests = []
     for k in range(count):
         # Distinct prompts of uneven lengths on each engine: the leader budgets every follower's prefill.
-        prompts = [[rng.randrange(17, VOCAB) for _ in range(rng.randint(1, 40))] for _ in ROSTER.names]
+        prompts = [[rng.randrange(17, VOCAB) for _ in range(rng.randint(1, 40))] for _ in roster.names]
         stops = (EOS, rng.randrange(17, VOCAB))
         requests.append(
             (
@@ -124,24 +160,38 @@ def run_trio(seed: int, count: int, adversity: Adversity, max_num_seqs: int = 4,
         )
 
     with SyncSession.create(layout) as session:
-        session.names = ROSTER.names
+        session.names = roster.names
         engines = SimEnginePair(session.name, configs, random.Random(seed + 1), adversity, max_num_seqs, MAX_MODEL_LEN)
         try:
 
             async def one(slot, key, prompts, sampling, max_tokens):
-                session.open_slot(slot, key, [len(p) for p in prompts])
+                chosen = teacher_sets[slot]
+                running = [n for n in roster.names if n == THETA or chosen is None or n in chosen]
+                session.open_slot(slot, key, [len(p) for p in prompts], [roster.position(n) for n in running])
                 kinds = [RequestOutputKind.DELTA] + [RequestOutputKind.FINAL_ONLY] * (len(prompts) - 1)
                 out = await asyncio.gather(
                     *(
                         final_tokens(engines.engines[name], p, params(slot, key, sampling, max_tokens, kind), f"r{key}")
-                        for name, p, kind in zip(ROSTER.names, prompts, kinds)
+                        for name, p, kind in zip(roster.names, prompts, kinds)
+                        if name in running
                     )
                 )
                 session.close_slot(slot)  # the driver has read it
+                # Per model of the roster: its (tokens, finish reason), or (None, None) for a model left out.
+                got = dict(zip(running, out))
+                return [got.get(name, (None, None)) for name in roster.names]
+
+            async def waves_in_turn():
+                order = waves or [0] * count
+                out = [None] * count
+                for wave in sorted(set(order)):
+                    now = [k for k in range(count) if order[k] == wave]
+                    for k, result in zip(now, await asyncio.gather(*(one(*requests[k]) for k in now))):
+                        out[k] = result
                 return out
 
             async def main():
-                return await asyncio.wait_for(asyncio.gather(*(one(*r) for r in requests)), 240)
+                return await asyncio.wait_for(waves_in_turn(), 240)
 
             outputs = asyncio.run(main())
             deadline = time.monotonic() + 10  # the engines release finished requests at their next step
@@ -157,8 +207,10 @@ def run_trio(seed: int, count: int, adversity: Adversity, max_num_seqs: int = 4,
                 [session.tokens[slot, :n].tolist() for (slot, *_), n in zip(requests, counts)],
                 session.held_slots(),
                 session.statistics(),
-                [[[rid for rid, _ in b] for b in engines.cores[name].batches] for name in ROSTER.names],
-                engines.cores[ROSTER.names[0]].token_steps,
+                [[[rid for rid, _ in b] for b in engines.cores[name].batches] for name in roster.names],
+                engines.cores[roster.names[0]].token_steps,
+                {name: engines.cores[name].token_steps for name in roster.names},
+                [int(session.control[slot, Slot.ADMIT_PLAN]) for slot, *_ in requests],
             )
         finally:
             engines.close()
@@ -264,3 +316,62 @@ def test_an_engine_whose_roster_is_not_the_sessions_is_refused_by_name():
     layout = SessionLayout(vocab=VOCAB, slots=2, max_steps=MAX_MODEL_LEN, plan_width=2)
     with SyncSession.create(layout) as session, pytest.raises(SyncError, match=r"names 3 models; the session .* 2"):
         SimEnginePair(session.name, configs, random.Random(0), Adversity(), 2, MAX_MODEL_LEN)
+
+
+LED_BY_THETA = Roster.of_teachers(("teacher", "coach"))
+"""A run's roster of two teachers: θ leads (it takes part in every mixture), the teachers follow."""
+
+
+@pytest.mark.timeout(300)
+def test_requests_that_name_their_teachers_run_on_those_engines_alone_and_record_their_mixture():
+    """Per-request teacher sets (``DualRequest.teachers``): each request runs on θ's engine and its teachers' only.
+    The first requests take one teacher, so the other teacher's engine idles while the leader steps on past the
+    plan ring (it must pass over plans that are not its own, then join exactly at its request's admission); later
+    requests take either teacher, both or the default. Under late deliveries, one-sided aborts and a follower with
+    prefix caching: every participant emits the same tokens, a left-out engine never schedules the request, each
+    follower's steps are the leader's restricted to its requests, and every record equals a float64 re-scoring at
+    each model's own step, a left-out teacher weighing exactly 0."""
+    sets = [("teacher",)] * 4 + [("coach",), ("teacher", "coach"), None, ("coach",), ("teacher",), ("coach",)]
+    hazards = dict(delay_turns={"theta": 2, "teacher": 4, "coach": 6}, one_sided_abort_rate=0.2)
+    run = run_trio(
+        23,
+        len(sets),
+        Adversity(**hazards, prefix_caching=frozenset({"coach"})),
+        roster=LED_BY_THETA,
+        teacher_sets=sets,
+        waves=[0] * 4 + [1] * 6,
+    )
+    assert run.errors == [(ErrorCode.NONE, -1)] * len(sets), run.errors
+    names = LED_BY_THETA.names
+    completed = 0
+    for index, ((_, key, _, sampling, _), chosen) in enumerate(zip(run.requests, sets)):
+        running = {n for n in names if n == THETA or chosen is None or n in chosen}
+        tokens = dict(zip(names, run.tokens[index]))
+        reasons = dict(zip(names, run.reasons[index]))
+        assert {n for n in names if tokens[n] is not None} == running
+        assert len({tuple(tokens[n]) for n in running}) == 1, f"request {key}: {tokens}"
+        assert len({reasons[n] for n in running}) == 1, f"request {key}: {reasons}"
+        completed += reasons[THETA] != "abort"
+        assert run.recorded_tokens[index] == tokens[THETA]
+        for name in set(names) - running:  # its engine never scheduled the request
+            assert all(f"r{key}" not in step for step in run.batches[names.index(name)]), (name, key)
+        steps = {n: run.model_steps[n].get(sampling.seed, []) for n in running}
+        want = expected_records(sampling.seed, steps, run.recorded_tokens[index], LED_BY_THETA, chosen)
+        compared = [c for c, value in zip(LED_BY_THETA.token_columns, want[0] if len(want) else []) if value == value]
+        got = run.records[index]
+        for column in compared:
+            k = LED_BY_THETA.token_columns.index(column)
+            np.testing.assert_allclose(got[:, k], want[:, k], rtol=0, atol=2e-5, err_msg=f"request {key} {column}")
+    assert completed >= 5
+    # Each follower ran exactly the leader's steps that held one of its requests, each with exactly those requests.
+    leader = run.batches[0]
+    for position, name in enumerate(names[1:], 1):
+        mine = {f"r{key}" for (_, key, *_), chosen in zip(run.requests, sets) if chosen is None or name in chosen}
+        wanted = [[rid for rid in step if rid in mine] for step in leader]
+        assert run.batches[position] == [step for step in wanted if step], name
+    # The coach's engine ran nothing before its first request, which the leader admitted past the plan ring: the coach
+    # had to pass over plans it could no longer read.
+    assert run.admit_plans[sets.index(("coach",))] >= PLAN_RING, run.admit_plans
+    # (Rows of one step may be decided in several rounds here: the two teachers publish theirs apart.)
+    assert run.stats["follower_diverged"] == 0
+    assert run.released == [], "a slot some engine never released"

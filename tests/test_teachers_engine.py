@@ -93,10 +93,82 @@ def _check_sample(sample, rows: dict[str, np.ndarray], alpha: np.ndarray) -> flo
     columns = sample.roster_columns
     worst = 0.0
     for name in rows:
+        if f"logp_{name}" not in columns:  # a teacher the sample's request left out
+            continue
         worst = max(worst, float(np.abs(np.array(columns[f"logp_{name}"]) - rows[name][steps, tokens]).max()))
     logq = _mixture(rows, alpha)[steps, tokens]
     worst = max(worst, float(np.abs(np.array(columns["logq"]) - logq).max()) / 2)  # log q's bound is twice log π's
     return worst
+
+
+def _counting(generate, counts: dict[str, int], name: str):
+    """``generate`` of one engine, counting the requests it is handed under ``name``."""
+
+    def counted(*args, **kwargs):
+        counts[name] = counts.get(name, 0) + 1
+        return generate(*args, **kwargs)
+
+    return counted
+
+
+def test_a_request_that_names_its_teachers_runs_on_their_engines_alone(trio):
+    """Per-request teacher sets: a call that names one teacher mixes θ with it alone. The other teacher's engine does
+    no work for it (its rows do not move), each sample names its teachers and has no log π column for the one left
+    out, whose α is exactly 0; the rest re-score in float64 on each model's own prompt. The qwen teacher's hint
+    reaches it when it is the one named. Bad sets are refused by field before anything starts."""
+    engine, hf = trio
+    hinted = {"qwen": [LONG_HINT + p for p in PROMPTS]}
+    submitted: dict[str, int] = {}
+    engines = engine.driver.engines.engines
+    for name, vllm_engine in engines.items():  # count what each engine is handed
+        vllm_engine.generate = _counting(vllm_engine.generate, submitted, name)
+    try:
+        runs = []
+        for chosen, idle in ((("llama",), "qwen"), (("qwen",), "llama")):
+            submitted.clear()
+            before = engine.get_sync_statistics()
+            out = engine.generate(PROMPTS, teacher_prompts=hinted, n=2, max_tokens=10, seed=9, teachers=list(chosen))
+            runs.append((chosen, idle, out, before, engine.get_sync_statistics(), dict(submitted)))
+    finally:
+        for vllm_engine in engines.values():
+            del vllm_engine.generate  # the class's own again
+    for chosen, idle, out, before, after, handed in runs:
+        tokens = sum(len(s.token_ids) for r in out.requests for s in r.samples)
+        assert handed == {THETA: 4, chosen[0]: 4}, f"the {idle} engine was handed a request that left it out"
+        assert after[f"{idle}_rows"] == before[f"{idle}_rows"], f"the {idle} engine ran a request that left it out"
+        assert after[f"{chosen[0]}_rows"] - before[f"{chosen[0]}_rows"] == tokens > 0
+        for request in out.requests:
+            prompts = {**request.teacher_prompt_token_ids, THETA: request.theta_prompt_token_ids}
+            for sample in request.samples:
+                assert sample.ok and sample.teachers == chosen, (sample.error, sample.teachers)
+                assert f"logp_{idle}" not in sample.roster_columns
+                assert sample.roster_columns[f"alpha_{idle}"] == [0.0] * len(sample.token_ids)
+                weights = dict(zip(engine.roster.teachers, ALPHA))
+                assert sample.roster_columns[f"alpha_{chosen[0]}"] == pytest.approx(
+                    [weights[chosen[0]]] * len(sample.token_ids)
+                )
+                alpha = np.tile([w if t in chosen else 0.0 for t, w in weights.items()], (len(sample.token_ids), 1))
+                assert _check_sample(sample, _rows(hf, prompts, sample.token_ids, engine.vocab), alpha) < RESCORE_ATOL
+    for teachers, message in (
+        (["physics"], "teachers: 'physics' is not a teacher here"),
+        ([], "teachers must be a non-empty list"),
+        (["qwen", "qwen"], "teachers names a teacher twice"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            engine.generate(PROMPTS[:1], max_tokens=2, teachers=teachers)
+    for field in ("dense_logprobs", "top_logprobs"):  # each reports every model's log π
+        with pytest.raises(ValueError, match=f"{field}: a request that leaves teachers out"):
+            engine.generate(PROMPTS[:1], max_tokens=2, teachers=["qwen"], **{field: 2})
+
+    async def deltas():
+        return [d async for d in engine.stream(PROMPTS[0], max_tokens=6, seed=4, teachers=["qwen"])]
+
+    streamed = asyncio.run(deltas())
+    wanted = tuple(c for c in engine.roster.token_columns if c != "logp_llama")
+    assert all(d.columns == wanted and d.records.shape[1] == len(wanted) for d in streamed)
+    joined = np.concatenate([d.records for d in streamed])
+    final = streamed[-1].sample
+    assert final.teachers == ("qwen",) and np.array_equal(joined.T, np.array([final.roster_columns[c] for c in wanted]))
 
 
 def test_records_of_two_teachers_with_their_own_prompts_match_float64_rescoring(trio):
@@ -105,7 +177,7 @@ def test_records_of_two_teachers_with_their_own_prompts_match_float64_rescoring(
     columns', and its one-teacher fields stay empty. Positive control: the qwen teacher re-scored without its hint
     misses by far more than the tolerance, so the hint reached its engine alone."""
     engine, hf = trio
-    assert engine.roster.names == ("qwen", "llama", THETA)
+    assert engine.roster.names == (THETA, "qwen", "llama")  # θ leads: it takes part in every mixture
     out = engine.generate(PROMPTS, teacher_prompts={"qwen": [LONG_HINT + p for p in PROMPTS]}, n=2, max_tokens=12)
     vocab, checked, without_hint = engine.vocab, 0, 0.0
     for request in out.requests:
@@ -142,7 +214,7 @@ def test_a_data_run_of_two_teachers_writes_records_that_match_rescoring(trio, tm
     names = engine.roster.names
     folders = {model.name: model.folder for model in engine.config.model_engines()}
     flags = ["generate", "--input", str(problems(tmp_path / "in.jsonl", 3)), "--output", str(tmp_path / "out.parquet")]
-    flags += [part for name in names[:-1] for part in ("--teacher", f"{name}={folders[name]}")]
+    flags += [part for name in engine.roster.teachers for part in ("--teacher", f"{name}={folders[name]}")]
     flags += ["--theta", folders[THETA], "--hint-field", "qwen=solution", "--id-field", "id", "--no-chat-template"]
     flags += ["--alpha-method", "fixed", "--alpha-config", json.dumps({"alpha": list(ALPHA)})]
     flags += ["--n", "2", "--max-tokens", "10", "--max-model-len", "256", "--no-use-tqdm"]
@@ -155,7 +227,7 @@ def test_a_data_run_of_two_teachers_writes_records_that_match_rescoring(trio, tm
     config = RunConfig.from_settings(settings)
     summary = run_generation(config, engine)
     assert summary["samples_written"] == 6 and summary["failed_samples"] == 0, summary
-    assert summary["alpha_mean_by_teacher"] == pytest.approx(dict(zip(names, ALPHA)))
+    assert summary["alpha_mean_by_teacher"] == pytest.approx(dict(zip(engine.roster.teachers, ALPHA)))
     records = read_records(str(tmp_path / "out.parquet"))
     assert len(records) == 6
     checked = 0

@@ -753,4 +753,4 @@ def test_several_teachers_settings_are_checked_at_construction(settings, message
     with pytest.raises(ValueError, match="^" + message):
         MixtureRollouts(**settings)
     config = MixtureRolloutsConfig(teacher={"math": "a", "general": "b"}, teacher_prompt={"math": str})
-    assert config.roster.names == ("math", "general", "theta") and config.teacher_folders == ("a", "b")
+    assert config.roster.names == ("theta", "math", "general") and config.teacher_folders == ("a", "b")

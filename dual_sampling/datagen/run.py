@@ -107,9 +107,9 @@ def _run(cfg: RunConfig, sampler: Any, paths: dict[str, Path], started: float) -
             logs.append(Journal(paths[name], cfg.resume))
         writer = _Writer(sink, *logs)
         already = len(sink.done) + len(writer.left_out.done)
-        # Every engine tokenizes with the leading teacher's tokenizer (DualEngineConfig.tokenizer_folder).
-        leading = next(iter(folders.values()))
-        tokenizer = sampler.tokenizer if sampler is not None else AutoTokenizer.from_pretrained(leading)
+        # Every engine tokenizes with the first teacher's tokenizer (DualEngineConfig.tokenizer_folder).
+        first_teacher = folders[cfg.source.roster.teachers[0]]
+        tokenizer = sampler.tokenizer if sampler is not None else AutoTokenizer.from_pretrained(first_teacher)
         max_model_len = context_length(tuple(folders.values()), cfg.engine.max_model_len)
         rows = iter_selected(cfg, iter_rows(cfg.input), [], unique=False)  # its rejects were counted above
         too_long: list[dict] = []

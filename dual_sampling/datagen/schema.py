@@ -66,7 +66,7 @@ class Record:
     """Σ (log π_t − log q): likewise towards the teacher."""
     teacher_version: str
     """The teacher's weight version that drew the sample ("0": the weights its engine started with). With several
-    teachers, the leading teacher's (teachers of such a run keep the weights they start with)."""
+    teachers, the first teacher's (teachers of such a run keep the weights they start with)."""
     theta_version: str
     """Theta's weight version that drew the sample: the policy whose π_θ ``log_w_theta`` refers to."""
     score: float | None

@@ -339,14 +339,20 @@ def _decide_reference(
         rows_.float() if models.is_normalized(p) else torch.log_softmax(rows_.float(), dim=-1)
         for p, rows_ in enumerate(models.logits)
     ]
-    logp_teachers = [logp[p] for p in models.teacher_positions]
     logp_theta = logp[models.student_position]
+    absent = models.absent_teachers  # [b, K]: teachers a row leaves out, weight 0
+    if absent is not None:
+        # Rows never computed stand in as θ's: at weight 0 they change no mixture, and no value of them is recorded
+        # (the driver leaves their columns out of the sample).
+        for k, p in enumerate(models.teacher_positions):
+            logp[p] = torch.where(absent[:, k : k + 1], logp_theta, logp[p])
+    logp_teachers = [logp[p] for p in models.teacher_positions]
     first = torch.tensor([r.force_first_token and s == 0 for r, s in zip(rows, steps)], device=logp_theta.device)
     if several:
         stacked = torch.stack(logp_teachers)  # [K, b, V]
-        alpha = alpha_computer.compute_teachers(logp_theta, stacked, alpha_init, normalized=True).alpha
+        alpha = alpha_computer.compute_teachers(logp_theta, stacked, alpha_init, normalized=True, absent=absent).alpha
         # A forced first token is the teachers' alone: θ's weight goes to them, in their proportions.
-        alpha = torch.where(first.unsqueeze(-1), clamp_total(alpha, 1.0, 1.0), alpha)
+        alpha = torch.where(first.unsqueeze(-1), clamp_total(alpha, 1.0, 1.0, absent), alpha)
         log_weights = geometric_log_weights_teachers(logp_theta, stacked, alpha)
     else:
         alpha = alpha_computer(logp_theta, logp_teachers[0], alpha_init=alpha_init, normalized=True)
@@ -398,9 +404,13 @@ def _logit_offset(models: ModelRows, alpha: Tensor) -> Tensor:
     added to the mixture's log-weights it gives the mixture's logits, whose sign the repetition penalty reads."""
     device = models.device
 
+    absent = models.absent
+
     def log_normaliser(position: int) -> Tensor:
         if not models.is_normalized(position):
             return models.logits[position].double().logsumexp(-1)
+        if absent is not None and bool(absent[:, position].all()):
+            return torch.zeros(len(models), dtype=torch.float64, device=device)  # weight 0 in every row
         given = models.log_normaliser(position)
         if given is None:
             name = models.roster.names[position]
@@ -408,7 +418,9 @@ def _logit_offset(models: ModelRows, alpha: Tensor) -> Tensor:
                 f"the repetition penalty needs {name}'s log-normalisers (ModelRows.log_normalisers; "
                 "ModelRows.pair's theta_log_normalisers)"
             )
-        return given.to(device, torch.float64)
+        given = given.to(device, torch.float64)
+        # A row that left this teacher out weighs it 0; its normaliser was never computed.
+        return given if absent is None else given.masked_fill(absent[:, position].to(device), 0.0)
 
     lse_theta = log_normaliser(models.student_position)
     lse_teachers = torch.stack([log_normaliser(p) for p in models.teacher_positions], dim=-1)  # [b, K]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from dual_sampling.roster import PAIR, Roster
@@ -32,6 +33,10 @@ class ModelRows:
     log_normalisers: tuple[Tensor | None, ...] = ()
     """Per model, in roster order: ``[b]`` log Σ exp of its raw logits, where its rows arrive normalised and a
     repetition penalty needs them (it acts on the mixture's raw logits); None where not sent; empty: none sent."""
+    absent: Tensor | None = None
+    """``[b, M]`` bool, in roster order: the models whose rows were not computed for a row (its request names some
+    teachers only, ``DualRequest.teachers``). Their rows and log-normalisers are never read, and their teachers
+    weigh 0; θ is never absent, nor is every teacher. None: every model computed every row."""
 
     def __post_init__(self) -> None:
         names = self.roster.names
@@ -45,6 +50,11 @@ class ModelRows:
             if not isinstance(given, tuple) or len(given) not in (0, len(names)):
                 raise ValueError(f"{field} must be a tuple of one entry per model of the roster {names}, got {given!r}")
         shape, device = self.logits[0].shape, self.logits[0].device
+        if self.absent is not None:
+            if self.absent.shape != (shape[0], len(names)) or self.absent.dtype != torch.bool:
+                raise ValueError(f"absent must be a [b, M] = [{shape[0]}, {len(names)}] bool tensor")
+            if bool(self.absent[:, self.student_position].any()):
+                raise ValueError(f"absent: {self.roster.student} takes part in every row")
         for name, rows in zip(names, self.logits, strict=True):
             if not isinstance(rows, Tensor) or rows.dim() != 2:
                 raise ValueError(f"logits of {name!r} must be a [b, V] tensor, got {getattr(rows, 'shape', rows)!r}")
@@ -129,4 +139,12 @@ class ModelRows:
             self.roster,
             self.normalized,
             tuple(rows_of(n) for n in self.log_normalisers),
+            None if self.absent is None else self.absent[index.to(self.absent.device)],
         )
+
+    @property
+    def absent_teachers(self) -> Tensor | None:
+        """``[b, K]`` bool: per row, the teachers (in roster order) whose rows were not computed; None if none."""
+        if self.absent is None or not bool(self.absent.any()):
+            return None
+        return self.absent[:, list(self.teacher_positions)].to(self.device)

@@ -12,7 +12,7 @@ import itertools
 
 import numpy as np
 
-from dual_sampling.driver.requests import Flight
+from dual_sampling.driver.requests import DualRequest, Flight
 from dual_sampling.lockstep import RECORD_FIELDS, ErrorCode, Finish, Phase, Slot, SyncSession
 from dual_sampling.records import SampleDelta, SampleRecord, own_and_other
 from dual_sampling.roster import PAIR, THETA, Roster
@@ -47,12 +47,19 @@ def delta_of(session: SyncSession, flight: Flight, start: int, sample: SampleRec
         if k
         else None
     )
+    records, columns = session.records[slot, start:end].copy(), None
+    roster = Roster(session.names)
+    left_out = flight.request.left_out_columns(roster)
+    if left_out:  # a request that left teachers out: their log π columns were never computed
+        columns = tuple(c for c in roster.token_columns if c not in left_out)
+        records = records[:, [roster.token_columns.index(c) for c in columns]]
     return SampleDelta(
         flight.tokens[start:],
-        session.records[slot, start:end].copy(),
+        records,
         sample,
         top,
         dense_copies(session, slot, start, end, sampling.dense_logprobs),
+        columns,
     )
 
 
@@ -73,14 +80,17 @@ def collect_sample(
     stop_index = int(control[Slot.STOP_INDEX])
     recorded = session.tokens[slot, : len(tokens)].tolist()
     records = session.records[slot, : len(tokens)].copy()
+    emitted = {roster.names[0]: tokens, **follower_tokens}  # each engine's stream, by model name
+    first_teacher = next(name for name in roster.teachers if name in emitted)  # the first the request ran
     sample = SampleRecord(
         text="",
         token_ids=recorded,
         finish_reason=finish.reason or leader_finish,
         seed=flight.request.sampling.seed,
-        teacher_token_ids=list(tokens),
-        theta_token_ids=follower_tokens[THETA],
-        teacher_version=flight.versions[roster.names[0]],
+        teacher_token_ids=list(emitted[first_teacher]),
+        theta_token_ids=list(emitted[THETA]),
+        teacher_version=flight.versions[first_teacher],
+        teachers=flight.request.teachers,
         theta_version=flight.versions[THETA],
     )
     streams = (tokens, *follower_tokens.values(), recorded)
@@ -95,7 +105,7 @@ def collect_sample(
         sample.finish_reason = "error"
         sample.error = f"{code.label} at step {step}"
     else:
-        _set_records(sample, roster, records)
+        _set_records(sample, roster, records, flight.request)
         dense = dense_copies(session, slot, 0, len(tokens), flight.request.sampling.dense_logprobs)
         if dense is not None:
             sample.dense_ids, sample.dense_logp, *other = dense
@@ -110,14 +120,18 @@ def collect_sample(
     return sample, code
 
 
-def _set_records(sample: SampleRecord, roster: Roster, records: np.ndarray) -> None:
+def _set_records(sample: SampleRecord, roster: Roster, records: np.ndarray, request: DualRequest) -> None:
     """A verified sample's per-token records, ``[n, columns]`` in ``roster``'s token columns: a pair's in its fields;
     with several teachers every column in :attr:`SampleRecord.roster_columns`, and θ's and q's in their fields too."""
     if roster == PAIR:
         for name, column in zip(RECORD_FIELDS, records.T):
             setattr(sample, name, column.tolist())
         return
-    sample.roster_columns = {name: column.tolist() for name, column in zip(roster.token_columns, records.T)}
+    # A teacher the request left out weighs 0 (its α column says so); its log π was never computed: no column.
+    left_out = request.left_out_columns(roster)
+    sample.roster_columns = {
+        name: column.tolist() for name, column in zip(roster.token_columns, records.T) if name not in left_out
+    }
     sample.logp_theta = list(sample.roster_columns[f"logp_{THETA}"])
     sample.logq = list(sample.roster_columns["logq"])
 

@@ -226,7 +226,10 @@ class LockstepDriver:
         flight = Flight(request_id, slot, next(self._keys), request, versions=dict(self.versions.current))
         self._flights[flight.request_id] = flight
         self.counters["requests"] += 1
-        self.session.open_slot(slot, flight.key, [len(ids) for ids in prompts])
+        running = request.models(self.roster)
+        self.session.open_slot(
+            slot, flight.key, [len(ids) for ids in prompts], [self.roster.position(name) for name in running]
+        )
         flight.task = asyncio.create_task(self._fly(flight))
         return flight
 
@@ -249,7 +252,7 @@ class LockstepDriver:
 
         Here: to every engine; the leader's tokens are relayed and the end verified against each follower's."""
         request, engines = flight.request, self.engines.engines
-        leader, *followers = self.roster.names
+        leader, *followers = request.models(self.roster)  # the models a request leaves out never see it
         ids = model_prompts(self.roster, request.teacher_prompt_ids, request.theta_prompt_ids)
         prompts = dict(zip(self.roster.names, ids))
         leader_params, follower_params = engine_sampling_params(flight)

@@ -238,9 +238,13 @@ class EnginePair:
         cfg, model = self.config, self.models[role]
         leads = role == self.roster.names[0]
         kv_bytes = self.kv_cache_bytes(role)
-        # Theta's CPUs, lent to the leader's processor (where the leader has CPUs of its own).
-        lends = leads and self.binding and self.binding[THETA] != self.binding[role]
-        helper_cpus = tuple(int(c) for c in self.binding[THETA].split(",")) if lends else ()
+        # The followers' CPUs that are not the leader's, lent to the leader's processor: each follower only waits for
+        # the tokens while the leader decides.
+        helper_cpus: tuple[int, ...] = ()
+        if leads and self.binding:
+            own = set(self.binding[role].split(","))
+            lent = {c for name in self.roster.names[1:] for c in self.binding[name].split(",")} - own
+            helper_cpus = tuple(sorted(int(c) for c in lent))
         kwargs = dict(
             self.base_kwargs(model.folder, kv_bytes),
             scheduler_cls=LeaderScheduler if leads else FollowerScheduler,
@@ -252,7 +256,7 @@ class EnginePair:
                 cfg.sync_timeout,
                 cfg.alpha_method,
                 cfg.alpha_kwargs,
-                # Theta's CPUs idle while the teacher decides; the teacher borrows them (see processors.leader).
+                # The followers' CPUs idle while the leader decides; it borrows them (see processors.leader).
                 helper_cpus,
                 self.row_transport,
                 self.roster.names,

@@ -84,6 +84,20 @@ class DualRequest:
     """Stop strings (the teacher scheduler looks for them)."""
     request_id: str | None = None
     """The caller's name for the request, unique among those in flight (for an abort); None: one is made up."""
+    teachers: tuple[str, ...] | None = None
+    """The teachers this sample's mixture takes, in roster order (``generate(..., teachers=...)``); None: every
+    teacher of the roster. The others weigh 0 and their engines never see the request."""
+
+    def models(self, roster: Roster) -> tuple[str, ...]:
+        """The models whose engines run this request, in roster order: θ and its teachers."""
+        chosen = set(roster.teachers if self.teachers is None else self.teachers)
+        return tuple(name for name in roster.names if name == THETA or name in chosen)
+
+    def left_out_columns(self, roster: Roster) -> frozenset[str]:
+        """The token columns this request has no value for: ``logp_<teacher>`` of each teacher it leaves out (its α
+        column stays: exactly 0)."""
+        running = self.models(roster)
+        return frozenset(f"logp_{name}" for name in roster.teachers if name not in running)
 
 
 @dataclass
@@ -104,19 +118,43 @@ class Flight:
 
 def check_request(request: DualRequest, max_model_len: int, max_dense_logprobs: int, roster: Roster = PAIR) -> None:
     """Refuse, naming the field, a request the session of ``roster``'s models cannot hold."""
-    if not all(model_prompts(roster, request.teacher_prompt_ids, request.theta_prompt_ids)):
+    prompts = dict(zip(roster.names, model_prompts(roster, request.teacher_prompt_ids, request.theta_prompt_ids)))
+    running = request.models(roster)  # a teacher left out never sees its prompt
+    if not all(prompts[name] for name in running):
         raise ValueError("every model's prompt must hold at least one token")
     if request.sampling.dense_logprobs > max_dense_logprobs:
         raise ValueError(
             f"dense_logprobs={request.sampling.dense_logprobs} exceeds this engine's "
             f"max_dense_logprobs={max_dense_logprobs}"
         )
-    room = generation_room(max_model_len, request.teacher_prompt_ids, request.theta_prompt_ids)
+    if request.teachers is not None:
+        check_teacher_set(request.teachers, roster)
+        for field in ("dense_logprobs", "top_logprobs"):  # both report every model's log π, which is not computed
+            if getattr(request.sampling, field) and len(running) < len(roster.names):
+                raise ValueError(f"{field}: a request that leaves teachers out has no log π of theirs to report")
+    room = max_model_len - max(len(prompts[name]) for name in running)
     if request.max_tokens < 1 or request.max_tokens > room:
         raise ValueError(
             f"a prompt of {max_model_len - room} tokens and max_tokens={request.max_tokens} exceed "
             f"max_model_len={max_model_len}"
         )
+
+
+def check_teacher_set(teachers: Any, roster: Roster) -> tuple[str, ...]:
+    """``teachers`` as a request's teacher set of ``roster``, in roster order (``generate(..., teachers=...)``);
+    ValueError naming the field for anything else: not a list of the roster's teacher names, empty, or with a name
+    twice, or a set that leaves out a teacher whose engine leads."""
+    names = roster.teachers
+    if isinstance(teachers, str) or not isinstance(teachers, (list, tuple)) or not teachers:
+        raise ValueError(f"teachers must be a non-empty list of teacher names ({', '.join(names)}), got {teachers!r}")
+    unknown = [t for t in teachers if t not in names]
+    if unknown:
+        raise ValueError(f"teachers: {unknown[0]!r} is not a teacher here ({', '.join(names)})")
+    if len(set(teachers)) != len(teachers):
+        raise ValueError(f"teachers names a teacher twice: {list(teachers)}")
+    if len(teachers) < len(names) and roster.names[0] != THETA:
+        raise ValueError(f"teachers: the roster {roster.names} is led by a teacher, whose engine runs every request")
+    return tuple(name for name in names if name in teachers)
 
 
 def engine_sampling_params(flight: Flight) -> tuple[Any, Any]:

@@ -47,7 +47,7 @@ from dual_sampling.driver.requests import generation_room, teacher_prompt_list
 from dual_sampling.modes import mode_of, modes_with
 from dual_sampling.options import EngineOptions, SamplingOptions
 from dual_sampling.records import DualGenerationOutput
-from dual_sampling.roster import PAIR, THETA, Roster
+from dual_sampling.roster import PAIR, Roster
 
 __all__ = [
     "MixtureGeneration",
@@ -68,7 +68,7 @@ class MixtureRolloutsConfig:
 
     teacher: str | Mapping[str, str]
     """The teacher's local model folder; it must share the student's tokenizer. Or ``{name: folder}`` for several
-    teachers (at least two; names are Python identifiers other than "theta", in roster order: the first leads)."""
+    teachers (at least two; names are Python identifiers other than "theta"; the roster is θ, then these in order)."""
     engine: EngineOptions = field(default_factory=EngineOptions)
     """How the two engines run: the α method and its settings (``alpha_method``, ``alpha_config``, bounds), dtype,
     sizes and placement. ``mode`` must stay ``"lockstep"``."""
@@ -124,12 +124,12 @@ class MixtureRolloutsConfig:
 
     @property
     def roster(self) -> Roster:
-        """The models by name: the teachers (in order), then θ; checked here (names that are no identifiers, or
+        """The models by name: θ, then the teachers (in order); checked here (names that are no identifiers, or
         "theta", are refused naming ``teacher``)."""
         if not isinstance(self.teacher, Mapping):
             return PAIR
         try:
-            return Roster((*self.teacher, THETA))
+            return Roster.of_teachers(tuple(self.teacher))
         except ValueError as exc:
             raise ValueError(f"teacher: {exc}") from None
 

@@ -53,11 +53,10 @@ class LockstepConfig:
         except ValueError as exc:
             raise ValueError(f"roster must list the session's models, the leader first: {exc}") from None
         object.__setattr__(self, "roster", roster.names)
-        if roster.names[0] == roster.student:
-            # The leader decides from its own raw logits; the followers' rows come normalised with their
-            # log-normalisers, which the decision's paths take for θ and the teachers that follow, not for a teacher
-            # below a leading θ.
-            raise ValueError(f"roster must have a teacher first (its engine leads), got {roster.names}")
+        if roster.names[0] == roster.student and len(roster.names) == 2:
+            # A pair's fused kernels take the teacher's rows as raw logits (its engine leads); θ leads several
+            # teachers only (Roster.of_teachers), whose decision is the torch reference's.
+            raise ValueError(f"roster must have its one teacher first (its engine leads), got {roster.names}")
         if self.role not in roster.names:
             raise ValueError(f"role must be a model of the roster {roster.names}, got {self.role!r}")
         if not isinstance(self.session, str):

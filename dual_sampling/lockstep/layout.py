@@ -49,9 +49,10 @@ from dual_sampling.roster import TOKEN_COLUMNS, token_column_count
 SHM_DIR = Path("/dev/shm")
 SESSION_PREFIX = "dual-sampling-"
 MiB = 1 << 20
-MAGIC = 0x44554135  # "DUA5"; a session written by an older layout is refused, never misread
+MAGIC = 0x44554136  # "DUA6"; a session written by an older layout is refused, never misread
 PLAN_RING = 4
-"""Plans kept at once. The leader is at most one plan ahead of the follower (its step needs the followers' rows)."""
+"""Plans kept at once. The leader is at most one plan ahead of a follower that runs one of its requests (its step needs
+that follower's rows); an idle follower passes over the plans it missed (``FollowerScheduler._skip_plans``)."""
 RECORD_FIELDS = TOKEN_COLUMNS
 """Columns of the two-model roster's per-token records (float32), in order (:mod:`dual_sampling.roster`); a session
 of more models has :func:`~dual_sampling.roster.token_column_count` columns, in its roster's order."""
@@ -114,7 +115,9 @@ class Stat(IntEnum):
 
     MIX_NS = STATS_BASE
     SPLIT_STEPS = STATS_BASE + 1
-    """Leader steps whose followers' rows arrived in more than one round (batches out of phase; 0 by construction)."""
+    """Leader steps whose followers' rows arrived in more than one round: batches out of phase, 0 by construction
+    where every request runs on every follower (requests that name some teachers only are decided as their teachers'
+    rows come, which may take rounds)."""
     LEADER_ADMITTED = STATS_BASE + 2
     LEADER_ENDED = STATS_BASE + 3
     """Requests the leader scheduler ended itself: aborts, stop strings, errors."""
@@ -222,6 +225,9 @@ class Slot(IntEnum):
     NUM_RECORDS = 9
     ERROR = 10
     """The request's error: ``code | step << 8`` in one store (:meth:`SyncSession.fail_slot`); 0 if none."""
+    PARTICIPANTS = 11
+    """Driver: the roster positions whose engines run the request, one bit each (the leader's always set). A model
+    left out never receives it: the driver marks it arrived and released when it opens the slot."""
 
 
 class ModelSlot(IntEnum):
@@ -238,7 +244,7 @@ class ModelSlot(IntEnum):
     them. Unused for the leader."""
 
 
-SLOT_WORDS = 11
+SLOT_WORDS = 12
 """Words of :class:`Slot`; each model's :class:`ModelSlot` words follow them."""
 MODEL_SLOT_WORDS = 4
 
@@ -339,6 +345,7 @@ WRITERS: dict[Slot, tuple[str, ...]] = {
     # shutdown), mostly inside its role's one ending. Every write is SyncSession.fail_slot: one store of
     # code and step, kept only if none is recorded.
     Slot.ERROR: ("leader processor", "follower processor", "leader scheduler", "follower scheduler"),
+    Slot.PARTICIPANTS: ("driver",),
 }
 """Which plugin writes each request word. Words with several writers are written by single stores of values that
 agree. "follower" is any follower's.

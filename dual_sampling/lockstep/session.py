@@ -372,20 +372,31 @@ class SyncSession:
         """The slots that are not free (:meth:`slot_free`): a request holds them, or they wait to be read."""
         return [slot for slot in range(self.layout.slots) if not self.slot_free(slot)]
 
-    def open_slot(self, slot: int, key: int, prompt_lens: Sequence[int]) -> None:
+    def open_slot(
+        self, slot: int, key: int, prompt_lens: Sequence[int], participants: Sequence[int] | None = None
+    ) -> None:
         """Driver: prepare a free slot for request ``key`` (> 0) before any engine sees it; ``prompt_lens``: each
-        model's prompt length, by roster position."""
+        model's prompt length, by roster position; ``participants``: the positions whose engines run it (None: all;
+        the leader's always). A model left out is marked arrived and released at once, with a prompt of length 0:
+        the leader admits and budgets the request without it, and the slot frees without it."""
         if key <= 0:
             raise ValueError(f"request keys must be positive, got {key}")
         if len(prompt_lens) != self.layout.models:
             raise ValueError(f"prompt_lens must hold one length per model ({self.layout.models}), got {prompt_lens!r}")
+        taking_part = set(range(self.layout.models) if participants is None else participants)
+        if 0 not in taking_part or not taking_part <= set(range(self.layout.models)):
+            raise ValueError(f"participants must be roster positions including the leader's (0), got {participants!r}")
         if not self.slot_free(slot):
             raise SyncError(f"slot {slot} is still in use")
         c = self.control[slot]
         c[:] = 0
         for position, length in enumerate(prompt_lens):
-            c[slot_word(ModelSlot.PROMPT_LEN, position)] = length
             c[slot_word(ModelSlot.ROW_STEP, position)] = -1
+            if position in taking_part:
+                c[slot_word(ModelSlot.PROMPT_LEN, position)] = length
+            else:
+                c[slot_word(ModelSlot.ARRIVED, position)] = c[slot_word(ModelSlot.RELEASED, position)] = key
+        c[Slot.PARTICIPANTS] = sum(1 << position for position in taking_part)
         c[Slot.DECIDED_STEP] = c[Slot.TOKEN] = -1
         c[Slot.ADMIT_PLAN] = c[Slot.FINISH_PLAN] = c[Slot.STOP_INDEX] = -1
         c[Slot.PHASE] = Phase.SUBMITTED
@@ -431,6 +442,11 @@ class SyncSession:
         """(code, step) of the slot's first error; (NONE, -1) if none."""
         word = int(self.control[slot, Slot.ERROR])
         return (ErrorCode(word & 0xFF), word >> 8) if word else (ErrorCode.NONE, -1)
+
+    def takes_part(self, slot: int, key: int, position: int) -> bool:
+        """Whether model ``position``'s engine runs request ``key`` of ``slot`` (False once the slot holds another)."""
+        c = self.control[slot]
+        return abs(int(c[Slot.KEY])) == key and bool(int(c[Slot.PARTICIPANTS]) >> position & 1)
 
     def release(self, slot: int, key: int, position: int) -> None:
         """Mark that model ``position``'s engine no longer touches request ``key``.

@@ -147,7 +147,7 @@ def records_model(roster: Roster = PAIR) -> type[OpenAIBaseModel]:
             Field(
                 default=None,
                 description="On a sample's last chunk: the teacher's weight version that drew it (with several "
-                "teachers, the leading teacher's).",
+                "teachers, the first teacher's).",
             ),
         ),
         theta_version=(
