@@ -39,7 +39,13 @@ from dual_sampling.checks import require
 from dual_sampling.decision.pipeline import RowSampling, check_stages_for_teachers
 from dual_sampling.driver.engine_start import start_early as start_engine_server_early
 from dual_sampling.driver.loop_thread import as_coroutine
-from dual_sampling.driver.requests import DualRequest, PromptPair, check_teacher_set, prompt_pairs
+from dual_sampling.driver.requests import (
+    DualRequest,
+    PromptPair,
+    check_teacher_set,
+    prompt_pairs,
+    request_columns,
+)
 from dual_sampling.driver.speculative_engine import check_draft_model
 from dual_sampling.driver.versions import check_update
 from dual_sampling.driver.weights import WeightsCheck, prepared_weights, reload_from
@@ -541,15 +547,26 @@ class OptimalSamplingDual:
             row,
             min(opts.max_tokens, pair.room),
             tuple(opts.stop),
-            teachers=None if teachers is None else check_teacher_set(teachers, self.roster),
+            teachers=None if teachers is None else self.teacher_set(teachers),
         )
 
-    def check(self, pair: PromptPair, opts: SamplingOptions) -> None:
+    def teacher_set(self, teachers: Sequence[str]) -> tuple[str, ...]:
+        """``teachers`` as a request's teacher set (``generate(..., teachers=...)``), in roster order; ValueError
+        naming the field for one this engine cannot take."""
+        return check_teacher_set(teachers, self.roster)
+
+    def record_columns(self, teachers: Sequence[str] | None = None) -> tuple[str, ...]:
+        """The per-token record columns of a request that mixes ``teachers`` (None: all), in roster order: a teacher
+        left out has its α column (zeros) and no log π column."""
+        return request_columns(self.roster, teachers)
+
+    def check(self, pair: PromptPair, opts: SamplingOptions, teachers: Sequence[str] | None = None) -> None:
         """Refuse, with a ValueError that begins with the field's name, a prompt pair and options this engine cannot
-        serve: the checks a sample's start runs, for callers that answer before starting (the server)."""
+        serve (with the teachers a request names): the checks a sample's start runs, for callers that answer before
+        starting (the server)."""
         if opts.use_beam_search:
             self._require_beam_search("use_beam_search")
-        self.driver.check(self.request(pair, opts, opts.seed))
+        self.driver.check(self.request(pair, opts, opts.seed, teachers=teachers))
 
     def prepare(self, prompt: str | Sequence[int], teacher_prompt: TeacherPrompt | None = None) -> PromptPair:
         """One prompt tokenized for each engine (theta's ``prompt``; the teacher's ``teacher_prompt``, or the same),

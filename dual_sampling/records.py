@@ -204,9 +204,9 @@ class SampleDelta:
     sample: SampleRecord | None = None
     """Set on the last delta only: the whole sample, checked against both engines."""
     top: tuple[np.ndarray, ...] | None = None
-    """For requests with top_logprobs k: (token ids, log q, then each model's log π in roster order: a pair's log π_t,
-    log π_θ) ``[r, k]`` of q's k most likely tokens at each of the r recorded tokens (the candidates a beam search
-    extends by)."""
+    """For requests with top_logprobs k: (token ids, log q, then each model's log π in roster order, of the models the
+    request ran: a pair's log π_t, log π_θ) ``[r, k]`` of q's k most likely tokens at each of the r recorded tokens
+    (the candidates a beam search extends by)."""
     dense: tuple[np.ndarray, ...] | None = None
     """For requests with dense_logprobs k: a pair's (token ids, own log-probabilities, the other model's) ``[r, 2, k]``,
     the teacher's top k at ``[:, 0]`` and theta's at ``[:, 1]``; with several teachers (ids ``[r, M, k]``,

@@ -211,7 +211,7 @@ class SpeculativeChecks:
         teacher, theta = ids(prompt if own is None else own), ids(prompt)
         return PromptPair(teacher, theta, self.max_model_len - max(len(teacher), len(theta)))
 
-    def check(self, pair, sampling) -> None:
+    def check(self, pair, sampling, teachers=None) -> None:
         from dual_sampling.driver.requests import DualRequest
         from dual_sampling.driver.speculative_driver import check_speculative
 
@@ -280,6 +280,12 @@ def test_a_server_of_several_teachers_describes_their_records_and_a_pair_refuses
     assert {"DualCompletionChoice", "DualChatCompletionChoice", "DualRecords"} <= set(pair)  # names kept
     columns = {"alpha_math", "alpha_general", "logp_math", "logp_general", "logp_theta", "logq"}
     assert columns <= set(records["properties"]) and not {"alpha", "logp_teacher"} & set(records["properties"])
+    # A request may name its teachers: a teacher's log π may then be absent, every other column never is.
+    required = set(records.get("required", ()))
+    assert {"alpha_math", "alpha_general", "logp_theta", "logq"} <= required
+    assert not {"logp_math", "logp_general"} & required
+    requests = [v for k, v in schema["components"]["schemas"].items() if k.startswith("Dual") and "Request" in k]
+    assert requests and all("teachers" in r["properties"] for r in requests)
     _, translator = speculative
     chat = [{"role": "user", "content": "Count to five."}]
     for body, kind, field in (

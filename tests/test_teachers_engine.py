@@ -156,16 +156,17 @@ def test_a_request_that_names_its_teachers_runs_on_their_engines_alone(trio):
     ):
         with pytest.raises(ValueError, match=message):
             engine.generate(PROMPTS[:1], max_tokens=2, teachers=teachers)
-    for field in ("dense_logprobs", "top_logprobs"):  # each reports every model's log π
-        with pytest.raises(ValueError, match=f"{field}: a request that leaves teachers out"):
-            engine.generate(PROMPTS[:1], max_tokens=2, teachers=["qwen"], **{field: 2})
+    with pytest.raises(ValueError, match="dense_logprobs: a request that leaves teachers out"):
+        engine.generate(PROMPTS[:1], max_tokens=2, teachers=["qwen"], dense_logprobs=2)
 
     async def deltas():
-        return [d async for d in engine.stream(PROMPTS[0], max_tokens=6, seed=4, teachers=["qwen"])]
+        return [d async for d in engine.stream(PROMPTS[0], max_tokens=6, seed=4, teachers=["qwen"], top_logprobs=3)]
 
     streamed = asyncio.run(deltas())
     wanted = tuple(c for c in engine.roster.token_columns if c != "logp_llama")
     assert all(d.columns == wanted and d.records.shape[1] == len(wanted) for d in streamed)
+    # q's top tokens with the log π of θ and the qwen teacher only (ids, log q, then the models run, in roster order).
+    assert all(len(d.top) == 4 and d.top[0].shape == (len(d.records), 3) for d in streamed if len(d.records))
     joined = np.concatenate([d.records for d in streamed])
     final = streamed[-1].sample
     assert final.teachers == ("qwen",) and np.array_equal(joined.T, np.array([final.roster_columns[c] for c in wanted]))
@@ -315,6 +316,22 @@ def test_the_server_takes_prompts_per_teacher_and_answers_with_every_models_reco
         checked += _served_records(engine, hf, joined, prompts)
         assert checked > 0
 
+        # A request that names its teachers: the llama teacher left out weighs 0 and has no log π in the records.
+        body = {"prompt": prompt, "hint": {"qwen": LONG_HINT}, "teachers": ["qwen"], "max_tokens": 8, "logprobs": 2}
+        answer = httpx.post(server.url + "/v1/completions", json={**body, "seed": 5}, headers=headers, timeout=120)
+        assert answer.status_code == 200, answer.text
+        pair = engine.prepare(prompt, {"qwen": hinted})
+        prompts = {**pair.teacher_ids, THETA: pair.theta_ids}
+        (choice,) = answer.json()["choices"]
+        records = choice["dual_sampling"]
+        tokens = records["token_ids"]
+        assert records.get("logp_llama") is None and records["alpha_llama"] == [0.0] * len(tokens)
+        assert choice["logprobs"]["token_logprobs"] == records["logq"]
+        assert all(len(alternatives) == 2 for alternatives in choice["logprobs"]["top_logprobs"])
+        alpha = np.tile([ALPHA[0], 0.0], (len(tokens), 1))
+        rows = _rows(hf, prompts, tokens, engine.vocab)
+        assert _check_sample(SimpleNamespace(token_ids=tokens, roster_columns=records), rows, alpha) < RESCORE_ATOL
+
         prompt_only = {"prompt": prompt, "max_tokens": 2}
         for extra, field in (
             ({"hint": {"physics": "x"}}, "hint"),
@@ -323,6 +340,8 @@ def test_the_server_takes_prompts_per_teacher_and_answers_with_every_models_reco
             ({"use_beam_search": True, "n": 2}, "use_beam_search"),
             ({"hint": {}}, "hint"),
             ({"teacher_prompt": {"qwen": []}}, "teacher_prompt"),
+            ({"teachers": ["bard"]}, "teachers"),
+            ({"teachers": []}, "teachers"),
         ):
             refused = httpx.post(server.url + "/v1/completions", json={**prompt_only, **extra}, headers=headers)
             assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text

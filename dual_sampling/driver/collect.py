@@ -12,7 +12,7 @@ import itertools
 
 import numpy as np
 
-from dual_sampling.driver.requests import DualRequest, Flight
+from dual_sampling.driver.requests import DualRequest, Flight, request_columns
 from dual_sampling.lockstep import RECORD_FIELDS, ErrorCode, Finish, Phase, Slot, SyncSession
 from dual_sampling.records import SampleDelta, SampleRecord, own_and_other
 from dual_sampling.roster import PAIR, THETA, Roster
@@ -38,7 +38,9 @@ def delta_of(session: SyncSession, flight: Flight, start: int, sample: SampleRec
     # slot's rows past it still hold an earlier request's values.
     end = min(len(flight.tokens), max(start, int(session.control[slot, Slot.NUM_RECORDS])))
     k = sampling.top_logprobs
-    models = range(session.layout.models)
+    roster = Roster(session.names)
+    running = flight.request.models(roster)  # a model left out has no log π at q's top tokens
+    models = [p for p, name in enumerate(roster.names) if name in running]
     top = (
         tuple(
             a[slot, start:end, :k].copy()
@@ -48,10 +50,8 @@ def delta_of(session: SyncSession, flight: Flight, start: int, sample: SampleRec
         else None
     )
     records, columns = session.records[slot, start:end].copy(), None
-    roster = Roster(session.names)
-    left_out = flight.request.left_out_columns(roster)
-    if left_out:  # a request that left teachers out: their log π columns were never computed
-        columns = tuple(c for c in roster.token_columns if c not in left_out)
+    if len(running) < len(roster.names):  # a request that left teachers out: their log π was never computed
+        columns = request_columns(roster, flight.request.teachers)
         records = records[:, [roster.token_columns.index(c) for c in columns]]
     return SampleDelta(
         flight.tokens[start:],
@@ -128,9 +128,9 @@ def _set_records(sample: SampleRecord, roster: Roster, records: np.ndarray, requ
             setattr(sample, name, column.tolist())
         return
     # A teacher the request left out weighs 0 (its α column says so); its log π was never computed: no column.
-    left_out = request.left_out_columns(roster)
+    kept = request_columns(roster, request.teachers)
     sample.roster_columns = {
-        name: column.tolist() for name, column in zip(roster.token_columns, records.T) if name not in left_out
+        name: column.tolist() for name, column in zip(roster.token_columns, records.T) if name in kept
     }
     sample.logp_theta = list(sample.roster_columns[f"logp_{THETA}"])
     sample.logq = list(sample.roster_columns["logq"])

@@ -93,12 +93,6 @@ class DualRequest:
         chosen = set(roster.teachers if self.teachers is None else self.teachers)
         return tuple(name for name in roster.names if name == THETA or name in chosen)
 
-    def left_out_columns(self, roster: Roster) -> frozenset[str]:
-        """The token columns this request has no value for: ``logp_<teacher>`` of each teacher it leaves out (its α
-        column stays: exactly 0)."""
-        running = self.models(roster)
-        return frozenset(f"logp_{name}" for name in roster.teachers if name not in running)
-
 
 @dataclass
 class Flight:
@@ -129,15 +123,21 @@ def check_request(request: DualRequest, max_model_len: int, max_dense_logprobs: 
         )
     if request.teachers is not None:
         check_teacher_set(request.teachers, roster)
-        for field in ("dense_logprobs", "top_logprobs"):  # both report every model's log π, which is not computed
-            if getattr(request.sampling, field) and len(running) < len(roster.names):
-                raise ValueError(f"{field}: a request that leaves teachers out has no log π of theirs to report")
+        if request.sampling.dense_logprobs and len(running) < len(roster.names):  # every model's top k
+            raise ValueError("dense_logprobs: a request that leaves teachers out has no log π of theirs to report")
     room = max_model_len - max(len(prompts[name]) for name in running)
     if request.max_tokens < 1 or request.max_tokens > room:
         raise ValueError(
             f"a prompt of {max_model_len - room} tokens and max_tokens={request.max_tokens} exceed "
             f"max_model_len={max_model_len}"
         )
+
+
+def request_columns(roster: Roster, teachers: Sequence[str] | None) -> tuple[str, ...]:
+    """The token columns of the records of a request that mixes ``teachers`` (None: all), in roster order: the
+    roster's, but ``logp_<teacher>`` of each teacher it leaves out (never computed; its α column stays: exactly 0)."""
+    left_out = {f"logp_{name}" for name in roster.teachers if teachers is not None and name not in teachers}
+    return tuple(c for c in roster.token_columns if c not in left_out)
 
 
 def check_teacher_set(teachers: Any, roster: Roster) -> tuple[str, ...]:

@@ -69,6 +69,14 @@ def _dense_logprobs_field() -> Any:
     )
 
 
+def _teachers_field() -> Any:
+    return Field(
+        default=None,
+        description="With several teachers: the teachers this request mixes, by name (default: all). The others weigh "
+        "0 and their engines do no work for it; its records carry their alpha (0) and no log π (null).",
+    )
+
+
 class DualCompletionRequest(CompletionRequest):
     """vLLM's completion request, plus the teacher's own prompt or a hint for it."""
 
@@ -77,6 +85,7 @@ class DualCompletionRequest(CompletionRequest):
         description="The teacher's prompt (text or token ids); default: the same prompt as theta's. " + _PER_TEACHER,
     )
     hint: str | dict[str, str] | None = Field(default=None, description=_HINT_DOC)
+    teachers: list[str] | None = _teachers_field()
     dense_logprobs: int | None = _dense_logprobs_field()
     best_of: int | None = Field(
         default=None,
@@ -99,6 +108,7 @@ class DualChatCompletionRequest(ChatCompletionRequest):
         default=None, description="The teacher's conversation; default: the same messages as theta's. " + _PER_TEACHER
     )
     hint: str | dict[str, str] | None = Field(default=None, description=_HINT_DOC)
+    teachers: list[str] | None = _teachers_field()
     dense_logprobs: int | None = _dense_logprobs_field()
 
     @model_validator(mode="after")
@@ -109,6 +119,16 @@ class DualChatCompletionRequest(ChatCompletionRequest):
 
 
 @functools.cache
+def _column_field(name: str, roster: Roster) -> tuple[Any, Any]:
+    """A per-token record column's field: a teacher's log π with several teachers is null for a request that left
+    the teacher out (``teachers``); every other column is always there."""
+    if roster != PAIR and name in {f"logp_{t}" for t in roster.teachers}:
+        return list[float] | None, Field(
+            default=None, description=f"Per-token {name}; null if the request left it out."
+        )
+    return list[float], Field(description=f"Per-token {name}.")
+
+
 def records_model(roster: Roster = PAIR) -> type[OpenAIBaseModel]:
     """The ``dual_sampling`` field of a choice: the records of its tokens in ``roster``'s token columns (a pair's
     ``alpha``, ``logp_teacher``, ``logp_theta``, ``logq``; with several teachers ``alpha_<teacher>`` per teacher and
@@ -135,7 +155,7 @@ def records_model(roster: Roster = PAIR) -> type[OpenAIBaseModel]:
         __doc__="The mixture's records of a choice's tokens (of this chunk's tokens, when streaming). α is a "
         "teacher's weight; log-probabilities are natural logs; every list has one entry per token.",
         token_ids=(list[int], Field(description="The generated token ids.")),
-        **{name: (list[float], Field(description=f"Per-token {name}.")) for name in roster.token_columns},
+        **{name: _column_field(name, roster) for name in roster.token_columns},
         log_w_theta=(
             float | None,
             Field(default=None, description="On a sample's last chunk: Σ(log π_θ − log q), the sequence log-weight."),

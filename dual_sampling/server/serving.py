@@ -79,7 +79,12 @@ class DualService:
             try:
                 last = None
                 async for last in self.dual.stream(
-                    job.theta_ids, job.teacher_ids, sampling=job.sampling, sample_key=0, sample_index=index
+                    job.theta_ids,
+                    job.teacher_ids,
+                    sampling=job.sampling,
+                    sample_key=0,
+                    sample_index=index,
+                    teachers=job.teachers,
                 ):
                     queue.put_nowait((index, last))
                 if last is None or last.sample is None:  # the driver was closed under it

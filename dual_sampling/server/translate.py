@@ -39,6 +39,7 @@ _COMMON_FIELDS = {
     "presence_penalty",
     "repetition_penalty",
     "hint",
+    "teachers",
     "dense_logprobs",
     "use_beam_search",
     "length_penalty",
@@ -64,7 +65,8 @@ class Job:
     teacher_ids: list[int] | dict[str, list[int]]
     """The teacher's prompt; with several teachers, each named teacher's (the others see theta's)."""
     columns: tuple[str, ...]
-    """The per-token record columns of the server's roster, in the order of a delta's records."""
+    """The per-token record columns of its records, in the order of a delta's: the server's roster's, but a left-out
+    teacher's log π (:func:`~dual_sampling.driver.requests.request_columns`)."""
     sampling: SamplingOptions
     stream: bool
     include_usage: bool
@@ -73,6 +75,8 @@ class Job:
     model: str
     deadline: float
     """time.monotonic() past which the request is aborted."""
+    teachers: tuple[str, ...] | None = None
+    """The teachers the request mixes (its ``teachers``), in roster order; None: all."""
 
 
 class Translator:
@@ -196,8 +200,16 @@ class Translator:
             sampling.check_vocab(self.dual.vocab, self.dual.eos_token_ids)
         except ValueError as exc:
             raise _named_error(str(exc), kind, max_tokens_field) from None
+        teachers = None
+        if req.teachers is not None:
+            try:
+                teachers = self.dual.teacher_set(req.teachers)
+            except ValueError as exc:
+                raise BadRequest(str(exc), "teachers") from None
+            if sampling.use_beam_search:
+                raise BadRequest("teachers: beam search runs every teacher", "teachers")
         try:
-            self.dual.check(pair, sampling)  # what this engine serves (mode="speculative" serves less)
+            self.dual.check(pair, sampling, teachers)  # what this engine serves (mode="speculative" serves less)
         except ValueError as exc:
             raise _named_error(str(exc), kind, max_tokens_field) from None
         if sampling.use_beam_search and req.stream:
@@ -207,13 +219,14 @@ class Translator:
             kind,
             pair.theta_ids,
             pair.teacher_ids,
-            self.dual.roster.token_columns,
+            self.dual.roster.token_columns if teachers is None else self.dual.record_columns(teachers),
             sampling,
             bool(req.stream),
             bool(stream_options and stream_options.include_usage),
             logprobs,
             self.options.served_model_name,
             arrival + self.options.request_timeout,
+            teachers,
         )
 
     def _prompts(self, req: Any, kind: str) -> tuple[Any, Any]:
