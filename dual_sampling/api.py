@@ -48,7 +48,9 @@ from dual_sampling.driver.requests import (
 )
 from dual_sampling.driver.speculative_engine import check_draft_model
 from dual_sampling.driver.versions import check_update
-from dual_sampling.driver.weights import WeightsCheck, prepared_weights, reload_from
+from dual_sampling.driver.weight_loads import Load, prepared_update
+from dual_sampling.driver.weight_sync import WeightSync
+from dual_sampling.driver.weights import WeightsCheck
 from dual_sampling.lockstep import SyncError
 from dual_sampling.modes import mode_of, modes_with
 from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, EngineOptions, SamplingOptions, model_config
@@ -161,6 +163,7 @@ class OptimalSamplingDual:
                 )
         self.eos_token_ids = eos_token_ids(cfg.folders, self.tokenizer)
         self._weights_checks: dict[Role, WeightsCheck] = {}
+        self._weight_syncs: dict[Role, WeightSync] = {}
         _exit_on_sigterm()
         driver_settings = dict(
             vocab=self.vocab,
@@ -457,11 +460,44 @@ class OptimalSamplingDual:
         check_update(role, mode, version)
         role = Role(role)
         self._require_versioned(role)
-        check = self._weights_checks.get(role)
-        if check is None:
-            check = self._weights_checks[role] = WeightsCheck(self.config.model_engine(role).folder)
-        with prepared_weights(check, weights, role, follow_symlinks) as folder:
-            return self.driver.call(self.driver.update_weights(role, reload_from(folder), mode=mode, version=version))
+        with prepared_update(self._weights_check(role), weights, role, follow_symlinks, self._is_draft(role)) as load:
+            return self._load(role, load, version, mode)
+
+    def weight_sync(self, role: str = "theta") -> WeightSync:
+        """vLLM's weight-sync client for ``role``'s weights: ``init_weight_transfer_engine``, ``start_weight_update``,
+        ``update_weights`` (a chunk of the shared-memory weight-transfer engine, :mod:`processors.weight_transfer`)
+        and ``finish_weight_update``, as vLLM's ``VLLMWeightSyncClient`` protocol names them, so vLLM's trainer-side
+        engines can drive it in-process. Each chunk is checked as it comes; the update loads at finish, as
+        :meth:`update_theta` does (the requests in flight finish first). One per model, shared (the server's routes
+        use θ's). Thread-safe."""
+        self._check_open()
+        role = Role.parse(role)
+        self._require_versioned(role)
+        if role not in self._weight_syncs:
+
+            def apply(load: Load, version: str | None) -> str:
+                check_update(version=version)
+                return self._load(role, load, version, "wait")
+
+            # setdefault: two threads asking at once get the same client (one may build a spare).
+            self._weight_syncs.setdefault(
+                role, WeightSync(self._weights_check(role), role.value, apply, self._is_draft(role))
+            )
+        return self._weight_syncs[role]
+
+    def _weights_check(self, role: Role) -> WeightsCheck:
+        """The checkpoint names and shapes new weights of ``role`` are checked against (read once)."""
+        if role not in self._weights_checks:
+            self._weights_checks[role] = WeightsCheck(self.config.model_engine(role).folder)
+        return self._weights_checks[role]
+
+    def _is_draft(self, role: Role) -> bool:
+        """Whether ``role`` is its engine's draft model (θ in a mode without a θ engine), which vLLM updates only
+        through its weight-transfer engine's draft start."""
+        return role == Role.THETA and not self.mode.theta_engine
+
+    def _load(self, role: Role, load: Load, version: str | None, mode: str) -> str:
+        return self.driver.call(self.driver.update_weights(role, load, mode=mode, version=version))
 
     # ------------------------------------------------------------------ asyncio API
 
@@ -614,10 +650,13 @@ class OptimalSamplingDual:
             raise type(self.driver.failure)(f"{self.driver.failure} (this OptimalSamplingDual is closed)")
 
     def close(self) -> None:
-        """Stop both engines and remove the shared memory. Safe to call twice."""
+        """Stop both engines and remove the shared memory (an unfinished weight update's chunks too). Safe to call
+        twice."""
         driver = getattr(self, "driver", None)
         if driver is not None:
-            driver.close()
+            driver.close()  # first: an update waiting on the driver then fails and lets its sync go
+        for sync in getattr(self, "_weight_syncs", {}).values():
+            sync.shutdown_weight_transfer_engine()
 
     def __enter__(self) -> OptimalSamplingDual:
         return self

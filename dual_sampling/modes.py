@@ -36,6 +36,8 @@ class Mode:
     """``update_theta`` reaches the θ that draws, so on-policy rounds (``distill``, the TRL backend) can run on it."""
     beam_search: bool
     """Serves beam search on q (``beam_search``, ``use_beam_search``)."""
+    dense_logprobs: bool = True
+    """Records each model's top k per token (``dense_logprobs``), which distillation's top-k losses read."""
 
     def build_driver(self, *args: Any, **kwargs: Any) -> Any:
         """The driver of an engine in this mode (``start`` resolved and called with these arguments)."""
@@ -83,7 +85,8 @@ register_mode(
         "speculative",
         "dual_sampling.driver.speculative_driver:start_speculative",
         theta_engine=False,
-        takes_new_theta=False,
+        takes_new_theta=True,
         beam_search=False,
+        dense_logprobs=False,
     )
 )

@@ -14,9 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 from processors.model_runner import installed_speculative, logits_processors, runner_model, speculative_runner
+from processors.weight_transfer import register as register_weight_transfer
 from processors.weights_reload import refresh_tied_layers
 
 __all__ = ["DualSamplingWorkerExtension"]
+
+# vLLM imports the worker extension into each worker before it builds the model and its weight-transfer engine, so
+# the shared-memory engine is registered in exactly the processes that build one, whatever VLLM_PLUGINS allows.
+register_weight_transfer()
 
 
 class DualSamplingWorkerExtension:

@@ -23,6 +23,7 @@ from dual_sampling.distill.loss import (
 from dual_sampling.options import EngineOptions, SamplingOptions
 from dual_sampling.run_output import single_writer
 from dual_sampling.run_settings import ModelsAndPrompts
+from tests.distill_runs import small_run, write_prompts
 from tests.tolerances import SAME_WEIGHTS_TWO_RUNS
 
 
@@ -323,7 +324,7 @@ def test_config_names_the_bad_field(tmp_path):
         DistillConfig(prompts="p.jsonl", output=str(tmp_path), source=PAIR, trainer_dtype="float16")
     with pytest.raises(ValueError, match="^trainer_device must be a torch device"):
         DistillConfig(prompts="p.jsonl", output=str(tmp_path), source=PAIR, trainer_device="gpu0")
-    with pytest.raises(ValueError, match="mode='speculative': distillation pushes new θ weights"):
+    with pytest.raises(ValueError, match="^loss='forward' reads each model's top k .* use loss='reverse_full'"):
         DistillConfig.from_settings(
             {"prompts": "p", "output": "o", "teacher": "t", "theta": "s", "mode": "speculative"}
         )
@@ -345,30 +346,9 @@ def test_config_names_the_bad_field(tmp_path):
     assert cfg.engine.alpha_method == "fixed" and cfg.sampling.temperature == 0.9 and cfg.sampling.max_tokens == 128
 
 
-WORDS = ["apple", "river", "stone", "cloud", "green", "seven", "window", "music", "paper", "light", "orange", "winter"]
-
-
 @pytest.fixture
 def prompts_file(tmp_path):
-    rng = np.random.default_rng(3)
-    path = tmp_path / "prompts.jsonl"
-    rows = [{"question": " ".join(rng.choice(WORDS, 6)), "answer": "x"} for _ in range(40)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def small_run(tiny_same, prompts_file, tmp_path, **overrides) -> dict:
-    """The settings of a short run on the tiny pair (the session's dual_engine serves it)."""
-    teacher, theta = tiny_same
-    return dict(
-        prompts=str(prompts_file),
-        output=str(tmp_path / "run"),
-        source=ModelsAndPrompts(str(teacher), str(theta), prompt_field="question", chat_template=False),
-        eval_prompts=4,
-        loss_top_k=16,
-        engine=EngineOptions(max_dense_logprobs=16),
-        **overrides,
-    )
+    return write_prompts(tmp_path / "prompts.jsonl")
 
 
 def _distiller_without_engine(tiny_same, prompts_file, tmp_path, **settings) -> Distiller:
@@ -472,7 +452,7 @@ def test_an_update_the_engine_missed_stops_the_run_by_name(dual_engine, tiny_sam
     """The engine acknowledges every update but keeps its weights: round 1 samples from the θ it was started with
     (which the trainer holds too, so it passes), round 2 from that θ again while the trainer holds round 1's. The
     per-round check stops the run before round 2 trains, naming the setting."""
-    import dual_sampling.api
+    import dual_sampling.driver.weight_loads
     from dual_sampling.distill import SamplerMismatchError
 
     theta = tiny_same[1]
@@ -480,7 +460,8 @@ def test_an_update_the_engine_missed_stops_the_run_by_name(dual_engine, tiny_sam
     async def keep_the_old_weights(engine):
         return None
 
-    monkeypatch.setattr(dual_sampling.api, "reload_from", lambda folder: keep_the_old_weights)
+    monkeypatch.setattr(dual_sampling.driver.weight_loads, "reload_from", lambda folder: keep_the_old_weights)
+    monkeypatch.setattr(dual_sampling.driver.weight_loads, "transfer", lambda *chunks, draft: keep_the_old_weights)
     config = DistillConfig(
         **small_run(
             tiny_same,

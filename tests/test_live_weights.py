@@ -247,7 +247,7 @@ def test_the_rl_routes_need_the_key_and_update_theta_from_an_allowed_folder(weig
         ({"update_info": {"weights_path": str(allowed / "teacher")}}, "update_info.weights_path", 403),  # symlink
         ({"update_info": {"weights_path": str(allowed / "..")}}, "update_info.weights_path", 403),
         ({"update_info": {"weights_path": str(allowed)}}, "update_info.weights_path", 400),  # no safetensors
-        ({"update_info": {}}, "update_info.weights_path", 400),
+        ({"update_info": {}}, "update_info", 400),
         ({"update_info": {"weights_path": str(allowed / "teacher-copy")}, "mode": "keep"}, "mode", 400),
         ({"update_info": {"weights_path": str(allowed / "teacher-copy")}, "weight_version": ""}, "weight_version", 400),
         ({**body, "extra": 1}, "extra", 400),
@@ -282,3 +282,88 @@ def test_the_rl_routes_need_the_key_and_update_theta_from_an_allowed_folder(weig
     assert max(abs(a - b) for a, b in zip(records["logp_theta"], records["logp_teacher"])) <= SAME_WEIGHTS_TWO_RUNS
     metrics = httpx.get(server.url + "/metrics", timeout=10).text
     assert 'dual_sampling_weight_version_info{role="theta",version="step-1b"} 1.0' in metrics
+
+
+def test_trls_vllm_client_drives_the_weight_transfer_routes_with_the_shared_memory_engine(
+    weights_server, hf_models, monkeypatch
+):
+    """TRL's own async GRPO client, vLLM's own trainer-side factory with our engine's init info, the teacher's
+    transformers model as the source: θ takes the teacher's weights in several chunks. A refused chunk (a NaN)
+    names its tensor and changes nothing; the server stays healthy."""
+    import functools
+
+    import httpx
+    import requests
+    from trl.experimental.async_grpo.vllm_client import VLLMClient
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from processors.weight_transfer import SharedMemoryTrainerInitInfo, register, weights_folder, write_chunk
+
+    server, key, _ = weights_server
+    auth = {"Authorization": f"Bearer {key}"}
+    # TRL's client sends no key, and the server serves these routes only with one (docs/server.md says how).
+    monkeypatch.setattr(requests, "post", functools.partial(requests.post, headers=auth))
+    monkeypatch.setattr(requests, "get", functools.partial(requests.get, headers=auth))
+    client = VLLMClient(server.url, server_timeout=30)
+    hf_teacher = hf_models[0]
+
+    def completion():
+        reply = httpx.post(
+            server.url + "/v1/completions",
+            headers=auth,
+            json={"prompt": "Hello there", "max_tokens": 8, "seed": 3},
+            timeout=60,
+        )
+        return reply.json()["choices"][0]["dual_sampling"]
+
+    before = completion()
+    assert client.get_world_size() == 1
+    refused = httpx.post(server.url + "/start_draft_weight_update", headers=auth, timeout=30)
+    assert refused.status_code == 400 and "not a draft model" in refused.text  # θ has an engine of its own here
+    client.init_weight_transfer_engine({})
+    with pytest.raises(Exception, match="init_info.master_address"):
+        client.init_weight_transfer_engine({"master_address": "127.0.0.1"})
+
+    # A chunk with a NaN and malformed chunks: refused by name, the update left open, nothing loaded; then a finish
+    # that misses tensors is refused and drops the update.
+    client.start_weight_update()
+    folder = weights_folder()
+    try:
+        name, tensor = next(iter(hf_teacher.named_parameters()))
+        poisoned = tensor.detach().clone()
+        poisoned.view(-1)[7] = math.nan
+        with pytest.raises(Exception, match=f"{name}.*holds a NaN"):
+            client.update_weights(write_chunk([(name, poisoned)], folder, "nan"))
+        good = write_chunk([(name, tensor.detach())], folder, "good")
+        for bad in (
+            {**good, "path": "/etc/passwd"},  # not in this user's weights folders
+            {**good, "shapes": [[1, 2, 3]]},  # not the tensor's shape (and past the file's end)
+            {**good, "names": [name, name]},  # lengths disagree
+            {**good, "offsets": [-64]},
+            [good, good],  # one entry per worker: this engine has one
+            "chunk",
+            {**good, "extra": True},
+        ):
+            reply = httpx.post(server.url + "/update_weights", headers=auth, json={"update_info": bad}, timeout=30)
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == "update_info", (bad, reply.text)
+        with pytest.raises(Exception, match="missing"):
+            client.finish_weight_update()  # refused: the update is dropped, so the next start is taken
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    finally:
+        for path in folder.iterdir():
+            path.unlink()
+        folder.rmdir()
+    assert completion() == before  # same seed, same weights: the same records
+
+    register()
+    sender = WeightTransferTrainerFactory.trainer_init(
+        SharedMemoryTrainerInitInfo(rank=0, chunk_bytes=1 << 16), client=client, source=ModuleSource(hf_teacher)
+    )
+    sender.send_weights()  # start, a dozen chunks, finish
+    client.resume()
+    after = completion()
+    assert after["theta_version"] != before["theta_version"]
+    # θ holds the teacher's weights now: its log-probabilities are the teacher's.
+    assert max(abs(a - b) for a, b in zip(after["logp_theta"], after["logp_teacher"])) <= SAME_WEIGHTS_TWO_RUNS
+    assert not [p for p in listing_dir().glob("weights-*")], "a chunk was left behind"

@@ -285,6 +285,8 @@ class _FakeEngine:
 
 def _verify(tiny_same, change) -> str:
     """EnginePair.verify on two real vLLM configs (no engine), after ``change(role, config)``."""
+    from vllm.config.weight_transfer import WeightTransferConfig
+
     from dual_sampling.testing.sim_engines import sim_configs
 
     configs = sim_configs(4, 96, 96, 10.0)
@@ -293,6 +295,7 @@ def _verify(tiny_same, change) -> str:
             "processors.scheduler.LeaderScheduler" if role == "teacher" else "processors.scheduler.FollowerScheduler"
         )
         cfg.parallel_config.worker_extension_cls = "processors.worker_extension.DualSamplingWorkerExtension"
+        cfg.weight_transfer_config = WeightTransferConfig(backend="dual_sampling_shm")
         cfg.cache_config.block_size = 16
         cfg.cache_config.num_gpu_blocks = 4 * 6 + 1  # 4 seats of 96 tokens in blocks of 16, and the null block
         change(role, cfg)
@@ -364,6 +367,10 @@ def _verify(tiny_same, change) -> str:
         (
             lambda r, c: setattr(c.parallel_config, "worker_extension_cls", "") if r == "theta" else None,
             "theta: worker_extension_cls is '', not 'processors.worker_extension.DualSamplingWorkerExtension'",
+        ),
+        (
+            lambda r, c: setattr(c, "weight_transfer_config", None) if r == "teacher" else None,
+            "teacher: weight_transfer_config's backend is None, not 'dual_sampling_shm'",
         ),
     ],
 )

@@ -28,10 +28,11 @@ def start_simulated(config, tokenizer, engine_len, **settings):
     return driver
 
 
-def distill_config(tmp_path, mode: str) -> DistillConfig:
+def distill_config(tmp_path, mode: str, loss: str = "reverse_full") -> DistillConfig:
     """A distillation's settings in ``mode`` (the model folders are never opened: the checks run first)."""
     source = ModelsAndPrompts("t", "s")
-    return DistillConfig(prompts="p.jsonl", output=str(tmp_path), source=source, engine=EngineOptions(mode=mode))
+    engine = EngineOptions(mode=mode)
+    return DistillConfig(prompts="p.jsonl", output=str(tmp_path), source=source, engine=engine, loss=loss)
 
 
 SIMULATED = Mode("simulated", f"{__name__}:start_simulated", theta_engine=True, takes_new_theta=True, beam_search=False)
@@ -50,16 +51,24 @@ def test_a_mode_is_checked_by_its_field_and_registered_once():
 
 
 def test_refusals_ask_for_the_capability_and_name_the_modes_that_have_it(monkeypatch, tmp_path):
-    assert modes_with("takes_new_theta") == "mode='lockstep'"
-    with pytest.raises(ValueError, match="only mode='lockstep' takes them"):
-        distill_config(tmp_path, "speculative")
+    assert modes_with("takes_new_theta") == "mode='lockstep' or mode='speculative'"
+    distill_config(tmp_path, "speculative")  # θ's draft model takes new weights through vLLM's draft update
+    assert distill_config(tmp_path, "speculative").sampling.dense_logprobs == 0  # reverse_full reads no top k
+    assert distill_config(tmp_path, "lockstep", "forward").sampling.dense_logprobs == 64
+    with pytest.raises(ValueError, match="loss='forward' reads each model's top k .* only mode='lockstep' records"):
+        distill_config(tmp_path, "speculative", "forward")
+    frozen = Mode("frozen", SIMULATED.start, theta_engine=True, takes_new_theta=False, beam_search=False)
+    monkeypatch.setitem(MODES, frozen.name, frozen)
+    with pytest.raises(ValueError, match="only mode='lockstep' or mode='speculative' takes them"):
+        distill_config(tmp_path, "frozen")
+    monkeypatch.delitem(MODES, frozen.name)
     with pytest.raises(ValueError, match="theta_engine_kwargs: in mode='speculative'"):
         EngineOptions(mode="speculative", theta_engine_kwargs={"dtype": "bfloat16"})
     with pytest.raises(ValueError, match="mode='lockstep' serves models with unequal padding"):
         check_embedding_rows(152_064, 151_936, 151_665, "speculative")
 
     monkeypatch.setitem(MODES, SIMULATED.name, SIMULATED)
-    assert modes_with("takes_new_theta") == "mode='lockstep' or mode='simulated'"
+    assert modes_with("takes_new_theta") == "mode='lockstep' or mode='speculative' or mode='simulated'"
     assert modes_with("beam_search") == "mode='lockstep'"
     # Its capabilities, not its name, decide: it has an engine for theta and takes new θ.
     check_embedding_rows(152_064, 151_936, 151_665, "simulated")

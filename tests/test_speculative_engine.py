@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from tests.oracles import assert_records_match_rescoring
 
@@ -143,6 +144,69 @@ def test_what_the_mode_cannot_serve_is_refused_by_name(spec_engine, options, nam
         spec_engine.generate([PROMPTS[0]], max_tokens=4, **options)
 
 
-def test_theta_weights_cannot_be_updated_in_place(spec_engine, tiny_same):
-    with pytest.raises(ValueError, match="role='theta'"):
-        spec_engine.update_theta(tiny_same[1])
+def test_theta_takes_new_weights_as_the_draft_model_and_the_records_follow(spec_engine, hf_models, tiny_same):
+    """θ drafts inside the teacher's engine; vLLM updates a draft model only through its weight-transfer engine's draft
+    start. A state dict of a changed θ (its MLPs and embedding halved: exact in float32; the embedding is the output
+    projection too if tied) goes in; the next records re-score against it, not the θ the engine started with, and the
+    teacher's against the teacher (nothing of the target moved); a NaN is refused by name and changes nothing; the
+    folder θ started from (sent as a chunk) puts it back, and the records re-score against it again."""
+    import copy
+    import math
+
+    hf_teacher, hf_theta = hf_models
+    changed = copy.deepcopy(hf_theta)
+    with torch.no_grad():
+        for name, param in changed.named_parameters():
+            if ".mlp." in name or "embed_tokens" in name:
+                param.mul_(0.5)
+    version = spec_engine.update_theta(changed.state_dict())
+    out = spec_engine.generate(PROMPTS, max_tokens=16, n=2, seed=9)
+    assert all(s.theta_version == version for s in samples(out))
+    checked = sum(
+        assert_records_match_rescoring(r, hf_teacher, changed, spec_engine.vocab, "kl_symmetry") for r in out.requests
+    )
+    assert checked == sum(len(s.token_ids) for s in samples(out)) > 0
+    with pytest.raises(AssertionError):  # the oracle tells the two θ apart on these records
+        for r in out.requests:
+            assert_records_match_rescoring(r, hf_teacher, hf_theta, spec_engine.vocab, "kl_symmetry")
+
+    poisoned = {k: v.clone() for k, v in hf_theta.state_dict().items()}
+    poisoned["model.norm.weight"][0] = math.nan
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' holds a NaN"):
+        spec_engine.update_theta(poisoned)
+    assert spec_engine.weight_versions["theta"] == version
+
+    spec_engine.update_theta(str(tiny_same[1]), version="as-started")
+    out = spec_engine.generate(PROMPTS, max_tokens=16, n=2, seed=9)
+    checked = sum(
+        assert_records_match_rescoring(r, hf_teacher, hf_theta, spec_engine.vocab, "kl_symmetry") for r in out.requests
+    )
+    assert checked > 0 and all(s.theta_version == "as-started" for s in samples(out))
+
+
+def test_distillation_runs_two_rounds_with_theta_drafting(spec_engine, tiny_same, tmp_path):
+    """Each round pushes the trainer's θ into the draft model; the per-round sampler check (the records' log π_θ
+    against the trainer's θ on the round's first batch) stops a run whose engine kept an older θ, so two rounds
+    passing it means each round drew from the θ the trainer held. loss='reverse_full': the mode records no top k."""
+    from dual_sampling.distill import DistillConfig, Distiller
+    from dual_sampling.options import EngineOptions, SamplingOptions
+    from tests.distill_runs import small_run, write_prompts
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    engine = EngineOptions(mode="speculative", num_speculative_tokens=GAMMA)
+    settings = small_run(tiny_same, prompts, tmp_path, engine=engine, loss="reverse_full", eval_max_tokens=8, rounds=2)
+    config = DistillConfig(
+        **settings,
+        prompts_per_round=8,
+        steps_per_round=2,
+        learning_rate=1e-3,
+        plot=False,
+        sampling=SamplingOptions(max_tokens=12),
+    )
+    try:
+        rows = Distiller(config, spec_engine).run()
+        assert [r["round"] for r in rows] == [0, 1, 2]
+        assert spec_engine.weight_versions["theta"] == "round-2"
+        assert all(r["sampler_mismatch_max"] <= config.max_sampler_mismatch for r in rows[1:])
+    finally:
+        spec_engine.update_theta(str(tiny_same[1]), version="after-distillation")

@@ -51,13 +51,13 @@ def leftovers(tmp_path, monkeypatch):
 def staging_made(monkeypatch):
     """The staging folders made during the test (one per staging that got as far as copying)."""
     made = []
-    make = weights._staging_folder
+    make = weights.weights_folder
 
     def recorded(*args):
         made.append(make(*args))
         return made[-1]
 
-    monkeypatch.setattr(weights, "_staging_folder", recorded)
+    monkeypatch.setattr(weights, "weights_folder", recorded)
     return made
 
 
@@ -122,14 +122,14 @@ def test_a_file_that_grows_after_its_check_is_copied_only_as_far_as_its_header_s
     _, check, tensors = theta
     source = write(tmp_path / "growing", tensors)
     original = (source / "model.safetensors").read_bytes()
-    make = weights._staging_folder
+    make = weights.weights_folder
 
     def grow_then_make(*args):  # after the checks, before the copy: a writer appends 64 MiB
         with open(source / "model.safetensors", "ab") as f:
             f.truncate(len(original) + (64 << 20))
         return make(*args)
 
-    monkeypatch.setattr(weights, "_staging_folder", grow_then_make)
+    monkeypatch.setattr(weights, "weights_folder", grow_then_make)
     with staged_folder(check, source, "theta") as staged:
         assert (staged / "model.safetensors").read_bytes() == original
 

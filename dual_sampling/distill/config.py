@@ -127,8 +127,8 @@ class DistillConfig:
     sampling: SamplingOptions = field(
         default_factory=lambda: SamplingOptions(**DistillConfig.PART_DEFAULTS["sampling"])
     )
-    """How each round samples; ``dense_logprobs`` is ``loss_top_k`` (a different value is refused). Its fields are
-    flat keys."""
+    """How each round samples; ``dense_logprobs`` is set to ``loss_top_k`` for the losses that read the records' top k
+    (a different value is refused) and left as given for ``reverse_full`` (0 unless set). Its fields are flat keys."""
     engine: EngineOptions = field(default_factory=EngineOptions)
     """How the dual engine runs; its fields are flat keys."""
 
@@ -181,10 +181,17 @@ class DistillConfig:
             raise ValueError(
                 f"trainer_device must be a torch device (cpu, cuda, cuda:1), got {self.trainer_device!r}"
             ) from None
-        if not mode_of(self.engine.mode).takes_new_theta:
+        mode = mode_of(self.engine.mode)
+        if not mode.takes_new_theta:
             raise ValueError(
-                f"mode={self.engine.mode!r}: distillation pushes new θ weights into the theta engine every round, and "
-                f"only {modes_with('takes_new_theta')} takes them (the speculative mode's draft model is loaded once)"
+                f"mode={self.engine.mode!r}: distillation pushes new θ weights into the engine every round, and only "
+                f"{modes_with('takes_new_theta')} takes them"
+            )
+        if self.loss != "reverse_full" and not mode.dense_logprobs:
+            raise ValueError(
+                f"loss={self.loss!r} reads each model's top k from the records, which only "
+                f"{modes_with('dense_logprobs')} records; in mode={mode.name!r} use loss='reverse_full' (the teacher "
+                "runs in the trainer)"
             )
         if self.weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
@@ -203,10 +210,11 @@ class DistillConfig:
                 f"dense_logprobs={self.sampling.dense_logprobs} differs from loss_top_k={self.loss_top_k}: a "
                 "distillation run records the top loss_top_k tokens the loss reads; set loss_top_k only"
             )
-        self.sampling = dataclasses.replace(self.sampling, dense_logprobs=self.loss_top_k)
-        self.engine = dataclasses.replace(
-            self.engine, max_dense_logprobs=max(self.engine.max_dense_logprobs, self.loss_top_k)
-        )
+        if self.loss != "reverse_full":  # reverse_full runs the teacher in the trainer and reads no top k
+            self.sampling = dataclasses.replace(self.sampling, dense_logprobs=self.loss_top_k)
+            self.engine = dataclasses.replace(
+                self.engine, max_dense_logprobs=max(self.engine.max_dense_logprobs, self.loss_top_k)
+            )
 
     def kl_budget(self, r: int) -> float | None:
         """The trust_region budget ε (nats) round ``r`` (1, 2, ...) samples with; None without a schedule."""

@@ -366,21 +366,30 @@ class LockstepDriver:
         slot meanwhile are drawn from the new weights. ``version`` labels the new weights (the
         default counts updates, "1", "2", ..., skipping labels earlier weights carried; a label given is the caller's
         to keep unique: ``best_of`` trusts labels to tell weights apart). A ``load`` that raises leaves the engine's
-        weights unknown: the driver fails for good rather than sample from them.
+        weights unknown: the driver fails for good rather than sample from them (so does one cancelled half way).
         """
         check_update(role, mode, version)
         role = Role(role)
         self.versions.check_model(role)
         async with self._no_request_running(mode):
-            engine = self.engines.engines[role]
+            engine = self.engine_holding(role)
             try:
                 await engine.pause_generation(mode="keep", clear_cache=False)  # nothing runs: nothing to keep
                 await load(engine)
                 await engine.reset_prefix_cache()  # no KV of the old weights is reused
                 await engine.resume_generation()
-            except Exception as exc:
-                raise self._fail(f"loading new {role} weights failed, so its weights are unknown: {exc!r}") from exc
+            except BaseException as exc:
+                # A load stopped half way (an error, or a Ctrl-C cancelling it) leaves the weights unknown, and the
+                # worker possibly inside vLLM's layerwise reload: no request may run on them.
+                failure = self._fail(f"loading new {role} weights failed, so its weights are unknown: {exc!r}")
+                if isinstance(exc, Exception):
+                    raise failure from exc
+                raise
             return self.versions.updated(role, version)
+
+    def engine_holding(self, role: Role) -> Any:
+        """The engine whose workers hold model ``role``'s weights (its own, in lockstep)."""
+        return self.engines.engines[role]
 
     async def update_alpha(self, method: str, config: dict[str, Any]) -> None:
         """Give the leader's processor the alpha computer ``method`` with ``config`` (the caller checked both), once

@@ -39,7 +39,7 @@ from dual_sampling.options import (
 )
 from dual_sampling.roster import THETA, Role, Roster
 
-__all__ = ["LOCKSTEP_SETTINGS", "EnginePair", "qualified_name", "start_lockstep"]
+__all__ = ["LOCKSTEP_SETTINGS", "EnginePair", "qualified_name", "start_lockstep", "worker_problems"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ LOCKSTEP_SETTINGS = (
     "scheduler_cls",
     "logits_processors",
     "worker_extension_cls",
+    "weight_transfer_config",
     "additional_config",
     "tensor_parallel_size",
     "pipeline_parallel_size",
@@ -202,6 +203,7 @@ class EnginePair:
     def base_kwargs(self, model: str, kv_bytes: int) -> dict[str, Any]:
         """The vLLM engine arguments every engine of a dual engine starts with (lockstep's and the speculative one)."""
         from processors import DualSamplingWorkerExtension
+        from processors.weight_transfer import ENGINE_NAME
 
         cfg = self.config
         return dict(
@@ -224,6 +226,8 @@ class EnginePair:
             # Weight and alpha updates go through it: vLLM's reload alone leaves a tied output projection stale on
             # the CPU.
             worker_extension_cls=qualified_name(DualSamplingWorkerExtension),
+            # New weights from a state dict come through vLLM's weight-transfer protocol, over shared memory.
+            weight_transfer_config={"backend": ENGINE_NAME},
         )
 
     def engine_kwargs(self, role: str) -> dict[str, Any]:
@@ -338,7 +342,7 @@ class EnginePair:
 
     def verify(self) -> None:
         """Read every engine's effective settings and refuse any that would break lockstep, naming it."""
-        from processors import DualSamplingWorkerExtension, FollowerScheduler, LeaderScheduler
+        from processors import FollowerScheduler, LeaderScheduler
         from processors.model_runner import runner_problem
 
         problems = []
@@ -348,11 +352,7 @@ class EnginePair:
             want = LeaderScheduler if role == self.roster.names[0] else FollowerScheduler
             if sc.get_scheduler_cls() is not want:
                 problems.append(f"{role}: scheduler_cls is {sc.get_scheduler_cls().__name__}, not {want.__name__}")
-            if pc.worker_extension_cls != qualified_name(DualSamplingWorkerExtension):
-                problems.append(
-                    f"{role}: worker_extension_cls is {pc.worker_extension_cls!r}, not "
-                    f"{qualified_name(DualSamplingWorkerExtension)!r} (weight and alpha updates need it)"
-                )
+            problems += [f"{role}: {problem}" for problem in worker_problems(vc)]
             if sc.async_scheduling:
                 problems.append(f"{role}: async_scheduling is on (a step would be scheduled before its tokens exist)")
             if sc.enable_chunked_prefill or (sc.long_prefill_token_threshold or 0) > 0:
@@ -533,6 +533,24 @@ def _resolve_row_transport(requested: str, places: dict[str, placement.EnginePla
 
     devices = {place.visible_devices for place in places.values()}
     return resolve_transport(requested, current_platform.device_type, len(devices) <= 1, followers)
+
+
+def worker_problems(vc: Any) -> list[str]:
+    """What in an engine's effective settings ``vc`` (a ``VllmConfig``) keeps the driver from reaching its workers:
+    another worker extension (weight and alpha updates, the speculative step go through ours) or weight-transfer
+    engine (a state dict's update goes through ours)."""
+    from processors import DualSamplingWorkerExtension
+    from processors.weight_transfer import ENGINE_NAME
+
+    problems = []
+    extension = vc.parallel_config.worker_extension_cls
+    if extension != qualified_name(DualSamplingWorkerExtension):
+        problems.append(f"worker_extension_cls is {extension!r}, not {qualified_name(DualSamplingWorkerExtension)!r}")
+    transfer = vc.weight_transfer_config
+    if transfer is None or transfer.backend != ENGINE_NAME:
+        backend = transfer.backend if transfer is not None else None
+        problems.append(f"weight_transfer_config's backend is {backend!r}, not {ENGINE_NAME!r}")
+    return problems
 
 
 def start_lockstep(config: DualEngineConfig, tokenizer: Any, engine_len: int, **settings: Any) -> LockstepDriver:

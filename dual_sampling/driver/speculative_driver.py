@@ -88,13 +88,9 @@ class SpeculativeDriver(LockstepDriver):
         self._aborting.add(task)  # held until done: the loop keeps only weak references to tasks
         task.add_done_callback(self._aborting.discard)
 
-    async def update_weights(self, role: Role | str, *args: Any, **kwargs: Any) -> str:
-        if Role(role) == Role.THETA:
-            raise ValueError(
-                "role='theta': in mode='speculative' theta is the teacher engine's draft model, whose weights vLLM "
-                "cannot reload in place; restart the engine with the new theta"
-            )
-        return await super().update_weights(role, *args, **kwargs)
+    def engine_holding(self, role: Role) -> Any:
+        """The one engine: theta is its draft model (updated through its weight-transfer engine's draft start)."""
+        return self.engines.teacher
 
     def statistics(self) -> dict[str, float | str]:
         stats = super().statistics()

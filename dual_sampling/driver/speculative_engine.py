@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from dual_sampling.driver import engine_processes, engine_start, placement
-from dual_sampling.driver.pair import EnginePair, qualified_name
+from dual_sampling.driver.pair import EnginePair, worker_problems
 from dual_sampling.options import default_kv_cache_bytes
 from dual_sampling.roster import Role
 
@@ -102,7 +102,6 @@ class SpeculativeEngine(EnginePair):
 
     def verify(self) -> None:
         """Read the engine's effective settings and refuse any the speculative mixture cannot run with, naming it."""
-        from processors import DualSamplingWorkerExtension
         from processors.model_runner import runner_problem
 
         vc = self.teacher.vllm_config
@@ -120,10 +119,7 @@ class SpeculativeEngine(EnginePair):
                 )
             if spec.num_speculative_tokens_per_batch_size:
                 problems.append("num_speculative_tokens_per_batch_size: γ must not change with the batch")
-        if pc.worker_extension_cls != qualified_name(DualSamplingWorkerExtension):
-            problems.append(
-                f"worker_extension_cls is {pc.worker_extension_cls!r} (the mixture's step is installed by it)"
-            )
+        problems += worker_problems(vc)
         if sc.max_num_batched_tokens < sc.max_num_seqs * (self.gamma + 2):
             # A running request left out of a step (γ + 1 tokens and a drafting slot each) would miss its θ rows.
             problems.append(

@@ -1,16 +1,11 @@
-"""New weights for a running engine: checked against the model's checkpoint, then handed over by path.
-
-vLLM's worker reloads weights in place (``reload_weights(weights_path=...)`` through
-``collective_rpc``), by way of our worker extension, which also refreshes a tied output
-projection that vLLM's reload alone leaves stale on the CPU
-(:mod:`processors.weights_reload`). Tensors passed straight through that RPC arrive as lists on the CPU
-build, so a state dict travels as one safetensors file in a private folder (in /dev/shm when it
-has room) that the engine loads by path; the folder is removed once it has.
+"""New weights for a running engine, checked against the model's checkpoint and staged as a private copy
+(:mod:`dual_sampling.driver.weight_loads` hands them to the engine).
 
 Every update is checked before anything changes: each tensor's name and shape must be those
 of the checkpoint the engine was started from (read from its safetensors headers, no weights
 loaded), none may be missing, none extra, every dtype float16, bfloat16, float32 or float64 and every value finite.
-The error names the tensor (and the file, for a folder).
+The error names the tensor (and the file, for a folder). The checks run before vLLM's start: a layerwise reload
+cannot be undone once begun.
 
 A folder is never loaded where it lies. Its files are those vLLM's loader would read (:func:`_weight_files`: its
 glob, which skips hidden names, its ``consolidated*`` rule and its index filter); any other ``*.safetensors`` file
@@ -35,24 +30,19 @@ import math
 import os
 import shutil
 import stat
-import tempfile
-from collections.abc import Callable, Coroutine, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dual_sampling.lockstep import SHM_DIR
-from dual_sampling.lockstep.janitor import scratch_dir
+from processors.weight_transfer import weights_folder
 
 __all__ = [
     "DTYPE_BITS",
     "FLOAT_BYTES",
     "WeightsCheck",
     "loaded_files",
-    "prepared_weights",
-    "reload_from",
     "staged_folder",
-    "staged_weights",
 ]
 
 _TIED_OUTPUT = "lm_head.weight"
@@ -94,10 +84,7 @@ class WeightsCheck:
 
         if not isinstance(state, Mapping) or not state:
             raise ValueError(f"the new {role} weights must be a non-empty mapping of tensor names to tensors")
-        # state_dict() lists a tied projection that the checkpoint leaves out (the engine shares the embedding).
-        out = {
-            name: t for name, t in state.items() if not (name == _TIED_OUTPUT and self.tied and name not in self.shapes)
-        }
+        out = {name: t for name, t in state.items() if self.kept(name)}
         for name, tensor in out.items():
             if not isinstance(tensor, torch.Tensor):
                 raise ValueError(f"{role} weights: {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -113,55 +100,35 @@ class WeightsCheck:
                 raise ValueError(f"{role} weights: {name!r} holds a NaN or an infinity")
         return out
 
+    @property
+    def numel(self) -> int:
+        """Elements in the checkpoint's tensors, all together."""
+        return sum(math.prod(shape) for shape in self.shapes.values())
+
+    def kept(self, name: str) -> bool:
+        """Whether an update keeps tensor ``name``: all but a tied output projection the checkpoint leaves out
+        (``state_dict()`` lists it; the engine shares the embedding)."""
+        return not (name == _TIED_OUTPUT and self.tied and name not in self.shapes)
+
     def _check_shapes(self, shapes: Mapping[str, tuple[int, ...]], where: str, role: str) -> None:
         """No tensor missing, none extra, each of the checkpoint's shape; ValueError naming the first that is not."""
+        self.check_part(shapes, where, role)
+        self.check_complete(shapes, where, role)
+
+    def check_part(self, shapes: Mapping[str, tuple[int, ...]], where: str, role: str) -> None:
+        """Each tensor of a part of an update one of the checkpoint, of its shape; ValueError naming the first not."""
         for name in sorted(shapes):
             if name not in self.shapes:
                 raise ValueError(f"{where}: {name!r} is not a tensor of the {role} model")
             if shapes[name] != self.shapes[name]:
                 raise ValueError(f"{where}: {name!r} has shape {shapes[name]}, the model's is {self.shapes[name]}")
-        missing = sorted(set(self.shapes) - set(shapes))
+
+    def check_complete(self, names: Collection[str], where: str, role: str) -> None:
+        """ValueError naming the first of the checkpoint's tensors not in ``names``."""
+        missing = sorted(set(self.shapes) - set(names))
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             raise ValueError(f"{where}: {missing[0]!r}{more} missing")
-
-
-@contextlib.contextmanager
-def staged_weights(tensors: Mapping[str, Any], role: str) -> Iterator[Path]:
-    """A private temporary folder holding ``tensors`` as one safetensors file, removed on exit."""
-    from safetensors.torch import save_file
-
-    folder = _staging_folder(sum(t.numel() * t.element_size() for t in tensors.values()), f"{role} weights")
-    try:
-        seen: set[int] = set()
-        plain = {}
-        for name, tensor in tensors.items():
-            t = tensor.detach().to("cpu").contiguous()
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in seen:  # safetensors refuses tensors that share memory
-                t = t.clone()
-            seen.add(t.untyped_storage().data_ptr())
-            plain[name] = t
-        save_file(plain, str(folder / "model.safetensors"))
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _staging_folder(size: int, what: str) -> Path:
-    """A new private folder (mode 0700) for ``size`` bytes of weights: in /dev/shm when it has room (no disk write,
-    and a cleanup finds it if this process dies), else in the temporary directory; ValueError if neither has room."""
-    tmp = tempfile.gettempdir()
-    try:
-        if shutil.disk_usage(SHM_DIR).free > 2 * size:
-            return scratch_dir("weights")
-        if shutil.disk_usage(tmp).free > size:
-            return Path(tempfile.mkdtemp(prefix="dual-sampling-weights-"))
-    except OSError as exc:
-        if exc.errno not in _NO_ROOM:
-            raise
-        raise ValueError(f"{what}: no room to stage their {size} bytes: {exc.strerror}") from exc
-    raise ValueError(f"{what}: no room to stage their {size} bytes: neither {SHM_DIR} nor {tmp} has that much free")
 
 
 @contextlib.contextmanager
@@ -196,7 +163,7 @@ def staged_folder(check: WeightsCheck, source: str | Path, role: str, follow_sym
             opened.callback(os.close, files[name])
         headers = _checked_headers(check, files, source, role)
         total = sum(header.size for header in headers.values())
-        folder = _staging_folder(total, what)
+        folder = weights_folder(total, what)
         try:
             for name, fd in files.items():
                 _copy_checked(fd, headers[name], folder / name, source / name, what, total)
@@ -455,30 +422,3 @@ def _checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
             for tensor in f.keys():  # noqa: SIM118 (safe_open has keys(), no iteration)
                 shapes[tensor] = tuple(f.get_slice(tensor).get_shape())
     return shapes
-
-
-@contextlib.contextmanager
-def prepared_weights(check: WeightsCheck, weights: Any, role: str, follow_symlinks: bool = True) -> Iterator[Path]:
-    """The folder an engine loads ``weights`` from: a folder as given, or a state dict staged in a temporary one.
-
-    Either is checked against ``check`` first (ValueError naming the tensor; nothing written), and either is a private
-    copy: a folder's files are staged (:func:`staged_folder`).
-    """
-    if isinstance(weights, (str, Path)):
-        with staged_folder(check, weights, role, follow_symlinks) as folder:
-            yield folder
-        return
-    with staged_weights(check.check_state_dict(weights, role), role) as folder:
-        yield folder
-
-
-def reload_from(folder: Path) -> Callable[[Any], Coroutine[Any, Any, None]]:
-    """The load step of an update: the engine's workers reload their weights in place from ``folder``."""
-    from processors.worker_extension import DualSamplingWorkerExtension
-
-    method = DualSamplingWorkerExtension.dual_sampling_reload_weights.__name__
-
-    async def load(engine: Any) -> None:
-        await engine.collective_rpc(method, kwargs={"weights_path": str(folder)})
-
-    return load

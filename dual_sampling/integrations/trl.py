@@ -5,7 +5,7 @@ through one object that each trainer builds in its constructor when ``use_vllm=T
 ``trl.generation.vllm_generation.VLLMGeneration``, with ``generate(prompts, images, num_generations, profiler)`` and
 ``sync_weights()``. :meth:`MixtureRollouts.trainer` builds a trainer whose generation object is a
 :class:`MixtureGeneration` instead, with the same two methods, backed by an :class:`~dual_sampling.OptimalSamplingDual`
-in lockstep mode (the speculative mode cannot take new θ weights)::
+in any mode (in the speculative one, new θ reaches the teacher engine's draft model)::
 
     with MixtureRollouts(teacher="models/teacher", engine=EngineOptions(alpha_method="trust_region")) as rollouts:
         trainer = rollouts.trainer(GRPOTrainer, model="models/student", args=GRPOConfig(use_vllm=True), ...)
@@ -100,8 +100,8 @@ class MixtureRolloutsConfig:
     def __post_init__(self) -> None:
         if not mode_of(self.engine.mode).takes_new_theta:
             raise ValueError(
-                f"engine.mode={self.engine.mode!r}: a trainer's rollouts need {modes_with('takes_new_theta')} (the "
-                "speculative mode's theta engine cannot take new weights)"
+                f"engine.mode={self.engine.mode!r}: a trainer's rollouts need {modes_with('takes_new_theta')} (a mode "
+                "whose θ takes new weights)"
             )
         if isinstance(self.teacher, Mapping):
             if len(self.teacher) < 2 or not all(isinstance(v, (str, os.PathLike)) for v in self.teacher.values()):

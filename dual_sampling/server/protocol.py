@@ -43,8 +43,12 @@ __all__ = [
     "DualRecords",
     "ErrorInfo",
     "ErrorResponse",
+    "FinishWeightUpdateRequest",
+    "InitWeightTransferRequest",
+    "StartWeightUpdateRequest",
     "UpdateWeightVersionRequest",
     "UpdateWeightsRequest",
+    "WeightChunkRequest",
     "WeightsFromPath",
     "records_model",
     "response_model",
@@ -232,8 +236,8 @@ class WeightsFromPath(_Strict):
 
 
 class UpdateWeightsRequest(_Strict):
-    """``POST /update_weights``: new weights for the theta engine. vLLM's route takes ``update_info`` for its
-    weight-transfer engine; here it names a folder."""
+    """``POST /update_weights`` naming a folder: new weights for the theta engine in one call (this server's own use
+    of vLLM's route; a weight-transfer engine's chunk is a :class:`WeightChunkRequest`)."""
 
     update_info: WeightsFromPath
     weight_version: Annotated[str, _VERSION] | None = Field(
@@ -243,6 +247,43 @@ class UpdateWeightsRequest(_Strict):
     )
     mode: Literal["wait", "abort"] = Field(
         default="wait", description="Requests in flight finish on the old weights (wait) or are aborted (abort)."
+    )
+
+
+class InitWeightTransferRequest(_Strict):
+    """``POST /init_weight_transfer_engine`` (vLLM's route and body). The server's engine is the shared-memory one
+    (``processors.weight_transfer``), which needs no rendezvous: ``init_info`` must be empty."""
+
+    init_info: dict[str, Any] = Field(default_factory=dict, description="Must be {} for the shared-memory engine.")
+
+
+class StartWeightUpdateRequest(_Strict):
+    """``POST /start_weight_update`` and ``/start_draft_weight_update``: begin an update of theta's weights (vLLM's
+    routes; TRL's client sends ``is_checkpoint_format``). Chunks follow, then ``/finish_weight_update``."""
+
+    is_checkpoint_format: Literal[True] = Field(
+        default=True, description="The chunks hold tensors as the checkpoint names them (the only format taken)."
+    )
+
+
+class WeightChunkRequest(_Strict):
+    """``POST /update_weights`` with a weight-transfer engine's payload (vLLM's body): one chunk of the open update,
+    checked as it comes. Told apart from a folder update by its ``update_info``, which names no ``weights_path``."""
+
+    update_info: Any = Field(
+        description="An object, a chunk of the shared-memory engine (path, names, dtype_names, shapes, offsets: "
+        "processors.weight_transfer.SharedMemoryUpdateInfo), or a list of one per worker (one here); its form is "
+        "checked with the chunk, each error naming update_info."
+    )
+
+
+class FinishWeightUpdateRequest(_Strict):
+    """``POST /finish_weight_update`` (vLLM's route and body): load the open update's chunks into theta's engine."""
+
+    weight_version: Annotated[str, _VERSION] | None = Field(
+        default=None,
+        description="The new weights' version label: one theta's weights never carried (a used label is refused, "
+        "400); default: the count of updates, or the next count no weights carried.",
     )
 
 
