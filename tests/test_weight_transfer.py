@@ -137,6 +137,20 @@ class StandInEngine:
         self.calls.append("finish")
 
 
+def module_of(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module whose ``named_parameters()`` are ``tensors`` by their checkpoint names (dots nest modules)."""
+    module = torch.nn.Module()
+    for name, tensor in tensors.items():
+        *path, leaf = name.split(".")
+        parent = module
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        parent.register_parameter(leaf, torch.nn.Parameter(tensor))
+    return module
+
+
 def sync_into(check, engine, versions, draft=False):
     def apply(load, version):
         asyncio.run(load(engine))
@@ -220,15 +234,7 @@ def test_a_refused_finish_drops_the_update_and_one_call_runs_at_a_time(tied_thet
 def test_vllms_trainer_factory_drives_a_weight_sync_through_the_shared_memory_engine(theta):
     """vLLM's own trainer-side entry point with our engine's init info, an nn.Module as the source, small chunks."""
     check, weights = theta
-    module = torch.nn.Module()
-    for name, tensor in weights.items():  # parameter names with dots: nest modules as the checkpoint names them
-        *path, leaf = name.split(".")
-        parent = module
-        for part in path:
-            if not hasattr(parent, part):
-                parent.add_module(part, torch.nn.Module())
-            parent = getattr(parent, part)
-        parent.register_parameter(leaf, torch.nn.Parameter(tensor * 2))
+    module = module_of({n: t * 2 for n, t in weights.items()})
     engine, versions = StandInEngine(), []
     register()
     sender = WeightTransferTrainerFactory.trainer_init(
@@ -239,3 +245,58 @@ def test_vllms_trainer_factory_drives_a_weight_sync_through_the_shared_memory_en
     sender.send_weights()
     assert engine.calls[0] == "start" and engine.calls[-1] == "finish" and engine.calls.count("update") > 2
     assert all(torch.equal(engine.loaded[n], t * 2) for n, t in weights.items())
+
+
+def test_a_send_that_fails_half_way_finishes_and_leaves_the_engine_as_it_was(theta):
+    """vLLM's trainer-side engine whose source fails after some chunks: the send calls finish (as TRL's clients do
+    after an error), which misses tensors and so drops the update; the engine saw nothing, and the next send starts."""
+    check, weights = theta
+    engine, versions = StandInEngine(), []
+    sync = sync_into(check, engine, versions)
+
+    class Failing(ModuleSource):
+        def __iter__(self):
+            for number, pair in enumerate(super().__iter__()):
+                if number == 3:
+                    raise RuntimeError("the trainer's gather failed")
+                yield pair
+
+    module = module_of({n: t * 2 for n, t in weights.items()})
+    register()
+    init = SharedMemoryTrainerInitInfo(rank=0, chunk_bytes=1)  # a chunk per tensor
+    sender = WeightTransferTrainerFactory.trainer_init(init, client=sync, source=Failing(module))
+    with pytest.raises(RuntimeError, match="gather failed"):
+        sender.send_weights()
+    assert engine.calls == [] and not sync.updating
+    WeightTransferTrainerFactory.trainer_init(init, client=sync, source=ModuleSource(module)).send_weights()
+    assert engine.calls[0] == "start" and engine.calls[-1] == "finish"
+    assert all(torch.equal(engine.loaded[n], t * 2) for n, t in weights.items())
+
+
+def test_without_room_in_dev_shm_chunks_go_to_a_private_temporary_folder(monkeypatch, tmp_path):
+    """/dev/shm too small for an update: its folder is made in the temporary directory (mode 0700), whose chunks the
+    engine reads as it reads /dev/shm's; a folder of that name made by anyone else is not read."""
+    import shutil as shutil_module
+    import tempfile
+    from types import SimpleNamespace
+
+    from dual_sampling.lockstep import SHM_DIR
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    usage = shutil_module.disk_usage
+    monkeypatch.setattr(
+        shutil_module,
+        "disk_usage",
+        lambda path: SimpleNamespace(total=1 << 30, used=1 << 30, free=0) if Path(path) == SHM_DIR else usage(path),
+    )
+    made = weights_folder(1 << 20)
+    try:
+        assert made.parent == tmp_path and made.stat().st_mode & 0o777 == 0o700
+        info = write_chunk([("w", torch.arange(6.0))], made)
+        assert torch.equal(read_chunk(info)[0][1], torch.arange(6.0))
+        made.chmod(0o755)  # a folder others may write into is not one of ours
+        with pytest.raises(ValueError, match="update_info.path"):
+            read_chunk(info)
+    finally:
+        made.chmod(0o700)
+        shutil_module.rmtree(made)
