@@ -1132,3 +1132,35 @@ def test_a_request_id_already_in_flight_is_refused():
         assert sample.error is None  # the first one is untouched
     finally:
         driver.close()
+
+
+def test_a_weight_load_cancelled_half_way_fails_the_dual_engine_for_good():
+    """A load of several calls (vLLM's start, chunks, finish) cancelled between two of them (a Ctrl-C in
+    update_theta cancels it) leaves the worker inside vLLM's layerwise reload: no request may run on it again."""
+    rng = random.Random(31)
+    driver = sim_driver(rng, Adversity(), 2, 96)
+    try:
+        driver.call(_sample_all(driver, make_requests(rng, 2, 96, (), 0)), timeout=60)  # the engines are up
+        started = threading.Event()
+
+        async def nothing(*args, **kwargs):
+            return None
+
+        for engine in driver.engines.engines.values():  # what the simulated engines lack of vLLM's AsyncLLM
+            engine.pause_generation = engine.reset_prefix_cache = engine.resume_generation = nothing
+
+        async def half_a_load(engine):
+            started.set()
+            await asyncio.sleep(3600)  # between vLLM's start and its first chunk
+
+        update = asyncio.run_coroutine_threadsafe(driver.update_weights("theta", half_a_load), driver.loop)
+        assert started.wait(30)
+        update.cancel()
+        deadline = time.monotonic() + 30
+        while driver.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert driver.failure is not None and "loading new theta weights failed" in str(driver.failure)
+        with pytest.raises(SyncError, match="loading new theta weights failed"):
+            driver.call(_sample_all(driver, make_requests(rng, 1, 96, (), 0)), timeout=60)
+    finally:
+        driver.close()
