@@ -245,9 +245,18 @@ def test_max_tokens_is_capped_by_the_room_the_longer_prompt_leaves(dual_engine):
 def test_keyboard_interrupt_inside_generate_leaves_the_engine_usable(dual_engine):
     main = threading.main_thread().ident
 
+    driver = dual_engine.driver
+    deadline = time.monotonic() + 60
+    while driver.in_flight() and time.monotonic() < deadline:  # an earlier test's request still ending
+        time.sleep(0.005)
+    launched_before = driver.counters["requests"]
+
     def interrupt_once_running() -> None:  # by state: once requests are in the engines (a timer once fired too late)
+        # This call's requests, not an earlier test's: one still ending once let the interrupt land before generate()
+        # launched any (CI, 2026-12-07: no request aborted).
         deadline = time.monotonic() + 60
-        while not dual_engine.driver.in_flight() and time.monotonic() < deadline:
+        running = lambda: driver.counters["requests"] > launched_before and driver.in_flight()
+        while not running() and time.monotonic() < deadline:
             time.sleep(0.005)
         # A real SIGINT to the main thread, as Ctrl-C sends: it interrupts generate()'s wait while the requests run.
         # (_thread.interrupt_main only sets Python's flag, which a thread blocked on a lock sees once generate returns.)
