@@ -396,26 +396,36 @@ class OptimalSamplingDual:
     def pause(self, mode: str = "wait") -> None:
         """Start no new sample until :meth:`resume`; returns once no request runs on either engine.
 
-        The requests in flight finish (``mode="wait"``) or are aborted (``mode="abort"``, their samples say
-        ``stop_reason="weight_update"``); requests that arrive meanwhile wait. Thread-safe.
+        The requests in flight finish (``mode="wait"``), are aborted (``mode="abort"``, their samples say
+        ``stop_reason="weight_update"``) or are held where they are (``mode="keep"``, vLLM's name; not in the
+        speculative mode); requests that arrive meanwhile wait. Held requests go on after :meth:`resume` under the
+        weights θ has then: a θ update taken meanwhile loads at once, and each such sample names the θ version of
+        every token (``theta_versions``; its records are exact token by token, since every held request recomputes
+        its KV cache under the new weights). The teacher takes no update while requests are held, and an abort of a
+        held request takes effect at the resume. Thread-safe.
         """
-        self._check_open()
+        self._check_pause(mode)
         self.driver.call(self.driver.pause(mode))
 
     async def pause_async(self, mode: str = "wait") -> None:
         """:meth:`pause` from any asyncio loop."""
-        self._check_open()
+        self._check_pause(mode)
         await self.driver.thread.run(self.driver.pause(mode))
 
     def resume(self) -> None:
-        """Start samples again after :meth:`pause`. Thread-safe."""
+        """Start samples again after :meth:`pause` (held requests first). Thread-safe."""
         self._check_open()
-        self.driver.call(as_coroutine(self.driver.resume))
+        self.driver.call(self.driver.resume())
 
     async def resume_async(self) -> None:
         """:meth:`resume` from any asyncio loop."""
         self._check_open()
-        await self.driver.thread.run(as_coroutine(self.driver.resume))
+        await self.driver.thread.run(self.driver.resume())
+
+    def _check_pause(self, mode: str) -> None:
+        self._check_open()
+        if mode == "keep":
+            require(self.mode.holds_requests, f"mode='keep' is served in {modes_with('holds_requests')} only")
 
     def update_alpha(self, method: str | None = None, **alpha_config: Any) -> tuple[str, dict[str, Any]]:
         """Decide with a new alpha computer from now on: ``method`` (None: the current one) with ``alpha_config``,

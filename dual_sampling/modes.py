@@ -38,6 +38,8 @@ class Mode:
     """Serves beam search on q (``beam_search``, ``use_beam_search``)."""
     dense_logprobs: bool = True
     """Records each model's top k per token (``dense_logprobs``), which distillation's top-k losses read."""
+    holds_requests: bool = True
+    """``pause(mode="keep")`` holds the requests in flight across a θ update (each token records its θ version)."""
 
     def build_driver(self, *args: Any, **kwargs: Any) -> Any:
         """The driver of an engine in this mode (``start`` resolved and called with these arguments)."""
@@ -88,5 +90,6 @@ register_mode(
         takes_new_theta=True,
         beam_search=False,
         dense_logprobs=False,
+        holds_requests=False,
     )
 )

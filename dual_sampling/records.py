@@ -102,7 +102,12 @@ class SampleRecord(TokenRecords):
     """The teacher's weight version that drew every token ("0": the weights it started with). With several teachers,
     the first teacher's (teachers of such a roster keep the weights they started with)."""
     theta_version: str = "0"
-    """Theta's weight version that drew every token: the policy whose π_θ the importance weights refer to."""
+    """Theta's weight version that drew every token: the policy whose π_θ the importance weights refer to. Where the
+    tokens span θ updates taken while ``pause(mode="keep")`` held the sample, its first token's (and
+    :attr:`theta_versions` names each token's)."""
+    theta_versions: list[str] | None = None
+    """Only for a sample whose tokens span θ updates taken while ``pause(mode="keep")`` held it: the θ version that
+    drew each token (its ``logp_theta`` is that version's, and ``logq`` the law it was drawn from). None otherwise."""
     dense_ids: np.ndarray | None = None
     """``[n, 2, k]`` int32 for a sample asked with dense_logprobs k (None otherwise): before each generated token,
     the teacher's k most likely tokens (``[:, 0]``) and theta's (``[:, 1]``), most likely first. With several

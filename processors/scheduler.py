@@ -33,7 +33,15 @@ Each engine runs one subclass of vLLM's ``Scheduler`` inside its EngineCore proc
   the follower's ends what the leader recorded, or fails a request it cannot run, whose
   error in the slot the leader then ends on its side.
 - **Preemption** cannot happen with the KV cache the driver verifies; if vLLM preempts
-  anyway, the request fails (``preempted``) instead of silently diverging.
+  anyway, the request fails (``preempted``) instead of silently diverging. The one preemption taken is the driver's
+  own, on every engine at once: ``pause(mode="keep")``.
+- **Holding** (``pause(mode="keep")``). The driver pauses the leader's engine with vLLM's ``keep`` first, so no
+  plan follows, then raises the session's hold (:meth:`SyncSession.hold`): each follower runs the plans published
+  before it, then steps nothing (:meth:`LockstepScheduler.held_output`) until vLLM pauses it too, so no engine waits
+  inside a step for another. vLLM's ``keep`` resets each engine's KV cache and so preempts its running requests on
+  all engines alike (:meth:`LockstepScheduler.reset_prefix_cache` notes them). After the resume they are admitted
+  again like new ones (the leader counting prompt and generated tokens) and recompute their KV cache with whatever
+  weights the engines hold then: no token is drawn over a cache that other weights computed.
 
 Waits block on futex doorbells. With requests running, the follower waits for the next
 plan until ``sync_timeout`` (then fails them); otherwise every scheduler waits at most
@@ -166,6 +174,8 @@ class LockstepScheduler(Scheduler):
         self._ending_outputs: list[tuple[int, EngineCoreOutput]] = []
         """Outputs of requests ended outside update_from_output, sent with the next step's outputs."""
         self._budget = min(self.max_num_scheduled_tokens, self.scheduler_config.max_num_batched_tokens)
+        self._kept: set[str] = set()
+        """Requests preempted by the KV-cache reset of ``pause(mode="keep")``: taken again, not failed."""
         # Exit this engine if the driver dies, instead of waiting on it for ever (a forked engine watches from its
         # start already, a spawned one from here).
         session = self.session
@@ -216,6 +226,13 @@ class LockstepScheduler(Scheduler):
             del self.tickets[rid]  # ended by vLLM's own stop checks (EOS, stop ids, length)
         return outputs
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        # vLLM's pause with keep resets the cache with its running requests preempted: on every engine at once, since
+        # the driver holds them all first, so those preemptions keep the engines in step.
+        if reset_running_requests:
+            self._kept.update(r.request_id for r in self.running if r.request_id in self.tickets)
+        return super().reset_prefix_cache(reset_running_requests, reset_connector)
+
     def shutdown(self) -> None:
         super().shutdown()
         self.session.close()
@@ -258,6 +275,7 @@ class LockstepScheduler(Scheduler):
         status = _status_of(finish)
         stop_reason = ticket.stops[stop_index] if 0 <= stop_index < len(ticket.stops) else None
         self.tickets.pop(request.request_id, None)
+        self._kept.discard(request.request_id)
         Scheduler.finish_requests(self, request.request_id, status)
         if not ticket.scheduled:
             self.session.release(ticket.slot, ticket.key, self.position)  # no processor ever saw it
@@ -305,11 +323,24 @@ class LockstepScheduler(Scheduler):
             ticket = self.tickets.get(rid)
             if ticket is not None:
                 ticket.scheduled = True
+            self._kept.discard(rid)
+
+    def held_output(self) -> SchedulerOutput:
+        """A step of nothing (requests ended meanwhile excepted) while the driver holds the engines and pauses this
+        one next: after a short wait, so that the EngineCore reads the pause without spinning."""
+        seen = self.session.bell_value(Bell.PLAN)
+        if self.session.held:
+            self.session.wait_bell(Bell.PLAN, seen, IDLE_WAIT_S)
+        out = SchedulerOutput.make_empty()
+        out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()  # the runner drops their rows
+        return out
 
     def refuse_preemptions(self, scheduler_output: SchedulerOutput) -> int:
         """A preempted request would restart on one engine only: fail it instead. Return how many were."""
         refused = 0
         for rid in scheduler_output.preempted_req_ids or ():
+            if rid in self._kept:
+                continue
             request, ticket = self.requests.get(rid), self.tickets.get(rid)
             if request is not None and not request.is_finished() and ticket is not None:
                 self._end(request, ticket, Finish.ERROR, error=ErrorCode.PREEMPTED)
@@ -381,9 +412,11 @@ class LeaderScheduler(LockstepScheduler):
         return all(int(c[word]) == ticket.key for word in self._arrived)
 
     def _costs(self, request: Request, ticket: _Ticket) -> list[int]:
-        """The request's prefill on each engine, in roster order (the followers' from their prompt lengths)."""
+        """The request's prefill on each engine, in roster order (the followers' from their prompt lengths); a request
+        a ``keep`` pause preempted prefills its generated tokens too, the same on every engine."""
         c = self.session.control[ticket.slot]
-        return [request.num_prompt_tokens, *(int(c[word]) for word in self._prompt_lens)]
+        generated = request.num_output_tokens
+        return [request.num_prompt_tokens + generated, *(int(c[word]) + generated for word in self._prompt_lens)]
 
     def _admissible(self) -> list[Request]:
         """Waiting requests to admit now: first come first served, while seats and every engine's budget last."""
@@ -519,6 +552,8 @@ class FollowerScheduler(LockstepScheduler):
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         number, plan = self._await_plan(self.plans_consumed)
+        if plan is None and self._hold_reached(number):
+            return self.held_output()
         admit = [] if plan is None else self._apply_plan(number, plan)
         # Without a plan nothing runs here: _await_plan returns None only once no request is running.
         with self.queue_only(admit):
@@ -549,6 +584,8 @@ class FollowerScheduler(LockstepScheduler):
                 plan = s.read_plan(number)
                 if plan is not None:
                     return number, plan
+                if self._hold_reached(number):
+                    return number, None
                 self._follow_endings(number)
                 now = time.monotonic()
                 if s.is_shut_down:
@@ -575,6 +612,12 @@ class FollowerScheduler(LockstepScheduler):
                 s.wait_bell(Bell.PLAN, seen, min(deadline - now, WAIT_CAP_S))
         finally:
             s.add_model_stat(self.position, ModelWord.PLAN_WAIT_NS, int((time.monotonic() - start) * 1e9))
+
+    def _hold_reached(self, number: int) -> bool:
+        """The driver holds the engines and this engine ran every plan published before the hold (``number`` is the
+        next it would run)."""
+        before = self.session.plans_before_hold()
+        return before is not None and number >= before
 
     def _skip_plans(self, number: int) -> int:
         """The first plan from ``number`` on that may concern this engine, which runs nothing now.
@@ -629,7 +672,8 @@ class FollowerScheduler(LockstepScheduler):
                 continue
             if request is None and not self._takes_part(entry):
                 continue  # a request that leaves this model out: its engine never receives it
-            if request is None or request.status != RequestStatus.WAITING:
+            kept = request is not None and request.request_id in self._kept
+            if request is None or not (request.status == RequestStatus.WAITING or kept):
                 # Not here, or not waiting: its slot gets the error even when this engine holds no request for it.
                 slot, key = split_plan_entry(entry)
                 self.session.fail_slot(slot, key, ErrorCode.DIVERGED, 0, self.writer)

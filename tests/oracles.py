@@ -200,9 +200,15 @@ def oracle_alpha(
 
 def oracle_rows(sample, request, hf_teacher, hf_theta, vocab: int, alpha_method: str = "kl_symmetry", **alpha_config):
     """(log π_t, log π_θ, α) of every generated token by teacher-forced re-scoring, in float64 (α:
-    :func:`oracle_alpha`)."""
+    :func:`oracle_alpha`). ``hf_theta`` may map θ versions to models: each token's row is then re-scored by the model
+    of the version the sample names for it (``theta_versions``, else ``theta_version`` for all)."""
     lt = rescore(hf_teacher, request.teacher_prompt_token_ids, sample.token_ids, vocab)
-    lth = rescore(hf_theta, request.theta_prompt_token_ids, sample.token_ids, vocab)
+    if isinstance(hf_theta, dict):
+        versions = sample.theta_versions or [sample.theta_version] * len(sample.token_ids)
+        rows = {v: rescore(hf_theta[v], request.theta_prompt_token_ids, sample.token_ids, vocab) for v in set(versions)}
+        lth = torch.stack([rows[v][t] for t, v in enumerate(versions)])
+    else:
+        lth = rescore(hf_theta, request.theta_prompt_token_ids, sample.token_ids, vocab)
     return lt, lth, oracle_alpha(lth, lt, alpha_method, **alpha_config)
 
 

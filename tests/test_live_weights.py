@@ -8,14 +8,19 @@ sample drawn half from one θ and half from another fails it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import copy
 import math
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dual_sampling import OptimalSamplingDual
-from dual_sampling.lockstep import listing_dir
+from dual_sampling.driver import health
+from dual_sampling.lockstep import Slot, listing_dir
 from dual_sampling.records import RequestRecord
 from tests.oracles import assert_records_match_rescoring, rescore
 from tests.tolerances import LOGQ_ATOL_FACTOR, RESCORE_ATOL, SAME_WEIGHTS_TWO_RUNS
@@ -202,6 +207,92 @@ def test_an_update_with_requests_in_flight_never_mixes_versions(restore, hf_mode
     assert s.session.held_slots() == []
 
 
+def halved_mlps(model):
+    """A copy of ``model`` with every MLP weight halved (exact in float32): weights neither side started with."""
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, parameter in other.named_parameters():
+            if ".mlp." in name:
+                parameter.mul_(0.5)
+    return other
+
+
+def drawing(s: OptimalSamplingDual, count: int, tokens: int = 3) -> bool:
+    """``count`` requests hold slots, and each has drawn at least ``tokens`` tokens."""
+    slots = s.session.held_slots()
+    return len(slots) >= count and all(int(s.session.control[slot, Slot.NUM_RECORDS]) >= tokens for slot in slots)
+
+
+def test_keep_holds_requests_across_a_theta_update_and_each_token_records_its_version(restore, hf_models, monkeypatch):
+    """pause(mode="keep") with requests half drawn (two with long teacher prompts that θ does not see), θ updated,
+    resume: each held sample names the θ version of every token, and every record re-scores against the version it
+    names (the KV cache of the old θ is not reused: with it, the tokens after the resume do not re-score). A request
+    aborted while held ends at the resume; one that arrives while held waits and draws from the new θ alone. The
+    health watch, here declaring a stall after 1.5 s without a row, does not count held requests as stalled."""
+    s = restore
+    monkeypatch.setattr(health, "STALL_GRACE_S", 1.5 - s.driver.sync_timeout)
+    hf_teacher, hf_theta = hf_models
+    new_theta = halved_mlps(hf_theta)
+    old = s.weight_versions["theta"]
+    tok = lambda text: s.tokenizer(text, add_special_tokens=True)["input_ids"]
+    thetas = [tok(f"Tale {i}: the {w} sat") for i, w in enumerate(["cat", "dog", "fox", "owl"])]
+    teachers = [tok(LONG_PROMPT + " Tale 0: the cat sat"), tok(LONG_PROMPT + " Tale 1: the dog sat"), *thetas[2:]]
+    before = s.get_sync_statistics()
+    drawn_at_pause: dict[int, int] = {}
+
+    async def run():
+        def start(i: int, tokens: int, key: int):
+            return asyncio.create_task(
+                s.complete(thetas[i], teachers[i], max_tokens=tokens, min_tokens=tokens, seed=i, sample_key=key)
+            )
+
+        held = [start(i, 40, i) for i in range(3)]
+        aborted = asyncio.create_task(s.complete(thetas[3], max_tokens=40, min_tokens=40, seed=3, request_id="gone"))
+        while not drawing(s, 4):
+            assert not any(t.done() for t in [*held, aborted]), "a request ended before the pause"
+            await asyncio.sleep(0.002)
+        await s.pause_async("keep")
+        assert s.paused and s.session.held
+        counts = {slot: int(s.session.control[slot, Slot.NUM_RECORDS]) for slot in s.session.held_slots()}
+        await asyncio.sleep(3 * health.WATCH_S + 1.5)
+        assert counts == {slot: int(s.session.control[slot, Slot.NUM_RECORDS]) for slot in s.session.held_slots()}
+        assert s.healthy(), s.failure
+        drawn_at_pause.update(counts)
+        queued = start(0, 8, 9)  # waits for the resume
+        assert s.abort("gone")
+        with pytest.raises(ValueError, match="role='teacher'"):
+            await s.update_teacher_async(hf_teacher.state_dict())
+        with pytest.raises(ValueError, match="mode='wait'"):
+            await s.pause_async("wait")
+        state = {name: tensor.detach().clone() for name, tensor in new_theta.state_dict().items()}
+        assert await s.update_theta_async(state, version="kept-1") == "kept-1"
+        await asyncio.sleep(0.1)
+        assert not any(t.done() for t in [*held, aborted, queued]), "a request moved while held"
+        await s.resume_async()
+        return await asyncio.gather(*held), await aborted, await queued
+
+    held, aborted, queued = asyncio.run(run())
+    assert not s.paused and not s.session.held and s.session.held_slots() == []
+    assert aborted.finish_reason == "abort" and aborted.error is None and aborted.theta_versions is None
+    assert len(drawn_at_pause) == 4 and len(aborted.token_ids) in drawn_at_pause.values()  # nothing drawn after
+    spans = sorted(x.theta_versions.index("kept-1") for x in held if x.theta_versions)
+    assert len(spans) == len(held) and set(spans) <= set(drawn_at_pause.values()), (spans, drawn_at_pause)
+    for i, x in enumerate(held):
+        assert x.error is None and len(x.token_ids) == 40, x.error
+        assert x.theta_version == old and x.theta_versions[0] == old and x.theta_versions[-1] == "kept-1"
+        request = RequestRecord(i, teachers[i], thetas[i], [x])
+        versions = {old: hf_theta, "kept-1": new_theta}
+        assert assert_records_match_rescoring(request, hf_teacher, versions, s.vocab, "kl_symmetry") == 40
+        with pytest.raises(AssertionError):  # the oracle tells the versions apart: one θ for all fails
+            assert_records_match_rescoring(request, hf_teacher, new_theta, s.vocab, "kl_symmetry")
+    assert queued.theta_version == "kept-1" and queued.theta_versions is None
+    request = RequestRecord(0, teachers[0], thetas[0], [queued])
+    assert assert_records_match_rescoring(request, hf_teacher, new_theta, s.vocab, "kl_symmetry") == 8
+    stats = s.get_sync_statistics()
+    failed = {k: stats[k] - before[k] for k in stats if k.startswith("failed_")}
+    assert set(failed.values()) == {0}, failed
+
+
 # ---------------------------------------------------------------------- vLLM's RL routes on the server
 
 
@@ -255,7 +346,7 @@ def test_the_rl_routes_need_the_key_and_update_theta_from_an_allowed_folder(weig
         response = post("/update_weights", json=bad)
         assert response.status_code == status, (bad, response.text)
         assert response.json()["error"]["param"] == param, response.text
-    assert post("/pause", params={"mode": "keep"}).json()["error"]["param"] == "mode"
+    assert post("/pause", params={"mode": "freeze"}).json()["error"]["param"] == "mode"
     assert get("/weight_info")["weight_version"] == old
 
     assert post("/pause", params={"mode": "wait"}).json() == {"status": "paused"}
@@ -285,7 +376,7 @@ def test_the_rl_routes_need_the_key_and_update_theta_from_an_allowed_folder(weig
 
 
 def test_trls_vllm_client_drives_the_weight_transfer_routes_with_the_shared_memory_engine(
-    weights_server, hf_models, monkeypatch
+    weights_server, live, hf_models, monkeypatch
 ):
     """TRL's own async GRPO client, vLLM's own trainer-side factory with our engine's init info, the teacher's
     transformers model as the source: θ takes the teacher's weights in several chunks. A refused chunk (a NaN)
@@ -308,12 +399,12 @@ def test_trls_vllm_client_drives_the_weight_transfer_routes_with_the_shared_memo
     client = VLLMClient(server.url, server_timeout=30)
     hf_teacher = hf_models[0]
 
-    def completion():
+    def completion(prompt: str = "Hello there", tokens: int = 8):
         reply = httpx.post(
             server.url + "/v1/completions",
             headers=auth,
-            json={"prompt": "Hello there", "max_tokens": 8, "seed": 3},
-            timeout=60,
+            json={"prompt": prompt, "max_tokens": tokens, "min_tokens": tokens, "seed": 3},
+            timeout=120,
         )
         return reply.json()["choices"][0]["dual_sampling"]
 
@@ -356,14 +447,37 @@ def test_trls_vllm_client_drives_the_weight_transfer_routes_with_the_shared_memo
         folder.rmdir()
     assert completion() == before  # same seed, same weights: the same records
 
-    register()
-    sender = WeightTransferTrainerFactory.trainer_init(
-        SharedMemoryTrainerInitInfo(rank=0, chunk_bytes=1 << 16), client=client, source=ModuleSource(hf_teacher)
-    )
-    sender.send_weights()  # start, a dozen chunks, finish
-    client.resume()
+    # TRL's loop: pause with keep while completions are half drawn, push θ := the teacher, resume.
+    prompts = [f"Note {i}: the {w} ran" for i, w in enumerate(["ant", "yak", "emu"])]
+    control = live.session.control
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        held = [pool.submit(completion, p, 40) for p in prompts]
+        while len(live.session.held_slots()) < len(prompts) or any(
+            int(control[slot, Slot.NUM_RECORDS]) < 3 for slot in live.session.held_slots()
+        ):
+            assert not any(f.done() for f in held), "a completion ended before the pause"
+            time.sleep(0.002)
+        client.pause()  # mode=keep
+        assert httpx.get(server.url + "/is_paused", headers=auth, timeout=30).json() == {"is_paused": True}
+        register()
+        sender = WeightTransferTrainerFactory.trainer_init(
+            SharedMemoryTrainerInitInfo(rank=0, chunk_bytes=1 << 16), client=client, source=ModuleSource(hf_teacher)
+        )
+        sender.send_weights()  # start, a dozen chunks, finish
+        assert not any(f.done() for f in held), "a held completion ended while paused"
+        client.resume()
+        spanning = [f.result() for f in held]
     after = completion()
     assert after["theta_version"] != before["theta_version"]
+    old_theta, new_version = before["theta_version"], after["theta_version"]
+    for prompt, records in zip(prompts, spanning):
+        versions = records["theta_versions"]
+        assert len(versions) == 40 and versions[0] == old_theta and versions[-1] == new_version, versions
+        sample = SimpleNamespace(**{**records, "theta_versions": versions})
+        ids = live.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        request = SimpleNamespace(samples=[sample], teacher_prompt_token_ids=ids, theta_prompt_token_ids=ids)
+        thetas = {old_theta: hf_models[1], new_version: hf_teacher}
+        assert assert_records_match_rescoring(request, hf_teacher, thetas, live.vocab, "kl_symmetry") == 40
     # θ holds the teacher's weights now: its log-probabilities are the teacher's.
     assert max(abs(a - b) for a, b in zip(after["logp_theta"], after["logp_teacher"])) <= SAME_WEIGHTS_TWO_RUNS
     assert not [p for p in listing_dir().glob("weights-*")], "a chunk was left behind"

@@ -144,6 +144,12 @@ def test_what_the_mode_cannot_serve_is_refused_by_name(spec_engine, options, nam
         spec_engine.generate([PROMPTS[0]], max_tokens=4, **options)
 
 
+def test_pause_with_keep_is_refused_by_name(spec_engine):
+    with pytest.raises(ValueError, match="mode='keep' is served in mode='lockstep' only"):
+        spec_engine.pause("keep")
+    assert not spec_engine.paused
+
+
 def test_theta_takes_new_weights_as_the_draft_model_and_the_records_follow(spec_engine, hf_models, tiny_same):
     """θ drafts inside the teacher's engine; vLLM updates a draft model only through its weight-transfer engine's draft
     start. A state dict of a changed θ (its MLPs and embedding halved: exact in float32; the embedding is the output

@@ -27,6 +27,7 @@ from dual_sampling.datagen.run_config import RunConfig
 from dual_sampling.datagen.sinks import read_records
 from dual_sampling.decision.pipeline import RowSampling
 from dual_sampling.driver.requests import DualRequest
+from dual_sampling.lockstep import Slot
 from dual_sampling.options import DualEngineConfig
 from dual_sampling.roster import THETA
 from dual_sampling.testing.twins import PADDING_MASS_PROMPT, twin_trio
@@ -667,3 +668,54 @@ def test_three_engines_stay_in_lockstep_under_distinct_hints_aborts_and_a_theta_
     failed = {k: after[k] - before[k] for k in after if k.startswith("failed_")}
     assert set(failed.values()) == {0}, failed
     assert after["in_flight"] == 0 and after["queued"] == 0 and engine.session.held_slots() == []
+
+
+def test_keep_holds_three_engines_across_a_theta_update_of_the_leading_engine(trio):
+    """pause(mode="keep") with requests of distinct hints half drawn on three engines, where θ's engine leads: θ takes
+    new weights while they are held, and each sample's tokens re-score against the θ version each names."""
+    engine, hf = trio
+    old_version = engine.weight_versions[THETA]
+    old_theta = {name: tensor.clone() for name, tensor in hf[THETA].state_dict().items()}
+    new_theta = {name: t * 1.25 if name.endswith("mlp.down_proj.weight") else t for name, t in old_theta.items()}
+    hf_new = copy.deepcopy(hf[THETA])
+    hf_new.load_state_dict(new_theta)
+    rng = random.Random(5)
+    requests = []
+    words = lambda: " ".join(rng.choice(WORDS) for _ in range(rng.choice([2, 30, 60])))
+    for _ in range(4):
+        prompt = words()
+        requests.append((prompt, {name: words() + ". " + prompt for name in ("qwen", "llama")}))
+    drawn: list[int] = []
+
+    async def run():
+        tasks = [
+            asyncio.create_task(engine.complete(p, h, seed=i, max_tokens=32, min_tokens=32))
+            for i, (p, h) in enumerate(requests)
+        ]
+        control = engine.session.control
+        while len(slots := engine.session.held_slots()) < 4 or any(control[s, Slot.NUM_RECORDS] < 3 for s in slots):
+            assert not any(t.done() for t in tasks), "a request ended before the pause"
+            await asyncio.sleep(0.002)
+        await engine.pause_async("keep")
+        drawn.extend(int(control[s, Slot.NUM_RECORDS]) for s in engine.session.held_slots())
+        await engine.update_theta_async(new_theta, version="trio-kept")
+        await engine.resume_async()
+        return await asyncio.gather(*tasks)
+
+    try:
+        samples = asyncio.run(run())
+    finally:
+        engine.update_theta(old_theta, version="trio-restored")
+    for (prompt, hints), sample in zip(requests, samples):
+        assert sample.error is None and len(sample.token_ids) == 32, sample.error
+        versions = sample.theta_versions
+        assert versions[0] == old_version and versions[-1] == "trio-kept" and versions.index("trio-kept") in drawn
+        ids = {name: engine.tokenizer(text)["input_ids"] for name, text in {**hints, THETA: prompt}.items()}
+        old_rows = _rows(hf, ids, sample.token_ids, engine.vocab)
+        new_rows = _rows({**hf, THETA: hf_new}, ids, sample.token_ids, engine.vocab)
+        boundary = versions.index("trio-kept")
+        rows = {name: np.concatenate([old_rows[name][:boundary], new_rows[name][boundary:]]) for name in hf}
+        alpha = np.tile(ALPHA, (len(sample.token_ids), 1))
+        assert _check_sample(sample, rows, alpha) < RESCORE_ATOL
+        assert _check_sample(sample, new_rows, alpha) > RESCORE_ATOL  # the oracle tells the versions apart
+    assert engine.session.held_slots() == [] and not engine.paused

@@ -63,6 +63,22 @@ def delta_of(session: SyncSession, flight: Flight, start: int, sample: SampleRec
     )
 
 
+def theta_versions(flight: Flight, n: int) -> tuple[str, list[str] | None]:
+    """θ's version of a sample of ``n`` tokens (its first token's; the latest when it has none), and each token's
+    where they span θ updates taken while ``pause(mode="keep")`` held it (None where one version drew them all)."""
+    latest = flight.theta_changes[-1][1] if flight.theta_changes else flight.versions[THETA]
+    per_token = []
+    for i in range(n):
+        version = flight.versions[THETA]
+        for start, new in flight.theta_changes:
+            if i >= start:
+                version = new
+        per_token.append(version)
+    if not per_token:
+        return latest, None
+    return per_token[0], (per_token if len(set(per_token)) > 1 else None)
+
+
 def collect_sample(
     session: SyncSession,
     flight: Flight,
@@ -91,8 +107,8 @@ def collect_sample(
         theta_token_ids=list(emitted[THETA]),
         teacher_version=flight.versions[first_teacher],
         teachers=flight.request.teachers,
-        theta_version=flight.versions[THETA],
     )
+    sample.theta_version, sample.theta_versions = theta_versions(flight, len(recorded))
     streams = (tokens, *follower_tokens.values(), recorded)
     if code == ErrorCode.NONE and (
         any(stream != tokens for stream in streams) or int(control[Slot.NUM_RECORDS]) < len(tokens)

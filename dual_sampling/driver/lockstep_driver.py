@@ -26,7 +26,10 @@ lockstep: no slot is handed out meanwhile, the requests in flight finish on the 
 (``mode="abort"``), and only with no request on either engine does the engine load the
 weights (vLLM's pause, ``reload_weights`` and ``reset_prefix_cache``, then resume). So every
 sample is drawn from one version of each model, and it records which
-(:mod:`~dual_sampling.driver.versions`).
+(:mod:`~dual_sampling.driver.versions`). :meth:`LockstepDriver.pause` with ``mode="keep"`` instead holds the
+requests in flight where they are (:meth:`~LockstepDriver.hold`): θ updates taken meanwhile load at once, and the
+held requests go on after :meth:`~LockstepDriver.resume` under the new θ, their KV caches recomputed; each such
+sample names the θ version of every token (``theta_versions``).
 
 Another mode's driver (``dual_sampling.modes``) is this class with its public *mode hooks* replaced:
 :meth:`~LockstepDriver.start_engines`, :meth:`~LockstepDriver.relay`, :meth:`~LockstepDriver.abort_launched`,
@@ -56,12 +59,13 @@ from dual_sampling.driver.health import HealthWatch, dead_engine
 from dual_sampling.driver.loop_thread import LoopThread
 from dual_sampling.driver.requests import DualRequest, Flight, check_request, engine_sampling_params, model_prompts
 from dual_sampling.driver.slots import SlotPool
-from dual_sampling.driver.versions import WeightVersions, check_update
+from dual_sampling.driver.versions import PAUSE_MODES, WeightVersions, check_update
 from dual_sampling.lockstep import (
     EnginePairDead,
     ErrorCode,
     RequestFailed,
     SessionLayout,
+    Slot,
     SyncError,
     SyncSession,
     Writer,
@@ -125,6 +129,8 @@ class LockstepDriver:
         """Requests aborted after a slot was handed to them but before they reached the engines."""
         self._update_aborts: set[str] = set()
         """Requests aborted by an update, so their samples say why."""
+        self._holding = False
+        """``pause(mode="keep")`` holds the requests in flight: every engine is paused with vLLM's ``keep``."""
         self._closing = False
         self._engines_lock = threading.Lock()
         self._engines_closed = False
@@ -144,7 +150,7 @@ class LockstepDriver:
             self.session,
             self.sync_timeout,
             engines=lambda: self.engines,
-            in_flight=lambda: len(self._flights),
+            in_flight=lambda: 0 if self._holding else len(self._flights),  # held requests are not stalled
             stopped=lambda: self.failure is not None or self._closing,
             fail=self._fail,
         )
@@ -372,12 +378,19 @@ class LockstepDriver:
         role = Role(role)
         self.versions.check_model(role)
         async with self._no_request_running(mode):
+            if self._holding and role != Role.THETA:
+                raise ValueError(
+                    f"role={role.value!r}: requests held by pause(mode='keep') record θ's version per token only; "
+                    "update the teacher outside such a pause"
+                )
             engine = self.engine_holding(role)
             try:
-                await engine.pause_generation(mode="keep", clear_cache=False)  # nothing runs: nothing to keep
+                if not self._holding:  # held, it is paused already, and stays paused until resume()
+                    await engine.pause_generation(mode="keep", clear_cache=False)  # nothing runs: nothing to keep
                 await load(engine)
                 await engine.reset_prefix_cache()  # no KV of the old weights is reused
-                await engine.resume_generation()
+                if not self._holding:
+                    await engine.resume_generation()
             except BaseException as exc:
                 # A load stopped half way (an error, or a Ctrl-C cancelling it) leaves the weights unknown, and the
                 # worker possibly inside vLLM's layerwise reload: no request may run on them.
@@ -385,7 +398,10 @@ class LockstepDriver:
                 if isinstance(exc, Exception):
                     raise failure from exc
                 raise
-            return self.versions.updated(role, version)
+            version = self.versions.updated(role, version)
+            for flight in self._flights.values():  # held: the tokens drawn so far are final, the next are the new θ's
+                flight.theta_changes.append((int(self.session.control[flight.slot, Slot.NUM_RECORDS]), version))
+            return version
 
     def engine_holding(self, role: Role) -> Any:
         """The engine whose workers hold model ``role``'s weights (its own, in lockstep)."""
@@ -414,7 +430,8 @@ class LockstepDriver:
         async with self._update_lock:
             self.slots.updating = True
             try:
-                await self._quiesce(mode)
+                if not self._holding:  # held requests wait for resume(): nothing of theirs runs meanwhile
+                    await self._quiesce(mode)
                 yield
             finally:
                 self.slots.updating = False
@@ -422,17 +439,56 @@ class LockstepDriver:
     async def pause(self, mode: str = "wait") -> None:
         """Hand out no slot until :meth:`resume`; returns once no request runs on either engine.
 
-        The requests in flight finish (``mode="wait"``) or are aborted (``mode="abort"``, their
-        samples say ``stop_reason="weight_update"``); those that wait for a slot keep waiting.
-        Updates while paused load at once, and the pause outlasts them.
+        The requests in flight finish (``mode="wait"``), are aborted (``mode="abort"``, their
+        samples say ``stop_reason="weight_update"``) or are held where they are (``mode="keep"``,
+        :meth:`hold`); those that wait for a slot keep waiting. Updates while paused load at once,
+        and the pause outlasts them.
         """
-        check_update(mode=mode)
+        check_update(mode=mode, modes=PAUSE_MODES)
         self._check_alive()
+        if self._holding and mode != "keep":
+            raise ValueError(f"mode={mode!r}: the requests in flight are held by pause(mode='keep'); resume() first")
         self.slots.paused = True
-        await self._quiesce(mode)
+        if mode == "keep":
+            await self.hold()
+        else:
+            await self._quiesce(mode)
 
-    def resume(self) -> None:
-        """Hand out slots again after :meth:`pause` (requests that waited start now)."""
+    async def hold(self) -> None:
+        """Hold every request in flight where it is, on every engine, until :meth:`resume`.
+
+        The leader's engine is paused first with vLLM's ``keep`` (so it publishes no more plans), then the session's
+        hold lets each follower run the plans published before it, and the followers are paused likewise
+        (``processors.scheduler``, "Holding"). vLLM's ``keep`` resets each engine's KV cache, preempting what runs:
+        after the resume every held request recomputes its cache under the weights the engines hold then. A pause
+        that fails half way leaves the engines' state unknown: the driver fails for good.
+        """
+        async with self._update_lock:
+            if self._holding:
+                return
+            leader, *followers = (self.engines.engines[name] for name in self.roster.names)
+            try:
+                await leader.pause_generation(mode="keep", clear_cache=True)
+                self.session.hold(True)
+                await asyncio.gather(*(engine.pause_generation(mode="keep", clear_cache=True) for engine in followers))
+            except BaseException as exc:
+                failure = self._fail(f"holding the requests in flight failed, the engines' state is unknown: {exc!r}")
+                if isinstance(exc, Exception):
+                    raise failure from exc
+                raise
+            self._holding = True
+
+    async def resume(self) -> None:
+        """Hand out slots again after :meth:`pause` (requests that waited start now); requests held by
+        ``pause(mode="keep")`` go on first, under the weights the engines hold now."""
+        if self._holding:
+            async with self._update_lock:
+                self.session.hold(False)
+                try:
+                    await asyncio.gather(*(engine.resume_generation() for engine in self.engines.engines.values()))
+                except Exception as exc:
+                    raise self._fail(f"resuming the held requests failed: {exc!r}") from exc
+                self._holding = False
         self.slots.paused = False
 
     @property

@@ -107,7 +107,10 @@ class Flight:
     """Deltas (or the exception that ended the request) for the caller's stream."""
     task: asyncio.Task | None = None
     versions: dict[str, str] = field(default_factory=lambda: {Role.TEACHER: "0", Role.THETA: "0"})
-    """The weight version of each model when the request was launched, by name (it cannot change before it ends)."""
+    """The weight version of each model when the request was launched, by name."""
+    theta_changes: list[tuple[int, str]] = field(default_factory=list)
+    """θ updates taken while ``pause(mode="keep")`` held the request, in order: (the count of tokens drawn before,
+    the new version). Only θ's weights change under a held request."""
 
 
 def check_request(request: DualRequest, max_model_len: int, max_dense_logprobs: int, roster: Roster = PAIR) -> None:

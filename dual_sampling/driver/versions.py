@@ -10,21 +10,27 @@ from __future__ import annotations
 
 from dual_sampling.roster import PAIR, Role, Roster
 
-__all__ = ["UPDATE_MODES", "WeightVersions", "check_update"]
+__all__ = ["PAUSE_MODES", "UPDATE_MODES", "WeightVersions", "check_update"]
 
 UPDATE_MODES = ("wait", "abort")
+"""What an update does with the requests in flight: let them finish first, or abort them."""
+PAUSE_MODES = (*UPDATE_MODES, "keep")
+"""What a pause does with them: also ``keep``, hold them where they are, to go on under whatever weights the engines
+hold at the resume (each token's record names the θ version that drew it)."""
 """What a weight update does with the requests in flight: let them finish on the old weights, or abort them."""
 
 
-def check_update(role: object = None, mode: object = None, version: object = None) -> None:
+def check_update(
+    role: object = None, mode: object = None, version: object = None, modes: tuple[str, ...] = UPDATE_MODES
+) -> None:
     """Refuse, naming the argument, a role, update mode or version label the weight operations cannot take.
 
     Each argument left None is not checked (a version of None asks for the default label).
     """
     if role is not None:
         Role.parse(role)
-    if mode is not None and mode not in UPDATE_MODES:
-        raise ValueError(f"mode must be one of {UPDATE_MODES}, got {mode!r}")
+    if mode is not None and mode not in modes:
+        raise ValueError(f"mode must be one of {modes}, got {mode!r}")
     if version is not None and (not isinstance(version, str) or not version or len(version) > 256):
         raise ValueError(f"version must be a non-empty string of at most 256 characters, got {version!r}")
 

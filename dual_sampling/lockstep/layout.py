@@ -104,6 +104,9 @@ class Header(IntEnum):
     """The first 60 bits of the boot id the driver ran under."""
     DENSE_K = 13
     """Top-k log-probabilities of each model's own distribution recorded per token at most (0: none)."""
+    HOLD = 14
+    """Driver, for ``pause(mode="keep")``: 1 + the plans the leader published before its engine was paused (none
+    follows), 0 without a hold. Each follower runs those plans, then steps nothing until the driver pauses it."""
 
 
 STATS_BASE = 16

@@ -303,6 +303,23 @@ class SyncSession:
     def is_shut_down(self) -> bool:
         return bool(self.header[Header.SHUTDOWN])
 
+    # ------------------------------------------------------------------ the hold of pause(mode="keep")
+
+    def hold(self, on: bool) -> None:
+        """Driver: start the hold (``on``; the leader's engine is paused, so its count of plans is final) or end it.
+        While held, each follower runs the plans published before the hold, then steps nothing."""
+        self.header[Header.HOLD] = int(self.header[Header.PLANS_PUBLISHED]) + 1 if on else 0
+        self.ring(Bell.PLAN, Writer.DRIVER)
+
+    @property
+    def held(self) -> bool:
+        return bool(self.header[Header.HOLD])
+
+    def plans_before_hold(self) -> int | None:
+        """The plans the leader published before the hold (the followers run them all); None without a hold."""
+        noted = int(self.header[Header.HOLD])
+        return noted - 1 if noted else None
+
     def owner_alive(self) -> bool:
         return pid_alive(int(self.header[Header.OWNER_PID]))
 

@@ -179,7 +179,16 @@ def records_model(roster: Roster = PAIR) -> type[OpenAIBaseModel]:
             Field(
                 default=None,
                 description="On a sample's last chunk: theta's weight version that drew it (the policy the "
-                "importance weights refer to).",
+                "importance weights refer to); that of its first token where its tokens span a theta update taken "
+                "while /pause?mode=keep held it.",
+            ),
+        ),
+        theta_versions=(
+            list[str] | None,
+            Field(
+                default=None,
+                description="On a sample's last chunk, only where its tokens span a theta update taken while "
+                "/pause?mode=keep held it: theta's weight version that drew each token.",
             ),
         ),
     )

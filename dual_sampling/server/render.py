@@ -127,6 +127,8 @@ def token_records(
         out["log_w_theta"] = sample.log_w_theta if sample.error is None else None
         out["error"] = sample.error
         out["teacher_version"], out["theta_version"] = sample.teacher_version, sample.theta_version
+        if sample.theta_versions is not None:
+            out["theta_versions"] = list(sample.theta_versions)
     return out
 
 

@@ -15,8 +15,9 @@ whose θ has an engine of its own has no draft model and refuses it.
 ``weights_path``, which no weight-transfer engine's payload carries, so the body tells the two apart (a second
 route name would break neither kind of client, but vLLM's clients know only this one). A folder outside the
 server's ``weights_dirs`` is refused (403), so a client cannot make the server read any path; a chunk is read only
-from this user's private weights folders of /dev/shm. ``/pause`` has no ``keep`` mode yet: requests frozen across an
-update would resume on θ's new weights over a KV cache of its old ones, which no per-token record could name. A
+from this user's private weights folders of /dev/shm. ``/pause?mode=keep`` holds the requests in flight across
+the update (``OptimalSamplingDual.pause``): they go on under θ's new weights, their KV caches recomputed, and each
+such sample names the θ version of every token (``theta_versions``). A
 label theta's weights carried before is refused by the labelling routes (400): records and ``best_of`` tell
 weights apart by their labels.
 The routes are served only with an API key (the guard lets only /health, /metrics and /openapi.json by without
@@ -91,13 +92,10 @@ def add_weight_routes(
     @app.post("/pause")
     async def pause(mode: str = "abort"):
         async def work():
-            if mode not in ("wait", "abort"):
-                raise BadRequest(
-                    f"mode must be 'wait' or 'abort', got {mode!r} ('keep' would resume the frozen requests on new "
-                    "weights over a KV cache of the old ones)",
-                    "mode",
-                )
-            await dual.pause_async(mode)
+            try:
+                await dual.pause_async(mode)
+            except ValueError as exc:  # the mode's name or its use here: pause changes nothing then
+                raise BadRequest(str(exc), "mode") from exc
             return {"status": "paused"}
 
         return await answer(work)
