@@ -401,8 +401,9 @@ class OptimalSamplingDual:
         speculative mode); requests that arrive meanwhile wait. Held requests go on after :meth:`resume` under the
         weights θ has then: a θ update taken meanwhile loads at once, and each such sample names the θ version of
         every token (``theta_versions``; its records are exact token by token, since every held request recomputes
-        its KV cache under the new weights). The teacher takes no update while requests are held, and an abort of a
-        held request takes effect at the resume. Thread-safe.
+        its KV cache under the new weights). While requests are held, a teacher update, an update with ``mode="abort"``
+        and a new alpha computer are refused by name, and an abort of a held request takes effect at the resume.
+        Thread-safe.
         """
         self._check_pause(mode)
         self.driver.call(self.driver.pause(mode))

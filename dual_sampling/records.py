@@ -146,6 +146,8 @@ class SampleRecord(TokenRecords):
             if isinstance(value := getattr(self, f.name), (list, np.ndarray)) and len(value) == whole
         }
         columns = {name: values[:n] for name, values in self.roster_columns.items()}
+        if self.theta_versions is not None and len(set(self.theta_versions[:n])) <= 1:
+            cut["theta_versions"] = None  # the prefix was drawn by one θ: its theta_version (the first token's) says so
         return replace(self, **cut, roster_columns=columns, finish_reason="length" if n < whole else self.finish_reason)
 
     def columns(self) -> dict[str, list[float]]:
@@ -253,11 +255,17 @@ def best_of(samples: Sequence[SampleRecord], n: int, score: str) -> list[int]:
     Scores of samples drawn by different weights do not compare (an update can land between the draws of one
     request when it has more draws than free slots), so samples are ranked only among those of one (teacher, theta)
     version pair: the pair that drew the most samples (ties: the pair whose first sample comes later in ``samples``).
+    A sample whose tokens span θ updates (``theta_versions``) counts as drawn by its θ versions in order ("1 then 2").
     ValueError naming ``best_of`` if that pair drew fewer than ``n``.
     """
     groups: dict[tuple[str, str], list[int]] = {}
     for i, sample in enumerate(samples):
-        groups.setdefault((sample.teacher_version, sample.theta_version), []).append(i)
+        # A sample spanning θ updates (``theta_versions``) ranks only with samples that spanned the same ones.
+        versions = (
+            sample.teacher_version,
+            " then ".join(dict.fromkeys(sample.theta_versions or [sample.theta_version])),
+        )
+        groups.setdefault(versions, []).append(i)
     order = list(groups)
     chosen = max(order, key=lambda pair: (len(groups[pair]), order.index(pair)))
     if len(groups[chosen]) < n:

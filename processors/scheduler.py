@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from transformers import AutoTokenizer
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
@@ -325,11 +326,18 @@ class LockstepScheduler(Scheduler):
                 ticket.scheduled = True
             self._kept.discard(rid)
 
+    @property
+    def paused_with_keep(self) -> bool:
+        """vLLM paused this engine with ``keep``: it still steps while it has ended requests to report (the pause
+        completes once it is idle), with a token budget of 0, so no running request may be judged by such a step."""
+        return self.pause_state == PauseState.PAUSED_ALL
+
     def held_output(self) -> SchedulerOutput:
-        """A step of nothing (requests ended meanwhile excepted) while the driver holds the engines and pauses this
-        one next: after a short wait, so that the EngineCore reads the pause without spinning."""
+        """A step that runs nothing and reports the requests ended meanwhile: while vLLM pauses this engine with
+        ``keep``, or while the driver holds the engines and pauses this one next (then after a short wait, so that
+        the EngineCore reads the pause without spinning)."""
         seen = self.session.bell_value(Bell.PLAN)
-        if self.session.held:
+        if self.session.held and not self.paused_with_keep:
             self.session.wait_bell(Bell.PLAN, seen, IDLE_WAIT_S)
         out = SchedulerOutput.make_empty()
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()  # the runner drops their rows
@@ -365,6 +373,8 @@ class LeaderScheduler(LockstepScheduler):
         self.tokenizer = AutoTokenizer.from_pretrained(vllm_config.model_config.tokenizer)
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        if self.paused_with_keep:
+            return self.held_output()  # its running requests are held: none ends for not being scheduled
         self._end_requested()
         admit = self._admissible()
         if not admit and not self.running:
@@ -412,11 +422,12 @@ class LeaderScheduler(LockstepScheduler):
         return all(int(c[word]) == ticket.key for word in self._arrived)
 
     def _costs(self, request: Request, ticket: _Ticket) -> list[int]:
-        """The request's prefill on each engine, in roster order (the followers' from their prompt lengths); a request
-        a ``keep`` pause preempted prefills its generated tokens too, the same on every engine."""
+        """The request's prefill on each engine, in roster order (the followers' from their prompt lengths, 0 on one
+        the request leaves out); a request a ``keep`` pause preempted prefills its generated tokens too."""
         c = self.session.control[ticket.slot]
         generated = request.num_output_tokens
-        return [request.num_prompt_tokens + generated, *(int(c[word]) + generated for word in self._prompt_lens)]
+        lengths = (int(c[word]) for word in self._prompt_lens)
+        return [request.num_prompt_tokens + generated, *(n + generated if n else 0 for n in lengths)]
 
     def _admissible(self) -> list[Request]:
         """Waiting requests to admit now: first come first served, while seats and every engine's budget last."""
@@ -441,7 +452,7 @@ class LeaderScheduler(LockstepScheduler):
                 break
             admit.append(request)
             seats, budgets = seats - 1, [budget - cost for budget, cost in zip(budgets, costs)]
-            if ticket.group:
+            if ticket.group and request.request_id not in self._kept:  # a held member was counted when first admitted
                 self._group_admitted[ticket.group] = self._group_admitted.get(ticket.group, 0) + 1
                 while len(self._group_admitted) > MAX_TRACKED_GROUPS:
                     del self._group_admitted[next(iter(self._group_admitted))]
@@ -551,6 +562,9 @@ class FollowerScheduler(LockstepScheduler):
         self.session.ring(Bell.TO_LEADER, self.writer)
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        if self.paused_with_keep:
+            self._follow_endings(self.plans_consumed)
+            return self.held_output()
         number, plan = self._await_plan(self.plans_consumed)
         if plan is None and self._hold_reached(number):
             return self.held_output()
@@ -584,9 +598,9 @@ class FollowerScheduler(LockstepScheduler):
                 plan = s.read_plan(number)
                 if plan is not None:
                     return number, plan
+                self._follow_endings(number)  # before a hold too: a held engine ends what the leader ended
                 if self._hold_reached(number):
                     return number, None
-                self._follow_endings(number)
                 now = time.monotonic()
                 if s.is_shut_down:
                     for request, ticket in self.live_requests():

@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import copy
 import math
+import random
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +21,7 @@ import torch
 
 from dual_sampling import OptimalSamplingDual
 from dual_sampling.driver import health
-from dual_sampling.lockstep import Slot, listing_dir
+from dual_sampling.lockstep import Phase, Slot, listing_dir
 from dual_sampling.records import RequestRecord
 from tests.oracles import assert_records_match_rescoring, rescore
 from tests.tolerances import LOGQ_ATOL_FACTOR, RESCORE_ATOL, SAME_WEIGHTS_TWO_RUNS
@@ -40,6 +41,8 @@ def live(dual_engine):
 @pytest.fixture
 def restore(live, tiny_same):
     yield live
+    if live.paused:  # a test that failed while it held requests
+        live.resume()
     teacher, theta = tiny_same
     live.update_teacher(str(teacher))
     live.update_theta(str(theta))
@@ -264,7 +267,11 @@ def test_keep_holds_requests_across_a_theta_update_and_each_token_records_its_ve
             await s.update_teacher_async(hf_teacher.state_dict())
         with pytest.raises(ValueError, match="mode='wait'"):
             await s.pause_async("wait")
+        with pytest.raises(ValueError, match=r"resume\(\) before a new alpha"):
+            s.update_alpha("kl_symmetry")  # held requests finish on the computer they started with
         state = {name: tensor.detach().clone() for name, tensor in new_theta.state_dict().items()}
+        with pytest.raises(ValueError, match="mode='abort'"):
+            await s.update_theta_async(state, mode="abort")
         assert await s.update_theta_async(state, version="kept-1") == "kept-1"
         await asyncio.sleep(0.1)
         assert not any(t.done() for t in [*held, aborted, queued]), "a request moved while held"
@@ -291,6 +298,51 @@ def test_keep_holds_requests_across_a_theta_update_and_each_token_records_its_ve
     stats = s.get_sync_statistics()
     failed = {k: stats[k] - before[k] for k in stats if k.startswith("failed_")}
     assert set(failed.values()) == {0}, failed
+
+
+def test_keep_lands_while_requests_end_at_every_step_and_fails_none(restore, hf_models):
+    """A pause with keep while requests end at nearly every step (short ones stream through three of the four seats,
+    most ending at a stop string, which the leader decides), beside a long one: vLLM then completes the pause only
+    once each engine reported its ended requests, stepping with a budget of 0 meanwhile, and no running request may
+    fail for not being scheduled by such a step. While held, every request the leader ended before the pause ends on
+    every engine too (its sample is delivered, its slot freed). After the resume every sample re-scores."""
+    s = restore
+    hf_teacher, hf_theta = hf_models
+    rng = random.Random(11)
+    prompts = [f"Item {i}: the {rng.choice(['red', 'blue', 'tall'])} one" for i in range(40)]
+    before = s.get_sync_statistics()
+
+    async def run():
+        long = [
+            asyncio.create_task(s.complete(p, max_tokens=24, min_tokens=24, seed=i, sample_key=i))
+            for i, p in enumerate(prompts[:1])
+        ]
+        short = [
+            asyncio.create_task(s.complete(p, max_tokens=8, stop=["e", "a", "o", "i", " "], seed=i, sample_key=i))
+            for i, p in enumerate(prompts[1:], 1)
+        ]
+        while sum(t.done() for t in short) < 6:
+            await asyncio.sleep(0.001)
+        await s.pause_async("keep")
+        await asyncio.sleep(0.5)
+        control = s.session.control
+        ended = [slot for slot in s.session.held_slots() if int(control[slot, Slot.PHASE]) == Phase.FINISHED]
+        assert not ended, "requests the leader ended before the pause were held on another engine"
+        done = sum(t.done() for t in [*long, *short])
+        await asyncio.sleep(0.2)
+        assert sum(t.done() for t in [*long, *short]) == done and not any(t.done() for t in long)
+        await s.resume_async()
+        return await asyncio.gather(*long, *short)
+
+    samples = asyncio.run(run())
+    stats = s.get_sync_statistics()
+    failed = {k: stats[k] - before[k] for k in stats if k.startswith("failed_")}
+    assert set(failed.values()) == {0}, failed
+    for i, x in enumerate(samples):
+        assert x.error is None and x.finish_reason in ("stop", "length"), (x.error, x.finish_reason)
+        ids = s.tokenizer(prompts[i], add_special_tokens=True)["input_ids"]
+        assert assert_drawn_from(RequestRecord(i, ids, ids, [x]), hf_teacher, hf_theta, s.vocab) > 0
+    assert s.session.held_slots() == []
 
 
 # ---------------------------------------------------------------------- vLLM's RL routes on the server

@@ -62,6 +62,13 @@ def test_best_of_never_ranks_samples_of_two_weight_versions_together():
     with pytest.raises(ValueError, match=r"best_of: .*'round-2'.*too few by one version to rank n=3"):
         best_of([*old[:2], *new, dataclasses.replace(new[0], logq=[-0.2])], 3, "logq")
     assert best_of(old, 3, "logq") == [1, 2, 0]
+    # A sample held across an update (pause with keep) names each token's θ: it ranks with samples that spanned the
+    # same versions, not with those of its first token's version alone.
+    spanning = dataclasses.replace(sample([-0.5, -0.5]), theta_versions=["0", "round-2"])
+    assert best_of([*old[:2], spanning], 2, "logq") == [1, 0]
+    with pytest.raises(ValueError, match=r"best_of: .*'0 then round-2'.*rank n=2"):
+        best_of([spanning, new[0]], 2, "logq")
+    assert best_of([spanning, dataclasses.replace(spanning, logq=[0.0, 0.0]), new[0]], 2, "logq") == [1, 0]
 
 
 def test_the_first_tokens_of_a_sample_cut_every_per_token_field_alike():
@@ -81,6 +88,9 @@ def test_the_first_tokens_of_a_sample_cut_every_per_token_field_alike():
     assert s.first(n).finish_reason == "stop"
     with pytest.raises(ValueError, match=r"n must be in \[0, 5\], got 6"):
         s.first(6)
+    held = dataclasses.replace(s, theta_versions=["0", "0", "1", "1", "1"])
+    assert held.first(3).theta_versions == ["0", "0", "1"] and held.first(2).theta_versions is None
+    assert held.first(2).theta_version == "0"
 
 
 def test_record_fields_past_the_first_are_given_by_name():

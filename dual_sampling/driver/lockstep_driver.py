@@ -49,7 +49,7 @@ import itertools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -383,6 +383,8 @@ class LockstepDriver:
                     f"role={role.value!r}: requests held by pause(mode='keep') record θ's version per token only; "
                     "update the teacher outside such a pause"
                 )
+            if self._holding and mode == "abort":
+                raise ValueError("mode='abort': the requests in flight are held by pause(mode='keep'); resume() first")
             engine = self.engine_holding(role)
             try:
                 if not self._holding:  # held, it is paused already, and stays paused until resume()
@@ -394,10 +396,7 @@ class LockstepDriver:
             except BaseException as exc:
                 # A load stopped half way (an error, or a Ctrl-C cancelling it) leaves the weights unknown, and the
                 # worker possibly inside vLLM's layerwise reload: no request may run on them.
-                failure = self._fail(f"loading new {role} weights failed, so its weights are unknown: {exc!r}")
-                if isinstance(exc, Exception):
-                    raise failure from exc
-                raise
+                self._fail_half_way(f"loading new {role} weights failed, so its weights are unknown", exc)
             version = self.versions.updated(role, version)
             for flight in self._flights.values():  # held: the tokens drawn so far are final, the next are the new θ's
                 flight.theta_changes.append((int(self.session.control[flight.slot, Slot.NUM_RECORDS]), version))
@@ -412,6 +411,8 @@ class LockstepDriver:
         no request runs on either engine (those in flight finish first; those waiting for a slot start after it). A
         call that fails leaves the computer unknown: the driver fails for good."""
         async with self._no_request_running("wait"):
+            if self._holding:  # its contract: the requests in flight finish on the computer they started with
+                raise ValueError("the requests in flight are held by pause(mode='keep'): resume() before a new alpha")
             try:
                 leader = self.engines.engines[self.roster.names[0]]
                 taken = await leader.collective_rpc("dual_sampling_set_alpha", args=(method, config))
@@ -472,24 +473,22 @@ class LockstepDriver:
                 self.session.hold(True)
                 await asyncio.gather(*(engine.pause_generation(mode="keep", clear_cache=True) for engine in followers))
             except BaseException as exc:
-                failure = self._fail(f"holding the requests in flight failed, the engines' state is unknown: {exc!r}")
-                if isinstance(exc, Exception):
-                    raise failure from exc
-                raise
+                self._fail_half_way("holding the requests in flight failed, the engines' state is unknown", exc)
             self._holding = True
 
     async def resume(self) -> None:
         """Hand out slots again after :meth:`pause` (requests that waited start now); requests held by
         ``pause(mode="keep")`` go on first, under the weights the engines hold now."""
-        if self._holding:
-            async with self._update_lock:
+        async with self._update_lock:  # not half way through a hold(): it would hold after this resume
+            if self._holding:
                 self.session.hold(False)
                 try:
                     await asyncio.gather(*(engine.resume_generation() for engine in self.engines.engines.values()))
-                except Exception as exc:
-                    raise self._fail(f"resuming the held requests failed: {exc!r}") from exc
+                except BaseException as exc:
+                    # Engines resumed and engines paused would step out of phase: no request may run on them.
+                    self._fail_half_way("resuming the held requests failed, the engines' state is unknown", exc)
                 self._holding = False
-        self.slots.paused = False
+            self.slots.paused = False
 
     @property
     def paused(self) -> bool:
@@ -530,6 +529,14 @@ class LockstepDriver:
         if isinstance(exc, (SyncError, ValueError)):
             return exc
         return RequestFailed(f"an engine call failed: {type(exc).__name__}: {exc}")
+
+    def _fail_half_way(self, what: str, exc: BaseException) -> NoReturn:
+        """Inside an ``except`` block: a change of the engines stopped half way (an error, or a Ctrl-C cancelling it),
+        so no request may run on them: fail for good, and raise the failure (or the interruption itself)."""
+        failure = self._fail(f"{what}: {exc!r}")
+        if isinstance(exc, Exception):
+            raise failure from exc
+        raise exc
 
     def _fail(self, message: str) -> EnginePairDead:
         """Stop serving: record why, release the engines' waits, and stop the engines."""

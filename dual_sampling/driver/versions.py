@@ -13,11 +13,10 @@ from dual_sampling.roster import PAIR, Role, Roster
 __all__ = ["PAUSE_MODES", "UPDATE_MODES", "WeightVersions", "check_update"]
 
 UPDATE_MODES = ("wait", "abort")
-"""What an update does with the requests in flight: let them finish first, or abort them."""
+"""What a weight update does with the requests in flight: let them finish on the old weights, or abort them."""
 PAUSE_MODES = (*UPDATE_MODES, "keep")
 """What a pause does with them: also ``keep``, hold them where they are, to go on under whatever weights the engines
 hold at the resume (each token's record names the θ version that drew it)."""
-"""What a weight update does with the requests in flight: let them finish on the old weights, or abort them."""
 
 
 def check_update(
