@@ -30,6 +30,7 @@ weight-sync methods (TRL's async GRPO ``VLLMClient`` has them).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import mmap
 import os
@@ -148,6 +149,7 @@ def weights_folder(size: int = 0, what: str = "weights") -> Path:
     room for twice that (no disk write, and a cleanup removes it should its maker die first), else in the temporary
     directory; ValueError naming ``what`` when neither has room."""
     tmp = tempfile.gettempdir()
+    no_room = f"{what}: no room to stage their {size} bytes"
     try:
         if shutil.disk_usage(SHM_DIR).free > 2 * size:
             return scratch_dir(_FOLDER_KIND)
@@ -156,8 +158,8 @@ def weights_folder(size: int = 0, what: str = "weights") -> Path:
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        raise ValueError(f"{what}: no room to stage their {size} bytes: {exc.strerror}") from exc
-    raise ValueError(f"{what}: no room to stage their {size} bytes: neither {SHM_DIR} nor {tmp} has that much free")
+        raise ValueError(f"{no_room}: {exc.strerror}") from exc
+    raise ValueError(f"{no_room}: neither {SHM_DIR} nor {tmp} has that much free")
 
 
 def write_chunk(tensors: Iterable[tuple[str, torch.Tensor]], folder: Path, name: str = "chunk") -> dict[str, Any]:
@@ -228,7 +230,7 @@ def read_chunk(update_info: Mapping[str, Any] | SharedMemoryUpdateInfo) -> list[
     file of this user's in one of this user's ``weights-*`` folders (reached without a symlink), or one too short for
     the tensors it lists.
     """
-    info = update_info if isinstance(update_info, SharedMemoryUpdateInfo) else chunk_info(update_info)
+    info = chunk_info(update_info)
     with _opened_chunk(info) as (fd, size):
         _check_length(info, size)
         mapped = mmap.mmap(fd, max(size, 1), access=mmap.ACCESS_COPY)
@@ -243,15 +245,13 @@ def read_chunk(update_info: Mapping[str, Any] | SharedMemoryUpdateInfo) -> list[
 def _packed(names: list[str], dtype_names: list[str], shapes: list[Any]) -> tuple[SharedMemoryUpdateInfo, int]:
     """The chunk info of tensors laid out back to back at :data:`ALIGN`-byte offsets (``path`` not yet set), and
     the file's size in bytes."""
+    sizes = [[int(d) for d in s] for s in shapes]
+    unplaced = SharedMemoryUpdateInfo("-", list(names), list(dtype_names), sizes, [0] * len(sizes))
     offsets, end = [], 0
-    for dtype, shape in zip(dtype_names, shapes, strict=True):
+    for index in range(len(sizes)):
         offsets.append(end)
-        numel = 1
-        for d in shape:
-            numel *= int(d)
-        end += -(-numel * DTYPES[dtype].itemsize // ALIGN) * ALIGN
-    info = SharedMemoryUpdateInfo("-", list(names), list(dtype_names), [[int(d) for d in s] for s in shapes], offsets)
-    return info, end
+        end += -(-unplaced.nbytes(index) // ALIGN) * ALIGN
+    return dataclasses.replace(unplaced, offsets=offsets), end  # checked again where each tensor lies
 
 
 @contextlib.contextmanager

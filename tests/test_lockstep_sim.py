@@ -123,6 +123,28 @@ def test_long_teacher_prompts_and_short_theta_prompts_stay_in_lockstep(seed):
     assert_same_batches(run)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_hold_with_keep_mid_flight_keeps_lockstep_and_every_record(seed):
+    # pause(mode="keep") each time 12 more deltas have streamed, while deliveries to each side lag (so a follower may
+    # be a plan behind when a hold comes), stop strings end requests on the leader's word, and some requests are
+    # aborted: the simulated engines complete the pause as vLLM's do (once idle, stepping meanwhile while they have
+    # ended requests to report; then their KV caches reset, their running requests preempted). Every held request
+    # goes on at the same step on both sides after the resume, and its records match the oracle.
+    run = run_simulation(
+        seed,
+        count=16,
+        max_num_seqs=4,
+        adversity=Adversity(delay_turns={"teacher": 2, "theta": 2}),
+        stops=("ab", "q"),
+        abort_rate=0.2,
+        hold=(12, 0.02),
+    )
+    assert len(run.held) >= 3 and max(run.held) > 0, run.held
+    assert_clean(run)
+    assert run.stats["split_steps"] == 0 and run.stats["follower_diverged"] == 0
+    assert_same_batches(run)
+
+
 def test_a_theta_row_computed_out_of_phase_fails_the_record_oracle():
     """Positive control of the record oracle: a runner one step out of phase on theta's side is caught.
 

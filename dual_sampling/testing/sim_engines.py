@@ -44,6 +44,7 @@ import torch
 from vllm import SamplingParams
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
@@ -172,6 +173,10 @@ class SimEngineCore(threading.Thread):
         scheduler output gives them (steps that schedule nothing are left out)."""
         self.token_steps: dict[int, list[int]] = {}
         """Per sample seed, the index in :attr:`batches` of the step that computed each of its tokens."""
+        self.pausing: Any = None
+        """Called once a pause with ``keep`` completes: as vLLM's EngineCore does, once the engine is idle (it steps
+        meanwhile while it has ended requests to report), and then with the KV cache reset, its running requests
+        preempted."""
 
     # ------------------------------------------------------------------ input, with delays
 
@@ -192,6 +197,12 @@ class SimEngineCore(threading.Thread):
         for _, _, kind, payload in items:
             if kind == "add":
                 self.scheduler.add_request(payload)
+            elif kind == "pause":  # vLLM's pause_scheduler with mode="keep" and clear_cache
+                self.scheduler.set_pause_state(PauseState.PAUSED_ALL)
+                self.pausing = payload
+            elif kind == "resume":
+                self.scheduler.set_pause_state(PauseState.UNPAUSED)
+                payload()
             else:
                 self.scheduler.finish_requests(payload, RequestStatus.FINISHED_ABORTED)  # as EngineCore.abort_requests
 
@@ -217,6 +228,10 @@ class SimEngineCore(threading.Thread):
                     continue
                 if self.scheduler.has_requests():
                     self._step()
+                if self.pausing is not None and not self.scheduler.has_requests():
+                    self.scheduler.reset_prefix_cache(reset_running_requests=True)
+                    self.pausing, done = None, self.pausing
+                    done()
         except BaseException as exc:  # the driver sees the engine die
             self.error = exc
 
@@ -332,6 +347,20 @@ class SimAsyncEngine:
         self.errored = True
         for loop, inbox in list(self.queues.values()):
             loop.call_soon_threadsafe(inbox.put_nowait, EngineDeadError())
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        """``AsyncLLM.pause_generation`` for the one mode the driver holds requests with."""
+        assert mode == "keep" and clear_cache, (mode, clear_cache)
+        await self._utility("pause")
+
+    async def resume_generation(self) -> None:
+        await self._utility("resume")
+
+    async def _utility(self, kind: str) -> None:
+        """Send ``kind`` through the engine's input (with its delivery delays) and wait until the engine did it."""
+        loop, done = asyncio.get_running_loop(), asyncio.Event()
+        self.core.send(kind, lambda: loop.call_soon_threadsafe(done.set))
+        await done.wait()
 
     async def generate(self, prompt: dict, params: SamplingParams, request_id: str):
         if self.errored:
@@ -525,6 +554,8 @@ class SimRun:
     """The teacher engine's step of every token, per sample seed (:attr:`SimEngineCore.token_steps`)."""
     acted: dict
     """Per request index, the moment (:data:`MOMENTS`) at which its abort or cancel acted."""
+    held: list = field(default_factory=list)
+    """With ``hold``: the slots held when the pause with ``keep`` took effect (one entry per hold)."""
 
 
 _TOKENIZER = None
@@ -638,6 +669,7 @@ def run_simulation(
     slots: int | None = None,
     shared_prefix: dict[str, int] | None = None,
     near_full: float = 0.0,
+    hold: tuple[int, float] | None = None,
 ) -> SimRun:
     """Run ``count`` requests through the real plugins and driver on two simulated engines.
 
@@ -646,6 +678,8 @@ def run_simulation(
     ``abort_rate`` aborts requests through the driver, ``cancel_rate`` has the caller walk away
     from the stream; each acts at a moment of :data:`MOMENTS` drawn per request, by the
     request's state, never by a timer (``SimRun.acted`` says which moment each reached).
+    ``hold`` = (tokens, seconds): each time that many more tokens have streamed in all, the driver holds the requests
+    in flight (``pause(mode="keep")``) that long, then resumes (``SimRun.held``: how many slots each hold held).
     """
     from dual_sampling.driver.loop_thread import as_coroutine
 
@@ -663,6 +697,15 @@ def run_simulation(
         moment, after = rng.choice(MOMENTS), rng.randint(1, max(1, request.max_tokens - 1))
         plan.append(("abort" if abort else "cancel" if cancel else None, moment, after))
     at_prefill: dict[str, Any] = {}
+    streamed_in_all = [0]
+    held: list[int] = []
+    holding: list[asyncio.Task] = []
+
+    async def hold_then_resume() -> None:
+        await driver.pause("keep")
+        held.append(len(driver.session.held_slots()))
+        await asyncio.sleep(hold[1])
+        await driver.resume()
 
     def on_schedule(so) -> None:  # in the teacher engine's thread, between its schedule() and its model
         for new in so.scheduled_new_reqs:
@@ -688,6 +731,10 @@ def run_simulation(
                 task.cancel()
 
         def on_tokens(streamed: int) -> None:
+            streamed_in_all[0] += 1
+            due = hold is not None and streamed_in_all[0] >= hold[0] * (len(holding) + 1)
+            if due and (not holding or holding[-1].done()):
+                holding.append(asyncio.ensure_future(hold_then_resume()))
             if action and moment == "decode" and streamed >= after:
                 act("decode")
 
@@ -704,7 +751,9 @@ def run_simulation(
             return None
 
     async def main() -> list:
-        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(requests))))
+        samples = list(await asyncio.gather(*(one(i, r) for i, r in enumerate(requests))))
+        await asyncio.gather(*holding)
+        return samples
 
     try:
         samples = driver.call(main(), timeout=300)
@@ -718,7 +767,7 @@ def run_simulation(
     finally:
         driver.close()
     batches = {side: cores[side].batches for side in cores}
-    return SimRun(samples, requests, aborted, stats, leaked, batches, cores["teacher"].token_steps, acted)
+    return SimRun(samples, requests, aborted, stats, leaked, batches, cores["teacher"].token_steps, acted, held)
 
 
 async def _drain(stream, on_tokens=lambda streamed: None) -> Any:
