@@ -66,14 +66,10 @@ def delta_of(session: SyncSession, flight: Flight, start: int, sample: SampleRec
 def theta_versions(flight: Flight, n: int) -> tuple[str, list[str] | None]:
     """θ's version of a sample of ``n`` tokens (its first token's; the latest when it has none), and each token's
     where they span θ updates taken while ``pause(mode="keep")`` held it (None where one version drew them all)."""
-    latest = flight.theta_changes[-1][1] if flight.theta_changes else flight.versions[THETA]
-    per_token = []
-    for i in range(n):
-        version = flight.versions[THETA]
-        for start, new in flight.theta_changes:
-            if i >= start:
-                version = new
-        per_token.append(version)
+    per_token = [flight.versions[THETA]] * n
+    latest = flight.versions[THETA]
+    for start, latest in flight.theta_changes:  # in order: each from its token on
+        per_token[start:] = [latest] * max(n - start, 0)
     if not per_token:
         return latest, None
     return per_token[0], (per_token if len(set(per_token)) > 1 else None)

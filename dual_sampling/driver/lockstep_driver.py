@@ -398,8 +398,9 @@ class LockstepDriver:
                 # worker possibly inside vLLM's layerwise reload: no request may run on them.
                 self._fail_half_way(f"loading new {role} weights failed, so its weights are unknown", exc)
             version = self.versions.updated(role, version)
-            for flight in self._flights.values():  # held: the tokens drawn so far are final, the next are the new θ's
-                flight.theta_changes.append((int(self.session.control[flight.slot, Slot.NUM_RECORDS]), version))
+            if self._holding:  # the held requests' tokens drawn so far are final, the next are the new θ's
+                for flight in self._flights.values():
+                    flight.theta_changes.append((int(self.session.control[flight.slot, Slot.NUM_RECORDS]), version))
             return version
 
     def engine_holding(self, role: Role) -> Any:
