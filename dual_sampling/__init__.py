@@ -6,7 +6,9 @@
 
 The public names load on first use, so an engine process that imports the shared-memory
 protocol (``dual_sampling.lockstep``) never imports the driver, and vLLM is imported only
-when an engine starts.
+when an engine starts. ``start_engine_server_early()`` (a program's first lines, before it
+imports vLLM) starts the engines' fork server at once, so that its imports run beside the
+program's own.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "SampleRecord",
     "SamplingOptions",
     "SyncError",
+    "start_engine_server_early",
 ]
 
 _HOME = {
@@ -40,12 +43,15 @@ _HOME = {
     "SyncError": "dual_sampling.lockstep",
     "RequestFailed": "dual_sampling.lockstep",
     "EnginePairDead": "dual_sampling.lockstep",
+    "start_engine_server_early": "dual_sampling.driver.engine_start:start_early",
 }
+"""Where each public name lives: ``module`` (the same name there) or ``module:name``."""
 
 
 def __getattr__(name: str) -> Any:
     if name in _HOME:
-        return getattr(importlib.import_module(_HOME[name]), name)
+        module, _, attribute = _HOME[name].partition(":")
+        return getattr(importlib.import_module(module), attribute or name)
     raise AttributeError(f"module 'dual_sampling' has no attribute {name!r}")
 
 

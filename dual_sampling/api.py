@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import secrets
 import signal
 import threading
@@ -37,7 +36,6 @@ from dual_sampling.beams import (
 )
 from dual_sampling.checks import require
 from dual_sampling.decision.pipeline import RowSampling, check_stages_for_teachers
-from dual_sampling.driver.engine_start import start_early as start_engine_server_early
 from dual_sampling.driver.loop_thread import as_coroutine
 from dual_sampling.driver.requests import (
     DualRequest,
@@ -53,21 +51,22 @@ from dual_sampling.driver.weight_sync import WeightSync
 from dual_sampling.driver.weights import WeightsCheck
 from dual_sampling.lockstep import SyncError
 from dual_sampling.modes import mode_of, modes_with
-from dual_sampling.options import UNSUPPORTED_SAMPLING, DualEngineConfig, EngineOptions, SamplingOptions, model_config
+from dual_sampling.options import (
+    UNSUPPORTED_SAMPLING,
+    DualEngineConfig,
+    EngineOptions,
+    SamplingOptions,
+    derive_seed,
+    model_config,
+)
 from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleDelta, SampleRecord, best_of, scored
 from dual_sampling.roster import PAIR, THETA, Role
 from dual_sampling.text import sample_text
 from dual_sampling.vocab import check_embedding_rows, check_tokenizers_match, embedding_rows, eos_token_ids
 
-__all__ = ["OptimalSamplingDual", "context_length", "derive_seed", "start_engine_server_early"]
+__all__ = ["OptimalSamplingDual", "context_length", "derive_seed"]
 
 T = TypeVar("T")
-
-
-def derive_seed(seed: int, prompt_key: int | str, sample_index: int) -> int:
-    """A distinct, reproducible 63-bit seed per sample of a prompt."""
-    digest = hashlib.blake2b(f"{seed}/{prompt_key}/{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 async def _all_or_none(coroutines: Sequence[Coroutine[Any, Any, T]]) -> list[T]:

@@ -218,8 +218,6 @@ def _generate(args: argparse.Namespace) -> int:
     if missing:
         raise SystemExit(f"dual-sampling generate: missing {', '.join('--' + m for m in missing)} (flag or config key)")
     config = RunConfig.from_settings(settings)
-    if not config.ray:  # with Ray, the replicas start the engines
-        _start_engine_server_early()
     from dual_sampling.datagen.run import run_generation
 
     summary = run_generation(config)
@@ -246,7 +244,7 @@ def _start_engine_server_early() -> None:
     """Once a command's settings are checked and before it imports vLLM: the engines' fork server starts now, so its
     imports run beside this process's. Not before the checks: the server holds this process's output streams until
     its imports end, so a refused command's caller would wait for them."""
-    from dual_sampling.api import start_engine_server_early
+    from dual_sampling import start_engine_server_early
 
     start_engine_server_early()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ __all__ = [
     "ModelEngine",
     "SamplingOptions",
     "default_kv_cache_bytes",
+    "derive_seed",
     "kv_cache_bytes_needed",
     "model_config",
 ]
@@ -61,6 +63,13 @@ other setting must keep its default there."""
 RUNTIME_ONLY = {"changes_records": False}
 """Field metadata of a setting that changes how samples are drawn (speed, memory, progress, where), never which:
 a data run leaves it out of its identity, so ``--resume`` may change it."""
+
+
+def derive_seed(seed: int, prompt_key: int | str, sample_index: int) -> int:
+    """A distinct, reproducible 63-bit seed per sample of a prompt: sample ``sample_index`` of the prompt keyed
+    ``prompt_key`` in a call seeded ``seed`` (:attr:`SamplingOptions.seed`)."""
+    digest = hashlib.blake2b(f"{seed}/{prompt_key}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _is_text(value: Any) -> bool:

@@ -50,23 +50,30 @@ class _Lineage:
                 self.scan()
             time.sleep(0.5)
 
-    def scan(self) -> list[psutil.Process]:
-        """Record the new processes of ours; return every live process seen."""
-        procs = list(psutil.process_iter(["ppid", "create_time", "status", "name"]))
-        procs = [p for p in procs if p.info["create_time"] is not None]  # unreadable: never taken for ours
+    def scan(self) -> list[tuple[psutil.Process, dict]]:
+        """Record the new processes of ours; return every live process seen, with its ppid, create_time, status and
+        name."""
+        # as_dict, not process_iter's attrs: those land on psutil's shared Process objects (``.info``), which a scan
+        # in another thread, or any caller's process_iter, may overwrite with other keys meanwhile.
+        procs = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                info = p.as_dict(["ppid", "create_time", "status", "name"])
+                if info["create_time"] is not None:  # unreadable: never taken for ours
+                    procs.append((p, info))
         with self._lock:
-            alive = {p.pid: p.info["create_time"] for p in procs}
-            names = {p.pid: p.info["name"] or "" for p in procs}
+            alive = {p.pid: info["create_time"] for p, info in procs}
+            names = {p.pid: info["name"] or "" for p, info in procs}
             added = True
             while added:  # until nothing new: a child may be listed before its parent (start times tie at 10 ms)
                 added = False
-                for p in procs:
-                    pid, ppid = p.pid, p.info["ppid"]
-                    if self.known.get(pid) == p.info["create_time"]:
+                for p, info in procs:
+                    pid, ppid = p.pid, info["ppid"]
+                    if self.known.get(pid) == info["create_time"]:
                         # A worker forked from its EngineCore bears the core's title until it sets its own.
-                        core = (p.info["name"] or "").startswith("VLLM::EngineCor")
+                        core = (info["name"] or "").startswith("VLLM::EngineCor")
                         if core and not names.get(ppid, "").startswith("VLLM::EngineCor"):
-                            self.engine_cores.add((pid, p.info["create_time"]))
+                            self.engine_cores.add((pid, info["create_time"]))
                         continue
                     if pid == os.getpid():
                         continue
@@ -76,7 +83,7 @@ class _Lineage:
                         with contextlib.suppress(psutil.Error):
                             tagged = p.environ().get(TAG_VARIABLE) == TAG
                     if parent_ours or tagged:
-                        self.known[pid] = p.info["create_time"]
+                        self.known[pid] = info["create_time"]
                         added = True
         return procs
 
@@ -92,8 +99,8 @@ class _Lineage:
         with self._lock:
             return [
                 p
-                for p in procs
-                if self.known.get(p.pid) == p.info["create_time"] and p.info["status"] != psutil.STATUS_ZOMBIE
+                for p, info in procs
+                if self.known.get(p.pid) == info["create_time"] and info["status"] != psutil.STATUS_ZOMBIE
             ]
 
 

@@ -582,8 +582,20 @@ def test_statistics_and_aborts_are_safe_while_and_after_the_session_closes():
     assert session.statistics() == {**expected, "teacher_rows": 3}
 
 
-def test_reap_kills_an_engine_process_that_does_not_exit():
+def test_reap_ends_an_engine_process_that_vllm_lost_track_of_without_waiting_out_its_deadline():
+    """An idle EngineCore whose fork server a cluster manager killed: vLLM's shutdown thinks it gone, so nothing told
+    it to stop. reap stops it with SIGTERM at once, as vLLM would have, not after its deadline with SIGKILL."""
     proc = subprocess.Popen(["sleep", "60"])
+    started = time.monotonic()
+    reap([proc.pid], 30)
+    assert proc.wait(5) == -signal.SIGTERM and time.monotonic() - started < 15
+
+
+def test_reap_kills_an_engine_process_that_does_not_exit():
+    proc = subprocess.Popen(["bash", "-c", "trap '' TERM; exec sleep 60"])  # ignores SIGTERM, as a hung process may
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{proc.pid}/comm").read_text().strip() != "sleep" and time.monotonic() < deadline:
+        time.sleep(0.01)  # the trap is set once bash has exec'd sleep
     reap([proc.pid], 0.1)
     assert proc.wait(5) == -signal.SIGKILL
 

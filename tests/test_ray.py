@@ -23,7 +23,7 @@ import pytest
 
 import dual_sampling.datagen.ray_stage
 from dual_sampling.api import derive_seed
-from dual_sampling.datagen.ray_stage import DualSamplingStage, _run_config
+from dual_sampling.datagen.ray_stage import DualSamplingStage
 from dual_sampling.datagen.run import run_generation
 from dual_sampling.datagen.sinks import read_records
 from dual_sampling.lockstep import (
@@ -37,6 +37,7 @@ from dual_sampling.lockstep import (
 from tests import processes
 from tests.budget import SLOW_MACHINE
 from tests.oracles import assert_written_records_match_rescoring
+from tests.ray_stand_ins import DyingStage, ScriptedStage
 from tests.test_datagen import ScriptedSampler, all_pairs, cli_flags, problems, tiny_config
 
 pytestmark = pytest.mark.engine
@@ -248,7 +249,7 @@ def test_bad_input_and_an_unreachable_cluster_are_named(tiny_same, tmp_path):
 def ray_cluster(tmp_path_factory):
     """One local Ray cluster for the tests that run Ray inside this process (the last of the module, after every
     command-line run, which starts its own): its workers find this repository and, as $CRASH_LOG, the file where
-    :class:`DyingSampler` logs its deaths."""
+    :class:`tests.ray_stand_ins.DyingSampler` logs its deaths."""
     crash_log = tmp_path_factory.mktemp("ray") / "crashes.log"
     ray.init(
         num_cpus=2,
@@ -319,28 +320,6 @@ def test_a_beam_search_in_a_users_own_pipeline_writes_each_problems_ranked_beams
     assert assert_written_records_match_rescoring(written, dual_engine.tokenizer, *hf_models, dual_engine.vocab) > 0
 
 
-class DyingSampler(ScriptedSampler):
-    """A scripted sampler whose process dies on every batch holding problem p3, logging each death in $CRASH_LOG;
-    after 10 deaths it draws p3 too, so a run that retries without limit ends (and fails the test)."""
-
-    def generate(self, prompts, **kwargs):
-        log = Path(os.environ["CRASH_LOG"])
-        if "p3" in kwargs["prompt_keys"] and (not log.exists() or log.read_text().count("\n") < 10):
-            with log.open("a") as f:
-                f.write("died\n")
-            os._exit(1)
-        return super().generate(prompts, **kwargs)
-
-
-class DyingStage(DualSamplingStage):
-    """The command line's stage with a :class:`DyingSampler` instead of engines."""
-
-    def __init__(self, settings=None, emit="records", attempts=None, models=None):
-        self.cfg = _run_config(settings or {})
-        self.emit, self.attempts, self.replica, self.models = emit, attempts, str(os.getpid()), {}
-        self.sampler = DyingSampler((self.cfg.source.teacher, self.cfg.source.theta))
-
-
 def test_a_batch_that_always_kills_its_replica_fails_after_ray_max_retries(
     ray_cluster, tiny_same, tmp_path, monkeypatch
 ):
@@ -362,15 +341,6 @@ def test_a_batch_that_always_kills_its_replica_fails_after_ray_max_retries(
         ("p3", 0),
         ("p3", 1),
     }
-
-
-class ScriptedStage(DualSamplingStage):
-    """The command line's stage with a :class:`ScriptedSampler` of the run's models instead of engines."""
-
-    def __init__(self, settings=None, emit="records", attempts=None, models=None):
-        self.cfg = _run_config(settings or {})
-        self.emit, self.attempts, self.replica, self.models = emit, attempts, str(os.getpid()), models
-        self.sampler = ScriptedSampler((self.cfg.source.teacher, self.cfg.source.theta))
 
 
 def test_a_run_of_two_teachers_on_ray_writes_what_the_same_run_writes_here(

@@ -43,13 +43,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 # Ray is imported inside the functions that use it: it is optional and heavy, and run.py imports this module.
+from dual_sampling import start_engine_server_early
 from dual_sampling.datagen.draw import Outcome, sample_items
 from dual_sampling.datagen.inputs import batched, model_fingerprints, select_rows
 from dual_sampling.datagen.plan import WorkItem, plan_items
 from dual_sampling.datagen.run_config import RunConfig
 from dual_sampling.datagen.schema import records_table
 
-__all__ = ["DualSamplingStage", "ray_resources", "sample_on_ray", "stage_kwargs"]
+__all__ = ["DualSamplingStage", "check_cluster_address", "ray_resources", "sample_on_ray", "stage_kwargs"]
 
 _REPLICA_EXIT_S = 60.0
 """How long the driver of a cluster it started waits for its replicas and their engines to exit after stopping it."""
@@ -105,11 +106,12 @@ class DualSamplingStage:
     def __init__(
         self, settings: dict[str, Any] | None = None, emit: str = "records", attempts: Any = None, models: Any = None
     ) -> None:
-        from dual_sampling.api import OptimalSamplingDual
-
         if emit not in ("records", "outcomes"):
             raise ValueError(f"emit must be 'records' or 'outcomes', got {emit!r}")
         self.cfg = _run_config(settings or {})
+        start_engine_server_early()  # its imports of vLLM run beside this replica's own, below
+        from dual_sampling.api import OptimalSamplingDual
+
         self.emit = emit
         self.attempts = attempts
         self.replica = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -181,7 +183,7 @@ def _plain(value: Any) -> Any:
 
 def _crashed(cfg: RunConfig, items: list[WorkItem], attempts: int) -> list[Outcome]:
     """Failed outcomes for every missing sample of a batch whose replica died on each of its ``attempts``."""
-    from dual_sampling.api import derive_seed
+    from dual_sampling.options import derive_seed
 
     error = f"replica_crashed at each of {attempts} attempts (ray_max_retries={cfg.ray_max_retries})"
     failure = {"finish_reason": "error", "error": error, "num_tokens": 0}
@@ -238,10 +240,9 @@ def sample_on_ray(
 
     started_here = False
     if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS")
+        address = check_cluster_address()
         try:
             if address:
-                _probe(address)
                 ray.init(address=address, log_to_driver=False)
             else:
                 ray.init(
@@ -287,6 +288,9 @@ def sample_on_ray(
                 for r in rows:
                     latest[r["replica"]] = json.loads(r["sync"])
             retried = ray.get(attempts.retried.remote())
+            del out, dataset
+            if started_here:
+                _wait_for_exit(_local_replicas(), _REPLICA_EXIT_S)
     finally:
         if started_here:
             # Stopping the cluster kills replicas that are still closing their engines; once they and their
@@ -326,14 +330,22 @@ def _wait_for_exit(processes: list[Any], timeout_s: float) -> None:
     psutil.wait_procs(processes, timeout=timeout_s)
 
 
-def _probe(address: str, timeout_s: float = 10.0) -> None:
-    """Fail fast on a ``host:port`` (or ``ray://host:port``) nobody listens on: ``ray.init`` retries for minutes."""
-    host_port = address.removeprefix("ray://")
-    host, _, port = host_port.rpartition(":")
+def check_cluster_address(timeout_s: float = 10.0) -> str | None:
+    """The cluster ``RAY_ADDRESS`` names (None: a run starts its own), refused by name when it is a ``host:port`` (or
+    ``ray://host:port``) nobody listens on: ``ray.init`` would retry for minutes. Needs no Ray, so a run checks it
+    before it loads anything."""
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        return None
+    host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
-        return  # "auto" and other forms are left to ray.init
-    with socket.create_connection((host, int(port)), timeout=timeout_s):
-        pass
+        return address  # "auto" and other forms are left to ray.init
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS={address!r}: {exc}") from None
+    return address
 
 
 def _sum_statistics(replicas: Any) -> dict[str, Any]:

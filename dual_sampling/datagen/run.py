@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dual_sampling import start_engine_server_early
+
 # ray_stage imports Ray (optional and heavy) only inside its functions, so a run without --ray never loads it.
 from dual_sampling.datagen import ray_stage
 from dual_sampling.datagen.draw import Outcome, sample_here
@@ -73,14 +75,19 @@ def run_generation(cfg: RunConfig, sampler=None) -> dict[str, Any]:
 
 
 def _run(cfg: RunConfig, sampler: Any, paths: dict[str, Path], started: float) -> dict[str, Any]:
+    # A first pass checks every row (fields, unique ids) before anything is written; the second, below, plans and
+    # draws batch by batch. Neither holds the input. The first pass and the cluster's address are checked before
+    # transformers and vLLM load, so bad input is named in a second, not after their imports.
+    rejects: list[dict] = []
+    selected = sum(1 for _ in iter_selected(cfg, iter_rows(cfg.input), rejects))
+    if cfg.ray:
+        ray_stage.check_cluster_address()
+    elif sampler is None:  # the engines' fork server imports vLLM beside this process's own imports below
+        start_engine_server_early()
     from transformers import AutoTokenizer
 
     from dual_sampling.api import context_length
 
-    # A first pass checks every row (fields, unique ids) before anything is written; the second, below, plans and
-    # draws batch by batch. Neither holds the input.
-    rejects: list[dict] = []
-    selected = sum(1 for _ in iter_selected(cfg, iter_rows(cfg.input), rejects))
     inputs = input_fingerprint(cfg.input)
     models = model_fingerprints(cfg)
     folders = cfg.source.folders

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dual_sampling import start_engine_server_early
 from dual_sampling.distill.config import DistillConfig
 from dual_sampling.distill.evaluate import EvalSet, build_eval_set, evaluate, forced_logp
 from dual_sampling.distill.loss import (
@@ -50,9 +51,10 @@ CHECKPOINTS = "checkpoints"
 
 def run_distillation(config: DistillConfig) -> list[dict[str, Any]]:
     """Run (or resume) ``config`` with a dual engine of its own; the per-round summaries."""
+    check_resume(config)  # before anything loads: a refused resume costs nothing
+    start_engine_server_early()  # the engines' fork server imports vLLM beside this process's imports
     from dual_sampling.api import OptimalSamplingDual
 
-    check_resume(config)  # before the engines start: a refused resume costs nothing
     with OptimalSamplingDual(config.source.teacher, config.source.theta, engine=config.engine, use_tqdm=False) as dual:
         return Distiller(config, dual).run()
 

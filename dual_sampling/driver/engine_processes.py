@@ -67,16 +67,24 @@ def semaphore_files() -> set[str]:
 
 
 def reap(pids: list[int], timeout: float) -> None:
-    """Wait up to ``timeout`` s for ``pids`` to exit; SIGKILL the ones still there.
+    """SIGTERM ``pids``, wait up to ``timeout`` s for them to exit, and SIGKILL the ones still there.
+
+    Called once vLLM's own shutdown has stopped every process it knew alive, so a process still
+    running is one it lost track of: vLLM tells a forked EngineCore's life from its fork server, and
+    a cluster manager may kill that server first (Ray kills an exiting actor's children), leaving the
+    EngineCore idle. A second SIGTERM to a process already stopping is ignored (vLLM's handlers).
 
     Each pid stands for the process it names on entry (its start time): once that process has
-    exited, its pid may name an unrelated one, which is never killed.
+    exited, its pid may name an unrelated one, which is never signalled.
     """
     started = {pid: start for pid in pids if (start := process_start_time(pid)) is not None}
 
     def running() -> list[int]:
         return [pid for pid, start in started.items() if process_start_time(pid) == start]
 
+    for pid in running():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while running() and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -9,7 +9,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from dual_sampling.api import derive_seed
+from dual_sampling.options import derive_seed
 from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleRecord
 from dual_sampling.roster import PAIR, THETA, Roster
 
