@@ -114,8 +114,10 @@ def test_two_processes_do_not_cross_talk(dual_engine, tiny_same, hf_models, tmp_
     teacher, theta = tiny_same
     script = textwrap.dedent(f"""
         import json, sys, time
-        from dual_sampling import OptimalSamplingDual
+        from dual_sampling import start_engine_server_early
         if __name__ == "__main__":
+            start_engine_server_early()  # a program's first lines, as docs/install.md says
+            from dual_sampling import OptimalSamplingDual
             with OptimalSamplingDual({str(teacher)!r}, {str(theta)!r}, max_num_seqs=2, max_model_len=256,
                                      sync_timeout=30, use_tqdm=False, alpha_method="entropy") as s:
                 print("UP", flush=True)
