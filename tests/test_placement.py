@@ -17,6 +17,7 @@ from dual_sampling.driver.pair import EnginePair, _resolve_row_transport
 from dual_sampling.options import DualEngineConfig, EngineOptions
 from dual_sampling.roster import PAIR, THETA, Role, Roster
 from dual_sampling.testing import tiny_models
+from tests.spawned_probe import write_visible_devices
 
 GiB = 1 << 30
 BOTH = (Role.TEACHER, Role.THETA)
@@ -325,11 +326,6 @@ def test_each_engines_kv_cache_and_need_are_sized_at_its_own_dtype(tmp_path, the
     assert speculative.engine_need_bytes(Role.TEACHER) == 2 * (2 * 100) + 2 * kv["theta"]
 
 
-def _write_visible_devices(path: str) -> None:
-    seen = (os.environ.get(name, "unset") for name in ("CUDA_VISIBLE_DEVICES", "VLLM_WORKER_MULTIPROC_METHOD"))
-    Path(path).write_text(" ".join(seen))
-
-
 @pytest.mark.parametrize("roster", [PAIR, TRIO], ids=["pair", "two-teachers"])
 def test_each_engine_process_is_spawned_seeing_its_own_gpu(tmp_path, monkeypatch, roster):
     """The pair's real start path, with vLLM's engine replaced by a stand-in that spawns one process (as vLLM's
@@ -341,9 +337,7 @@ def test_each_engine_process_is_spawned_seeing_its_own_gpu(tmp_path, monkeypatch
     import vllm.v1.engine.async_llm
 
     def spawn_like_an_engine(role: str) -> str:
-        child = multiprocessing.get_context("spawn").Process(
-            target=_write_visible_devices, args=(str(tmp_path / role),)
-        )
+        child = multiprocessing.get_context("spawn").Process(target=write_visible_devices, args=(str(tmp_path / role),))
         child.start()
         child.join(60)
         return f"engine of {role}"
