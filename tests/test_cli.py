@@ -199,8 +199,9 @@ def test_a_name_two_configs_share_fails_when_the_parser_is_built():
 
 @pytest.mark.engine
 def test_distill_runs_from_a_config_file_and_resumes(tmp_path, tiny_same):
-    """The whole command on the tiny pair: one round from a YAML file; a resume with another setting is refused by
-    name; a missing flag is named."""
+    """The whole command on the tiny pair: one round from a YAML file (in this process: its engines start from the
+    session's fork server); a resume with another setting is refused by name, and a missing flag is named, each by
+    an interpreter of its own, as a user's shell runs it."""
     import json
 
     teacher, theta = tiny_same
@@ -214,7 +215,7 @@ def test_distill_runs_from_a_config_file_and_resumes(tmp_path, tiny_same):
     )
     out = tmp_path / "run"
     args = ("distill", "--config", str(config), "--output", str(out))
-    first = run_cli(*args, "--rounds", "1", timeout=600)
+    first = run_cli_here(*args, "--rounds", "1")
     assert first.returncode == 0, first.stderr[-3000:]
     summary = first.stdout[first.stdout.rindex("\n{") + 1 :] if "\n{" in first.stdout else first.stdout
     assert json.loads(summary)["round"] == 1 and "round 1: KL" in first.stderr

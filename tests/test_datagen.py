@@ -28,6 +28,7 @@ from dual_sampling.datagen.sinks import read_journal, read_records
 from dual_sampling.lockstep import SESSION_PREFIX, SessionLayout, SyncSession
 from dual_sampling.testing.scripted import ScriptedSampler
 from tests.oracles import assert_written_records_match_rescoring
+from tests.test_cli import run_cli_here
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "math_problems.jsonl"
 
@@ -636,33 +637,21 @@ def test_cli_killed_partway_then_resumed_has_every_pair_once(dual_engine, tiny_s
     assert "ESS of w_θ" in (folder / "summary.md").read_text()
 
 
+SCORE = "tests.scores:response_length"
+"""A user score by name (``--score``), as a data run imports it."""
+
+
 def test_cli_shard_run_end_to_end(dual_engine, tiny_same, tmp_path):
     common = cli_flags(tiny_same, input=EXAMPLES, max_tokens=8)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dual_sampling.cli",
-            "generate",
-            *common,
-            "--shard",
-            "0/2",
-            "--output",
-            str(tmp_path / "s0.jsonl"),
-            "--score",
-            "tests.scores:response_length",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # In this process (its engines start from the session's fork server): test_cli_killed_partway_... runs the
+    # command in an interpreter of its own.
+    done = run_cli_here("generate", *common, "--shard", "0/2", "--output", str(tmp_path / "s0.jsonl"), "--score", SCORE)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "s0.jsonl.summary.json").read_text())["failed_samples"] == 0
     # The user score (--score) reaches every record, with its name.
     scored_records = read_journal(tmp_path / "s0.jsonl")
     assert scored_records and all(
-        r["score"] == float(len(r["response"])) and r["score_name"] == "tests.scores:response_length"
-        for r in scored_records
+        r["score"] == float(len(r["response"])) and r["score_name"] == SCORE for r in scored_records
     )
     cfg = tiny_config(
         tiny_same,
