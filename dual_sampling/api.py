@@ -56,6 +56,7 @@ from dual_sampling.options import (
     DualEngineConfig,
     EngineOptions,
     SamplingOptions,
+    context_length,
     derive_seed,
     model_config,
 )
@@ -85,15 +86,6 @@ async def _all_or_none(coroutines: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
         raise
     finally:
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def context_length(folders: Sequence[str], max_model_len: int | None) -> int:
-    """Tokens per request (prompt and generation): ``max_model_len``, or min(every model's limit, 2048)."""
-    limit = min(model_config(m).get("max_position_embeddings", 2048) for m in folders)
-    chosen = max_model_len or min(limit, 2048)
-    if chosen > limit:
-        raise ValueError(f"max_model_len={chosen} exceeds the models' limit of {limit} positions")
-    return chosen
 
 
 TeacherPrompt = str | Sequence[int] | Mapping[str, str | Sequence[int]]

@@ -43,6 +43,7 @@ __all__ = [
     "EngineOptions",
     "ModelEngine",
     "SamplingOptions",
+    "context_length",
     "default_kv_cache_bytes",
     "derive_seed",
     "kv_cache_bytes_needed",
@@ -579,6 +580,15 @@ def _model_folder(name: str, path: object) -> str:
 def model_config(path: str) -> dict:
     """A model folder's config.json."""
     return json.loads((Path(path) / "config.json").read_text())
+
+
+def context_length(folders: Sequence[str], max_model_len: int | None) -> int:
+    """Tokens per request (prompt and generation): ``max_model_len``, or min(every model's limit, 2048)."""
+    limit = min(model_config(m).get("max_position_embeddings", 2048) for m in folders)
+    chosen = max_model_len or min(limit, 2048)
+    if chosen > limit:
+        raise ValueError(f"max_model_len={chosen} exceeds the models' limit of {limit} positions")
+    return chosen
 
 
 ENGINE_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}

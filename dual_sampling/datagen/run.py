@@ -56,6 +56,7 @@ from dual_sampling.datagen.manifest import check_manifest
 from dual_sampling.datagen.plan import iter_items
 from dual_sampling.datagen.run_config import RunConfig
 from dual_sampling.datagen.sinks import Journal, open_sink, output_lock, output_paths, write_rejects
+from dual_sampling.options import context_length
 from dual_sampling.records import effective_sample_size
 
 __all__ = ["run_generation"]
@@ -85,8 +86,6 @@ def _run(cfg: RunConfig, sampler: Any, paths: dict[str, Path], started: float) -
     elif sampler is None:  # the engines' fork server imports vLLM beside this process's own imports below
         start_engine_server_early()
     from transformers import AutoTokenizer
-
-    from dual_sampling.api import context_length
 
     inputs = input_fingerprint(cfg.input)
     models = model_fingerprints(cfg)

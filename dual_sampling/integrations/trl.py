@@ -210,7 +210,7 @@ class MixtureRollouts:
         one they will start with (``context_length``, the pair's own), so a trainer is refused before they start."""
         if self._dual is not None:
             return self._dual.max_model_len
-        from dual_sampling.api import context_length
+        from dual_sampling.options import context_length
 
         return context_length((*self.config.teacher_folders, student), self.config.engine.max_model_len)
 
