@@ -103,9 +103,10 @@ def warm() -> bool:
 
 def start_early() -> None:
     """Start the fork server now, before this program imports torch and vLLM itself, so that both imports run at once
-    (a program's first lines: the command line calls it before it builds any engine). Only on vLLM's CPU build, told
-    as vLLM's platform plugin tells it but without importing vLLM, and not opted out; :func:`warm` still decides
-    whether engines start from it."""
+    (a program's first lines; public as ``dual_sampling.start_engine_server_early``, which imports nothing heavy).
+    Data runs, distillation runs, ``dual-sampling serve`` and a Ray replica call it once their settings are checked.
+    Only on vLLM's CPU build, told as vLLM's platform plugin tells it but without importing vLLM, and not opted out;
+    :func:`warm` still decides whether engines start from it."""
     if os.environ.get(ENGINE_START_VARIABLE, "forkserver") != "forkserver" or not _vllm_cpu_build():
         return
     with _LOCK:
