@@ -288,6 +288,8 @@ def sample_on_ray(
                 for r in rows:
                     latest[r["replica"]] = json.loads(r["sync"])
             retried = ray.get(attempts.retried.remote())
+            # Ray Data lets its replicas go once the dataset is dropped; each then closes its engines. Stopping the
+            # cluster first would kill a replica's fork server mid-close, and vLLM would take its engines for dead.
             del out, dataset
             if started_here:
                 _wait_for_exit(_local_replicas(), _REPLICA_EXIT_S)
