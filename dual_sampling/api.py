@@ -62,7 +62,7 @@ from dual_sampling.options import (
 )
 from dual_sampling.records import DualGenerationOutput, RequestRecord, SampleDelta, SampleRecord, best_of, scored
 from dual_sampling.roster import PAIR, THETA, Role
-from dual_sampling.text import sample_text
+from dual_sampling.text import engine_tokenizer, sample_text
 from dual_sampling.vocab import check_embedding_rows, check_tokenizers_match, embedding_rows, eos_token_ids
 
 __all__ = ["OptimalSamplingDual", "context_length", "derive_seed"]
@@ -127,12 +127,10 @@ class OptimalSamplingDual:
         self.config = cfg
         self.roster = cfg.roster
         """The models by name, the leading engine's first (:data:`~dual_sampling.roster.PAIR` for one teacher)."""
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_folder)
+        self.tokenizer = engine_tokenizer(cfg.tokenizer_folder)
         for folder in cfg.folders:
             if folder != cfg.tokenizer_folder:
-                check_tokenizers_match(self.tokenizer, AutoTokenizer.from_pretrained(folder))
+                check_tokenizers_match(self.tokenizer, engine_tokenizer(folder))
         self.vocab = len(self.tokenizer)
         th_cfg = model_config(cfg.model_theta)
         for model in (m for m in cfg.model_engines() if m.name != THETA):  # each teacher against θ
@@ -666,8 +664,8 @@ class OptimalSamplingDual:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+    def __del__(self, _suppress=contextlib.suppress) -> None:  # bound now: at interpreter exit the globals may be gone
+        with _suppress(Exception):
             self.close()
 
 

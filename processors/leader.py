@@ -68,8 +68,9 @@ class LeaderLogitsProcessor(BaseSyncLogitsProcessor):
         self._taken: dict[int, dict[int, int]] = {}
         """Per diverse group, the tokens its members took at this step so far, with their counts."""
         if device.type == "cpu":
-            # Compiled (or loaded from numba's cache) now, not in the first decoding step. Imported only
-            # now: the worker's start-up scan of loaded modules for Triton kernels fails on numba's objects.
+            # Compiled (or loaded from numba's cache) now, not in the first decoding step; already loaded in a worker
+            # forked from the fork server (driver.engine_server). Imported only now: a spawned worker's start-up scan
+            # of loaded modules for Triton kernels fails on numba's objects.
             from dual_sampling.decision import kernel
 
             kernel.warm_up()

@@ -60,7 +60,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
-from transformers import AutoTokenizer
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -85,7 +84,7 @@ from dual_sampling.lockstep import (
     slot_word,
     watch_driver,
 )
-from dual_sampling.text import StopStringWatch
+from dual_sampling.text import StopStringWatch, engine_tokenizer
 from processors.base import WAIT_CAP_S, check_roster, request_pairing
 
 __all__ = [
@@ -369,8 +368,9 @@ class LeaderScheduler(LockstepScheduler):
         self.plans_published = 0
         self._group_admitted: dict[int, int] = {}
         """Per diverse group, how many of its members were admitted so far."""
-        # Loaded now, not inside the first step that meets a stop string (seconds, with every request waiting).
-        self.tokenizer = AutoTokenizer.from_pretrained(vllm_config.model_config.tokenizer)
+        # Loaded now, not inside the first step that meets a stop string (seconds, with every request waiting): the
+        # one vLLM's structured-output manager loaded as this EngineCore started.
+        self.tokenizer = engine_tokenizer(vllm_config.model_config.tokenizer)
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         if self.paused_with_keep:

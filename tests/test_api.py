@@ -402,3 +402,27 @@ def test_engines_start_from_the_fork_server_with_their_own_cpus(dual_engine):
     (server,) = servers
     assert server != os.getpid() and psutil.Process(server).ppid() == os.getpid()
     assert "forkserver" in " ".join(psutil.Process(server).cmdline())
+    # The server loaded the decision kernel for every engine (numba's llvmlite is mapped in it; a worker registering
+    # vLLM's kernel overrides after that would fail, so the engines running show the server registered them), and it
+    # still holds a single thread: no OpenMP pool for its children to inherit.
+    assert "libllvmlite" in Path(f"/proc/{server}/maps").read_text()
+    assert psutil.Process(server).num_threads() == 1
+
+
+def test_the_fork_servers_preparation_does_nothing_imported_elsewhere():
+    from vllm.platforms import current_platform
+
+    import dual_sampling.driver.engine_server as engine_server
+
+    assert current_platform.register_triton_kernel_overrides != engine_server._already_registered
+
+
+def test_the_driver_and_every_engine_share_one_tokenizer(dual_engine):
+    """The driver's tokenizer is the object vLLM's cache holds under each running engine's own model config: the
+    engines' front ends took it without a load of their own."""
+    from vllm.tokenizers import cached_get_tokenizer, cached_tokenizer_from_config
+
+    misses = cached_get_tokenizer.cache_info().misses
+    for engine in dual_engine.driver.engines.engines.values():
+        assert cached_tokenizer_from_config(engine.model_config) is dual_engine.tokenizer
+    assert cached_get_tokenizer.cache_info().misses == misses

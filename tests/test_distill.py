@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -421,6 +422,12 @@ def test_two_rounds_make_the_held_out_kl_fall_and_a_run_resumes(dual_engine, tin
             assert 0 < r["ess_sequence"] <= 1 and 0 < r["ess_token"] <= 1 and 0 <= r["mean_alpha"] <= 1
             assert r["theta_version"] == f"round-{r['round']}" and r["update_s"] > 0
         assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["round-2"]
+        # The checkpoint's tokenizer names its folder's class (the sampler's own is vLLM's cached subclass).
+        saved, source = (
+            json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"]
+            for folder in (tmp_path / "run" / "checkpoints" / "round-2", Path(dual_engine.config.tokenizer_folder))
+        )
+        assert saved == source and not saved.startswith("Cached"), (saved, source)
         assert (tmp_path / "run" / "plot.png").stat().st_size > 0
         lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(x)["round"] for x in lines] == [0, 1, 2]

@@ -755,8 +755,9 @@ def test_stop_string_state_ends_with_its_request_and_no_tokenizer_loads_inside_a
     def no_loading(*args, **kwargs):
         raise AssertionError("a tokenizer was loaded inside an engine step")
 
-    # Every engine-side load must have happened while the engines were built (above).
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_loading)
+    # Every engine-side load must have happened while the engines were built (above). Every tokenizer class loads
+    # through its base's from_pretrained (AutoTokenizer's and vLLM's cache alike).
+    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "from_pretrained", classmethod(no_loading))
     before = _live_watches()
     try:
         samples = driver.call(_sample_all(driver, requests), timeout=120)

@@ -58,6 +58,7 @@ from dual_sampling.datagen.run_config import RunConfig
 from dual_sampling.datagen.sinks import Journal, open_sink, output_lock, output_paths, write_rejects
 from dual_sampling.options import context_length
 from dual_sampling.records import effective_sample_size
+from dual_sampling.text import engine_tokenizer
 
 __all__ = ["run_generation"]
 
@@ -115,7 +116,12 @@ def _run(cfg: RunConfig, sampler: Any, paths: dict[str, Path], started: float) -
         already = len(sink.done) + len(writer.left_out.done)
         # Every engine tokenizes with the first teacher's tokenizer (DualEngineConfig.tokenizer_folder).
         first_teacher = folders[cfg.source.roster.teachers[0]]
-        tokenizer = sampler.tokenizer if sampler is not None else AutoTokenizer.from_pretrained(first_teacher)
+        if sampler is not None:
+            tokenizer = sampler.tokenizer
+        elif cfg.ray:  # the driver plans without importing vLLM; its replicas sample
+            tokenizer = AutoTokenizer.from_pretrained(first_teacher)
+        else:  # the engines' own, shared with the sampler this run starts (one load)
+            tokenizer = engine_tokenizer(first_teacher)
         max_model_len = context_length(tuple(folders.values()), cfg.engine.max_model_len)
         rows = iter_selected(cfg, iter_rows(cfg.input), [], unique=False)  # its rejects were counted above
         too_long: list[dict] = []

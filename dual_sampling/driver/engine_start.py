@@ -5,8 +5,9 @@ spawns both (``vllm/platforms/cpu.py`` forces ``VLLM_WORKER_MULTIPROC_METHOD=spa
 vLLM and torch again, about 9 s on a core, which is most of a pair's 30 s start. Here instead:
 
 1. **One fork server per driver process** (multiprocessing's ``forkserver``) is started early and imports vLLM's
-   engine, worker and model-runner modules and our plugins once (:func:`warm`). It runs no torch operation: a
-   process forked after an OpenMP parallel region can hang in libgomp.
+   engine, worker and model-runner modules and our plugins once (:func:`warm`), then does once what every engine's
+   start would (``engine_server``). It starts no OpenMP parallel region (torch's thread pool): a process forked
+   after one can hang in libgomp.
 2. **Each EngineCore is forked from it.** vLLM asks ``vllm.v1.engine.utils.get_mp_context`` for the context its
    EngineCore starts in, and allows only ``spawn`` and ``fork`` there (``vllm/envs.py``), so that one name is
    replaced (:func:`_install`); the replacement answers the fork server's context only inside :func:`engine_start`,
@@ -45,6 +46,7 @@ from collections.abc import Iterator
 __all__ = [
     "ENGINE_START_VARIABLE",
     "PRELOAD",
+    "SERVER_VARIABLE",
     "engine_start",
     "forkserver_available",
     "start_early",
@@ -63,9 +65,15 @@ PRELOAD = (
     "vllm.v1.worker.cpu_model_runner",
     "processors",
     __name__,
+    "dual_sampling.driver.engine_server",
 )
 """What the fork server imports once, for every engine it forks: vLLM's engine, executor and CPU worker, our
-plugins, and this module (the EngineCore's process class is pickled by reference)."""
+plugins, this module (the EngineCore's process class is pickled by reference), and last the module that prepares
+what every engine would do the same (``engine_server``)."""
+
+SERVER_VARIABLE = "DUAL_SAMPLING_FORK_SERVER"
+"""Set in the fork server's environment alone (its engines start with the driver's): ``engine_server`` prepares only
+there."""
 
 _STARTS = threading.local()
 """In the thread inside :func:`engine_start`: ``environment`` (the engine's own variables) and ``pids`` (a list the
@@ -135,6 +143,7 @@ def _start_server() -> None:
         for name, value in (("TORCHINDUCTOR_COMPILE_THREADS", "1"), ("TORCHINDUCTOR_CPP_DYNAMIC_THREADS", "1")):
             if name not in os.environ:
                 stack.enter_context(_variable(name, value))
+        stack.enter_context(_variable(SERVER_VARIABLE, "1"))
         multiprocessing.forkserver.ensure_running()
 
 
@@ -202,9 +211,10 @@ class _EngineProcess(multiprocessing.context.ForkServerProcess):
         os.environ.clear()
         os.environ.update(self._carried)
         # What the fork server imported is never garbage: out of the collector's sight, vLLM's full collections in an
-        # engine's start (three, each about 0.5 s over that heap) see only what this engine makes. Its shutdown
-        # unfreezes everything again (vLLM's EngineCore.shutdown), so a close gains nothing.
+        # engine's start (three, each about 0.5 s over that heap) see only what this engine makes, and so do those of
+        # its close (see _keep_frozen).
         gc.freeze()
+        gc.unfreeze = _keep_frozen
         from dual_sampling.lockstep import watch_driver  # in the fork server's imports, unlike this module's
 
         global _DRIVER
@@ -213,6 +223,16 @@ class _EngineProcess(multiprocessing.context.ForkServerProcess):
         watch_driver(_DRIVER)
         os.register_at_fork(after_in_child=_bind_forked_worker)
         super().run()
+
+
+def _keep_frozen() -> None:
+    """``gc.unfreeze`` in an engine's processes forked from the fork server (its EngineCore and worker): a no-op.
+
+    vLLM's shutdown unfreezes the whole heap and then collects (``EngineCore.shutdown``, ``Worker.shutdown``,
+    ``cleanup_dist_env_and_memory``) so that an engine stopped inside a process that lives on frees what it
+    allocated. Here the process exits right after, and those collections walked the fork server's heap too: about
+    1.1 s of a pair's close (``examples/bench_engine_start.py``). Nothing this engine allocated after the fork is hidden
+    by the freeze in :meth:`_EngineProcess.run`, and the worker's, which holds the model, never froze its own."""
 
 
 class _EngineContext(multiprocessing.context.ForkServerContext):
