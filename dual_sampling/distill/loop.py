@@ -430,9 +430,7 @@ class Distiller:
         own_dir(final.parent)
         partial = fresh_dir(final.with_name(final.name + ".partial"))  # a planted link is removed, not followed
         self.student.save_pretrained(partial)
-        # Loaded as its folder defines it: the sampler's is vLLM's cached subclass of it, whose class name
-        # save_pretrained would write into the checkpoint's tokenizer_config.json.
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # as its folder defines it: the sampler's is vLLM's cached subclass
 
         AutoTokenizer.from_pretrained(self.dual.config.tokenizer_folder).save_pretrained(partial)
         torch.save({"optimizer": self.optimizer.state_dict(), "round": r}, partial / "trainer_state.pt")
