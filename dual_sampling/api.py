@@ -128,6 +128,8 @@ class OptimalSamplingDual:
         self.roster = cfg.roster
         """The models by name, the leading engine's first (:data:`~dual_sampling.roster.PAIR` for one teacher)."""
         self.tokenizer = engine_tokenizer(cfg.tokenizer_folder)
+        """The first teacher's tokenizer, the object vLLM's engines use (read-only; a subclass vLLM names
+        ``Cached...``: to save a tokenizer, load the folder's own)."""
         for folder in cfg.folders:
             if folder != cfg.tokenizer_folder:
                 check_tokenizers_match(self.tokenizer, engine_tokenizer(folder))

@@ -29,8 +29,8 @@ def engine_tokenizer(folder: str) -> Any:
     (``vllm.tokenizers.cached_tokenizer_from_config``: the front end in the driver, the structured-output manager in
     an EngineCore). Taken from that cache under the same key, the driver's checks and prompts, the leading
     scheduler's stop strings and vLLM share one load per process, and a later dual engine on the same folders loads
-    none (a 49k-token tokenizer takes about 0.5 s). Like vLLM's, it is not reloaded if the folder's files change while
-    the process runs."""
+    none (a 49k-token tokenizer takes about 0.5 s). Like vLLM's, it stays for the life of the process (also a folder
+    loaded only to be compared) and is not reloaded if the folder's files change meanwhile. Read-only: it is vLLM's."""
     from vllm.tokenizers import cached_get_tokenizer
 
     return cached_get_tokenizer(str(folder), **_ENGINE_TOKENIZER_KEY)

@@ -60,6 +60,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
+from vllm.tokenizers import cached_tokenizer_from_config
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -369,8 +370,12 @@ class LeaderScheduler(LockstepScheduler):
         self._group_admitted: dict[int, int] = {}
         """Per diverse group, how many of its members were admitted so far."""
         # Loaded now, not inside the first step that meets a stop string (seconds, with every request waiting): the
-        # one vLLM's structured-output manager loaded as this EngineCore started.
-        self.tokenizer = engine_tokenizer(vllm_config.model_config.tokenizer)
+        # one vLLM's structured-output manager took from its cache as this EngineCore started, under this engine's
+        # own settings; the folder's where the engine loads none (skip_tokenizer_init, as simulated engines run).
+        model = vllm_config.model_config
+        self.tokenizer = (
+            engine_tokenizer(model.tokenizer) if model.skip_tokenizer_init else cached_tokenizer_from_config(model)
+        )
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         if self.paused_with_keep:

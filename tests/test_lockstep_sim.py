@@ -34,6 +34,7 @@ from dual_sampling.lockstep import (
     Writer,
     slot_word,
 )
+from dual_sampling.testing import tiny_models
 from dual_sampling.testing.sim_engines import (
     MOMENTS,
     VOCAB,
@@ -47,7 +48,7 @@ from dual_sampling.testing.sim_engines import (
     sim_driver,
     sim_tokenizer,
 )
-from dual_sampling.text import decode
+from dual_sampling.text import decode, engine_tokenizer
 from processors import LeaderLogitsProcessor
 from processors.base import TrackedRow
 from tests import processes
@@ -755,14 +756,16 @@ def test_stop_string_state_ends_with_its_request_and_no_tokenizer_loads_inside_a
     def no_loading(*args, **kwargs):
         raise AssertionError("a tokenizer was loaded inside an engine step")
 
-    # Every engine-side load must have happened while the engines were built (above). Every tokenizer class loads
-    # through its base's from_pretrained (AutoTokenizer's and vLLM's cache alike).
+    # Every engine-side load must have happened while the engines were built (above), into vLLM's cache (these
+    # engines skip vLLM's own tokenizer). Every tokenizer class loads through its base's from_pretrained
+    # (AutoTokenizer's and vLLM's cache alike).
+    leader = driver.engines.cores["teacher"].scheduler
+    assert leader.tokenizer is engine_tokenizer(tiny_models.tiny_pair("same")[0])
     monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "from_pretrained", classmethod(no_loading))
     before = _live_watches()
     try:
         samples = driver.call(_sample_all(driver, requests), timeout=120)
         assert [s.error for s in samples] == [None] * 60
-        leader = driver.engines.cores["teacher"].scheduler
         deadline = time.monotonic() + 5  # the engines let go of finished requests at their next step
         while (leader.tickets or _live_watches() > before) and time.monotonic() < deadline:
             time.sleep(0.05)

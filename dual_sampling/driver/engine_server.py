@@ -11,12 +11,14 @@ each EngineCore and worker forked from the server inherits the result instead of
    loaded: it reads ``vars(value)`` of every module attribute, and llvmlite's ``ffi.lib`` answers any attribute,
    ``__dict__`` included, with a function, which the scan fails on.
 2. **The decision kernel** (``dual_sampling.decision.kernel``) loaded from numba's cache, about 0.8 s in each leading
-   engine's worker otherwise (``LeaderLogitsProcessor.attach`` still calls ``warm_up``: a no-op here, the load in a
-   spawned worker). It runs torch only on a few thousand elements, below the size at which torch starts its OpenMP
-   threads (a process forked after them can hang in libgomp); a test checks the server holds one thread.
+   engine's worker otherwise (``LeaderLogitsProcessor.attach`` still calls ``warm_up``: milliseconds here, the load
+   in a spawned worker). Every fork server pays it, also one whose engines never run the kernel (the speculative
+   mode, several teachers), beside the driver's own imports (``start_early``). It runs torch only on a few thousand
+   elements, below the size at which torch starts its OpenMP threads (a process forked after them can hang in
+   libgomp); a test checks the server holds one thread.
 
-Either step failing is logged and leaves it to each engine, as when engines are spawned. Imported anywhere but in the
-fork server (its environment alone carries ``SERVER_VARIABLE``), the module does nothing.
+A step that fails here is logged, and each engine's process then tries it itself, as a spawned one does. Imported
+anywhere but in the fork server (see ``SERVER_VARIABLE``), the module does nothing.
 """
 
 from __future__ import annotations

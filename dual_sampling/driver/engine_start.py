@@ -72,8 +72,8 @@ plugins, this module (the EngineCore's process class is pickled by reference), a
 what every engine would do the same (``engine_server``)."""
 
 SERVER_VARIABLE = "DUAL_SAMPLING_FORK_SERVER"
-"""Set in the fork server's environment alone (its engines start with the driver's): ``engine_server`` prepares only
-there."""
+"""Set in the environment the fork server starts with, and in the driver's only while :func:`_start_server` holds
+:data:`_LOCK` (an engine's environment is copied under it); ``engine_server`` prepares only where it is set."""
 
 _STARTS = threading.local()
 """In the thread inside :func:`engine_start`: ``environment`` (the engine's own variables) and ``pids`` (a list the
@@ -196,7 +196,8 @@ class _EngineProcess(multiprocessing.context.ForkServerProcess):
     def start(self) -> None:
         # In the driver: its environment now (VLLM_RPC_BASE_PATH, what vLLM's platform set), the engine's own
         # settings, and the worker forked, not spawned.
-        self._carried = {**os.environ, **_STARTS.environment, "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+        with _LOCK:  # not while _start_server sets the fork server's own variables
+            self._carried = {**os.environ, **_STARTS.environment, "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
         self._driver = os.getpid()
         super().start()
         _STARTS.pids.append(self.pid)
